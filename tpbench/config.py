@@ -1,0 +1,172 @@
+"""The typed schema of one tpbench run.
+
+Hydra composes `conf/` into this schema (registered in the ConfigStore); every worker receives the
+resolved config as a YAML file and turns it back into a `RunConfig` with `load_run_config`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+# conf/ sits next to the package: the groups Hydra composes into a RunConfig.
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+@dataclass
+class ModelConfig:
+    """MiniMind's fields (see tpbench.models.minimind.MiniMindConfig) plus a preset name."""
+
+    name: str = "tiny"
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    vocab_size: int = 256
+    intermediate_size: int | None = None  # None: ceil(H * pi / 64) * 64, as MiniMind
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = True
+    flash_attn: bool = True  # SDPA; False: manual attention with an fp32 softmax
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 2
+    dp: int = 1
+    sp: bool = False
+    vp: bool = False
+    engine: str = "megatron"  # megatron (ours) | ddp (torch DDP, tp must be 1) | dtensor
+    sp_regather: bool = True  # SP keeps only the local shard for backward and all-gathers again
+    vocab_pad_multiple: int = 1  # VP pads V up to a multiple of tp * vocab_pad_multiple
+    ddp_bucket_mb: float = 25.0
+    ddp_gradient_as_bucket_view: bool = True
+
+
+@dataclass
+class TrainConfig:
+    seq_len: int = 32
+    micro_batch: int = 2  # fixed_per_rank: per DP rank (per TP group)
+    global_batch: int = 4  # fixed_global: split over the DP ranks
+    batch: str = "fixed_per_rank"  # fixed_per_rank | fixed_global
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    precision: str = "pure"  # pure: everything in dtype | mixed: fp32 master + autocast(dtype)
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    steps: int = 5  # measured steps (memory, throughput)
+    warmup: int = 2
+    seed: int = 0
+
+
+@dataclass
+class ValidateConfig:
+    steps: int = 20  # AdamW steps compared against dense
+    every: int = 5  # compare logits every k steps
+    lr: float = 1e-3
+    tol_fwd: float = 1e-5  # max |logits diff|
+    tol_loss: float = 1e-5
+    tol_grad_rel: float = 1e-5  # max relative L2 of any gradient
+    tol_param: float = 1e-3  # final max |param diff| after the AdamW steps
+
+
+@dataclass
+class LaunchConfig:
+    device: str = "auto"  # auto | cpu | cuda
+    backend: str = "auto"  # auto | gloo | nccl
+    nnodes: str = "1"  # torchrun --nnodes, e.g. "2" or "1:4"
+    node_rank: int = 0
+    nproc_per_node: int | None = None  # None: dp * tp / nnodes
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str = ""  # host:port; empty: a free local port
+    rdzv_id: str = "tpbench"
+    collective_timeout_s: float = 300.0  # init_process_group(timeout=...): a hung collective fails
+    job_timeout_s: float = 3600.0  # a worker running longer is stopped and the run recorded TIMEOUT
+    memory_cap_mb: int = 0  # per worker, 0: none; CPU: RLIMIT_AS, CUDA: a memory fraction of the GPU
+    max_result_mb: float = 64.0  # a rank result file larger than this is refused, the run FAILED
+
+
+@dataclass
+class DbConfig:
+    url: str = "sqlite:///runs/tpbench.db"
+
+
+@dataclass
+class DebugConfig:
+    # Gradient sums to switch off, to prove each one is needed:
+    # qk_norm, kv_replicas, sp_norms, dp
+    skip_grad_sum: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RunConfig:
+    kind: str = "validate"  # validate | memory | throughput
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    validate: ValidateConfig = field(default_factory=ValidateConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    db: DbConfig = field(default_factory=DbConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    fault: str = ""  # fault injection, e.g. raise_on_rank1 (see tpbench.faults and conf/fault/)
+    sweep: str = ""  # the sweep this run belongs to, if any
+
+
+def register_schema() -> None:
+    """Put RunConfig in Hydra's ConfigStore; conf/config.yaml starts its defaults list with it."""
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+
+def save_run_config(cfg: RunConfig, path: Path) -> None:
+    """Write a resolved config as the YAML file a worker reads with `load_run_config`."""
+    OmegaConf.save(OmegaConf.structured(cfg), path)
+
+
+def load_run_config(path: str) -> RunConfig:
+    """Read a resolved config file written by the launcher into a typed RunConfig."""
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(path))
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def mode_label(p: ParallelConfig) -> str:
+    """ddp, tp, tp_sp, tp_vp, tp_sp_vp, or the same with a dtensor_ prefix."""
+    if p.engine == "ddp":
+        return "ddp"
+    label = "tp" + ("_sp" if p.sp else "") + ("_vp" if p.vp else "")
+    return f"dtensor_{label}" if p.engine == "dtensor" else label
+
+
+def local_batch(cfg: RunConfig) -> int:
+    """Sequences per DP rank (shared by the TP ranks of its group) under the batch policy."""
+    t = cfg.train
+    return t.micro_batch if t.batch == "fixed_per_rank" else t.global_batch // cfg.parallel.dp
+
+
+def world_size(cfg: RunConfig) -> int:
+    return cfg.parallel.tp * cfg.parallel.dp
+
+
+# How a run was launched and where it is stored, not what it measures: left out of the config hash.
+_UNHASHED_LAUNCH = (
+    "node_rank",
+    "rdzv_backend",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "collective_timeout_s",
+    "job_timeout_s",
+    "max_result_mb",
+)
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """Identity of an experiment: runs with the same hash measure the same thing."""
+    data = OmegaConf.to_container(OmegaConf.structured(cfg))
+    del data["db"], data["sweep"]
+    for key in _UNHASHED_LAUNCH:
+        del data["launch"][key]
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

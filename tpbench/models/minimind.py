@@ -1,0 +1,220 @@
+"""Dense MiniMind: a small Qwen3-style decoder, in plain PyTorch.
+
+Follows jingyaogong/minimind `model/model_minimind.py` (parameter names included, so a MiniMind state
+dict loads as it is). Batch-first at the edges ([B, S] ids in, [B, S, V] logits out); inside, the hidden
+stream is sequence-first [S, B, H] so that sequence parallelism splits dim 0 without transposes.
+
+This file knows nothing of parallelism: tpbench.parallel.plan shards it by swapping layers in.
+Shapes in comments: S sequence, B batch, H hidden, N heads, D head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class MiniMindConfig:
+    hidden_size: int = 768
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    vocab_size: int = 6400
+    intermediate_size: int | None = None
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+    dropout: float = 0.0
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = True
+    flash_attn: bool = True
+
+    def __post_init__(self) -> None:
+        if self.intermediate_size is None:
+            self.intermediate_size = default_intermediate_size(self.hidden_size)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+def default_intermediate_size(hidden_size: int) -> int:
+    return math.ceil(hidden_size * math.pi / 64) * 64
+
+
+class RMSNorm(nn.Module):
+    """Normalises in fp32 and casts back to the input dtype, as MiniMind does."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.type_as(x)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [S, D]: the frequency table concatenated twice (rotate-half form)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    angles = torch.outer(torch.arange(seq_len).float(), freqs)  # [S, D/2]
+    emb = torch.cat([angles, angles], dim=-1)  # [S, D]
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [S, B, N, D]; cos, sin [S, D] -> broadcast over B and N
+    cos, sin = cos[:, None, None, :].to(x.dtype), sin[:, None, None, :].to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    # [S, B, N_kv, D] -> [S, B, N_kv * n_rep, D]
+    if n_rep == 1:
+        return x
+    s, b, n_kv, d = x.shape
+    return x[:, :, :, None, :].expand(s, b, n_kv, n_rep, d).reshape(s, b, n_kv * n_rep, d)
+
+
+class Attention(nn.Module):
+    """GQA attention. Head counts are read off the projections' outputs, so a tensor-parallel plan
+    that shards q/k/v by heads needs no change here."""
+
+    def __init__(self, cfg: MiniMindConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.head_dim = d
+        self.flash = cfg.flash_attn
+        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        s, b, _ = x.shape  # [S, B, H]
+        d = self.head_dim
+        q = self.q_norm(self.q_proj(x).view(s, b, -1, d))  # [S, B, Nq, D]
+        k = self.k_norm(self.k_proj(x).view(s, b, -1, d))  # [S, B, Nkv, D]
+        v = self.v_proj(x).view(s, b, -1, d)  # [S, B, Nkv, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        n_rep = q.shape[2] // k.shape[2]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, N, S, D]
+        if self.flash:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(d)  # [B, N, S, S]
+            causal = torch.full((s, s), float("-inf"), device=x.device).triu(1)
+            probs = F.softmax(scores.float() + causal, dim=-1).type_as(q)
+            out = probs @ v  # [B, N, S, D]
+        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [S, B, N*D]
+        return self.o_proj(out)  # [S, B, H]
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: MiniMindConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MiniMindBlock(nn.Module):
+    def __init__(self, cfg: MiniMindConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = FeedForward(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MiniMindModel(nn.Module):
+    def __init__(self, cfg: MiniMindConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(MiniMindBlock(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head_dim = cfg.head_dim
+        self.rope_theta = cfg.rope_theta
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        s = input_ids.shape[1]
+        cos, sin = rope_tables(self.head_dim, s, self.rope_theta)
+        cos, sin = cos.to(input_ids.device), sin.to(input_ids.device)
+        x = self.embed_tokens(input_ids.t())  # [S, B, H]
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)  # [S, B, H]
+
+
+class CausalLMLoss(nn.Module):
+    """Cross entropy of logits[s] against labels[s + 1], ignore_index -100, mean over valid tokens."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # logits [S, B, V], targets [S, B] already shifted
+        return F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
+        )
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """[B, S] labels -> [S, B] targets: position s predicts token s + 1; the last predicts nothing."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    return targets.t().contiguous()
+
+
+class MiniMindForCausalLM(nn.Module):
+    def __init__(self, cfg: MiniMindConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = MiniMindModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.loss_fn = CausalLMLoss()
+
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (logits [B, S, V], loss or None)."""
+        logits = self.lm_head(self.model(input_ids))  # [S, B, V]
+        loss = None if labels is None else self.loss_fn(logits, shift_labels(labels))
+        return logits.transpose(0, 1), loss
+
+
+def build_model(cfg: MiniMindConfig, seed: int = 0) -> MiniMindForCausalLM:
+    """The dense model, initialised from one seed (normal(0, 0.02) linears and embeddings)."""
+    gen = torch.Generator().manual_seed(seed)
+    model = MiniMindForCausalLM(cfg)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            continue
+        with torch.no_grad():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return model

@@ -1,0 +1,64 @@
+"""Up-front checks that a config can be sharded, raised before any process is launched."""
+
+from __future__ import annotations
+
+from tpbench.config import RunConfig
+
+
+class ConfigError(ValueError):
+    """One line naming the bad value and what is accepted."""
+
+
+def check_shardable(cfg: RunConfig) -> None:
+    """Raise ConfigError if the model cannot be split as the parallel config asks."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if p.tp < 1 or p.dp < 1:
+        raise ConfigError(f"parallel.tp={p.tp}, parallel.dp={p.dp}: both must be >= 1")
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} is not divisible by "
+            f"model.num_attention_heads={m.num_attention_heads}: accepted are multiples of the head count"
+        )
+    if m.num_attention_heads % m.num_key_value_heads:
+        raise ConfigError(
+            f"model.num_key_value_heads={m.num_key_value_heads} does not divide "
+            f"model.num_attention_heads={m.num_attention_heads}: accepted are divisors of it"
+        )
+    if m.num_attention_heads % p.tp:
+        raise ConfigError(
+            f"parallel.tp={p.tp} does not divide model.num_attention_heads={m.num_attention_heads}: "
+            f"accepted are divisors of the head count"
+        )
+    kv = m.num_key_value_heads
+    if kv % p.tp and p.tp % kv:
+        raise ConfigError(
+            f"parallel.tp={p.tp} with model.num_key_value_heads={kv}: accepted are tp dividing the KV "
+            f"heads (sharded) or tp a multiple of them (replicated)"
+        )
+    if m.intermediate_size is not None and m.intermediate_size % p.tp:
+        raise ConfigError(
+            f"model.intermediate_size={m.intermediate_size} is not divisible by parallel.tp={p.tp}"
+        )
+    if m.intermediate_size is None and _default_intermediate(m.hidden_size) % p.tp:
+        raise ConfigError(
+            f"model.intermediate_size (default {_default_intermediate(m.hidden_size)}) is not divisible "
+            f"by parallel.tp={p.tp}: set model.intermediate_size"
+        )
+    if p.sp and t.seq_len % p.tp:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp}, as sp=true needs"
+        )
+    if p.engine == "ddp" and (p.tp != 1 or p.sp or p.vp):
+        raise ConfigError(
+            f"parallel.engine=ddp with tp={p.tp} sp={p.sp} vp={p.vp}: ddp needs tp=1, sp/vp off"
+        )
+    if t.batch == "fixed_global" and t.global_batch % p.dp:
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} is not divisible by parallel.dp={p.dp} under fixed_global"
+        )
+
+
+def _default_intermediate(hidden: int) -> int:
+    import math
+
+    return math.ceil(hidden * math.pi / 64) * 64

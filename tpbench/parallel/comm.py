@@ -1,0 +1,282 @@
+"""The collectives of tensor, sequence and vocab parallelism, as conjugate autograd pairs.
+
+| public function                   | forward        | backward       | paper |
+|-----------------------------------|----------------|----------------|-------|
+| copy_to_tp_region                 | identity       | all-reduce     | f     |
+| reduce_from_tp_region             | all-reduce     | identity       | f-bar |
+| gather_from_sp_region             | all-gather d0  | reduce-scatter | g     |
+| reduce_scatter_to_sp_region       | reduce-scatter | all-gather d0  | g-bar |
+| scatter_to_sp_region              | split d0       | all-gather d0  |       |
+| gather_from_sp_region_replicated  | all-gather d0  | split d0       |       |
+
+The last two pair a replicated region with the sequence-sharded stream (replicated embedding into SP,
+SP into a replicated LM head). Every op is the identity for a group of one.
+
+Every collective goes through `all_reduce`, `all_gather` or `reduce_scatter` below, which report to
+the active `CommCounter`: count and per-rank ring bytes on the wire, by op and purpose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from tpbench.results import CommRow
+
+Group = dist.ProcessGroup | None
+
+
+class CommCounter:
+    """Counts the collectives issued while active. Bytes are per rank on the wire of a ring:
+    all-reduce 2(T-1)/T * N, all-gather and reduce-scatter (T-1)/T * N, N the full tensor's bytes."""
+
+    def __init__(self, timed: bool = False):
+        self.timed = timed
+        self.stats: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
+
+    def record(self, op: str, purpose: str, full_bytes: int, world: int, seconds: float) -> None:
+        factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
+        entry = self.stats[(op, purpose)]
+        entry[0] += 1
+        entry[1] += round(full_bytes * factor)
+        entry[2] += seconds
+
+    def rows(self, steps: int = 1) -> list[CommRow]:
+        return [
+            CommRow(op, purpose, int(n // steps), int(b // steps), t / steps if self.timed else None)
+            for (op, purpose), (n, b, t) in sorted(self.stats.items())
+        ]
+
+    def reset(self) -> None:
+        self.stats.clear()
+
+
+_counter: CommCounter | None = None
+
+
+@contextlib.contextmanager
+def counting(counter: CommCounter) -> Iterator[CommCounter]:
+    global _counter
+    previous, _counter = _counter, counter
+    try:
+        yield counter
+    finally:
+        _counter = previous
+
+
+def _size(group: Group) -> int:
+    """None stands for no group at all (a single process): every op is then the identity."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _run(op: str, purpose: str, x: torch.Tensor, full_bytes: int, group: Group, fn) -> None:
+    timed = _counter is not None and _counter.timed
+    if timed and x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    start = time.perf_counter()
+    fn()
+    if timed and x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    if _counter is not None:
+        _counter.record(op, purpose, full_bytes, _size(group), time.perf_counter() - start)
+
+
+# --- raw collectives: the only place tpbench talks to torch.distributed ------------------------
+
+
+def all_reduce(x: torch.Tensor, group: Group, purpose: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In place."""
+    if _size(group) == 1:
+        return x
+    _run("all_reduce", purpose, x, x.numel() * x.element_size(), group, lambda: dist.all_reduce(x, op, group))
+    return x
+
+
+def all_gather(x: torch.Tensor, group: Group, purpose: str) -> torch.Tensor:
+    """Concatenate the ranks' shards along dim 0."""
+    world = _size(group)
+    if world == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _run(
+        "all_gather",
+        purpose,
+        x,
+        out.numel() * out.element_size(),
+        group,
+        lambda: dist.all_gather_into_tensor(out, x, group),
+    )
+    return out
+
+
+def reduce_scatter(x: torch.Tensor, group: Group, purpose: str) -> torch.Tensor:
+    """Sum over ranks and keep this rank's shard of dim 0."""
+    world = _size(group)
+    if world == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _run(
+        "reduce_scatter",
+        purpose,
+        x,
+        x.numel() * x.element_size(),
+        group,
+        lambda: dist.reduce_scatter_tensor(out, x, group=group),
+    )
+    return out
+
+
+def split(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """This rank's shard of dim 0; no communication."""
+    world = _size(group)
+    if world == 1:
+        return x
+    return x.chunk(world, dim=0)[dist.get_rank(group)].contiguous()
+
+
+# --- conjugate autograd pairs ------------------------------------------------------------------
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.clone(), ctx.group, "activation"), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.clone(), group, "activation")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather(x, group, "activation")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, ctx.group, "activation"), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter(x, group, "activation")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.group, "activation"), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather(grad, ctx.group, "activation"), None
+
+
+class _GatherFromSPReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather(x, group, "activation")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split(grad, ctx.group), None
+
+
+def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """f: identity forward, all-reduce backward. Entering a column-parallel region."""
+    return x if _size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """f-bar: all-reduce forward, identity backward. Leaving a row-parallel region."""
+    return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_sp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """g: all-gather dim 0 forward, reduce-scatter backward. SP shard [S/T] -> TP region [S]."""
+    return x if _size(group) == 1 else _GatherFromSP.apply(x, group)
+
+
+def reduce_scatter_to_sp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """g-bar: reduce-scatter dim 0 forward, all-gather backward. TP partial sums [S] -> SP shard [S/T]."""
+    return x if _size(group) == 1 else _ReduceScatterToSP.apply(x, group)
+
+
+def scatter_to_sp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Split dim 0 forward, all-gather backward. A replicated [S] tensor -> its SP shard [S/T]."""
+    return x if _size(group) == 1 else _ScatterToSP.apply(x, group)
+
+
+def gather_from_sp_region_replicated(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """All-gather dim 0 forward, split backward. SP shard -> a replicated consumer (full LM head)."""
+    return x if _size(group) == 1 else _GatherFromSPReplicated.apply(x, group)
+
+
+# --- SP: keep the shard, gather again in backward ----------------------------------------------
+
+
+class _Regather:
+    """Stands in, in the autograd graph, for a gathered [S, B, H] input saved for backward. Holds
+    only the local shard; the first backward use all-gathers it again and the rest share that copy."""
+
+    def __init__(self, shard: torch.Tensor, group: Group):
+        self.shard = shard.detach()
+        self.group = group
+        self.full: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        if self.full is None:
+            self.full = all_gather(self.shard, self.group, "regather")
+        return self.full
+
+
+@contextlib.contextmanager
+def saving_only_shard(full: torch.Tensor, shard: torch.Tensor, group: Group) -> Iterator[None]:
+    """Inside, any tensor saved for backward that is (a view of) `full` is saved as the `shard`
+    and re-gathered in backward: the paper's TP+SP activation memory (Korthikanti et al. 4.2.2)."""
+    if _size(group) == 1:
+        yield
+        return
+    storage = full.untyped_storage().data_ptr()
+    token = _Regather(shard, group)
+
+    def pack(t: torch.Tensor):
+        if t.untyped_storage().data_ptr() == storage and t.dtype == full.dtype:
+            return token, t.shape, t.stride(), t.storage_offset()
+        return t
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        tok, shape, stride, offset = packed
+        return tok.get().as_strided(shape, stride, offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield

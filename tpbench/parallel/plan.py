@@ -1,0 +1,312 @@
+"""The plan that turns a dense MiniMind into its TP / SP / VP form, in place.
+
+Like torchtitan, the dense model knows nothing of parallelism: each `apply_*` step swaps sharded
+layers in (slicing the dense weights, so every tp starts from the same model) and wraps the entry of
+each region with its communication op. Each dense parameter gets a `Layout` that says how it is
+sharded, how the shards are put back together, and whether its gradient must be summed.
+
+Region entries and exits per block (T = tp):
+  tp:      attn/mlp entry f (copy)            exit f-bar (all-reduce)      stream [S, B, H]
+  tp+sp:   attn/mlp entry g (all-gather)      exit g-bar (reduce-scatter)  stream [S/T, B, H]
+  vp:      embedding exit f-bar / g-bar; LM head entry f / g; loss on sharded logits
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tpbench.config import ParallelConfig
+from tpbench.models.minimind import MiniMindConfig, MiniMindForCausalLM
+from tpbench.parallel import comm
+from tpbench.parallel.context import ParallelContext
+from tpbench.parallel.cross_entropy import VocabParallelCrossEntropy
+from tpbench.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+GRAD_SUMS = ("qk_norm", "kv_replicas", "sp_norms", "dp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one dense parameter lives on the TP ranks.
+
+    semantics: column | row | replicated | replicated_sum | kv_replicated | vocab.
+    A sharded tensor is cut into `num_shards` chunks along `dim`; rank t holds chunk
+    t // (tp / num_shards), so with num_shards < tp (KV heads replicated) several ranks hold one.
+    `padded_rows` pads dim 0 with zero rows before cutting (a vocab not divisible by tp).
+    """
+
+    semantics: str
+    dim: int | None = None
+    num_shards: int = 1
+    padded_rows: int | None = None
+    grad_sum: str | None = None  # the GRAD_SUMS entry that sums this gradient, if any
+
+    def shard(self, dense: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+        if self.dim is None:
+            return dense.detach().clone()
+        if self.padded_rows is not None and self.padded_rows > dense.shape[0]:
+            pad = dense.new_zeros(self.padded_rows - dense.shape[0], *dense.shape[1:])
+            dense = torch.cat([dense.detach(), pad])
+        return dense.detach().chunk(self.num_shards, dim=self.dim)[tp_rank // (tp // self.num_shards)].clone()
+
+    def unshard(self, shards: list[torch.Tensor], real_rows: int | None = None) -> torch.Tensor:
+        """Inverse of shard, from the shards of all TP ranks in rank order; drops padded rows."""
+        if self.dim is None:
+            return shards[0]
+        step = len(shards) // self.num_shards
+        full = torch.cat(shards[::step], dim=self.dim)
+        return full[:real_rows] if self.padded_rows is not None else full
+
+
+def padded_vocab(vocab_size: int, tp: int, multiple: int = 1) -> int:
+    m = tp * multiple
+    return -(-vocab_size // m) * m
+
+
+def plan_layouts(cfg: MiniMindConfig, tp: int, pcfg: ParallelConfig) -> dict[str, Layout]:
+    """The layout of every parameter name of the dense model under this parallel config."""
+    kv = cfg.num_key_value_heads
+    kv_layout = (
+        Layout("column", 0, tp) if kv % tp == 0 else Layout("kv_replicated", 0, kv, grad_sum="kv_replicas")
+    )
+    norm = Layout("replicated_sum", grad_sum="sp_norms") if pcfg.sp else Layout("replicated")
+    vocab = (
+        Layout("vocab", 0, tp, padded_rows=padded_vocab(cfg.vocab_size, tp, pcfg.vocab_pad_multiple))
+        if pcfg.vp
+        else Layout("replicated")
+    )
+    layouts = {"model.embed_tokens.weight": vocab, "lm_head.weight": vocab, "model.norm.weight": norm}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        layouts |= {
+            p + "self_attn.q_proj.weight": Layout("column", 0, tp),
+            p + "self_attn.k_proj.weight": kv_layout,
+            p + "self_attn.v_proj.weight": kv_layout,
+            p + "self_attn.o_proj.weight": Layout("row", 1, tp),
+            p + "self_attn.q_norm.weight": Layout("replicated_sum", grad_sum="qk_norm"),
+            p + "self_attn.k_norm.weight": Layout("replicated_sum", grad_sum="qk_norm"),
+            p + "mlp.gate_proj.weight": Layout("column", 0, tp),
+            p + "mlp.up_proj.weight": Layout("column", 0, tp),
+            p + "mlp.down_proj.weight": Layout("row", 1, tp),
+            p + "input_layernorm.weight": norm,
+            p + "post_attention_layernorm.weight": norm,
+        }
+    if tp == 1:  # nothing is sharded; keep the names, drop the sums
+        layouts = {n: Layout("replicated") for n in layouts}
+    return layouts
+
+
+@dataclass
+class GradSum:
+    name: str
+    group: comm.Group
+    params: list[nn.Parameter]
+    average: bool = False
+
+
+@dataclass
+class ParallelModel:
+    """A sharded model plus what training needs to know about it."""
+
+    module: MiniMindForCausalLM
+    ctx: ParallelContext
+    config: ParallelConfig
+    layouts: dict[str, Layout]
+    grad_sums: list[GradSum] = field(default_factory=list)
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        return self.module(input_ids, labels)
+
+    def finish_grads(self) -> None:
+        """The gradient sums the shards need before an optimizer step (and the DP average)."""
+        for gs in self.grad_sums:
+            grads = [p.grad for p in gs.params if p.grad is not None]
+            if not grads:
+                continue
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            comm.all_reduce(flat, gs.group, "dp_grad" if gs.name == "dp" else "grad_sum")
+            if gs.average:
+                flat /= comm._size(gs.group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def semantics(self, name: str) -> str:
+        return self.layouts[name].semantics
+
+    def shard_like(self, name: str, dense: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a dense tensor (a weight or its gradient) of parameter `name`."""
+        return self.layouts[name].shard(dense, self.ctx.tp, self.ctx.tp_rank)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """One dense state dict with the dense names (collective over the TP group)."""
+        return gather_state_dict(self)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B, S, V/T] vocab-sharded logits -> [B, S, V], for checks only (never in training)."""
+        if not self.config.vp or self.ctx.tp == 1:
+            return logits[..., : self.module.config.vocab_size]
+        shards = logits.detach().movedim(-1, 0).contiguous()  # [V/T, S, B]
+        gathered = comm.all_gather(shards, self.ctx.tp_group, "check").movedim(0, -1)
+        return gathered[..., : self.module.config.vocab_size]
+
+
+# --- the plan ----------------------------------------------------------------------------------
+
+
+def parallelize(
+    model: MiniMindForCausalLM,
+    ctx: ParallelContext,
+    pcfg: ParallelConfig,
+    skip_grad_sum: tuple[str, ...] = (),
+) -> ParallelModel:
+    """Shard `model` in place for ctx.tp ranks and return it with its layouts and gradient sums.
+
+    skip_grad_sum names entries of GRAD_SUMS to leave out: only to prove that each one is needed.
+    """
+    cfg = model.config
+    if ctx.tp > 1:
+        ctx.setup_kv_replicas(cfg.num_key_value_heads)
+    layouts = plan_layouts(cfg, ctx.tp, pcfg)
+    if ctx.tp > 1:
+        apply_tp(model, ctx, layouts, pcfg.sp, pcfg.sp_regather)
+        if pcfg.vp:
+            apply_vp(model, ctx, layouts, pcfg.sp, pcfg.sp_regather)
+        elif pcfg.sp:
+            apply_sp_edges(model, ctx)
+    pm = ParallelModel(model, ctx, pcfg, layouts)
+    pm.grad_sums = _grad_sums(model, ctx, layouts, skip_grad_sum)
+    return pm
+
+
+def apply_tp(
+    model: MiniMindForCausalLM, ctx: ParallelContext, layouts: dict[str, Layout], sp: bool, regather: bool
+) -> None:
+    """Attention and MLP: q/k/v/gate/up column parallel, o/down row parallel; heads split."""
+    reduce = "reduce_scatter" if sp else "all_reduce"
+    for i, block in enumerate(model.model.layers):
+        p = f"model.layers.{i}."
+        attn, mlp = block.self_attn, block.mlp
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, name, _column(getattr(attn, name), layouts[p + f"self_attn.{name}.weight"], ctx))
+        attn.o_proj = _row(attn.o_proj, layouts[p + "self_attn.o_proj.weight"], ctx, reduce)
+        for name in ("gate_proj", "up_proj"):
+            setattr(mlp, name, _column(getattr(mlp, name), layouts[p + f"mlp.{name}.weight"], ctx))
+        mlp.down_proj = _row(mlp.down_proj, layouts[p + "mlp.down_proj.weight"], ctx, reduce)
+        for region in (attn, mlp):
+            _enter_region(region, ctx.tp_group, sp, regather)
+
+
+def apply_vp(
+    model: MiniMindForCausalLM, ctx: ParallelContext, layouts: dict[str, Layout], sp: bool, regather: bool
+) -> None:
+    """Embedding, LM head and loss split over the vocab; logits stay [S, B, V/T]."""
+    layout = layouts["model.embed_tokens.weight"]
+    emb = model.model.embed_tokens
+    model.model.embed_tokens = VocabParallelEmbedding(
+        layout.shard(emb.weight, ctx.tp, ctx.tp_rank),
+        ctx.tp_rank,
+        ctx.tp_group,
+        reduce="reduce_scatter" if sp else "all_reduce",
+    )
+    if model.config.tie_word_embeddings:
+        model.lm_head = ColumnParallelLinear(model.model.embed_tokens.weight)
+    else:
+        model.lm_head = _column(model.lm_head, layouts["lm_head.weight"], ctx)
+    _enter_region(model.lm_head, ctx.tp_group, sp, regather)
+    model.loss_fn = VocabParallelCrossEntropy(model.config.vocab_size, ctx.tp_rank, ctx.tp_group)
+
+
+def apply_sp_edges(model: MiniMindForCausalLM, ctx: ParallelContext) -> None:
+    """SP with a replicated vocab: the embedding output is split into the SP layout (backward:
+    all-gather), and the final norm's shard is gathered for the full LM head (backward: split)."""
+    group = ctx.tp_group
+    _wrap(model.model.embed_tokens, after=lambda y: comm.scatter_to_sp_region(y, group))
+    _wrap(model.lm_head, before=lambda x: comm.gather_from_sp_region_replicated(x, group))
+
+
+# --- pieces ------------------------------------------------------------------------------------
+
+
+def _column(dense: nn.Linear, layout: Layout, ctx: ParallelContext) -> ColumnParallelLinear:
+    bias = None if dense.bias is None else layout.shard(dense.bias, ctx.tp, ctx.tp_rank)
+    return ColumnParallelLinear(layout.shard(dense.weight, ctx.tp, ctx.tp_rank), bias)
+
+
+def _row(dense: nn.Linear, layout: Layout, ctx: ParallelContext, reduce: str) -> RowParallelLinear:
+    bias = None if dense.bias is None else dense.bias.detach().clone()
+    return RowParallelLinear(layout.shard(dense.weight, ctx.tp, ctx.tp_rank), ctx.tp_group, reduce, bias)
+
+
+def _enter_region(module: nn.Module, group: comm.Group, sp: bool, regather: bool) -> None:
+    """One entry op per region: f under TP; g under SP, saving only the shard when `regather`."""
+    inner = module.forward
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        if not sp:
+            return inner(comm.copy_to_tp_region(x, group), *args, **kwargs)
+        full = comm.gather_from_sp_region(x, group)  # [S/T, B, H] -> [S, B, H]
+        if not regather:
+            return inner(full, *args, **kwargs)
+        with comm.saving_only_shard(full, x, group):
+            return inner(full, *args, **kwargs)
+
+    module.forward = types.MethodType(forward, module)
+
+
+def _wrap(module: nn.Module, before: Callable | None = None, after: Callable | None = None) -> None:
+    inner = module.forward
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        y = inner(before(x) if before else x, *args, **kwargs)
+        return after(y) if after else y
+
+    module.forward = types.MethodType(forward, module)
+
+
+def _grad_sums(
+    model: nn.Module, ctx: ParallelContext, layouts: dict[str, Layout], skip: tuple[str, ...]
+) -> list[GradSum]:
+    params = dict(model.named_parameters())  # tied weights appear once
+    by_sum: dict[str, list[nn.Parameter]] = {}
+    for name, p in params.items():
+        if layouts[name].grad_sum:
+            by_sum.setdefault(layouts[name].grad_sum, []).append(p)
+    groups = {"qk_norm": ctx.tp_group, "sp_norms": ctx.tp_group, "kv_replicas": ctx.kv_replica_group}
+    sums = [GradSum(n, groups[n], ps) for n, ps in by_sum.items() if n not in skip]
+    if ctx.dp > 1 and "dp" not in skip:
+        sums.append(GradSum("dp", ctx.dp_group, list(params.values()), average=True))
+    return sums
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+
+
+def shard_state_dict(
+    dense: dict[str, torch.Tensor], layouts: dict[str, Layout], tp: int, tp_rank: int
+) -> dict[str, torch.Tensor]:
+    """A dense (MiniMind-named) state dict -> this TP rank's shards, under the same names."""
+    return {n: layouts[n].shard(t, tp, tp_rank) for n, t in dense.items()}
+
+
+def gather_state_dict(pm: ParallelModel) -> dict[str, torch.Tensor]:
+    """The TP shards of every rank -> one dense state dict with the dense names and the real vocab.
+    Collective over the TP group; every rank gets the result."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, local in pm.module.state_dict().items():
+        local = local.detach().contiguous()
+        if pm.ctx.tp == 1:
+            shards = [local]
+        else:
+            shards = [torch.empty_like(local) for _ in range(pm.ctx.tp)]
+            dist.all_gather(shards, local, group=pm.ctx.tp_group)
+        out[name] = pm.layouts[name].unshard(shards, pm.module.config.vocab_size)
+    return out
