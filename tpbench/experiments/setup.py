@@ -37,9 +37,15 @@ def build_dense(cfg: RunConfig) -> MiniMindForCausalLM:
 def build_parallel(
     cfg: RunConfig, ctx: ParallelContext, dense: MiniMindForCausalLM | None = None
 ) -> ParallelModel:
-    """Our TP/SP/VP model, sharded from the dense model of the same seed (so equal for every tp)."""
+    """The parallel model of `parallel.engine`, sharded from the dense model of the same seed (so it is
+    the same model for every tp)."""
     model = copy.deepcopy(dense) if dense is not None else build_dense(cfg)
-    pm = parallelize(model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum))
+    if cfg.parallel.engine == "dtensor":
+        from tpbench.parallel.dtensor import parallelize_dtensor
+
+        pm = parallelize_dtensor(model, ctx, cfg.parallel)
+    else:
+        pm = parallelize(model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum))
     pm.module.to(device=ctx.device, dtype=param_dtype(cfg))
     return pm
 

@@ -279,7 +279,15 @@ def _grad_sums(
         if layouts[name].grad_sum:
             by_sum.setdefault(layouts[name].grad_sum, []).append(p)
     groups = {"qk_norm": ctx.tp_group, "sp_norms": ctx.tp_group, "kv_replicas": ctx.kv_replica_group}
-    sums = [GradSum(n, groups[n], ps) for n, ps in by_sum.items() if n not in skip]
+    sums: list[GradSum] = []
+    for name, ps in by_sum.items():  # sums over the same group share one all-reduce
+        if name in skip:
+            continue
+        same = next((gs for gs in sums if gs.group is groups[name]), None)
+        if same is None:
+            sums.append(GradSum(name, groups[name], ps))
+        else:
+            same.name, same.params = f"{same.name}+{name}", same.params + ps
     if ctx.dp > 1 and "dp" not in skip:
         sums.append(GradSum("dp", ctx.dp_group, list(params.values()), average=True))
     return sums

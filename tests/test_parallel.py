@@ -1,0 +1,212 @@
+"""TP, SP and VP against dense, in real torchrun jobs over gloo (one launch checks many cases)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+TINY = ["model.flash_attn=false", "validate.steps=6", "validate.every=3"]  # H64 L2 heads 8/4 V256 S32
+S, B, H, L, D = 32, 2, 64, 2, 8  # the tiny model's shapes, for the collective arithmetic
+TOL_FWD, TOL_GRAD, TOL_PARAM = 1e-5, 1e-5, 1e-3
+
+
+def torchrun(nproc: int, suite: str, tmp_path: Path, checks: dict[str, list[str]] | None = None) -> dict:
+    out = tmp_path / f"{suite}-{nproc}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TPBENCH_CHECKS=json.dumps(checks or {}))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--standalone",
+        str(HERE / "torchrun_checks.py"),
+        str(out),
+        suite,
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+# --- world 2: layers, collectives, loss, checkpoints, and every combination at T = 2 --------------
+
+VALIDATE_T2 = {
+    "tp": ["parallel.tp=2"],
+    "tp_sp": ["parallel.tp=2", "parallel.sp=true"],
+    "tp_sp_keep_full": ["parallel.tp=2", "parallel.sp=true", "parallel.sp_regather=false"],
+    "tp_vp": ["parallel.tp=2", "parallel.vp=true"],
+    "tp_sp_vp": ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true"],
+    "tp_sp_vp_v255_untied": [
+        "parallel.tp=2",
+        "parallel.sp=true",
+        "parallel.vp=true",
+        "model.vocab_size=255",
+        "model.tie_word_embeddings=false",
+    ],
+    "tp_vp_pad8": [
+        "parallel.tp=2",
+        "parallel.vp=true",
+        "parallel.vocab_pad_multiple=8",
+        "model.vocab_size=250",
+    ],
+    "tp_kv1": ["parallel.tp=2", "model.num_key_value_heads=1", "parallel.sp=true"],
+    "tp_sdpa": ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true", "model.flash_attn=true"],
+}
+
+# --- world 4: T = 4, DP x TP, T = 1 with DP, GQA replication, and each gradient sum switched off ---
+
+VALIDATE_W4 = {
+    "t4_tp": ["parallel.tp=4"],
+    "t4_tp_sp": ["parallel.tp=4", "parallel.sp=true"],
+    "t4_tp_vp": ["parallel.tp=4", "parallel.vp=true"],
+    "t4_tp_sp_vp": ["parallel.tp=4", "parallel.sp=true", "parallel.vp=true"],
+    "t4_kv1": ["parallel.tp=4", "model.num_key_value_heads=1"],
+    "t4_kv2_sp_vp_v250": [
+        "parallel.tp=4",
+        "model.num_key_value_heads=2",
+        "parallel.sp=true",
+        "parallel.vp=true",
+        "model.vocab_size=250",
+    ],
+    "dp2_tp2": ["parallel.tp=2", "parallel.dp=2"],
+    "dp2_tp2_sp_vp": ["parallel.tp=2", "parallel.dp=2", "parallel.sp=true", "parallel.vp=true"],
+    "dp4_t1": ["parallel.tp=1", "parallel.dp=4"],
+    "broken_qk_norm": ["parallel.tp=4", "debug.skip_grad_sum=[qk_norm]"],
+    "broken_kv_replicas": [
+        "parallel.tp=4",
+        "model.num_key_value_heads=1",
+        "debug.skip_grad_sum=[kv_replicas]",
+    ],
+    "broken_sp_norms": ["parallel.tp=4", "parallel.sp=true", "debug.skip_grad_sum=[sp_norms]"],
+    "broken_dp": ["parallel.tp=2", "parallel.dp=2", "debug.skip_grad_sum=[dp]"],
+}
+
+
+@pytest.fixture(scope="module")
+def units(tmp_path_factory):
+    return torchrun(2, "units", tmp_path_factory.mktemp("units"))
+
+
+@pytest.fixture(scope="module")
+def validated(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("validate")
+    t2 = torchrun(2, "validate", tmp, {k: TINY + v for k, v in VALIDATE_T2.items()})
+    w4 = torchrun(4, "validate", tmp, {k: TINY + v for k, v in VALIDATE_W4.items()})
+    return t2 | w4
+
+
+def test_collectives_forward_and_backward(units):
+    for name, value in units["collectives"].items():
+        assert value == 0.0, name
+
+
+def test_layers_match_nn_linear_embedding_and_cross_entropy(units):
+    layers = dict(units["layers"])
+    assert layers.pop("ce_all_reduces") == 3  # max, target logit, sum of exp
+    assert layers.pop("ce_other_collectives") == 0  # and nothing in backward
+    for name, value in layers.items():
+        assert value < 1e-5, name
+
+
+def test_checkpoint_round_trip_is_bit_exact(units):
+    ck = units["checkpoints"]
+    for case in ("tp", "kv_replicated", "vp_padded_untied"):
+        assert ck[f"{case}_same_names"] == 1.0
+        assert ck[f"{case}_shapes_equal"] == 1.0  # padded vocab rows are dropped
+        assert ck[f"{case}_max_abs"] == 0.0
+
+
+@pytest.mark.parametrize("name", [*VALIDATE_T2, *(k for k in VALIDATE_W4 if not k.startswith("broken"))])
+def test_every_combination_equals_dense(validated, name):
+    m = validated[name]["metrics"]
+    assert m["fwd_logits_max_abs"] <= TOL_FWD
+    assert m["loss_abs_diff"] <= TOL_FWD
+    assert m["grad_max_rel_l2"] <= TOL_GRAD
+    assert m["adamw_param_max_abs"] <= TOL_PARAM
+    assert m["passed"] == 1.0
+    assert len(validated[name]["drift"]) == 2  # logits compared at steps 3 and 6
+
+
+@pytest.mark.parametrize("name", [k for k in VALIDATE_W4 if k.startswith("broken")])
+def test_each_gradient_sum_is_needed(validated, name):
+    m = validated[name]["metrics"]
+    assert m["fwd_logits_max_abs"] <= TOL_FWD  # forward is untouched by a gradient sum
+    assert m["grad_max_rel_l2"] > 0.1
+    assert m["passed"] == 0.0
+
+
+def test_semantics_cover_every_layout(validated):
+    seen = set(validated["t4_tp"]["semantics"]) | set(validated["t4_tp_sp_vp"]["semantics"])
+    assert {"column", "row", "replicated", "replicated_sum", "vocab"} <= seen
+    assert "kv_replicated" in validated["t4_kv1"]["semantics"]
+
+
+# --- collectives per training step: what the math gives ---------------------------------------
+
+
+def expected_comm(t: int, sp: bool, vp: bool, regather: bool = True, dp: int = 1, params: int = 0) -> dict:
+    """(op, purpose) -> (count, per-rank ring bytes) for one step of the tiny fp32 model."""
+    act = S * B * H * 4  # one [S, B, H] fp32 tensor
+    ring_ar, ring_ag = 2 * (t - 1) / t, (t - 1) / t
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    if not sp:  # 2 all-reduces per block forward (f-bar) and 2 backward (f); VP adds embedding + head
+        n = 4 * L + (2 if vp else 0)
+        out[("all_reduce", "activation")] = (n, round(n * act * ring_ar))
+    else:  # per block: g and g-bar forward, their conjugates backward; edges for embedding and head
+        n = 4 * L + 2
+        out[("all_gather", "activation")] = (n, round(n * act * ring_ag))
+        out[("reduce_scatter", "activation")] = (
+            4 * L + (2 if vp else 0),
+            round((4 * L + (2 if vp else 0)) * act * ring_ag),
+        )
+        if regather:
+            n_re = 2 * L + (1 if vp else 0)
+            out[("all_gather", "regather")] = (n_re, round(n_re * act * ring_ag))
+    if vp:
+        out[("all_reduce", "loss")] = (3, round(3 * S * B * 4 * ring_ar))
+    sums = 2 * L * D + ((2 * L + 1) * H if sp else 0)  # q/k norms, and the SP norms
+    out[("all_reduce", "grad_sum")] = (1, round(sums * 4 * ring_ar))
+    return out
+
+
+@pytest.mark.parametrize(
+    "name,t,sp,vp,regather",
+    [
+        ("tp", 2, False, False, True),
+        ("tp_sp", 2, True, False, True),
+        ("tp_sp_keep_full", 2, True, False, False),
+        ("tp_vp", 2, False, True, True),
+        ("tp_sp_vp", 2, True, True, True),
+        ("t4_tp", 4, False, False, True),
+        ("t4_tp_sp", 4, True, False, True),
+        ("t4_tp_vp", 4, False, True, True),
+        ("t4_tp_sp_vp", 4, True, True, True),
+    ],
+)
+def test_collectives_per_step_match_the_math(validated, name, t, sp, vp, regather):
+    counted = {(op, purpose): (n, b) for op, purpose, n, b in validated[name]["comm"]}
+    assert counted == expected_comm(t, sp, vp, regather)
+
+
+def test_sp_moves_the_same_bytes_as_tp_inside_the_blocks(validated):
+    def block_bytes(name: str) -> int:
+        # activation traffic less the two edge ops SP adds around the replicated embedding and head
+        rows = validated[name]["comm"]
+        total = sum(b for op, purpose, n, b in rows if purpose == "activation")
+        edge = 2 * S * B * H * 4 // 2 if "sp" in name else 0
+        return total - edge
+
+    assert block_bytes("tp_sp_keep_full") == block_bytes("tp")
+
+
+def test_dp_all_reduces_every_gradient_once(validated):
+    counted = {(op, purpose): (n, b) for op, purpose, n, b in validated["dp4_t1"]["comm"]}
+    assert set(counted) == {("all_reduce", "dp_grad")}
+    assert counted[("all_reduce", "dp_grad")][0] == 1

@@ -1,0 +1,199 @@
+"""Checks that need real ranks, run inside one torchrun job; rank 0 writes the results as JSON.
+
+    torchrun --nproc-per-node N tests/torchrun_checks.py OUT.json units
+    torchrun --nproc-per-node N tests/torchrun_checks.py OUT.json validate   (configs in TPBENCH_CHECKS)
+
+Each check only records numbers; the assertions live in the pytest files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch import nn
+
+from tpbench.config import ParallelConfig, RunConfig
+from tpbench.experiments import validate
+from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, build_model
+from tpbench.parallel import comm
+from tpbench.parallel.context import ParallelContext
+from tpbench.parallel.cross_entropy import VocabParallelCrossEntropy
+from tpbench.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tpbench.parallel.plan import parallelize, plan_layouts, shard_state_dict
+
+
+def run_config(overrides: list[str]) -> RunConfig:
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.from_dotlist(overrides))
+    cfg = OmegaConf.to_object(merged)
+    cfg.launch.device = "cpu"
+    return cfg
+
+
+def err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach() - b.detach()).abs().max().item()
+
+
+def check_collectives(ctx: ParallelContext) -> dict[str, float]:
+    """Each conjugate pair forward and backward against its definition."""
+    g, t, r = ctx.tp_group, ctx.tp, ctx.tp_rank
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(4 * t, 3, generator=gen)  # the same on every rank
+    mine = full.chunk(t)[r]
+    per_rank = [torch.randn(4 * t, 3, generator=gen) for _ in range(t)]  # rank i holds per_rank[i]
+    upstream = [torch.randn(4 * t, 3, generator=gen) for _ in range(t)]
+    total, up_total = sum(per_rank), sum(upstream)
+    out = {}
+
+    def fwd_bwd(fn, x, grad):
+        x = x.clone().requires_grad_()
+        y = fn(x, g)
+        y.backward(grad)
+        return y, x.grad
+
+    y, dx = fwd_bwd(comm.copy_to_tp_region, per_rank[r], upstream[r])
+    out["f_fwd"], out["f_bwd"] = err(y, per_rank[r]), err(dx, up_total)
+    y, dx = fwd_bwd(comm.reduce_from_tp_region, per_rank[r], upstream[r])
+    out["fbar_fwd"], out["fbar_bwd"] = err(y, total), err(dx, upstream[r])
+    y, dx = fwd_bwd(comm.gather_from_sp_region, mine, upstream[r])
+    out["g_fwd"], out["g_bwd"] = err(y, full), err(dx, up_total.chunk(t)[r])
+    y, dx = fwd_bwd(comm.reduce_scatter_to_sp_region, per_rank[r], upstream[r].chunk(t)[r])
+    gathered_up = torch.cat([u.chunk(t)[i] for i, u in enumerate(upstream)])
+    out["gbar_fwd"], out["gbar_bwd"] = err(y, total.chunk(t)[r]), err(dx, gathered_up)
+    y, dx = fwd_bwd(comm.scatter_to_sp_region, full, upstream[r].chunk(t)[r])
+    out["scatter_fwd"], out["scatter_bwd"] = err(y, mine), err(dx, gathered_up)
+    y, dx = fwd_bwd(comm.gather_from_sp_region_replicated, mine, up_total)
+    out["gather_rep_fwd"], out["gather_rep_bwd"] = err(y, full), err(dx, up_total.chunk(t)[r])
+    return out
+
+
+def check_layers(ctx: ParallelContext) -> dict[str, float]:
+    """f -> column -> row (f-bar) against two nn.Linear with biases, and the SP variant (g, g-bar);
+    the vocab-parallel embedding and cross entropy against nn.Embedding and F.cross_entropy."""
+    g, t, r = ctx.tp_group, ctx.tp, ctx.tp_rank
+    torch.manual_seed(1)
+    lin1, lin2 = nn.Linear(16, 8 * t), nn.Linear(8 * t, 16)
+    x = torch.randn(4 * t, 2, 16, requires_grad=True)  # [S, B, H]
+    dense_y = lin2(F.silu(lin1(x)))
+    dense_y.square().sum().backward()
+    out = {}
+    for sp in (False, True):
+        col = ColumnParallelLinear(
+            lin1.weight.detach().chunk(t)[r].clone(), lin1.bias.detach().chunk(t)[r].clone()
+        )
+        row = RowParallelLinear(
+            lin2.weight.detach().chunk(t, dim=1)[r].clone(),
+            g,
+            "reduce_scatter" if sp else "all_reduce",
+            lin2.bias.detach().clone(),
+        )
+        xin = (x.detach().chunk(t)[r] if sp else x.detach()).clone().requires_grad_()
+        enter = comm.gather_from_sp_region if sp else comm.copy_to_tp_region
+        y = row(F.silu(col(enter(xin, g))))  # [S/T or S, B, 16]
+        y.square().sum().backward()  # under SP, the ranks' losses add up to the dense loss
+        if sp:  # the row bias is added on each sequence shard: its gradient is summed over ranks
+            comm.all_reduce(row.bias.grad, g, "test")
+        tag = "sp" if sp else "tp"
+        out[f"{tag}_fwd"] = err(y, dense_y.chunk(t)[r] if sp else dense_y)
+        out[f"{tag}_input_grad"] = err(xin.grad, x.grad.chunk(t)[r] if sp else x.grad)
+        out[f"{tag}_col_w"] = err(col.weight.grad, lin1.weight.grad.chunk(t)[r])
+        out[f"{tag}_col_b"] = err(col.bias.grad, lin1.bias.grad.chunk(t)[r])
+        out[f"{tag}_row_w"] = err(row.weight.grad, lin2.weight.grad.chunk(t, dim=1)[r])
+        out[f"{tag}_row_b"] = err(row.bias.grad, lin2.bias.grad)
+
+    # vocab-parallel embedding (V = 10 * t rows) and cross entropy with a padded vocab and ignored targets
+    emb = nn.Embedding(10 * t, 6)
+    ids = torch.randint(10 * t, (8, 2), generator=torch.Generator().manual_seed(2))
+    vemb = VocabParallelEmbedding(emb.weight.detach().chunk(t)[r].clone(), r, g)
+    e_ref = emb(ids)
+    e_ref.sum().backward()
+    e = vemb(ids)
+    e.sum().backward()
+    out["emb_fwd"] = err(e, e_ref)
+    out["emb_bwd"] = err(vemb.weight.grad, emb.weight.grad.chunk(t)[r])
+
+    real_v, padded_v = 10 * t - 1, 10 * t  # the last column is padding
+    logits = torch.randn(8, 2, padded_v, generator=torch.Generator().manual_seed(3))
+    targets = torch.randint(real_v, (8, 2), generator=torch.Generator().manual_seed(4))
+    targets[::3, 0] = IGNORE_INDEX
+    dense_logits = logits[..., :real_v].clone().requires_grad_()
+    ref = F.cross_entropy(dense_logits.reshape(-1, real_v), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+    ref.backward()
+    local = logits.chunk(t, dim=-1)[r].clone().requires_grad_()
+    counter = comm.CommCounter()
+    with comm.counting(counter):
+        loss = VocabParallelCrossEntropy(real_v, r, g)(local, targets)
+        loss.backward()
+    out["ce_fwd"] = abs(loss.item() - ref.item())
+    dense_grad = torch.cat([dense_logits.grad, torch.zeros(8, 2, 1)], dim=-1).chunk(t, dim=-1)[r]
+    out["ce_bwd"] = err(local.grad, dense_grad)
+    out["ce_all_reduces"] = sum(row.count for row in counter.rows() if row.op == "all_reduce")
+    out["ce_other_collectives"] = sum(row.count for row in counter.rows() if row.op != "all_reduce")
+    return out
+
+
+def check_checkpoints(ctx: ParallelContext) -> dict[str, float]:
+    """Dense state dict -> shards of this rank -> gathered dense: bit-exact, real vocab, dense names."""
+    out = {}
+    cases = {
+        "tp": (MiniMindConfig(64, 2, 8, 4, 256), ParallelConfig(tp=ctx.tp)),
+        "kv_replicated": (MiniMindConfig(64, 2, 8, 1, 256), ParallelConfig(tp=ctx.tp)),
+        "vp_padded_untied": (
+            MiniMindConfig(64, 2, 8, 4, 255, tie_word_embeddings=False),
+            ParallelConfig(tp=ctx.tp, vp=True, sp=True, vocab_pad_multiple=4),
+        ),
+    }
+    for name, (mcfg, pcfg) in cases.items():
+        dense = build_model(mcfg, seed=3).state_dict()
+        pm = parallelize(build_model(mcfg, seed=99), ctx, pcfg)  # different weights, then load
+        pm.module.load_state_dict(
+            shard_state_dict(dense, plan_layouts(mcfg, ctx.tp, pcfg), ctx.tp, ctx.tp_rank)
+        )
+        back = pm.state_dict()
+        out[f"{name}_same_names"] = float(set(back) == set(dense))
+        out[f"{name}_max_abs"] = max(err(back[n], dense[n]) for n in dense)
+        out[f"{name}_shapes_equal"] = float(all(back[n].shape == dense[n].shape for n in dense))
+    return out
+
+
+def suite_units() -> dict:
+    ctx = ParallelContext.from_world(dist.get_world_size(), 1, "cpu")
+    return {
+        "collectives": check_collectives(ctx),
+        "layers": check_layers(ctx),
+        "checkpoints": check_checkpoints(ctx),
+    }
+
+
+def suite_validate() -> dict:
+    results = {}
+    for name, overrides in json.loads(os.environ["TPBENCH_CHECKS"]).items():
+        r = validate.run(run_config(overrides))
+        results[name] = {
+            "metrics": {m.name: m.value for m in r.measurements if m.step is None},
+            "drift": [[m.step, m.value] for m in r.measurements if m.step is not None],
+            "comm": [[c.op, c.purpose, c.count, c.bytes] for c in r.comm],
+            "semantics": sorted({p.semantics for p in r.params}),
+        }
+    return results
+
+
+def main() -> None:
+    out_path, suite = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    results = suite_units() if suite == "units" else suite_validate()
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
