@@ -1,0 +1,178 @@
+"""The DTensor engine (torch.distributed.tensor.parallel) against dense and against ours.
+
+One real torchrun job over gloo (world 2) runs every case; this same file is its script:
+
+    torchrun --nproc-per-node 2 tests/test_dtensor.py OUT.json
+
+Rank 0 writes the measured numbers as JSON; the assertions live in the pytest functions below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY = ["model.flash_attn=false", "validate.steps=6", "validate.every=3"]  # H64 L2 heads 8/4 V256 S32
+S, B, H, L, F32 = 32, 2, 64, 2, 4  # the tiny model's shapes, for the collective arithmetic
+TOL_FWD, TOL_GRAD, TOL_PARAM = 1e-5, 1e-5, 1e-3
+
+MODES = {
+    "dtensor_tp": ["parallel.tp=2"],
+    "dtensor_tp_sp": ["parallel.tp=2", "parallel.sp=true"],
+    "dtensor_tp_sp_vp": ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true"],
+}
+BROKEN = {  # each gradient sum switched off: validation must fail
+    "broken_qk_norm": ["parallel.tp=2", "debug.skip_grad_sum=[qk_norm]"],
+    "broken_sp_norms": ["parallel.tp=2", "parallel.sp=true", "debug.skip_grad_sum=[sp_norms]"],
+}
+
+
+# --- the torchrun job ----------------------------------------------------------------------------
+
+
+def _run_config(overrides: list[str]):
+    from omegaconf import OmegaConf
+
+    from tpbench.config import RunConfig
+
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.from_dotlist(overrides))
+    cfg = OmegaConf.to_object(merged)
+    cfg.launch.device = "cpu"
+    return cfg
+
+
+def _validate(overrides: list[str]) -> dict[str, float]:
+    """validate.run on the DTensor engine, with debug.skip_grad_sum handed to parallelize_dtensor."""
+    from tpbench.experiments import validate
+    from tpbench.parallel import dtensor
+
+    cfg = _run_config(TINY + ["parallel.engine=dtensor"] + overrides)
+    original = dtensor.parallelize_dtensor
+    skip = tuple(cfg.debug.skip_grad_sum)
+    dtensor.parallelize_dtensor = lambda model, ctx, pcfg, *_: original(model, ctx, pcfg, skip)
+    try:
+        result = validate.run(cfg)
+    finally:
+        dtensor.parallelize_dtensor = original
+    return {m.name: m.value for m in result.measurements if m.step is None}
+
+
+def _comm_per_step(engine: str, overrides: list[str], ctx) -> dict[str, list[int]]:
+    """One training step under the engine's counter: {op/purpose: [count, bytes]}."""
+    from tpbench.experiments.setup import Batches, build_parallel
+    from tpbench.parallel import comm, dtensor
+
+    cfg = _run_config(TINY + [f"parallel.engine={engine}"] + overrides)
+    pm = build_parallel(cfg, ctx)
+    ids, labels = Batches(cfg, ctx).next_local()
+    counter = comm.CommCounter()
+    with (dtensor.counting if engine == "dtensor" else comm.counting)(counter):
+        pm(ids, labels)[1].backward()
+        pm.finish_grads()
+    return {f"{r.op}/{r.purpose}": [r.count, r.bytes] for r in counter.rows()}
+
+
+def _main(out: str) -> None:
+    import torch.distributed as dist
+
+    from tpbench.experiments.setup import context
+
+    dist.init_process_group("gloo")
+    results: dict[str, dict] = {}
+    for name, overrides in (MODES | BROKEN).items():
+        results[name] = {"metrics": _validate(overrides)}
+    ctx = context(_run_config(TINY))
+    for name, overrides in MODES.items():
+        results[name]["comm_dtensor"] = _comm_per_step("dtensor", overrides, ctx)
+        results[name]["comm_ours"] = _comm_per_step("megatron", overrides, ctx)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+# --- the assertions ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("dtensor") / "dtensor.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           __file__, str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_dtensor_mode_equals_dense(measured, mode):
+    m = measured[mode]["metrics"]
+    assert m["fwd_logits_max_abs"] <= TOL_FWD
+    assert m["loss_abs_diff"] <= TOL_FWD
+    assert m["grad_max_rel_l2"] <= TOL_GRAD
+    assert m["adamw_param_max_abs"] <= TOL_PARAM
+    assert m["passed"] == 1.0
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_each_norm_gradient_sum_is_needed(measured, case):
+    m = measured[case]["metrics"]
+    assert m["grad_max_rel_l2"] > 0.1  # local partial sums, not the dense gradient
+    assert m["passed"] == 0.0
+    if case == "broken_qk_norm":  # nothing sums them: the replicas drift apart under AdamW
+        assert m["adamw_param_max_abs"] > TOL_PARAM
+
+
+def test_tp_all_reduces_twice_per_block_each_way(measured):
+    act = S * B * H * F32  # one [S, B, H] fp32 tensor; ring all-reduce at T=2 moves 2(T-1)/T = 1x
+    assert measured["dtensor_tp"]["comm_dtensor"]["all_reduce/activation"] == [4 * L, 4 * L * act]
+
+
+def test_sp_gathers_and_scatters_instead(measured):
+    act = S * B * H * F32 // 2  # all-gather / reduce-scatter at T=2 move (T-1)/T = 1/2
+    comm = measured["dtensor_tp_sp"]["comm_dtensor"]
+    assert comm["reduce_scatter/activation"] == [4 * L, 4 * L * act]
+    # + embedding backward (Shard -> Replicate) and the LM head's entry forward
+    assert comm["all_gather/activation"] == [4 * L + 2, (4 * L + 2) * act]
+    assert "all_reduce/activation" not in comm
+
+
+def test_vp_loss_is_three_all_reduces_of_s_b(measured):
+    comm = measured["dtensor_tp_sp_vp"]["comm_dtensor"]
+    assert comm["all_reduce/loss"] == [3, 3 * S * B * F32]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dtensor_moves_the_same_bytes_as_ours(measured, mode):
+    """Same activation and loss traffic; ours adds the SP re-gather in backward (less memory), and
+    packs its norm gradient sums into one all-reduce where DTensor sends one per weight."""
+    ours, theirs = measured[mode]["comm_ours"], measured[mode]["comm_dtensor"]
+    for key in ("all_reduce/activation", "all_gather/activation", "reduce_scatter/activation"):
+        assert theirs.get(key) == ours.get(key), key
+    assert theirs.get("all_reduce/loss") == ours.get("all_reduce/loss")
+    assert theirs["all_reduce/grad_sum"][1] == ours["all_reduce/grad_sum"][1]
+
+
+def test_what_dtensor_cannot_express_is_refused_up_front():
+    from tpbench.config import ParallelConfig
+    from tpbench.models.minimind import MiniMindConfig
+    from tpbench.parallel.dtensor import check_dtensor_shardable
+
+    tiny = MiniMindConfig(hidden_size=64, num_hidden_layers=2, vocab_size=256)  # heads 8/4
+    check_dtensor_shardable(tiny, ParallelConfig(tp=4, sp=True, vp=True), 4)
+    with pytest.raises(ValueError, match="num_key_value_heads=4 and parallel.tp=8"):
+        check_dtensor_shardable(tiny, ParallelConfig(tp=8), 8)
+    odd_vocab = MiniMindConfig(hidden_size=64, num_hidden_layers=2, vocab_size=255)
+    check_dtensor_shardable(odd_vocab, ParallelConfig(tp=2), 2)  # replicated vocab: fine
+    with pytest.raises(ValueError, match="vocab_size=255"):
+        check_dtensor_shardable(odd_vocab, ParallelConfig(tp=2, vp=True), 2)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])
