@@ -86,6 +86,12 @@ def _run(op: str, purpose: str, x: torch.Tensor, full_bytes: int, group: Group, 
         _counter.record(op, purpose, full_bytes, _size(group), time.perf_counter() - start)
 
 
+def record_async(op: str, purpose: str, x: torch.Tensor, group: Group) -> None:
+    """Count a collective issued elsewhere (DDP's bucket all-reduce); its time is not measured."""
+    if _counter is not None and _size(group) > 1:
+        _counter.record(op, purpose, x.numel() * x.element_size(), _size(group), 0.0)
+
+
 # --- raw collectives: the only place tpbench talks to torch.distributed ------------------------
 
 
@@ -264,11 +270,12 @@ def saving_only_shard(full: torch.Tensor, shard: torch.Tensor, group: Group) -> 
     if _size(group) == 1:
         yield
         return
-    storage = full.untyped_storage().data_ptr()
+    # the hooks live as long as the graph: they must not hold `full` itself, or nothing is saved
+    storage, dtype = full.untyped_storage().data_ptr(), full.dtype
     token = _Regather(shard, group)
 
     def pack(t: torch.Tensor):
-        if t.untyped_storage().data_ptr() == storage and t.dtype == full.dtype:
+        if t.untyped_storage().data_ptr() == storage and t.dtype == dtype:
             return token, t.shape, t.stride(), t.storage_offset()
         return t
 
