@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tpbench.config import RunConfig
+from tpbench.models.minimind import default_intermediate_size
 
 
 class ConfigError(ValueError):
@@ -39,9 +40,9 @@ def check_shardable(cfg: RunConfig) -> None:
         raise ConfigError(
             f"model.intermediate_size={m.intermediate_size} is not divisible by parallel.tp={p.tp}"
         )
-    if m.intermediate_size is None and _default_intermediate(m.hidden_size) % p.tp:
+    if m.intermediate_size is None and default_intermediate_size(m.hidden_size) % p.tp:
         raise ConfigError(
-            f"model.intermediate_size (default {_default_intermediate(m.hidden_size)}) is not divisible "
+            f"model.intermediate_size (default {default_intermediate_size(m.hidden_size)}) is not divisible "
             f"by parallel.tp={p.tp}: set model.intermediate_size"
         )
     if p.sp and t.seq_len % p.tp:
@@ -56,9 +57,3 @@ def check_shardable(cfg: RunConfig) -> None:
         raise ConfigError(
             f"train.global_batch={t.global_batch} is not divisible by parallel.dp={p.dp} under fixed_global"
         )
-
-
-def _default_intermediate(hidden: int) -> int:
-    import math
-
-    return math.ceil(hidden * math.pi / 64) * 64
