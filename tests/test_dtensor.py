@@ -166,7 +166,7 @@ def test_what_dtensor_cannot_express_is_refused_up_front():
 
     tiny = MiniMindConfig(hidden_size=64, num_hidden_layers=2, vocab_size=256)  # heads 8/4
     check_dtensor_shardable(tiny, ParallelConfig(tp=4, sp=True, vp=True), 4)
-    with pytest.raises(ValueError, match="num_key_value_heads=4 and parallel.tp=8"):
+    with pytest.raises(ValueError, match="num_key_value_heads=4, parallel.tp=8"):
         check_dtensor_shardable(tiny, ParallelConfig(tp=8), 8)
     odd_vocab = MiniMindConfig(hidden_size=64, num_hidden_layers=2, vocab_size=255)
     check_dtensor_shardable(odd_vocab, ParallelConfig(tp=2), 2)  # replicated vocab: fine

@@ -68,13 +68,13 @@ def check_dtensor_shardable(cfg: MiniMindConfig, pcfg: ParallelConfig, tp: int) 
     """Raise ValueError (one line) for what the DTensor engine cannot express."""
     if tp > 1 and cfg.num_key_value_heads % tp:
         raise ValueError(
-            f"parallel.engine=dtensor with model.num_key_value_heads={cfg.num_key_value_heads} and "
-            f"parallel.tp={tp}: dtensor needs tp dividing the KV heads (no KV-head replication)"
+            f"parallel.engine=dtensor with model.num_key_value_heads={cfg.num_key_value_heads}, "
+            f"parallel.tp={tp}: accepted are tp dividing the KV heads (ColwiseParallel cannot replicate them)"
         )
     if tp > 1 and pcfg.vp and cfg.vocab_size % tp:
         raise ValueError(
-            f"parallel.engine=dtensor vp=true with model.vocab_size={cfg.vocab_size}: dtensor needs a "
-            f"vocab divisible by parallel.tp={tp} (no vocab padding)"
+            f"parallel.engine=dtensor vp=true with model.vocab_size={cfg.vocab_size}: accepted are vocab "
+            f"sizes divisible by parallel.tp={tp} (this engine does not pad the vocab)"
         )
 
 
