@@ -1,0 +1,363 @@
+"""`tpbench report` from a database of real runs (torchrun jobs of the tiny model on CPU), and the HTML
+opened in a real headless browser (Debian's chromium: missing, the browser tests fail, they do not skip).
+
+One module fixture fills the database: memory of DDP and TP, throughput of TP, validate of TP+SP+VP and
+one run that fails on purpose. A sweep name and the failed run's error hold a `<script>` that must reach
+the reader as text.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+import threading
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from matplotlib.figure import Figure
+from typer.testing import CliRunner
+
+from tpbench.cli import app
+from tpbench.report import published
+
+TPBENCH = str(Path(sys.executable).with_name("tpbench"))
+CHROMIUM = "/usr/bin/chromium"
+PAYLOAD = "<script>document.body.dataset.pwned = 'yes'</script>"
+SWEEP = f"checks {PAYLOAD}"
+QUICK = ["train.steps=2", "train.warmup=1"]
+runner = CliRunner()
+
+
+class Filled:
+    def __init__(self, path: Path):
+        self.path = path
+        self.db = path / "runs" / "tpbench.db"
+        self.url = f"sqlite:///{self.db}"
+
+    def env(self) -> dict[str, str]:
+        (self.path / "jobs").mkdir(exist_ok=True)
+        return dict(os.environ, TMPDIR=str(self.path / "jobs"), OMP_NUM_THREADS="1")
+
+    def tpbench(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [TPBENCH, *args], cwd=self.path, env=self.env(), capture_output=True, text=True, timeout=300
+        )
+
+    def query(self, sql: str, *params: object) -> list[tuple]:
+        with sqlite3.connect(self.db) as conn:
+            return conn.execute(sql, params).fetchall()
+
+    def report(self, *args: str):
+        return runner.invoke(app, ["report", "--db", self.url, *args])
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory) -> Filled:
+    """Two chains of real runs side by side (SQLite in WAL mode takes both writers)."""
+    work = Filled(tmp_path_factory.mktemp("report"))
+    chains = [
+        [["sweep", "kind=memory", "mode=ddp,tp", *QUICK]],
+        [
+            ["run", "kind=throughput", "mode=tp", *QUICK],
+            [
+                "sweep",
+                "kind=validate",
+                "mode=tp_sp_vp",
+                "validate.steps=3",
+                "validate.every=1",
+                "--name",
+                SWEEP,
+            ],
+            ["sweep", "kind=validate", "+fault=raise_on_rank1", "validate.steps=1", "--name", SWEEP],
+        ],
+    ]
+    done: list[subprocess.CompletedProcess] = []
+    threads = [threading.Thread(target=lambda c=c: done.extend(work.tpbench(*a) for a in c)) for c in chains]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    statuses = work.query("SELECT kind, mode, status FROM runs ORDER BY kind, mode, status")
+    assert statuses == [
+        ("memory", "ddp", "OK"),
+        ("memory", "tp", "OK"),
+        ("throughput", "tp", "OK"),
+        ("validate", "tp", "FAILED"),
+        ("validate", "tp_sp_vp", "OK"),
+    ], "\n".join(d.stderr[-2000:] for d in done)
+    # No fault's message holds markup: append some to the real failure's error.
+    work.query("UPDATE runs SET error = error || ? WHERE status = 'FAILED'", f"\n{PAYLOAD}")
+    return work
+
+
+@pytest.fixture(scope="module")
+def html_report(filled) -> Path:
+    """The default command: runs/report.html under the working folder, its path printed last."""
+    done = filled.tpbench("report", "--db", filled.url)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "runs/report.html"
+    return filled.path / "runs" / "report.html"
+
+
+def run_values(filled: Filled, kind: str, name: str) -> dict[str, float]:
+    """mode -> the metric's max over ranks, straight from the database."""
+    rows = filled.query(
+        "SELECT r.mode, MAX(m.value) FROM runs r JOIN measurements m ON m.run_id = r.id "
+        "WHERE r.kind = ? AND m.name = ? AND m.step IS NULL GROUP BY r.mode",
+        kind,
+        name,
+    )
+    return dict(rows)
+
+
+def expected_charts(filled: Filled) -> list[str]:
+    """The chart titles of the full report; measured vs predicted only once the theory predicts a peak."""
+    predicted = any(v > 0 for v in run_values(filled, "memory", "predicted_peak_bytes").values())
+    return [
+        "Peak per rank",
+        "Breakdown of the peak",
+        *(["Measured vs predicted peak"] if predicted else []),
+        "Throughput",
+        "Collectives per step",
+        "AdamW drift",
+    ]
+
+
+# -- content -----------------------------------------------------------------------------------------
+
+
+def test_html_has_every_section_with_figures_from_the_database(filled, html_report):
+    html = html_report.read_text()
+    for heading in ("Memory", "Throughput", "Communication", "Validation", "Runs that did not end OK (1)"):
+        assert heading in html
+    peak = run_values(filled, "memory", "peak_bytes")
+    assert f"{peak['tp'] / 2**20:,.1f} MiB" in html and f"{peak['ddp'] / 2**20:,.1f} MiB" in html
+    assert f"{peak['tp'] / peak['ddp'] - 1:+.1%}" in html  # the change against DDP
+    tokens = run_values(filled, "throughput", "tokens_per_s")
+    assert f"{tokens['tp']:,.0f} tokens/s" in html
+    step = run_values(filled, "throughput", "step_time_s")
+    assert f"{step['tp'] * 1e3:,.2f} ms" in html
+    fwd = run_values(filled, "validate", "fwd_logits_max_abs")
+    assert f"{fwd['tp_sp_vp']:.2e}" in html
+    assert "injected fault raise_on_rank1" in html
+    assert re.search(r">\s*all_reduce\s*<", html)
+    titles = re.findall(r'<img src="data:image/png;base64,[^"]+" alt="([^"]+)"', html)
+    assert [t.split(":")[0] for t in titles] == expected_charts(filled)
+    assert published.SEED not in html  # the tiny model is not the seed's config
+
+
+def test_html_is_self_contained_and_escapes_what_runs_hold(html_report):
+    html = html_report.read_text()
+    tags = Tags()
+    tags.feed(html)
+    assert tags.names.isdisjoint({"script", "link", "iframe", "object", "embed", "base"})
+    assert tags.images and all(src.startswith("data:image/png;base64,") for src in tags.images)
+    assert not tags.urls  # no href/src to anything but the page itself and data URIs
+    assert "url(" not in html and "@import" not in html
+    escaped = "&lt;script&gt;document.body.dataset.pwned = &#39;yes&#39;&lt;/script&gt;"
+    assert html.count(escaped) >= 2  # the sweep name and the error message
+    assert PAYLOAD not in html
+
+
+class Tags(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+        self.images: list[str] = []
+        self.urls: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.names.add(tag)
+        for key, value in attrs:
+            if tag == "img" and key == "src":
+                self.images.append(value)
+            elif key in ("src", "href", "action", "poster") and not (value or "").startswith("#"):
+                self.urls.append(value)
+
+
+# -- the browser -------------------------------------------------------------------------------------
+
+# Appended to a copy of the report: on load, each image is drawn on a canvas and its size and number of
+# distinct colours written into the DOM, which --dump-dom then shows.
+PROBE = """<script>
+window.addEventListener('load', () => {
+  for (const img of document.images) {
+    const canvas = document.createElement('canvas');
+    canvas.width = img.naturalWidth; canvas.height = img.naturalHeight;
+    const ctx = canvas.getContext('2d');
+    ctx.drawImage(img, 0, 0);
+    const px = ctx.getImageData(0, 0, canvas.width, canvas.height).data;
+    const colours = new Set();
+    for (let i = 0; i < px.length && colours.size < 64; i += 4) colours.add(px.slice(i, i + 4).join());
+    img.dataset.probe = `${img.complete} ${img.naturalWidth} ${img.naturalHeight} ${colours.size}`;
+  }
+  document.body.dataset.probed = document.images.length;
+  document.body.dataset.shown = document.body.innerText.includes("<script>document.body.dataset.pwned");
+});
+</script>"""
+
+
+def chromium(*args: str, page: Path, profile: Path) -> tuple[str, list[str]]:
+    """Run headless chromium on a file: (stdout, the console messages it logged)."""
+    assert Path(CHROMIUM).exists(), f"{CHROMIUM} is missing: apt-get install chromium (CI: .ci/run does)"
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--enable-logging=stderr",
+        "--v=0",
+    ]
+    done = subprocess.run(
+        [CHROMIUM, *flags, *args, page.as_uri()], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
+
+
+def probe(page: Path, tmp_path: Path) -> tuple[str, list[str]]:
+    probed = tmp_path / f"probed-{page.name}"
+    probed.write_text(page.read_text().replace("</body>", PROBE + "</body>"))
+    return chromium("--dump-dom", page=probed, profile=tmp_path / "profile")
+
+
+def test_browser_loads_the_report_and_every_chart_decodes(filled, html_report, tmp_path):
+    dom, console = probe(html_report, tmp_path)
+    assert console == []
+    images = re.findall(r'<img [^>]*data-probe="([^"]+)"', dom)
+    assert f'data-probed="{len(images)}"' in dom and len(images) == len(expected_charts(filled))
+    for found in images:
+        complete, width, height, colours = found.split()
+        assert complete == "true" and int(width) > 300 and int(height) > 200, found
+        assert int(colours) >= 8, f"a chart of {colours} colours is blank: {found}"
+    assert 'data-shown="true"' in dom  # the <script> of the error is text on the page
+    assert "data-pwned" not in dom  # and did not run
+
+
+def test_browser_screenshot(html_report, tmp_path_factory):
+    shot = tmp_path_factory.getbasetemp() / "report-screenshot.png"
+    chromium(
+        "--hide-scrollbars",
+        "--window-size=1280,6000",
+        f"--screenshot={shot}",
+        page=html_report,
+        profile=tmp_path_factory.mktemp("shot-profile"),
+    )
+    png = shot.read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 50_000
+    print(f"screenshot: {shot}")
+
+
+def test_browser_checks_catch_errors_and_blank_charts(tmp_path):
+    """The probe would see a blank chart and a console error: these checks can fail."""
+    blank = base64.b64encode(_blank_png()).decode()
+    page = tmp_path / "broken.html"
+    page.write_text(
+        f'<html><body><img src="data:image/png;base64,{blank}" alt="blank">'
+        "<script>console.error('boom')</script></body></html>"
+    )
+    dom, console = probe(page, tmp_path)
+    assert any("boom" in line for line in console)
+    colours = re.search(r'data-probe="true \d+ \d+ (\d+)"', dom)
+    assert colours and int(colours[1]) == 1
+
+
+def _blank_png() -> bytes:
+    buf = io.BytesIO()
+    Figure(figsize=(4, 3)).savefig(buf, format="png")
+    return buf.getvalue()
+
+
+# -- other formats and the filters -------------------------------------------------------------------
+
+
+def test_markdown_has_the_tables_and_png_charts_beside_it(filled, tmp_path):
+    out = tmp_path / "notes" / "report.md"
+    done = filled.report("--format", "md", "--out", str(out))
+    assert done.exit_code == 0, done.output
+    text = out.read_text()
+    assert "| layers | mode | run | peak / rank |" in text
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert len(links) == len(expected_charts(filled))
+    for link in links:
+        assert (out.parent / link).read_bytes().startswith(b"\x89PNG")
+    assert "&lt;script&gt;" in text and "<script>" not in text
+
+
+def test_csv_and_json_hold_the_raw_rows(filled, tmp_path):
+    assert filled.report("--format", "csv", "--out", str(tmp_path / "r.csv")).exit_code == 0
+    assert filled.report("--format", "json", "--out", str(tmp_path / "r.json")).exit_code == 0
+    table = pd.read_csv(tmp_path / "r.csv")
+    records = json.loads((tmp_path / "r.json").read_text())
+    ids = [row[0] for row in filled.query("SELECT id FROM runs ORDER BY id")]
+    assert table["id"].tolist() == ids and [r["id"] for r in records] == ids
+    peak = run_values(filled, "memory", "peak_bytes")
+    assert sorted(table["peak_bytes"].dropna()) == sorted(peak.values())
+    failed = next(r for r in records if r["status"] == "FAILED")
+    assert failed["error"].endswith(PAYLOAD)  # raw data stays raw
+
+
+def test_filters_select_runs(filled, tmp_path):
+    out = tmp_path / "memory.html"
+    assert filled.report("--kind", "memory", "--out", str(out)).exit_code == 0
+    html = out.read_text()
+    assert "No OK validate runs in this selection" in html and "No OK throughput runs" in html
+    assert html.count("<img") == len(expected_charts(filled)) - 2  # not throughput, not the drift
+    done = filled.report(
+        "--format", "csv", "--where", "mode=tp", "--where", "sp=false", "--out", str(tmp_path / "tp.csv")
+    )
+    assert done.exit_code == 0, done.output
+    assert set(pd.read_csv(tmp_path / "tp.csv")["mode"]) == {"tp"}
+    done = filled.report("--format", "csv", "--sweep", SWEEP, "--out", str(tmp_path / "sweep.csv"))
+    assert sorted(pd.read_csv(tmp_path / "sweep.csv")["status"]) == ["FAILED", "OK"]
+    done = filled.report(
+        "--format", "csv", "--where", "validate.steps=3", "--out", str(tmp_path / "steps.csv")
+    )
+    assert pd.read_csv(tmp_path / "steps.csv")["mode"].tolist() == ["tp_sp_vp"]
+
+
+def test_empty_selection_says_so_and_writes_nothing(filled, tmp_path):
+    out = tmp_path / "none.html"
+    done = filled.report("--where", "layers=99", "--out", str(out))
+    assert done.exit_code == 0
+    assert "no runs match layers=99" in done.output and "nothing to report" in done.output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--where", "colour=red"], "--where colour=...: neither a run column"),
+        (["--where", "layers"], "--where layers: expected key=value"),
+        (["--since", "yesterday"], "--since=yesterday: accepted are"),
+        (["--format", "pdf"], "--format pdf: accepted are html, md, csv, json"),
+    ],
+)
+def test_bad_filters_are_usage_errors(filled, tmp_path, args, message):
+    done = filled.report(*args, "--out", str(tmp_path / "x"))
+    assert done.exit_code == 2 and message in done.output
+    assert not (tmp_path / "x").exists()
+
+
+# -- published figures -------------------------------------------------------------------------------
+
+
+def test_published_figures_join_only_their_own_config():
+    seed = dict(published.SEED_MEMORY_SETTING, setting="seed", layers=8)
+    other = dict(seed, seq=256, setting="cpu")
+    peaks = pd.DataFrame([dict(seed, mode="tp"), dict(other, mode="tp")])
+    ref = published.seed_memory(peaks)
+    assert ref[["setting", "layers", "mode"]].values.tolist() == [["seed", 8, "ddp"], ["seed", 8, "tp"]]
+    assert ref["peak_bytes"].tolist() == [2377.65 * 2**20, 1509.53 * 2**20]

@@ -1,0 +1,226 @@
+"""The report's figures: seaborn's look on plain matplotlib Figures, each returned as PNG bytes.
+
+No pyplot: every figure is a `Figure` of its own, drawn and saved without a GUI backend or global
+state. A mode keeps its colour in every chart; published figures take their mode's colour, hatched.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pandas as pd
+import seaborn as sns
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from tpbench.report import units
+from tpbench.report.data import MODE_ORDER, mode_rank
+from tpbench.report.published import SEED
+
+DPI = 100
+
+
+@contextmanager
+def _style() -> Iterator[None]:
+    with sns.axes_style("whitegrid"), sns.plotting_context("notebook", font_scale=0.85):
+        yield
+
+
+def _png(fig: Figure) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def mode_color(mode: str) -> tuple[float, float, float]:
+    palette = sns.color_palette("deep", 2 * len(MODE_ORDER) + 1)
+    return palette[mode_rank(mode)]
+
+
+def _grouped_bars(ax, groups: list, series: list[dict]) -> None:
+    """Bars side by side per group. Each series: label, values {group: height}, texts {group: str},
+    and matplotlib bar keywords in `style`."""
+    width = 0.8 / len(series)
+    for i, s in enumerate(series):
+        present = [g for g in groups if g in s["values"] and pd.notna(s["values"][g])]
+        xs = [groups.index(g) + (i - (len(series) - 1) / 2) * width for g in present]
+        bars = ax.bar(xs, [s["values"][g] for g in present], width, label=s["label"], **s.get("style", {}))
+        texts = [s.get("texts", {}).get(g, "") for g in present]
+        ax.bar_label(bars, labels=texts, fontsize=7, padding=2, rotation=90 if len(series) > 3 else 0)
+    ax.set_xticks(range(len(groups)), [str(g) for g in groups])
+    ax.margins(y=0.15)
+
+
+def _saving(ratio: float) -> str:
+    return "" if pd.isna(ratio) else f"{ratio - 1:+.0%}"
+
+
+def memory_peaks(peaks: pd.DataFrame, published: pd.DataFrame, title: str) -> bytes:
+    """Per-rank peak (MiB) by layer count, one bar per mode, the change against DDP on each bar."""
+    layers = sorted(peaks["layers"].unique())
+    series = []
+    for mode, runs in peaks.sort_values("mode_rank").groupby("mode", sort=False):
+        by_layers = runs.set_index("layers")
+        series.append(
+            {
+                "label": mode,
+                "values": (by_layers["peak_bytes"] / units.MIB).to_dict(),
+                "texts": {} if mode == "ddp" else by_layers["of_ddp"].map(_saving).to_dict(),
+                "style": {"color": mode_color(mode)},
+            }
+        )
+    if not published.empty:
+        ddp = published[published["mode"] == "ddp"].set_index("layers")["peak_bytes"]
+        for mode, rows in published.groupby("mode", sort=False):
+            by_layers = rows.set_index("layers")["peak_bytes"]
+            texts = {} if mode == "ddp" else (by_layers / ddp).map(_saving).to_dict()
+            series.append(
+                {
+                    "label": f"{mode} · {SEED}",
+                    "values": (by_layers / units.MIB).to_dict(),
+                    "texts": texts,
+                    "style": {"color": "white", "edgecolor": mode_color(mode), "hatch": "///"},
+                }
+            )
+    with _style():
+        fig = Figure(figsize=(max(6.5, 1.1 * len(layers) * len(series) / 2 + 3), 4.2))
+        ax = fig.subplots()
+        _grouped_bars(ax, layers, series)
+        ax.set(xlabel="layers", ylabel="peak per rank (MiB)", title=title)
+        ax.legend(fontsize=7, loc="upper left")
+        return _png(fig)
+
+
+def memory_breakdown(parts: pd.DataFrame, title: str) -> bytes:
+    """Stacked parts of the peak (parameters, gradients, optimizer, activations, ...) per mode."""
+    parts = parts.sort_values(["layers", "mode_rank"])
+    parts = parts.assign(bar=parts["mode"] + " L" + parts["layers"].astype(str))
+    wide = parts.pivot_table(index="bar", columns="part", values="measured_bytes", sort=False) / units.MIB
+    order = [p for p in parts["part"].drop_duplicates() if p in wide]
+    with _style():
+        fig = Figure(figsize=(max(6.5, 0.7 * len(wide) + 2.5), 4.2))
+        ax = fig.subplots()
+        bottom = pd.Series(0.0, index=wide.index)
+        for part, color in zip(order, sns.color_palette("muted", len(order)), strict=True):
+            values = wide[part].fillna(0)
+            ax.bar(range(len(wide)), values, bottom=bottom, label=part, color=color)
+            bottom += values
+        ax.set_xticks(range(len(wide)), wide.index, rotation=30, ha="right")
+        ax.set(ylabel="MiB at the peak (busiest rank)", title=title)
+        ax.legend(fontsize=7, loc="upper left")
+        return _png(fig)
+
+
+def measured_vs_predicted(
+    frame: pd.DataFrame, measured: str, predicted: str, ylabel: str, title: str
+) -> bytes:
+    """Measured beside predicted per config, the prediction's error written on its bar."""
+    frame = frame.assign(bar=frame["mode"] + " L" + frame["layers"].astype(str))
+    bars = frame["bar"].tolist()
+    error = frame[predicted] / frame[measured] - 1
+    series = [
+        {
+            "label": "measured",
+            "values": dict(zip(bars, frame[measured] / units.MIB, strict=True)),
+            "style": {"color": sns.color_palette("deep")[0]},
+        },
+        {
+            "label": "predicted",
+            "values": dict(zip(bars, frame[predicted] / units.MIB, strict=True)),
+            "texts": dict(zip(bars, error.map(lambda e: f"{e:+.1%}"), strict=True)),
+            "style": {"color": sns.color_palette("deep")[1]},
+        },
+    ]
+    with _style():
+        fig = Figure(figsize=(max(6.5, 0.8 * len(bars) + 2.5), 4.0))
+        ax = fig.subplots()
+        _grouped_bars(ax, bars, series)
+        ax.tick_params(axis="x", rotation=30)
+        ax.set(ylabel=ylabel, title=title)
+        ax.legend(fontsize=7)
+        return _png(fig)
+
+
+def throughput(runs: pd.DataFrame, title: str) -> bytes:
+    """tokens/s and step time (median, p10-p90 whiskers) per mode; MFU beside them when measured."""
+    runs = runs.sort_values(["layers", "mode_rank"])
+    labels = (runs["mode"] + " L" + runs["layers"].astype(str)).tolist()
+    colors = [mode_color(m) for m in runs["mode"]]
+    has_mfu = "mfu" in runs and runs["mfu"].notna().any()
+    with _style():
+        fig = Figure(figsize=(4.2 * (3 if has_mfu else 2) + 1, 4.0))
+        axes = fig.subplots(1, 3 if has_mfu else 2)
+        xs = range(len(runs))
+        bars = axes[0].bar(xs, runs["tokens_per_s"], color=colors)
+        axes[0].bar_label(bars, labels=[f"{v:,.0f}" for v in runs["tokens_per_s"]], fontsize=7, padding=2)
+        axes[0].set(ylabel="tokens/s", title="throughput")
+        step_ms = runs["step_time_s"] * 1e3
+        low = (step_ms - runs.get("step_time_p10_s", runs["step_time_s"]) * 1e3).clip(lower=0)
+        high = (runs.get("step_time_p90_s", runs["step_time_s"]) * 1e3 - step_ms).clip(lower=0)
+        axes[1].bar(xs, step_ms, color=colors, yerr=[low.fillna(0), high.fillna(0)], capsize=3)
+        axes[1].set(ylabel="step time (ms), p10-p90", title="step time")
+        if has_mfu:
+            axes[2].bar(xs, runs["mfu"] * 100, color=colors)
+            axes[2].set(ylabel="MFU (%)", title="model FLOPs utilisation")
+        for ax in axes:
+            ax.set_xticks(xs, labels, rotation=30, ha="right")
+            ax.margins(y=0.15)
+        fig.suptitle(title, fontsize=9)
+        return _png(fig)
+
+
+def collectives(frame: pd.DataFrame, title: str) -> bytes:
+    """Bytes on the wire and calls per step for each collective type, per mode."""
+    frame = frame.assign(bar=frame["mode"] + " L" + frame["layers"].astype(str))
+    per_op = frame.groupby(["bar", "op"], sort=False, as_index=False)[["bytes", "count"]].sum()
+    bars = frame["bar"].drop_duplicates().tolist()
+    ops = sorted(per_op["op"].unique())
+    colors = dict(zip(ops, sns.color_palette("colorblind", len(ops)), strict=True))
+    with _style():
+        fig = Figure(figsize=(max(9.0, 1.2 * len(bars) * 2 + 2), 4.0))
+        axes = fig.subplots(1, 2)
+        for ax, column, ylabel in (
+            (axes[0], "bytes", "KiB per rank per step"),
+            (axes[1], "count", "calls per step"),
+        ):
+            series = []
+            for op in ops:
+                rows = per_op[per_op["op"] == op].set_index("bar")[column]
+                values = rows / 2**10 if column == "bytes" else rows
+                texts = values.map(lambda v: f"{v:,.0f}") if column == "count" else {}
+                series.append(
+                    {
+                        "label": op,
+                        "values": values.to_dict(),
+                        "texts": dict(texts),
+                        "style": {"color": colors[op]},
+                    }
+                )
+            _grouped_bars(ax, bars, series)
+            ax.tick_params(axis="x", rotation=30)
+            ax.set(ylabel=ylabel)
+            ax.legend(fontsize=7)
+        fig.suptitle(title, fontsize=9)
+        return _png(fig)
+
+
+def drift(curves: pd.DataFrame, title: str) -> bytes:
+    """AdamW logits drift (max |logits diff| on a fixed batch) against the step, one line per run."""
+    curves = curves.assign(
+        run=curves["mode"] + " L" + curves["layers"].astype(str) + " #" + curves["run_id"].astype(str)
+    )
+    runs = curves.drop_duplicates("run")
+    one_per_mode = runs["mode"].is_unique  # then each line takes its mode's colour
+    palette = dict(zip(runs["run"], runs["mode"].map(mode_color), strict=True)) if one_per_mode else None
+    with _style():
+        fig = Figure(figsize=(7.0, 4.0))
+        ax = fig.subplots()
+        sns.lineplot(curves, x="step", y="value", hue="run", palette=palette, marker="o", ax=ax)
+        if (curves["value"] > 0).all():
+            ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set(xlabel="AdamW step", ylabel="max |logits diff| vs dense", title=title)
+        ax.legend(fontsize=7)
+        return _png(fig)

@@ -1,0 +1,347 @@
+"""What a report shows: the selected runs, and one tidy frame per section.
+
+`load` reads the database once (runs, headline metrics, curves, collectives, configs); the other
+functions are pure pandas over the `ReportData` it returns, one frame per chart or table.
+A *setting* is everything two runs must share to be compared across modes (shape, batch, dtype,
+device, world size); the number of layers is kept apart, because the memory figures plot it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import pandas as pd
+from sqlalchemy import select
+
+from tpbench.db import ResultsDB, Run, parse_since
+
+MODE_ORDER = ("ddp", "tp", "tp_sp", "tp_vp", "tp_sp_vp")
+SETTING = (
+    "device",
+    "world_size",
+    "hidden",
+    "heads",
+    "kv_heads",
+    "vocab",
+    "seq",
+    "batch_policy",
+    "micro_batch",
+    "global_batch",
+    "dtype",
+    "precision",
+)
+# MemTracker's split of the peak, bottom to top of the stacked bars; the last two are often zero.
+MEMORY_PARTS = {
+    "mem_params_bytes": "parameters",
+    "mem_grads_bytes": "gradients",
+    "mem_optimizer_bytes": "optimizer",
+    "mem_activations_bytes": "activations",
+    "mem_temporaries_bytes": "temporaries",
+    "mem_buffers_bytes": "buffers",
+    "mem_other_bytes": "other",
+}
+# Which kind's collectives stand for a config in the communication section, best first:
+# the training steps of throughput and memory count the optimizer's DP all-reduce too.
+COMM_KIND_PREFERENCE = ("throughput", "memory", "validate")
+
+
+class SelectionError(ValueError):
+    """A filter the report cannot apply; one line says why."""
+
+
+@dataclass
+class Selection:
+    """The filters of `tpbench report`: every one given must hold."""
+
+    sweep: str | None = None
+    kind: str | None = None
+    mode: str | None = None
+    since: datetime | None = None
+    where: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(
+        cls,
+        sweep: str | None = None,
+        kind: str | None = None,
+        mode: str | None = None,
+        since: str | None = None,
+        where: list[str] | None = None,
+    ) -> Selection:
+        """From the command line's strings; raises SelectionError on a bad --since or --where."""
+        try:
+            start = parse_since(since) if since else None
+        except ValueError:
+            raise SelectionError(
+                f"--since={since}: accepted are an ISO date or time such as 2026-11-30T08:00, or 30m, 12h, 7d"
+            ) from None
+        pairs = {}
+        for item in where or []:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise SelectionError(f"--where {item}: expected key=value, e.g. --where layers=8")
+            pairs[key.strip()] = value.strip()
+        return cls(sweep, kind, mode, start, pairs)
+
+    def describe(self) -> str:
+        parts = [
+            f"{k}={v}" for k, v in (("sweep", self.sweep), ("kind", self.kind), ("mode", self.mode)) if v
+        ]
+        if self.since:
+            parts.append(f"since {self.since:%Y-%m-%d %H:%M} UTC")
+        parts += [f"{k}={v}" for k, v in self.where.items()]
+        return ", ".join(parts) or "every run"
+
+
+@dataclass
+class ReportData:
+    """The selected runs and what they measured (curves and collectives of OK runs only)."""
+
+    db_url: str
+    selection: Selection
+    runs: pd.DataFrame  # one row per run, every status, + setting label + headline metrics
+    curves: pd.DataFrame  # run_id, name, step, value: max over ranks
+    per_rank: pd.DataFrame  # run_id, rank, name, value: per-run figures of every rank
+    comm: pd.DataFrame  # run_id, rank, op, purpose, count, bytes, time_s
+    configs: dict[int, dict] = field(default_factory=dict)  # run id -> flat config ("model.name": ...)
+    generated_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+    @property
+    def ok(self) -> pd.DataFrame:
+        return self.runs[self.runs["status"] == "OK"]
+
+    @property
+    def failed(self) -> pd.DataFrame:
+        return self.runs[self.runs["status"] != "OK"]
+
+
+def load(db: ResultsDB, selection: Selection) -> ReportData:
+    """Read the runs the selection names, with everything the sections need."""
+    s = selection
+    runs = db.runs(kind=s.kind, mode=s.mode, since=s.since, sweep=s.sweep)
+    configs = _configs(db, runs["id"].tolist())
+    if s.where:
+        runs = runs[_where_mask(runs, configs, s.where)]
+        configs = {i: configs[i] for i in runs["id"]}
+    ok_ids = runs.loc[runs["status"] == "OK", "id"].tolist()
+    metrics = db.metrics(ok_ids)
+    runs = runs.join(metrics, on="id")
+    runs["setting"] = runs.apply(setting_label, axis=1) if len(runs) else pd.Series(dtype=str)
+    runs["mode_rank"] = runs["mode"].map(mode_rank)
+    long = db.measurements(ok_ids)
+    curves = long[long["step"].notna()].groupby(["run_id", "name", "step"], as_index=False)["value"].max()
+    per_rank = long[long["step"].isna()][["run_id", "rank", "name", "value"]]
+    comm = db.comm(ok_ids)
+    return ReportData(db.url, s, runs.reset_index(drop=True), curves, per_rank, comm, configs)
+
+
+def setting_label(run: pd.Series) -> str:
+    """One readable line for the setting of a run (the layers apart)."""
+    batch = (
+        f"mb{run['micro_batch']}" if run["batch_policy"] == "fixed_per_rank" else f"gb{run['global_batch']}"
+    )
+    return (
+        f"H{run['hidden']} S{run['seq']} V{run['vocab']} heads {run['heads']}/{run['kv_heads']} "
+        f"{batch} {run['batch_policy']} {run['dtype']} {run['precision']} · {run['world_size']} ranks "
+        f"{run['device']}"
+    )
+
+
+def mode_rank(mode: str) -> int:
+    """ddp, tp, tp_sp, tp_vp, tp_sp_vp, then the dtensor_ ones in the same order, then the rest."""
+    base = mode.removeprefix("dtensor_")
+    offset = len(MODE_ORDER) if mode.startswith("dtensor_") else 0
+    return offset + MODE_ORDER.index(base) if base in MODE_ORDER else 2 * len(MODE_ORDER)
+
+
+def latest(data: ReportData, kind: str) -> pd.DataFrame:
+    """The OK runs of a kind, the latest one of each config, in mode order."""
+    runs = data.ok[data.ok["kind"] == kind]
+    runs = runs.sort_values("id").drop_duplicates("config_hash", keep="last")
+    return runs.sort_values(["setting", "layers", "mode_rank", "id"]).reset_index(drop=True)
+
+
+# -- memory ------------------------------------------------------------------------------------------
+
+
+def memory_peaks(data: ReportData) -> pd.DataFrame:
+    """Per-rank peak of every memory run (the highest rank's), its ranks' spread, and its ratio to
+    DDP's peak in the same setting and layer count (NaN where no DDP run matches)."""
+    runs = latest(data, "memory")
+    if runs.empty:
+        return runs
+    peaks = data.per_rank[data.per_rank["name"] == "peak_bytes"].groupby("run_id")["value"]
+    runs = runs.assign(
+        peak_min_bytes=runs["id"].map(peaks.min()),
+        ranks=runs["id"].map(peaks.count()),
+    )
+    ddp = runs[runs["mode"] == "ddp"].drop_duplicates(["setting", "layers"], keep="last")
+    ddp_peak = ddp.set_index(["setting", "layers"])["peak_bytes"].rename("ddp_peak_bytes")
+    runs = runs.join(ddp_peak, on=["setting", "layers"])
+    runs["of_ddp"] = runs["peak_bytes"] / runs["ddp_peak_bytes"]
+    if "predicted_peak_bytes" in runs:
+        runs["predicted_error"] = runs["predicted_peak_bytes"] / runs["peak_bytes"] - 1
+    return runs
+
+
+def memory_breakdown(data: ReportData) -> pd.DataFrame:
+    """Long form: run, setting, layers, mode, part, measured bytes (and predicted where recorded),
+    taken on the rank with the highest peak so that the parts add up to that rank's total."""
+    runs = latest(data, "memory")
+    if runs.empty:
+        return pd.DataFrame()
+    figures = data.per_rank[data.per_rank["run_id"].isin(runs["id"])]
+    peaks = figures[figures["name"] == "peak_bytes"]
+    top_rank = peaks.loc[peaks.groupby("run_id")["value"].idxmax(), ["run_id", "rank"]]
+    figures = figures.merge(top_rank, on=["run_id", "rank"])
+    wide = figures.pivot_table(index="run_id", columns="name", values="value", aggfunc="max")
+    rows = []
+    for run in runs.itertuples():
+        if run.id not in wide.index:
+            continue
+        for name, part in MEMORY_PARTS.items():
+            measured = wide.at[run.id, name] if name in wide else float("nan")
+            predicted_name = f"predicted_{name}"
+            predicted = wide.at[run.id, predicted_name] if predicted_name in wide else float("nan")
+            if pd.isna(measured) and pd.isna(predicted):
+                continue
+            rows.append(
+                {
+                    "run_id": run.id,
+                    "setting": run.setting,
+                    "layers": run.layers,
+                    "mode": run.mode,
+                    "mode_rank": run.mode_rank,
+                    "part": part,
+                    "measured_bytes": measured,
+                    "predicted_bytes": predicted,
+                }
+            )
+    frame = pd.DataFrame(rows)
+    if frame.empty:
+        return frame
+    # parts that are zero in every run (buffers, other) only clutter the legend
+    used = frame.groupby("part")["measured_bytes"].apply(lambda v: (v.fillna(0) > 0).any())
+    return frame[frame["part"].map(used) | frame["predicted_bytes"].fillna(0).gt(0)]
+
+
+# -- throughput and communication --------------------------------------------------------------------
+
+
+def throughput(data: ReportData) -> pd.DataFrame:
+    return latest(data, "throughput")
+
+
+def collectives(data: ReportData) -> pd.DataFrame:
+    """Per config, the collectives of one training step: op, purpose, count and bytes on the wire
+    per rank (the busiest rank), from the latest OK run of the preferred kind."""
+    if data.comm.empty:
+        return pd.DataFrame()
+    runs = data.ok[data.ok["id"].isin(data.comm["run_id"])].copy()
+    runs["preference"] = runs["kind"].map(
+        lambda k: COMM_KIND_PREFERENCE.index(k) if k in COMM_KIND_PREFERENCE else 99
+    )
+    runs = runs.sort_values(["preference", "id"], ascending=[True, False])
+    chosen = runs.drop_duplicates(["setting", "layers", "mode"]).sort_values(
+        ["setting", "layers", "mode_rank"]
+    )
+    comm = data.comm[data.comm["run_id"].isin(chosen["id"])]
+    per_op = comm.groupby(["run_id", "op", "purpose"], as_index=False).agg(
+        count=("count", "max"), bytes=("bytes", "max"), time_s=("time_s", "max")
+    )
+    keep = ["id", "kind", "setting", "layers", "mode", "mode_rank"]
+    frame = chosen[keep].rename(columns={"id": "run_id"}).merge(per_op, on="run_id")
+    return frame.sort_values(["setting", "layers", "mode_rank", "op", "purpose"]).reset_index(drop=True)
+
+
+def comm_predicted(data: ReportData) -> pd.DataFrame:
+    """Measured against predicted bytes per step, for the runs that recorded a prediction."""
+    runs = data.ok
+    if "predicted_comm_bytes_per_step" not in runs or "comm_bytes_per_step" not in runs:
+        return pd.DataFrame()
+    # a prediction of zero bytes is no prediction (a placeholder model), not a 100% error
+    runs = runs[runs["predicted_comm_bytes_per_step"].fillna(0).gt(0) & runs["comm_bytes_per_step"].notna()]
+    runs = runs.sort_values("id").drop_duplicates(["setting", "layers", "mode", "kind"], keep="last")
+    runs = runs.assign(error=runs["predicted_comm_bytes_per_step"] / runs["comm_bytes_per_step"] - 1)
+    return runs.sort_values(["setting", "layers", "mode_rank", "kind"]).reset_index(drop=True)
+
+
+# -- validation --------------------------------------------------------------------------------------
+
+
+def validation(data: ReportData) -> pd.DataFrame:
+    runs = latest(data, "validate")
+    if runs.empty:
+        return runs
+    steps = [data.configs.get(i, {}).get("validate.steps") for i in runs["id"]]
+    return runs.assign(adamw_steps=steps)
+
+
+def drift(data: ReportData) -> pd.DataFrame:
+    """The AdamW logits drift curve of every validate run shown: run, mode, step, value."""
+    runs = validation(data)
+    curve = data.curves[data.curves["name"] == "adamw_logits_max_abs"]
+    keep = ["id", "mode", "mode_rank", "setting", "layers"]
+    frame = runs[keep].rename(columns={"id": "run_id"}).merge(curve, on="run_id")
+    return frame.sort_values(["mode_rank", "run_id", "step"]).reset_index(drop=True)
+
+
+# -- raw rows ----------------------------------------------------------------------------------------
+
+
+def raw_rows(data: ReportData) -> pd.DataFrame:
+    """csv / json: every selected run joined with its headline metrics."""
+    return data.runs.drop(columns=["mode_rank"])
+
+
+# -- selection helpers -------------------------------------------------------------------------------
+
+
+def _configs(db: ResultsDB, ids: list[int]) -> dict[int, dict]:
+    if not ids:
+        return {}
+    with db.engine.connect() as conn:
+        rows = conn.execute(select(Run.id, Run.config).where(Run.id.in_(ids))).all()
+    return {run_id: _flatten(config) for run_id, config in rows}
+
+
+def _flatten(node: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in node.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _where_mask(runs: pd.DataFrame, configs: dict[int, dict], where: dict[str, str]) -> pd.Series:
+    mask = pd.Series(True, index=runs.index)
+    config_keys = set().union(*configs.values()) if configs else set()
+    for key, wanted in where.items():
+        if key in runs.columns:
+            values = runs[key]
+        elif key in config_keys:
+            values = runs["id"].map(lambda i, k=key: configs[i].get(k))
+        elif runs.empty:
+            continue
+        else:
+            raise SelectionError(
+                f"--where {key}=...: neither a run column ({', '.join(c for c in runs.columns)}) "
+                f"nor a config key such as model.name or validate.steps"
+            )
+        mask &= values.map(lambda actual, w=wanted: _matches(actual, w))
+    return mask
+
+
+def _matches(actual: object, wanted: str) -> bool:
+    """`--where` compares as the value's type: numbers (and true/false) by value, the rest as text."""
+    if pd.api.types.is_number(actual):  # bools and the 0/1 of SQLite's booleans included
+        text = wanted.lower()
+        try:
+            number = {"true": 1.0, "false": 0.0}[text] if text in ("true", "false") else float(text)
+        except ValueError:
+            return False
+        return float(actual) == number
+    return ("" if actual is None else str(actual)) == wanted
