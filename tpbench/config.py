@@ -123,8 +123,18 @@ def register_schema() -> None:
 
 
 def save_run_config(cfg: RunConfig, path: Path) -> None:
-    """Write a resolved config as the YAML file a worker reads with `load_run_config`."""
-    OmegaConf.save(OmegaConf.structured(cfg), path)
+    """Write a resolved config as the YAML file a worker reads with `load_run_config`.
+
+    A string holding `${` is escaped, so that it is read back verbatim rather than interpolated."""
+    OmegaConf.save(OmegaConf.create(_escaped(OmegaConf.to_container(OmegaConf.structured(cfg)))), path)
+
+
+def _escaped(node: object) -> object:
+    if isinstance(node, dict):
+        return {key: _escaped(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_escaped(value) for value in node]
+    return node.replace("${", "\\${") if isinstance(node, str) else node
 
 
 def load_run_config(path: str) -> RunConfig:

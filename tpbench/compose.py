@@ -1,0 +1,266 @@
+"""From command-line overrides to checked RunConfigs, before anything is launched or written.
+
+Hydra's compose API reads conf/ into the RunConfig schema; Hydra's override parser reads the overrides
+and its BasicSweeper expands `layers=8,16 mode=ddp,tp` (and a preset's `hydra.sweeper.params`) into
+the cartesian product. Every value is then checked, so a bad one is one line naming it and what is
+accepted (a `ConfigError`), and `auto` devices are resolved for the machine at hand.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+from collections.abc import Sequence
+from functools import reduce
+
+import torch
+from hydra import compose, initialize_config_dir
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+from tpbench.config import CONF_DIR, RunConfig, register_schema, world_size
+from tpbench.experiments import KINDS
+from tpbench.faults import FAULTS
+from tpbench.parallel.checks import ConfigError, check_shardable
+
+# Short names for the keys people type most; any full key of `tpbench run --cfg` works as well.
+SHORT_NAMES = {
+    "tp": "parallel.tp",
+    "dp": "parallel.dp",
+    "sp": "parallel.sp",
+    "vp": "parallel.vp",
+    "engine": "parallel.engine",
+    "layers": "model.num_hidden_layers",
+    "hidden": "model.hidden_size",
+    "heads": "model.num_attention_heads",
+    "kv_heads": "model.num_key_value_heads",
+    "vocab": "model.vocab_size",
+    "seq": "train.seq_len",
+    "micro_batch": "train.micro_batch",
+    "global_batch": "train.global_batch",
+    "steps": "train.steps",
+    "dtype": "train.dtype",
+    "precision": "train.precision",
+}
+GROUPS = ("model", "mode", "batch", "kind", "device", "db", "launcher", "+preset", "+fault")
+
+CHOICES = {
+    "kind": KINDS,
+    "parallel.engine": ("megatron", "ddp", "dtensor"),
+    "train.batch": ("fixed_per_rank", "fixed_global"),
+    "train.dtype": ("float32", "bfloat16", "float16"),
+    "train.precision": ("pure", "mixed"),
+    "launch.device": ("auto", "cpu", "cuda"),
+    "launch.backend": ("auto", "gloo", "nccl"),
+    "launch.rdzv_backend": ("c10d", "static"),
+    "fault": ("", *FAULTS),
+}
+SKIPPABLE_GRAD_SUMS = ("qk_norm", "kv_replicas", "sp_norms", "dp")
+AT_LEAST_ONE = (
+    "model.hidden_size",
+    "model.num_hidden_layers",
+    "model.num_attention_heads",
+    "model.num_key_value_heads",
+    "model.vocab_size",
+    "parallel.tp",
+    "parallel.dp",
+    "train.seq_len",
+    "train.micro_batch",
+    "train.global_batch",
+    "train.steps",
+    "validate.steps",
+    "validate.every",
+)
+AT_LEAST_ZERO = ("train.warmup", "launch.node_rank", "launch.memory_cap_mb")
+POSITIVE = ("launch.collective_timeout_s", "launch.job_timeout_s", "launch.max_result_mb")
+
+
+def expand(overrides: Sequence[str], single: bool = False) -> list[RunConfig]:
+    """Every run the overrides ask for, in sweep order, checked and with devices resolved.
+
+    `kind=all` (the default) becomes one run per kind. `single`: refuse a sweep. Raises ConfigError.
+    """
+    register_schema()
+    parser = OverridesParser.create()
+    user = _parse(parser, overrides)
+    typed = {o.key_or_group: o.input_line for o in user}
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        fixed = [_as_string(o) for o in user if not o.is_sweep_override()]
+        params = _compose(fixed, typed, hydra=True).hydra.sweeper.params or {}
+        preset = _parse(parser, [f"{key}={value}" for key, value in params.items()])
+        (combos,) = BasicSweeper.split_arguments(preset + user, None)
+        if single and len(combos) > 1:
+            raise ConfigError(
+                f"{' '.join(overrides)}: a sweep of {len(combos)} configs, `tpbench run` runs one: "
+                f"use `tpbench sweep` with the same overrides"
+            )
+        runs = [run for combo in combos for run in _runs_of(_compose(combo, typed))]
+    for run in runs:
+        check(run)
+        resolve_device(run)
+    return runs
+
+
+def check(cfg: RunConfig) -> None:
+    """Raise ConfigError, one line, for the first value a run cannot be launched with."""
+    for key, accepted in CHOICES.items():
+        if _get(cfg, key) not in accepted:
+            raise ConfigError(f"{key}={_get(cfg, key)!r}: accepted are {', '.join(map(repr, accepted))}")
+    for key, least, what in [(k, 1, "integers >= 1") for k in AT_LEAST_ONE] + [
+        (k, 0, "integers >= 0") for k in AT_LEAST_ZERO
+    ]:
+        if _get(cfg, key) < least:
+            raise ConfigError(f"{key}={_get(cfg, key)}: accepted are {what}")
+    for key in POSITIVE:
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"{key}={_get(cfg, key)}: accepted are numbers > 0")
+    for name in cfg.debug.skip_grad_sum:
+        if name not in SKIPPABLE_GRAD_SUMS:
+            accepted = ", ".join(SKIPPABLE_GRAD_SUMS)
+            raise ConfigError(f"debug.skip_grad_sum has {name!r}: accepted are {accepted}")
+    _check_db_url(cfg.db.url)
+    _check_nodes(cfg)
+    _check_fault(cfg)
+    check_shardable(cfg)
+    if importlib.util.find_spec(f"tpbench.experiments.{cfg.kind}") is None:
+        available = [k for k in KINDS if importlib.util.find_spec(f"tpbench.experiments.{k}")]
+        raise ConfigError(
+            f"kind={cfg.kind}: not implemented in this tpbench yet (no tpbench/experiments/{cfg.kind}.py); "
+            f"available are {', '.join(available) or 'none'}"
+        )
+
+
+def resolve_device(cfg: RunConfig) -> None:
+    """Replace device/backend `auto` by what this node has: CUDA + NCCL with a GPU per local rank."""
+    launch = cfg.launch
+    local_ranks = local_world_size(cfg)
+    gpus = torch.cuda.device_count()
+    if launch.device == "auto":
+        launch.device = "cuda" if gpus >= local_ranks else "cpu"
+    if launch.device == "cuda" and gpus < local_ranks:
+        raise ConfigError(
+            f"launch.device=cuda: {local_ranks} ranks on this node need {local_ranks} GPUs, torch sees "
+            f"{gpus}; accepted here are auto, cpu"
+        )
+    if launch.backend == "auto":
+        launch.backend = "nccl" if launch.device == "cuda" else "gloo"
+    if launch.backend == "nccl" and launch.device != "cuda":
+        raise ConfigError(f"launch.backend=nccl with launch.device={launch.device}: nccl needs cuda")
+
+
+def local_world_size(cfg: RunConfig) -> int:
+    return cfg.launch.nproc_per_node or world_size(cfg) // int(cfg.launch.nnodes)
+
+
+def _parse(parser: OverridesParser, overrides: Sequence[str]) -> list[Override]:
+    try:
+        parsed = parser.parse_overrides(list(overrides))
+    except OverrideParseException as e:
+        raise ConfigError(f"{e.override}: not an override KEY=VALUE ({e.message.splitlines()[1]})") from None
+    return [
+        dataclasses.replace(o, key_or_group=SHORT_NAMES.get(o.key_or_group, o.key_or_group)) for o in parsed
+    ]
+
+
+def _as_string(o: Override) -> str:
+    """The override as Hydra's BasicSweeper writes it for one job."""
+    return f"{o.get_key_element()}={o.get_value_element_as_str()}"
+
+
+def _compose(overrides: list[str], typed: dict[str, str], hydra: bool = False) -> DictConfig:
+    try:
+        return compose(config_name="config", overrides=overrides, return_hydra_config=hydra)
+    except MissingConfigException as e:
+        if not e.options or not e.missing_cfg_file:
+            raise ConfigError(" ".join(str(e).split())) from None
+        group, name = e.missing_cfg_file.rsplit("/", 1)
+        raise ConfigError(f"{group}={name}: accepted are {', '.join(sorted(e.options))}") from None
+    except ConfigCompositionException as e:
+        raise ConfigError(_explain(e, typed)) from None
+
+
+def _explain(e: ConfigCompositionException, typed: dict[str, str]) -> str:
+    cause = e.__cause__
+    if isinstance(cause, ConfigAttributeError | ConfigKeyError):
+        key = cause.full_key
+        return (
+            f"{typed.get(key, key)}: {key} is not a tpbench setting; accepted are the short names "
+            f"{', '.join(SHORT_NAMES)}, the groups {', '.join(GROUPS)} and the keys of `tpbench run --cfg`"
+        )
+    if isinstance(cause, ValidationError):
+        key = cause.full_key
+        return f"{typed.get(key, key)}: {key} takes {_field_type(key)} ({str(cause).splitlines()[0]})"
+    return " ".join(str(e).split())
+
+
+def _runs_of(composed: DictConfig) -> list[RunConfig]:
+    try:
+        run: RunConfig = OmegaConf.to_object(composed)  # type: ignore[assignment]
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"{e.full_key} is missing: give it, e.g. {e.full_key}=VALUE") from None
+    if run.kind != "all":
+        return [run]
+    return [dataclasses.replace(copy.deepcopy(run), kind=kind) for kind in KINDS]
+
+
+def _check_db_url(url: str) -> None:
+    try:
+        make_url(url).get_dialect()
+    except (ArgumentError, NoSuchModuleError, ValueError) as e:
+        raise ConfigError(
+            f"db.url={url!r}: not a SQLAlchemy URL with an installed driver ({e}); accepted are e.g. "
+            f"sqlite:///runs/tpbench.db, postgresql://user@host/tpbench"
+        ) from None
+
+
+def _check_nodes(cfg: RunConfig) -> None:
+    launch, world = cfg.launch, world_size(cfg)
+    if not launch.nnodes.isdigit() or int(launch.nnodes) < 1:
+        raise ConfigError(
+            f"launch.nnodes={launch.nnodes!r}: accepted are node counts such as 1 or 2 (the world is "
+            f"fixed at tp x dp = {world} ranks)"
+        )
+    nnodes = int(launch.nnodes)
+    per_node = launch.nproc_per_node
+    if (per_node is None and world % nnodes) or (per_node is not None and per_node * nnodes != world):
+        raise ConfigError(
+            f"launch.nnodes={nnodes}, launch.nproc_per_node={per_node}: the {world} ranks (tp x dp) must "
+            f"fill the nodes evenly"
+        )
+    if launch.node_rank >= nnodes:
+        raise ConfigError(f"launch.node_rank={launch.node_rank}: accepted are 0 to {nnodes - 1}")
+    if nnodes > 1 and not launch.rdzv_endpoint:
+        raise ConfigError(
+            f"launch.nnodes={nnodes} needs launch.rdzv_endpoint=HOST:PORT (reached by all nodes)"
+        )
+
+
+def _check_fault(cfg: RunConfig) -> None:
+    if cfg.fault.endswith("_on_rank1") and world_size(cfg) < 2:
+        raise ConfigError(f"fault={cfg.fault} needs a rank 1, in a world of {world_size(cfg)} rank")
+    if cfg.fault == "oom_on_rank1" and cfg.launch.memory_cap_mb == 0:
+        raise ConfigError("fault=oom_on_rank1 needs a cap to exceed: launch.memory_cap_mb > 0")
+
+
+def _get(cfg: RunConfig, key: str):
+    return reduce(getattr, key.split("."), cfg)
+
+
+def _field_type(key: str) -> str:
+    """The annotation of a schema field, e.g. 'int' for parallel.tp."""
+    cls: type = RunConfig
+    *parents, name = key.split(".")
+    for part in parents:
+        cls = _field(cls, part).default_factory  # type: ignore[assignment]
+    return str(_field(cls, name).type)
+
+
+def _field(cls: type, name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(cls) if f.name == name)

@@ -1,0 +1,66 @@
+"""Faults a worker injects on purpose, so that the runner can be proven to survive them.
+
+Switched on per run with `+fault=NAME` (one file per fault in conf/fault/); users can point the same
+switch at their own cluster to see how a crash, a hang or an OOM is reported there.
+
+| fault          | where      | what the worker does                                | recorded as            |
+|----------------|------------|-----------------------------------------------------|------------------------|
+| raise_on_rank1 | rank 1     | raises RuntimeError once the process group is up    | FAILED                 |
+| kill_on_rank1  | rank 1     | sends itself SIGKILL                                | FAILED                 |
+| hang_on_rank1  | rank 1     | all-reduces alone; fails after collective_timeout_s | TIMEOUT                |
+| oom_on_rank1   | rank 1     | allocates twice launch.memory_cap_mb                | OOM                    |
+| print_flood    | every rank | writes 32 MiB to stdout and to stderr, then runs    | OK                     |
+| big_result     | rank 1     | adds 200 000 curve points to its result             | OK; FAILED if too big  |
+
+"Too big" is a result file over launch.max_result_mb: the parent refuses it without reading it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tpbench.config import RunConfig
+from tpbench.results import RankResult
+
+FAULTS = ("raise_on_rank1", "kill_on_rank1", "hang_on_rank1", "oom_on_rank1", "print_flood", "big_result")
+
+FLOOD_BYTES = 32 << 20
+BIG_RESULT_POINTS = 200_000
+
+
+def before_experiment(cfg: RunConfig, rank: int, device: torch.device) -> None:
+    """Inject the configured fault, if any, between process-group setup and the experiment."""
+    fault = cfg.fault
+    if fault == "print_flood":
+        line = f"rank {rank} floods its logs " + "x" * 100 + "\n"
+        for _ in range(FLOOD_BYTES // len(line)):
+            sys.stdout.write(line)
+            sys.stderr.write(line)
+        sys.stdout.flush()
+        return
+    if rank != 1:
+        if fault == "hang_on_rank1":
+            threading.Event().wait()  # never joins rank 1's all-reduce; stopped when rank 1 fails
+        return
+    if fault == "raise_on_rank1":
+        raise RuntimeError("injected fault raise_on_rank1: rank 1 raised on purpose")
+    if fault == "kill_on_rank1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault == "hang_on_rank1":
+        timeout = timedelta(seconds=cfg.launch.collective_timeout_s)
+        dist.all_reduce(torch.ones(1, device=device), async_op=True).wait(timeout)
+    if fault == "oom_on_rank1":
+        torch.empty(2 * cfg.launch.memory_cap_mb << 20, dtype=torch.uint8, device=device).fill_(1)
+
+
+def after_experiment(cfg: RunConfig, result: RankResult) -> None:
+    if cfg.fault == "big_result" and result.rank == 1:
+        for step in range(BIG_RESULT_POINTS):
+            result.add("fault_big_result", step, step=step)
