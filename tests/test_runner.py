@@ -1,0 +1,260 @@
+"""The runner end to end: real torchrun jobs (gloo on CPU, the tiny model), real SQLite files.
+
+Launches are the cost here, so one command checks many things: one sweep fills the database that most
+tests read, and one sweep injects every fault.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+
+import pytest
+from conftest import FAST, Workdir
+
+from tpbench.db import ResultsDB
+
+# A config string and a sweep name with quotes, spaces, `;` and `$`: stored and shown verbatim.
+ODD_NAME = """it's a "tiny"; echo $HOME && rm -rf nothing"""
+ODD_NAME_OVERRIDE = """model.name='it\\'s a "tiny"; echo $HOME && rm -rf nothing'"""
+ODD_SWEEP = """nightly 'a'; "b" $(x)"""
+VALIDATE_METRICS = {
+    "fwd_logits_max_abs",
+    "loss_abs_diff",
+    "grad_max_abs",
+    "grad_max_rel_l2",
+    "adamw_param_max_abs",
+    "passed",
+    "comm_bytes_per_step",
+}
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory) -> tuple[Workdir, object, list[dict]]:
+    """A sweep of two configs into a fresh database, printed as JSON."""
+    work = Workdir(tmp_path_factory.mktemp("swept"))
+    done = work.run("sweep", *FAST, "mode=tp,tp_sp", ODD_NAME_OVERRIDE, "--name", ODD_SWEEP, "--json")
+    return work, done, [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def test_sweep_records_every_run(swept):
+    work, done, printed = swept
+    assert done.returncode == 0, done.stderr
+    rows = work.query(
+        "SELECT id, status, mode, tp, dp, sp, vp, layers, hidden, seq, world_size, backend, device, "
+        "kind, batch_policy, error, failed_rank, sweep FROM runs ORDER BY id"
+    )
+    assert [r[1:] for r in rows] == [
+        (
+            "OK",
+            "tp",
+            2,
+            1,
+            0,
+            0,
+            2,
+            64,
+            32,
+            2,
+            "gloo",
+            "cpu",
+            "validate",
+            "fixed_per_rank",
+            "",
+            None,
+            ODD_SWEEP,
+        ),
+        (
+            "OK",
+            "tp_sp",
+            2,
+            1,
+            1,
+            0,
+            2,
+            64,
+            32,
+            2,
+            "gloo",
+            "cpu",
+            "validate",
+            "fixed_per_rank",
+            "",
+            None,
+            ODD_SWEEP,
+        ),
+    ]
+    for run_id, *_ in rows:
+        names = work.query("SELECT DISTINCT name FROM measurements WHERE run_id = ? AND step IS NULL", run_id)
+        assert VALIDATE_METRICS <= {n for (n,) in names}
+        ranks = work.query("SELECT DISTINCT rank FROM measurements WHERE run_id = ?", run_id)
+        assert sorted(r for (r,) in ranks) == [0, 1]
+        assert work.query("SELECT count(*) FROM param_errors WHERE run_id = ?", run_id)[0][0] > 0
+        assert work.query("SELECT count(*) FROM comm WHERE run_id = ?", run_id)[0][0] > 0
+    assert work.integrity() == "ok"
+    assert work.live_workers() == []
+
+
+def test_json_is_one_object_per_run_with_the_resolved_config(swept):
+    work, _, printed = swept
+    assert [p["id"] for p in printed] == [1, 2]
+    for record in printed:
+        assert record["status"] == "OK" and record["error"] == ""
+        assert record["config"]["model"]["name"] == ODD_NAME
+        assert (
+            record["config"]["launch"]["device"] == "cpu" and record["config"]["launch"]["backend"] == "gloo"
+        )
+        assert VALIDATE_METRICS <= set(record["metrics"]) and record["metrics"]["passed"] == 1.0
+    shown = work.run("runs", "show", "2", "--json")
+    assert json.loads(shown.stdout) == printed[1]
+
+
+def test_strings_are_stored_and_shown_verbatim(swept):
+    work, _, _ = swept
+    (config,) = work.query("SELECT config FROM runs WHERE id = 1")[0]
+    assert json.loads(config)["model"]["name"] == ODD_NAME
+    shown = work.run("runs", "show", "1")
+    assert shown.returncode == 0 and ODD_SWEEP in shown.stdout
+
+
+def test_a_second_sweep_skips_what_is_done(swept):
+    work, _, _ = swept
+    jobs_before = set(work.jobs.iterdir())
+    again = work.run("sweep", *FAST, "mode=tp,tp_sp", ODD_NAME_OVERRIDE)
+    assert again.returncode == 0, again.stderr
+    assert "skipped 2" in again.stderr
+    assert work.query("SELECT count(*) FROM runs")[0][0] == 2
+    assert set(work.jobs.iterdir()) == jobs_before  # nothing launched
+
+
+def test_python_api_returns_frames(swept):
+    work, _, _ = swept
+    db = ResultsDB(f"sqlite:///{work.db}", create=False)
+    runs = db.runs(status="OK", mode="tp_sp")
+    assert runs["id"].tolist() == [2]
+    metrics = db.metrics()
+    assert list(metrics.index) == [1, 2] and VALIDATE_METRICS <= set(metrics.columns)
+    long = db.measurements([1])
+    per_run = long[long["step"].isna()]
+    assert metrics.at[1, "grad_max_abs"] == per_run[per_run["name"] == "grad_max_abs"]["value"].max()
+    assert not long[long["name"] == "adamw_logits_max_abs"]["step"].isna().any()  # the curve keeps its steps
+
+
+def test_runs_lists_with_filters(swept):
+    work, _, _ = swept
+    listed = work.run("runs", "--mode", "tp_sp")
+    assert listed.returncode == 0
+    assert "1 runs" in listed.stdout and "tp_sp" in listed.stdout and "passed" in listed.stdout
+    assert "0 runs" in work.run("runs", "--status", "FAILED", "--since", "1d").stdout
+
+
+# -- faults (issue 8) ----------------------------------------------------------------------------------
+
+FAULTS = "raise_on_rank1,kill_on_rank1,hang_on_rank1,oom_on_rank1,print_flood,big_result"
+COLLECTIVE_TIMEOUT_S = 5
+
+
+@pytest.fixture(scope="module")
+def faulted(tmp_path_factory) -> tuple[Workdir, object, float]:
+    """One sweep over every fault: it must go on past each failure."""
+    work = Workdir(tmp_path_factory.mktemp("faulted"))
+    start = time.monotonic()
+    done = work.run(
+        "sweep",
+        *FAST,
+        f"+fault={FAULTS}",
+        f"launch.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
+        "launch.max_result_mb=1",
+    )
+    return work, done, time.monotonic() - start
+
+
+def test_each_fault_is_recorded_with_its_rank_and_message(faulted):
+    work, done, _ = faulted
+    assert done.returncode == 1
+    rows = work.query("SELECT fault, status, failed_rank, error FROM runs ORDER BY id")
+    assert [r[0] for r in rows] == FAULTS.split(",")  # the sweep went on past every failure
+    by_fault = {fault: (status, rank, error) for fault, status, rank, error in rows}
+    assert by_fault["raise_on_rank1"][:2] == ("FAILED", 1)
+    assert "RuntimeError: injected fault raise_on_rank1" in by_fault["raise_on_rank1"][2]
+    assert (
+        by_fault["kill_on_rank1"][:2] == ("FAILED", 1)
+        and "Signal 9 (SIGKILL)" in by_fault["kill_on_rank1"][2]
+    )
+    assert by_fault["hang_on_rank1"][:2] == ("TIMEOUT", 1) and "timed out" in by_fault["hang_on_rank1"][2]
+    assert by_fault["oom_on_rank1"][:2] == ("OOM", 1) and "allocate" in by_fault["oom_on_rank1"][2]
+    assert by_fault["print_flood"] == ("OK", None, "")
+    assert by_fault["big_result"][:2] == ("FAILED", 1)
+    assert "over launch.max_result_mb=1" in by_fault["big_result"][2]
+    # The CLI says each failure in one line, naming the run, its status and the message.
+    failures = [line for line in done.stderr.splitlines() if line.startswith("run ")]
+    assert len(failures) == 5 and all(" rank 1" in line for line in failures)
+
+
+def test_a_hang_ends_within_the_collective_timeout(faulted):
+    work, _, _ = faulted
+    ((seconds,),) = work.query(
+        "SELECT (julianday(ended_at) - julianday(started_at)) * 86400 FROM runs WHERE fault = 'hang_on_rank1'"
+    )
+    assert COLLECTIVE_TIMEOUT_S <= seconds < COLLECTIVE_TIMEOUT_S + 15
+
+
+def test_faults_leave_no_worker_and_a_sound_database(faulted):
+    work, _, _ = faulted
+    assert work.live_workers() == []
+    assert work.integrity() == "ok"
+    # A failed run keeps its job folder (logs, error files) for a look; an OK one is removed.
+    kept = {row[0] for row in work.query("SELECT log_dir FROM runs WHERE status != 'OK'")}
+    assert len(kept) == 5 and all((work.jobs / k.rsplit("/", 1)[1] / "launcher.log").exists() for k in kept)
+    assert work.query("SELECT log_dir FROM runs WHERE status = 'OK'") == [(None,)]
+
+
+def test_ctrl_c_interrupts_the_current_run_and_a_rerun_finishes_the_rest(tmp_path):
+    work = Workdir(tmp_path)
+    sweep = ["sweep", "kind=validate", "validate.steps=40,2", "validate.every=1"]
+    cli = work.start(*sweep)
+    deadline = time.monotonic() + 120
+    while not list(work.jobs.glob("*/pids/rank1.pid")):  # the first job's workers are up
+        assert time.monotonic() < deadline and cli.poll() is None
+        time.sleep(0.1)
+    time.sleep(0.5)
+    cli.send_signal(signal.SIGINT)
+    _, stderr = cli.communicate(timeout=60)
+    assert cli.returncode == 130, stderr
+    assert work.query("SELECT status, error FROM runs") == [("INTERRUPTED", "interrupted by SIGINT")]
+    assert work.live_workers() == []
+    assert work.integrity() == "ok"
+
+    rerun = work.run(*sweep)
+    assert rerun.returncode == 0, rerun.stderr
+    rows = work.query("SELECT status, json_extract(config, '$.validate.steps') FROM runs ORDER BY id")
+    assert rows == [("INTERRUPTED", 40), ("OK", 40), ("OK", 2)]
+    assert work.query("SELECT count(*) FROM runs WHERE status = 'OK' GROUP BY config_hash") == [(1,), (1,)]
+
+
+def test_four_sweeps_share_one_sqlite_file(tmp_path):
+    work = Workdir(tmp_path)
+    clis = [work.start("sweep", *FAST, f"train.seed={seed}", "mode=tp,tp_sp") for seed in range(4)]
+    outputs = [cli.communicate(timeout=300) for cli in clis]
+    for cli, (_, stderr) in zip(clis, outputs, strict=True):
+        assert cli.returncode == 0, stderr
+        assert "locked" not in stderr
+    seeds = work.query("SELECT json_extract(config, '$.train.seed'), mode, status FROM runs ORDER BY 1, 2")
+    assert seeds == [(seed, mode, "OK") for seed in range(4) for mode in ("tp", "tp_sp")]
+    assert work.query("SELECT count(DISTINCT run_id) FROM measurements") == [(8,)]
+    assert work.integrity() == "ok"
+
+
+def test_two_nodes_meet_through_the_rendezvous_and_rank0s_node_records(tmp_path):
+    work = Workdir(tmp_path)
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    common = [*FAST, "launch.nnodes=2", "launch.nproc_per_node=1", f"launch.rdzv_endpoint=localhost:{port}"]
+    nodes = [work.start("run", *common, f"launch.node_rank={rank}") for rank in (0, 1)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert work.query("SELECT status, world_size, tp FROM runs") == [("OK", 2, 2)]
+    assert sum("records it" in stderr for _, stderr in outputs) == 1

@@ -1,0 +1,369 @@
+"""The tpbench command line: one command per verb.
+
+`run` and `sweep` compose configs from conf/ with Hydra overrides, launch torchrun jobs and record them;
+`runs` lists and shows what the database holds. Bad input is one line on stderr and exit code 2, with
+nothing launched and nothing written; a failed run exits 1, an interrupted one 130.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Annotated, NoReturn
+
+import pandas as pd
+import typer
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from tpbench.config import DbConfig, RunConfig, config_hash, mode_label
+from tpbench.db import DatabaseRefused, NoDatabase, ResultsDB, parse_since
+
+app = typer.Typer(
+    help="Tensor, sequence and vocab parallelism on MiniMind: run, sweep and list experiments.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+runs_app = typer.Typer(help="List the runs of the database, or show one.", add_completion=False)
+app.add_typer(runs_app, name="runs")
+
+out = Console(width=None if sys.stdout.isatty() else 160)  # piped tables keep their columns
+err = Console(stderr=True)
+
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+# The one figure `tpbench runs` shows per kind, and how.
+HEADLINE: dict[str, tuple[str, Callable[[float], str]]] = {
+    "validate": ("passed", lambda v: "passed" if v else "NOT passed"),
+    "memory": ("peak_bytes", lambda v: f"{v / 2**20:,.1f} MiB peak"),
+    "throughput": ("tokens_per_s", lambda v: f"{v:,.0f} tokens/s"),
+}
+
+Overrides = Annotated[
+    list[str] | None,
+    typer.Argument(
+        help="Hydra overrides: short names (tp dp sp vp layers hidden heads kv_heads vocab seq micro_batch "
+        "global_batch steps dtype precision), groups (model mode batch kind device db launcher, "
+        "+preset, +fault) or any key of --cfg.",
+        show_default=False,
+    ),
+]
+ShowCfg = Annotated[bool, typer.Option("--cfg", help="Print the resolved config of every run, then exit.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print each run as one JSON object on stdout.")]
+
+
+@app.command(
+    epilog="Examples:\n\n"
+    "tpbench run  (the tiny MiniMind, tp=2, validate, memory and throughput)\n\n"
+    "tpbench run tp=2 sp=true vp=true layers=64\n\n"
+    "tpbench run mode=tp_sp_vp model=minimind kind=memory batch=fixed_global dtype=bfloat16\n\n"
+    "tpbench run kind=validate +fault=kill_on_rank1 --json"
+)
+def run(overrides: Overrides = None, cfg: ShowCfg = False, as_json: AsJson = False) -> None:
+    """Run one config (one run per kind; kind=all, the default, is all three) and record it."""
+    configs = _compose(overrides or [], single=True)
+    if cfg:
+        _print_configs(configs)
+        return
+    dbs = _databases(configs)
+    failed = interrupted = False
+    for c in configs:
+        label = _label(c)
+        with err.status(f"{label}: starting") as status:
+            run_id, outcome_status = _run_one(
+                c, dbs, lambda line, s=status, lb=label: s.update(f"{lb}: {line}")
+            )
+        failed |= outcome_status != "OK"
+        if run_id is not None:
+            _report_run(dbs[c.db.url], run_id, as_json)
+        if outcome_status == "INTERRUPTED":
+            interrupted = True
+            break
+    raise typer.Exit(EXIT_INTERRUPTED if interrupted else EXIT_FAILED if failed else 0)
+
+
+@app.command(
+    epilog="Examples:\n\n"
+    "tpbench sweep layers=8,16,32,64 mode=ddp,tp,tp_sp,tp_vp,tp_sp_vp kind=memory\n\n"
+    "tpbench sweep +preset=seed_tp_memory\n\n"
+    "tpbench sweep +preset=seed_check --force"
+)
+def sweep(
+    overrides: Overrides = None,
+    force: Annotated[bool, typer.Option(help="Run configs that already have an OK run too.")] = False,
+    name: Annotated[
+        str | None,
+        typer.Option(
+            help="Sweep name stored with each run [default: the preset's name, else the overrides]."
+        ),
+    ] = None,
+    cfg: ShowCfg = False,
+    as_json: AsJson = False,
+) -> None:
+    """Run the cartesian product of comma-separated overrides (and of a preset's sweep), skipping
+    configs that already have an OK run; a failed run does not stop the sweep."""
+    configs = _compose(overrides or [], single=False)
+    for c in configs:
+        c.sweep = c.sweep or name or " ".join(overrides or []) or "default"
+    if cfg:
+        _print_configs(configs)
+        return
+    dbs = _databases(configs)
+    finished = {url: db.finished() for url, db in dbs.items()}
+    todo, done = [], []
+    for c in configs:
+        run_id = None if force else finished[c.db.url].get(config_hash(c))
+        (todo.append(c) if run_id is None else done.append((run_id, c)))
+    counts = {"OK": 0, "failed": 0}
+    ran: list[tuple[int | None, RunConfig, str]] = [(run_id, c, "skipped") for run_id, c in done]
+    interrupted = False
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(f"ok {{task.fields[ok]}} · failed {{task.fields[failed]}} · skipped {len(done)}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+    ) as progress:
+        task = progress.add_task("sweep", total=len(todo), ok=0, failed=0)
+        for c in todo:
+            label = _label(c)
+            progress.update(task, description=label)
+            run_id, status = _run_one(
+                c, dbs, lambda line, lb=label: progress.update(task, description=f"{lb}: {line}")
+            )
+            counts["OK" if status == "OK" else "failed"] += 1
+            progress.update(task, advance=1, ok=counts["OK"], failed=counts["failed"])
+            ran.append((run_id, c, status))
+            if status == "INTERRUPTED":
+                interrupted = True
+                break
+    _print_sweep(ran, dbs, as_json)
+    raise typer.Exit(EXIT_INTERRUPTED if interrupted else EXIT_FAILED if counts["failed"] else 0)
+
+
+@runs_app.callback(
+    invoke_without_command=True,
+    epilog="Examples:\n\n"
+    "tpbench runs\n\n"
+    "tpbench runs --status FAILED --since 2h\n\n"
+    "tpbench runs --kind memory --sweep seed_tp_memory\n\n"
+    "tpbench runs show 12 --json",
+)
+def runs(
+    ctx: typer.Context,
+    status: Annotated[str | None, typer.Option(help="OK, FAILED, OOM, TIMEOUT or INTERRUPTED.")] = None,
+    kind: Annotated[str | None, typer.Option(help="validate, memory or throughput.")] = None,
+    mode: Annotated[str | None, typer.Option(help="ddp, tp, tp_sp, tp_vp, tp_sp_vp, ...")] = None,
+    since: Annotated[str | None, typer.Option(help="An ISO date/time (UTC) or an age: 30m, 12h, 7d.")] = None,
+    sweep: Annotated[str | None, typer.Option(help="The sweep name.")] = None,
+    db: Annotated[str, typer.Option(help="SQLAlchemy URL of the database.")] = DbConfig.url,
+) -> None:
+    """List the runs, oldest first, with the headline figure of each."""
+    if ctx.invoked_subcommand is not None:
+        ctx.obj = db
+        return
+    try:
+        start = parse_since(since) if since else None
+    except ValueError:
+        _usage(f"--since={since}: accepted are an ISO date or time such as 2026-11-30T08:00, or 30m, 12h, 7d")
+    results = _read_db(db)
+    frame = results.runs(status=status, kind=kind, mode=mode, since=start, sweep=sweep)
+    metrics = results.metrics(frame["id"].tolist()) if len(frame) else pd.DataFrame()
+    table = Table(title=f"{len(frame)} runs in {db}")
+    for column in ("id", "started (UTC)", "kind", "mode", "tp×dp", "shape", "dtype", "status"):
+        table.add_column(column, justify="right" if column == "id" else "left", no_wrap=True)
+    table.add_column("result / error", overflow="ellipsis", no_wrap=True, max_width=40)
+    table.add_column("sweep", overflow="ellipsis", no_wrap=True, max_width=24)
+    for row in frame.itertuples():
+        table.add_row(
+            str(row.id),
+            row.started_at.strftime("%m-%d %H:%M"),
+            row.kind,
+            row.mode,
+            f"{row.tp}×{row.dp}",
+            f"L{row.layers} H{row.hidden} S{row.seq}",
+            row.dtype,
+            row.status,
+            _headline(row, metrics),
+            row.sweep,
+        )
+    out.print(table)
+
+
+@runs_app.command("show", epilog="Examples:\n\ntpbench runs show 12\n\ntpbench runs show 12 --json")
+def show(
+    ctx: typer.Context,
+    run_id: Annotated[int, typer.Argument(help="The run id.")],
+    as_json: AsJson = False,
+    db: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the database.")] = None,
+) -> None:
+    """Show one run: status, environment, every headline metric; --json adds the resolved config."""
+    _report_run(_read_db(db or ctx.obj), run_id, as_json, full=True)
+
+
+@app.command(
+    epilog="Examples:\n\n"
+    "tpbench report  (every run, into runs/report.html)\n\n"
+    "tpbench report --kind memory --sweep seed_tp_memory --out memory.html\n\n"
+    "tpbench report --format md --since 12h --where layers=8 --where model.name=tiny\n\n"
+    "tpbench report --format csv --out runs.csv"
+)
+def report(
+    fmt: Annotated[str, typer.Option("--format", help="html, md, csv or json.")] = "html",
+    out_path: Annotated[
+        str | None, typer.Option("--out", help="File to write (default: runs/report.FORMAT).")
+    ] = None,
+    db: Annotated[str, typer.Option(help="SQLAlchemy URL of the database.")] = DbConfig.url,
+    sweep: Annotated[str | None, typer.Option(help="The sweep name.")] = None,
+    kind: Annotated[str | None, typer.Option(help="validate, memory or throughput.")] = None,
+    mode: Annotated[str | None, typer.Option(help="ddp, tp, tp_sp, tp_vp, tp_sp_vp, ...")] = None,
+    since: Annotated[str | None, typer.Option(help="An ISO date/time (UTC) or an age: 30m, 12h, 7d.")] = None,
+    where: Annotated[
+        list[str] | None,
+        typer.Option(help="key=value on a run column (layers, dtype, ...) or a config key (model.name)."),
+    ] = None,
+) -> None:
+    """Write DDP vs TP vs SP vs VP as tables and charts: html (one self-contained file), md (charts as PNG
+    files beside it), csv or json (the raw rows). An empty selection writes nothing and exits 0."""
+    from tpbench import report as reporting  # matplotlib loads only for this command
+
+    try:
+        selection = reporting.Selection.parse(sweep, kind, mode, since, where)
+        path = reporting.write(_read_db(db), selection, fmt, out_path)
+    except reporting.SelectionError as e:
+        _usage(str(e))
+    except reporting.NothingToReport as e:
+        _one_line(str(e))
+        return
+    out.print(str(path), highlight=False)
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+
+
+def _compose(overrides: list[str], single: bool) -> list[RunConfig]:
+    from tpbench import compose  # torch loads only for the commands that launch
+    from tpbench.parallel.checks import ConfigError
+
+    try:
+        return compose.expand(overrides, single=single)
+    except ConfigError as e:
+        _usage(str(e))
+
+
+def _databases(configs: list[RunConfig]) -> dict[str, ResultsDB]:
+    try:
+        return {url: ResultsDB(url) for url in dict.fromkeys(c.db.url for c in configs)}
+    except DatabaseRefused as e:
+        _usage(str(e))
+
+
+def _read_db(url: str) -> ResultsDB:
+    try:
+        return ResultsDB(url, create=False)
+    except NoDatabase as e:
+        err.print(str(e))
+        raise typer.Exit(0) from None
+    except DatabaseRefused as e:
+        _usage(str(e))
+
+
+def _run_one(
+    cfg: RunConfig, dbs: dict[str, ResultsDB], on_progress: Callable[[str], None]
+) -> tuple[int | None, str]:
+    """Launch one config and record it; returns (run id, status). The id is None on a node other than
+    the one of rank 0 in a multi-node job, which leaves recording to that node."""
+    from tpbench.launch import run_job
+
+    outcome = run_job(cfg, on_progress)
+    if not outcome.ran_rank0:
+        err.print(f"{_label(cfg)}: {outcome.status}; the node that ran rank 0 records it")
+        return None, str(outcome.status)
+    run_id = dbs[cfg.db.url].record(cfg, outcome)
+    if outcome.status != "OK":
+        _one_line(f"run {run_id} {outcome.status}: {outcome.error} (logs: {outcome.log_dir})")
+    return run_id, str(outcome.status)
+
+
+def _report_run(db: ResultsDB, run_id: int, as_json: bool, full: bool = False) -> None:
+    try:
+        record = db.run_record(run_id)
+    except KeyError:
+        _usage(f"run {run_id}: no such run in {db.url}")
+    if as_json:
+        print(json.dumps(record, default=str))
+        return
+    text = db.text(run_id)
+    if text:
+        out.print(text, highlight=False, markup=False)
+    if full:
+        fields = Table(title=f"run {run_id}", show_header=False)
+        for key, value in record.items():
+            if key not in ("config", "metrics"):
+                fields.add_row(key, str(value))
+        out.print(fields)
+    metrics = Table(title=f"run {run_id} {record['status']}: {record['kind']} {record['mode']}")
+    metrics.add_column("metric")
+    metrics.add_column("value", justify="right")
+    for name, value in sorted(record["metrics"].items()):
+        metrics.add_row(name, f"{value:.6g}")
+    out.print(metrics)
+
+
+def _print_sweep(
+    ran: list[tuple[int | None, RunConfig, str]], dbs: dict[str, ResultsDB], as_json: bool
+) -> None:
+    if as_json:
+        for run_id, c, _ in ran:
+            if run_id is not None:
+                print(json.dumps(dbs[c.db.url].run_record(run_id), default=str))
+        return
+    flat = pd.json_normalize([OmegaConf.to_container(OmegaConf.structured(c)) for _, c, _ in ran])
+    varying = [key for key in flat.columns if key != "sweep" and flat[key].astype(str).nunique() > 1]
+    table = Table(title=f"sweep {ran[0][1].sweep}" if ran else "sweep: nothing to run")
+    for column in ("run", "status", "mode", *varying):
+        table.add_column(column)
+    for (run_id, c, status), values in zip(ran, flat[varying].itertuples(index=False), strict=True):
+        table.add_row(str(run_id), status, mode_label(c.parallel), *map(str, values))
+    out.print(table)
+
+
+def _print_configs(configs: list[RunConfig]) -> None:
+    print("\n---\n".join(OmegaConf.to_yaml(OmegaConf.structured(c)) for c in configs), end="")
+
+
+def _headline(row, metrics: pd.DataFrame) -> str:
+    if row.status != "OK":
+        return row.error.splitlines()[0][:80] if row.error else ""
+    name, fmt = HEADLINE[row.kind]
+    if row.id not in metrics.index or name not in metrics.columns or pd.isna(metrics.at[row.id, name]):
+        return ""
+    return fmt(metrics.at[row.id, name])
+
+
+def _label(c: RunConfig) -> str:
+    p = c.parallel
+    return f"{c.kind} {mode_label(p)} tp={p.tp} dp={p.dp} layers={c.model.num_hidden_layers}"
+
+
+def _one_line(message: str) -> None:
+    print(" ".join(message.split()), file=sys.stderr, flush=True)
+
+
+def _usage(message: str) -> NoReturn:
+    _one_line(message)
+    raise typer.Exit(EXIT_USAGE)

@@ -1,0 +1,384 @@
+"""The results database: every run, its measurements, per-parameter errors and collectives.
+
+SQLAlchemy 2.0 over any URL (SQLite at runs/tpbench.db by default). Only the parent process writes,
+one transaction per run. SQLite runs in WAL mode with a busy timeout and takes its write lock up front
+(BEGIN IMMEDIATE), so several sweeps can share one file. A `meta` table names the schema version: a
+database of another version, or a file that is not a tpbench database, is refused untouched.
+
+Reading returns pandas DataFrames: `runs()`, `measurements()`, `metrics()` (one headline value per
+run and metric), `param_errors()`, `comm()`; `run_record()` is one run as a JSON-ready dict.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+from omegaconf import OmegaConf
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Engine,
+    ForeignKey,
+    Select,
+    String,
+    Text,
+    create_engine,
+    event,
+    func,
+    insert,
+    inspect,
+    select,
+)
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DatabaseError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+from tpbench.config import RunConfig, config_hash, mode_label, world_size
+from tpbench.results import RANK_AGGREGATION
+
+if TYPE_CHECKING:
+    from tpbench.launch import Outcome
+
+SCHEMA_VERSION = 1
+APP = "tpbench"
+BUSY_TIMEOUT_S = 60
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+class DatabaseRefused(Exception):
+    """The URL points at something tpbench must not write to; one line says why."""
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Meta(Base):
+    __tablename__ = "meta"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(256))
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    config_hash: Mapped[str] = mapped_column(String(16), index=True)
+    config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    kind: Mapped[str] = mapped_column(String(16))
+    mode: Mapped[str] = mapped_column(String(32))
+    engine: Mapped[str] = mapped_column(String(16))
+    tp: Mapped[int]
+    dp: Mapped[int]
+    sp: Mapped[bool]
+    vp: Mapped[bool]
+    layers: Mapped[int]
+    hidden: Mapped[int]
+    heads: Mapped[int]
+    kv_heads: Mapped[int]
+    vocab: Mapped[int]
+    seq: Mapped[int]
+    micro_batch: Mapped[int]
+    global_batch: Mapped[int]
+    batch_policy: Mapped[str] = mapped_column(String(16))
+    dtype: Mapped[str] = mapped_column(String(16))
+    precision: Mapped[str] = mapped_column(String(16))
+    world_size: Mapped[int]
+    fault: Mapped[str] = mapped_column(String(32))
+    sweep: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    error: Mapped[str] = mapped_column(Text)
+    failed_rank: Mapped[int | None]
+    started_at: Mapped[datetime]  # UTC
+    ended_at: Mapped[datetime]
+    host: Mapped[str] = mapped_column(String(256))
+    device: Mapped[str] = mapped_column(String(16))
+    device_name: Mapped[str] = mapped_column(String(256))
+    device_count: Mapped[int]
+    backend: Mapped[str] = mapped_column(String(16))
+    torch_version: Mapped[str] = mapped_column(String(64))
+    cuda_version: Mapped[str | None] = mapped_column(String(32))
+    git_commit: Mapped[str | None] = mapped_column(String(64))
+    git_dirty: Mapped[bool | None]
+    log_dir: Mapped[str | None] = mapped_column(Text)  # the job folder, kept when not OK
+    text: Mapped[str] = mapped_column(Text)  # rank 0's readable summary
+
+
+class MeasurementRow(Base):
+    __tablename__ = "measurements"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
+    rank: Mapped[int]
+    name: Mapped[str] = mapped_column(String(64))
+    value: Mapped[float]
+    unit: Mapped[str] = mapped_column(String(16))
+    step: Mapped[int | None]  # None: a per-run figure; otherwise one point of a curve
+
+
+class ParamErrorRow(Base):
+    __tablename__ = "param_errors"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
+    rank: Mapped[int]
+    name: Mapped[str] = mapped_column(String(256))
+    semantics: Mapped[str] = mapped_column(String(32))
+    shape: Mapped[str] = mapped_column(String(64))  # JSON list
+    grad_mean_abs: Mapped[float]
+    grad_max_abs: Mapped[float]
+    grad_rel_l2: Mapped[float]
+
+
+class CommRow(Base):
+    __tablename__ = "comm"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
+    rank: Mapped[int]
+    op: Mapped[str] = mapped_column(String(32))
+    purpose: Mapped[str] = mapped_column(String(32))  # what it moves: activation, grad_sum, loss, ...
+    count: Mapped[int]
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    time_s: Mapped[float | None]
+
+
+class ResultsDB:
+    """One results database. `create=False` opens only what exists (NoDatabase otherwise)."""
+
+    def __init__(self, url: str, create: bool = True):
+        self.url = url
+        parsed = make_url(url)
+        self.sqlite = parsed.get_backend_name() == "sqlite"
+        in_memory = parsed.database in (None, "", ":memory:")
+        path = Path(parsed.database) if self.sqlite and not in_memory else None
+        if path is not None:
+            _refuse_foreign_file(path)
+            if not create and not path.exists():
+                raise NoDatabase(f"no database at {path} yet: `tpbench run` creates it")
+            path.parent.mkdir(parents=True, exist_ok=True)
+        self.engine = _engine(url, self.sqlite)
+        self._writer = self.engine.execution_options(immediate=True)
+        self._open(create)
+
+    def _open(self, create: bool) -> None:
+        """Check (and on a blank database create) the schema, in one write transaction."""
+        where = self.url
+        try:
+            with self._writer.begin() as conn:
+                tables = set(inspect(conn).get_table_names())
+                if not tables and not create:
+                    raise NoDatabase(f"{where} has no runs yet: `tpbench run` creates them")
+                if not tables:
+                    Base.metadata.create_all(conn)
+                    meta = {"app": APP, "schema_version": str(SCHEMA_VERSION)}
+                    conn.execute(insert(Meta), [{"key": k, "value": v} for k, v in meta.items()])
+                elif "meta" not in tables:
+                    raise DatabaseRefused(
+                        f"{where} is not a tpbench database (its tables: {', '.join(sorted(tables))}); "
+                        f"left untouched: give another db.url"
+                    )
+                else:
+                    meta = dict(conn.execute(select(Meta.key, Meta.value)).all())
+        except DatabaseError as e:
+            raise DatabaseRefused(
+                f"{where} is not a database tpbench reads ({e.orig}); left untouched"
+            ) from None
+        if meta.get("app") != APP:
+            raise DatabaseRefused(f"{where} has a meta table but was not written by tpbench; left untouched")
+        version = int(meta.get("schema_version", 0))
+        if version != SCHEMA_VERSION:
+            newer = "a newer tpbench" if version > SCHEMA_VERSION else "an older tpbench"
+            raise DatabaseRefused(
+                f"{where} has schema version {version}, written by {newer}; this tpbench reads version "
+                f"{SCHEMA_VERSION} and has no upgrade from it: keep it with the tpbench that wrote it, or "
+                f"give another db.url"
+            )
+        if self.sqlite:  # outside any transaction, and only once the file is known to be ours
+            raw = self.engine.raw_connection()
+            try:
+                raw.driver_connection.execute("PRAGMA journal_mode=WAL")
+            finally:
+                raw.close()
+
+    # -- writing -------------------------------------------------------------------------------------
+
+    def record(self, cfg: RunConfig, outcome: Outcome) -> int:
+        """Store one run with everything its ranks measured, in one transaction; returns its id."""
+        m, p, t = cfg.model, cfg.parallel, cfg.train
+        run = Run(
+            config_hash=config_hash(cfg),
+            config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+            kind=cfg.kind,
+            mode=mode_label(p),
+            engine=p.engine,
+            tp=p.tp,
+            dp=p.dp,
+            sp=p.sp,
+            vp=p.vp,
+            layers=m.num_hidden_layers,
+            hidden=m.hidden_size,
+            heads=m.num_attention_heads,
+            kv_heads=m.num_key_value_heads,
+            vocab=m.vocab_size,
+            seq=t.seq_len,
+            micro_batch=t.micro_batch,
+            global_batch=t.global_batch,
+            batch_policy=t.batch,
+            dtype=t.dtype,
+            precision=t.precision,
+            world_size=world_size(cfg),
+            fault=cfg.fault,
+            sweep=cfg.sweep,
+            status=str(outcome.status),
+            error=outcome.error,
+            failed_rank=outcome.failed_rank,
+            started_at=outcome.started_at,
+            ended_at=outcome.ended_at,
+            log_dir=outcome.log_dir,
+            text=next((r.text for r in outcome.results if r.text), ""),
+            **vars(outcome.env),
+        )
+        with Session(self._writer) as session, session.begin():
+            session.add(run)
+            session.flush()
+            for table, attribute in (
+                (MeasurementRow, "measurements"),
+                (ParamErrorRow, "params"),
+                (CommRow, "comm"),
+            ):
+                rows = [
+                    {**vars(row), "run_id": run.id, "rank": result.rank}
+                    for result in outcome.results
+                    for row in getattr(result, attribute)
+                ]
+                if table is ParamErrorRow:
+                    rows = [{**row, "shape": json.dumps(row["shape"])} for row in rows]
+                if rows:
+                    session.execute(insert(table), rows)
+            return run.id
+
+    # -- reading -------------------------------------------------------------------------------------
+
+    def finished(self) -> dict[str, int]:
+        """config hash -> id of its latest OK run."""
+        query = select(Run.config_hash, func.max(Run.id)).where(Run.status == "OK").group_by(Run.config_hash)
+        with self.engine.connect() as conn:
+            return dict(conn.execute(query).all())
+
+    def runs(
+        self,
+        status: str | None = None,
+        kind: str | None = None,
+        mode: str | None = None,
+        since: datetime | None = None,
+        sweep: str | None = None,
+        ids: Sequence[int] | None = None,
+    ) -> pd.DataFrame:
+        """One row per run (every column but the config and the text), oldest first."""
+        columns = [c for c in Run.__table__.columns if c.name not in ("config", "text")]
+        query = select(*columns).order_by(Run.id)
+        for column, value in ((Run.status, status), (Run.kind, kind), (Run.mode, mode), (Run.sweep, sweep)):
+            if value is not None:
+                query = query.where(column == value)
+        if since is not None:
+            query = query.where(Run.started_at >= since)
+        if ids is not None:
+            query = query.where(Run.id.in_(ids))
+        return self._frame(query)
+
+    def measurements(self, run_ids: Sequence[int] | None = None) -> pd.DataFrame:
+        """Long form: run_id, rank, name, value, unit, step."""
+        return self._rows(MeasurementRow, run_ids)
+
+    def param_errors(self, run_ids: Sequence[int] | None = None) -> pd.DataFrame:
+        return self._rows(ParamErrorRow, run_ids)
+
+    def comm(self, run_ids: Sequence[int] | None = None) -> pd.DataFrame:
+        return self._rows(CommRow, run_ids)
+
+    def metrics(self, run_ids: Sequence[int] | None = None) -> pd.DataFrame:
+        """Wide form: one row per run, one column per metric, the headline over ranks
+        (max, or the aggregation named in tpbench.results.RANK_AGGREGATION). Curves are left out."""
+        long = self.measurements(run_ids)
+        long = long[long["step"].isna()]
+        how = long["name"].map(lambda name: RANK_AGGREGATION.get(name, "max"))
+        parts = [long[how == agg].groupby(["run_id", "name"])["value"].agg(agg) for agg in set(how)]
+        if not parts:
+            return pd.DataFrame(index=pd.Index([], name="run_id"))
+        return pd.concat(parts).unstack("name")
+
+    def run_record(self, run_id: int) -> dict[str, Any]:
+        """One run as `tpbench run --json` prints it: id, status, error, config, metrics and the axes."""
+        with Session(self.engine) as session:
+            run = session.get(Run, run_id)
+            if run is None:
+                raise KeyError(run_id)
+            fields = {c.name: getattr(run, c.name) for c in Run.__table__.columns if c.name != "text"}
+        metrics = self.metrics([run_id])
+        fields["metrics"] = metrics.loc[run_id].dropna().to_dict() if run_id in metrics.index else {}
+        for name in ("started_at", "ended_at"):
+            fields[name] = fields[name].isoformat()
+        return fields
+
+    def text(self, run_id: int) -> str:
+        with Session(self.engine) as session:
+            return session.scalars(select(Run.text).where(Run.id == run_id)).one()
+
+    def _rows(self, table: type[Base], run_ids: Sequence[int] | None) -> pd.DataFrame:
+        query = select(*[c for c in table.__table__.columns if c.name != "id"]).order_by(table.id)
+        if run_ids is not None:
+            query = query.where(table.run_id.in_(list(run_ids)))
+        return self._frame(query)
+
+    def _frame(self, query: Select) -> pd.DataFrame:
+        with self.engine.connect() as conn:
+            return pd.read_sql(query, conn)
+
+
+class NoDatabase(DatabaseRefused):
+    """Reading from a database that does not exist yet."""
+
+
+def parse_since(text: str) -> datetime:
+    """`--since`: an ISO date or time (UTC), or an age such as 30m, 12h, 7d."""
+    age = re.fullmatch(r"(\d+)([mhd])", text)
+    if age:
+        unit = {"m": "minutes", "h": "hours", "d": "days"}[age[2]]
+        return datetime.now(UTC).replace(tzinfo=None) - timedelta(**{unit: int(age[1])})
+    return datetime.fromisoformat(text)
+
+
+def _engine(url: str, sqlite: bool) -> Engine:
+    if not sqlite:
+        return create_engine(url)
+    engine = create_engine(url, connect_args={"timeout": BUSY_TIMEOUT_S})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, _record) -> None:
+        # SQLAlchemy, not sqlite3, begins transactions (see _on_begin); busy waits instead of failing.
+        dbapi_connection.isolation_level = None
+        dbapi_connection.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_S * 1000}")
+        dbapi_connection.execute("PRAGMA foreign_keys = ON")
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn) -> None:
+        # Writers take the write lock up front: a deferred transaction that reads, then writes, fails
+        # with "database is locked" at once when another process wrote in between, whatever the timeout.
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get("immediate") else "BEGIN")
+
+    return engine
+
+
+def _refuse_foreign_file(path: Path) -> None:
+    if path.is_file() and path.stat().st_size > 0:
+        with path.open("rb") as f:
+            if f.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
+                raise DatabaseRefused(f"{path} is not a tpbench database (not even SQLite); left untouched")

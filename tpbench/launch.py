@@ -1,0 +1,289 @@
+"""Launch one run as a torchrun job and say how it ended.
+
+The parent process (the CLI) is torchrun's elastic agent: `elastic_launch` starts tp x dp workers
+(`python -m tpbench.worker JOB_DIR`) with no restarts, each writing its stdout/stderr to a log file in
+the job folder. The job folder holds the resolved config, the workers' pid files, their logs and
+error files, and the rank results. A job ends OK, FAILED, OOM, TIMEOUT (a collective past
+launch.collective_timeout_s, or a worker past launch.job_timeout_s) or INTERRUPTED (Ctrl-C), with the
+first failing rank and its message. The parent alone writes the database, from the `Outcome`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, ProcessFailure, SignalException, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from tpbench.compose import local_world_size
+from tpbench.config import RunConfig, config_hash, save_run_config, world_size
+from tpbench.results import RankResult
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Errors a rank sees because another rank died first: never the first failure when there is another.
+PEER_ERRORS = ("closed by peer", "reset by peer", "Broken pipe", "remote worker", "remote process")
+OOM_ERRORS = ("OutOfMemoryError", "MemoryError", "out of memory", "can't allocate memory", "not enough memor")
+TIMEOUT_ERRORS = re.compile(r"timed out|timing out|timeout", re.IGNORECASE)
+AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # what the agent traps
+
+
+class Status(StrEnum):
+    OK = "OK"
+    FAILED = "FAILED"
+    OOM = "OOM"
+    TIMEOUT = "TIMEOUT"
+    INTERRUPTED = "INTERRUPTED"
+
+
+@dataclass
+class Environment:
+    """Where a run ran; stored with it."""
+
+    host: str
+    device: str
+    device_name: str
+    device_count: int
+    backend: str
+    torch_version: str
+    cuda_version: str | None
+    git_commit: str | None
+    git_dirty: bool | None
+
+    @classmethod
+    def probe(cls, cfg: RunConfig) -> Environment:
+        cuda = cfg.launch.device == "cuda"
+        commit = _git("rev-parse", "HEAD")
+        return cls(
+            host=socket.gethostname(),
+            device=cfg.launch.device,
+            device_name=torch.cuda.get_device_name(0) if cuda else _cpu_name(),
+            device_count=torch.cuda.device_count() if cuda else os.cpu_count() or 1,
+            backend=cfg.launch.backend,
+            torch_version=torch.__version__,
+            cuda_version=torch.version.cuda,
+            git_commit=commit,
+            git_dirty=None if commit is None else bool(_git("status", "--porcelain")),
+        )
+
+
+@dataclass
+class Outcome:
+    status: Status
+    started_at: datetime
+    ended_at: datetime
+    env: Environment
+    results: list[RankResult] = field(default_factory=list)
+    error: str = ""
+    failed_rank: int | None = None
+    log_dir: str | None = None  # the job folder, kept when the run did not end OK
+    ran_rank0: bool = True  # False on the other nodes of a multi-node job: node of rank 0 records it
+
+
+class JobFailed(Exception):
+    def __init__(self, status: Status, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.rank = status, message, rank
+
+
+def run_job(cfg: RunConfig, on_progress: Callable[[str], None] = lambda line: None) -> Outcome:
+    """Run `cfg` as a torchrun job on this node and wait for it; a failed job is an Outcome, not an error."""
+    job = Path(tempfile.mkdtemp(prefix="tpbench-job-"))
+    (job / "pids").mkdir()
+    save_run_config(cfg, job / "config.yaml")
+    env, started = Environment.probe(cfg), _now()
+    try:
+        _launch(cfg, job, on_progress)
+        results = _read_results(cfg, job / "results")
+        status, error, rank = Status.OK, "", None
+    except JobFailed as e:
+        status, error, rank, results = e.status, e.message, e.rank, []
+    finally:
+        _reap(job)
+    ran_rank0 = int(cfg.launch.nnodes) == 1 or (job / "pids" / "rank0.pid").exists()
+    kept = None if status is Status.OK else str(job)
+    if kept is None:
+        shutil.rmtree(job)
+    return Outcome(status, started, _now(), env, results, error, rank, kept, ran_rank0)
+
+
+def _launch(cfg: RunConfig, job: Path, on_progress: Callable[[str], None]) -> None:
+    """Run the elastic agent until every worker has ended; every bad ending becomes a JobFailed."""
+    handlers = {sig: signal.getsignal(sig) for sig in AGENT_SIGNALS}
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # until the agent takes over: as Ctrl-C
+    try:
+        with _agent_log(job / "launcher.log"), _Tail(job / "logs", on_progress):
+            elastic_launch(_launch_config(cfg, job), sys.executable)("-m", "tpbench.worker", str(job))
+    except ChildFailedError as e:
+        raise _first_failure(e.failures) from None
+    except SignalException as e:
+        raise JobFailed(Status.INTERRUPTED, f"interrupted by {e.sigval.name}") from None
+    except KeyboardInterrupt:
+        raise JobFailed(Status.INTERRUPTED, "interrupted by SIGINT") from None
+    except Exception as e:  # the rendezvous or the agent failed: no worker ran to the end
+        raise JobFailed(Status.FAILED, f"launch failed: {type(e).__name__}: {e}") from None
+    finally:
+        for sig, handler in handlers.items():  # the agent leaves its own handlers installed
+            signal.signal(sig, handler)
+
+
+def _launch_config(cfg: RunConfig, job: Path) -> LaunchConfig:
+    launch, nnodes = cfg.launch, int(cfg.launch.nnodes)
+    rdzv_configs: dict[str, object] = {"rank": launch.node_rank} if launch.rdzv_backend == "static" else {}
+    return LaunchConfig(
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=local_world_size(cfg),
+        logs_specs=DefaultLogsSpecs(log_dir=str(job / "logs"), redirects=Std.ALL),
+        # One node: a fresh rendezvous on a free port (as torchrun --standalone). Several: every node
+        # derives the same id from the config, so the nodes of one sweep meet run after run.
+        run_id=f"tpbench-{uuid.uuid4().hex}" if nnodes == 1 else f"{launch.rdzv_id}-{config_hash(cfg)}",
+        rdzv_backend=launch.rdzv_backend,
+        rdzv_endpoint=launch.rdzv_endpoint or "localhost:0",
+        rdzv_configs=rdzv_configs,
+        max_restarts=0,
+        shutdown_timeout=5,
+    )
+
+
+def _read_results(cfg: RunConfig, folder: Path) -> list[RankResult]:
+    if not (folder / "rank0.json").exists() and int(cfg.launch.nnodes) > 1:
+        return []  # rank 0 ran on another node, which records the run
+    results = []
+    for rank in range(world_size(cfg)):
+        path = folder / f"rank{rank}.json"
+        if not path.exists():
+            raise JobFailed(Status.FAILED, f"rank {rank} ended without a result", rank)
+        size_mb = path.stat().st_size / 2**20
+        if size_mb > cfg.launch.max_result_mb:
+            limit = cfg.launch.max_result_mb
+            message = f"rank {rank} wrote a {size_mb:.1f} MB result, over launch.max_result_mb={limit:g}"
+            raise JobFailed(Status.FAILED, message, rank)
+        results.append(RankResult.load(path))
+    return results
+
+
+def _first_failure(failures: dict[int, ProcessFailure]) -> JobFailed:
+    """The rank that failed first. The agent lists the ranks it stopped (SIGTERM) as failures too, and
+    a rank whose peer died fails with a connection error: both come after every other failure."""
+
+    def order(item: tuple[int, ProcessFailure]) -> tuple[bool, int]:
+        _, failure = item
+        stopped = failure.exitcode == -signal.SIGTERM
+        consequence = stopped or any(p in _message(failure) for p in PEER_ERRORS)
+        has_file = os.path.isfile(failure.error_file)
+        return consequence, os.stat(failure.error_file).st_mtime_ns if has_file else failure.timestamp * 10**9
+
+    rank, failure = min(failures.items(), key=order)
+    message = _message(failure)
+    if failure.exitcode == -signal.SIGALRM:
+        return JobFailed(Status.TIMEOUT, f"rank {rank} ran past launch.job_timeout_s", rank)
+    if any(m in message for m in OOM_ERRORS):
+        return JobFailed(Status.OOM, f"rank {rank}: {message}", rank)
+    if TIMEOUT_ERRORS.search(message):
+        return JobFailed(Status.TIMEOUT, f"rank {rank}: {message}", rank)
+    return JobFailed(Status.FAILED, f"rank {rank}: {message}", rank)
+
+
+def _message(failure: ProcessFailure) -> str:
+    message = failure.message
+    return message["message"] if isinstance(message, dict) else message
+
+
+def _reap(job: Path) -> None:
+    """Kill any worker of this job still alive (the agent stops them; this makes sure)."""
+    for pid_file in (job / "pids").glob("rank*.pid"):
+        pid = int(pid_file.read_text())
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(job).encode() in cmdline:
+            os.kill(pid, signal.SIGKILL)
+
+
+class _Tail:
+    """Calls on_progress with the last line of rank 0's stdout, twice a second, while a job runs."""
+
+    def __init__(self, logs: Path, on_progress: Callable[[str], None]):
+        self.logs, self.on_progress = logs, on_progress
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._follow, daemon=True)
+
+    def __enter__(self) -> _Tail:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def _follow(self) -> None:
+        while not self.stop.wait(0.5):
+            for log in self.logs.glob("*/attempt_0/0/stdout.log"):
+                line = _last_line(log)
+                if line:
+                    self.on_progress(line)
+
+
+def _last_line(path: Path, tail_bytes: int = 4096) -> str:
+    with path.open("rb") as f:
+        f.seek(max(0, path.stat().st_size - tail_bytes))
+        lines = f.read().decode(errors="replace").splitlines()
+    return lines[-1].strip()[:160] if lines else ""
+
+
+@contextmanager
+def _agent_log(path: Path) -> Iterator[None]:
+    """Torch elastic's own log lines go to the job folder, not to the user's terminal."""
+    logger = logging.getLogger("torch.distributed")
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handlers, propagate = logger.handlers, logger.propagate
+    logger.handlers, logger.propagate = [handler], False
+    try:
+        yield
+    finally:
+        logger.handlers, logger.propagate = handlers, propagate
+        handler.close()
+
+
+def _now() -> datetime:
+    return datetime.now(UTC).replace(tzinfo=None)  # stored as naive UTC
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
