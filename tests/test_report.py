@@ -26,7 +26,8 @@ from matplotlib.figure import Figure
 from typer.testing import CliRunner
 
 from tpbench.cli import app
-from tpbench.report import published
+from tpbench.report import published, render
+from tpbench.report.data import ReportData, Selection, mode_rank, setting_label
 
 TPBENCH = str(Path(sys.executable).with_name("tpbench"))
 CHROMIUM = "/usr/bin/chromium"
@@ -352,6 +353,45 @@ def test_bad_filters_are_usage_errors(filled, tmp_path, args, message):
 
 
 # -- published figures -------------------------------------------------------------------------------
+
+
+def seed_runs() -> ReportData:
+    """Runs of the seed's two configs, as `load` would return them (no such run fits a CPU test):
+    memory DDP and TP at 8 layers, and a TP validate of the numerical check."""
+    base = {
+        "status": "OK", "error": "", "sweep": "seed", "precision": "pure", "device": "cuda",
+        "device_name": "H200", "device_count": 1, "backend": "nccl", "torch_version": "2.13",
+        "cuda_version": "12.8", "git_commit": None, "git_dirty": None, "host": "gpu", "log_dir": None,
+        "failed_rank": None, "started_at": pd.Timestamp("2026-11-30"), "ended_at": pd.Timestamp("2026-11-30"),
+        "global_batch": 4, "world_size": 2,
+    }  # fmt: skip
+    memory = dict(base, kind="memory", layers=8, **published.SEED_MEMORY_SETTING)
+    check = {k: v for k, v in published.SEED_CHECK_SETTING.items() if k != "adamw_steps"}
+    runs = pd.DataFrame(
+        [
+            dict(memory, id=1, mode="ddp", tp=1, dp=2, peak_bytes=2400 * 2**20),
+            dict(memory, id=2, mode="tp", tp=2, dp=1, peak_bytes=1500 * 2**20),
+            dict(base, id=3, kind="validate", mode="tp", batch_policy="fixed_per_rank", micro_batch=2,
+                 fwd_logits_max_abs=1e-7, passed=1.0, **check),
+        ]
+    )  # fmt: skip
+    runs["config_hash"] = runs["id"].astype(str)
+    runs["setting"] = runs.apply(setting_label, axis=1)
+    runs["mode_rank"] = runs["mode"].map(mode_rank)
+    per_rank = pd.DataFrame(
+        [{"run_id": i, "rank": r, "name": "peak_bytes", "value": runs.at[i - 1, "peak_bytes"]} for i in (1, 2)
+         for r in (0, 1)]
+    )  # fmt: skip
+    curves = pd.DataFrame({"run_id": [3], "name": ["adamw_logits_max_abs"], "step": [200], "value": [1e-3]})
+    comm = pd.DataFrame(columns=["run_id", "rank", "op", "purpose", "count", "bytes", "time_s"])
+    return ReportData("sqlite://", Selection(), runs, curves, per_rank, comm, {3: {"validate.steps": 200}})
+
+
+def test_published_figures_are_drawn_beside_runs_of_their_config():
+    html = render(seed_runs(), "html", Path("unused"))
+    assert html.count(published.SEED) >= 4  # memory chart legend, memory table, validation table, notes
+    assert "1,509.5 MiB" in html and "2,377.7 MiB" in html  # the seed's TP and DDP peaks at 8 layers
+    assert "6.60e-07" in html  # the seed's forward max |logits diff|
 
 
 def test_published_figures_join_only_their_own_config():

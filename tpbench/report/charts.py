@@ -53,6 +53,10 @@ def _grouped_bars(ax, groups: list, series: list[dict]) -> None:
     ax.margins(y=0.15)
 
 
+def _legend_outside(ax) -> None:
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+
+
 def _saving(ratio: float) -> str:
     return "" if pd.isna(ratio) else f"{ratio - 1:+.0%}"
 
@@ -89,7 +93,7 @@ def memory_peaks(peaks: pd.DataFrame, published: pd.DataFrame, title: str) -> by
         ax = fig.subplots()
         _grouped_bars(ax, layers, series)
         ax.set(xlabel="layers", ylabel="peak per rank (MiB)", title=title)
-        ax.legend(fontsize=7, loc="upper left")
+        _legend_outside(ax)
         return _png(fig)
 
 
@@ -109,7 +113,7 @@ def memory_breakdown(parts: pd.DataFrame, title: str) -> bytes:
             bottom += values
         ax.set_xticks(range(len(wide)), wide.index, rotation=30, ha="right")
         ax.set(ylabel="MiB at the peak (busiest rank)", title=title)
-        ax.legend(fontsize=7, loc="upper left")
+        _legend_outside(ax)
         return _png(fig)
 
 

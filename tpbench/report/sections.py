@@ -112,7 +112,10 @@ def header(data: ReportData) -> Section:
         + runs["git_dirty"].map(lambda d: " (dirty)" if d else "")
     )
     where = (
-        env.groupby(["device", "device_name", "backend", "torch_version", "commit", "host"], dropna=False)
+        env.groupby(
+            ["device", "device_name", "backend", "torch_version", "cuda_version", "commit", "host"],
+            dropna=False,
+        )
         .agg(devices=("device_count", "max"), runs=("id", "count"))
         .reset_index()
     )
@@ -376,7 +379,7 @@ def validation_section(data: ReportData) -> Section:
         row = {"run": published.SEED, "mode": "tp", "tp×dp": "2×1", "layers": 6, "AdamW steps": 200}
         row |= {label: seed.get(key) for label, (key, _) in columns.items() if key in seed}
         row["AdamW max |logits diff|"] = seed["adamw_logits_max_abs"]
-        table.frame = pd.concat([table.frame, pd.DataFrame([row])], ignore_index=True)
+        table.frame = pd.concat([table.frame, pd.DataFrame([row])], ignore_index=True)[table.frame.columns]
         table.note = f"Last row: {published.SEED}, REFERENCE.md section 6, on the same config."
     section.blocks.append(table)
     if not curves.empty:
