@@ -36,7 +36,7 @@ def write(db: ResultsDB, selection: Selection, fmt: str, out: Path | None = None
         raise SelectionError(f"--format {fmt}: accepted are {', '.join(FORMATS)}")
     data = load(db, selection)
     if data.runs.empty:
-        raise NothingToReport(f"no runs match {selection.describe()} in {db.url}: nothing to report")
+        raise NothingToReport(f"no runs match {selection.describe()} in {data.db_url}: nothing to report")
     out = Path(out) if out is not None else default_path(fmt)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render(data, fmt, out), encoding="utf-8")

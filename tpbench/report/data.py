@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 
 import pandas as pd
 from sqlalchemy import select
+from sqlalchemy.engine import make_url
 
 from tpbench.db import ResultsDB, Run, parse_since
 
@@ -133,7 +134,8 @@ def load(db: ResultsDB, selection: Selection) -> ReportData:
     curves = long[long["step"].notna()].groupby(["run_id", "name", "step"], as_index=False)["value"].max()
     per_rank = long[long["step"].isna()][["run_id", "rank", "name", "value"]]
     comm = db.comm(ok_ids)
-    return ReportData(db.url, s, runs.reset_index(drop=True), curves, per_rank, comm, configs)
+    url = make_url(db.url).render_as_string(hide_password=True)  # a report may travel
+    return ReportData(url, s, runs.reset_index(drop=True), curves, per_rank, comm, configs)
 
 
 def setting_label(run: pd.Series) -> str:
