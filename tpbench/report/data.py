@@ -18,20 +18,6 @@ from sqlalchemy.engine import make_url
 from tpbench.db import ResultsDB, Run, parse_since
 
 MODE_ORDER = ("ddp", "tp", "tp_sp", "tp_vp", "tp_sp_vp")
-SETTING = (
-    "device",
-    "world_size",
-    "hidden",
-    "heads",
-    "kv_heads",
-    "vocab",
-    "seq",
-    "batch_policy",
-    "micro_batch",
-    "global_batch",
-    "dtype",
-    "precision",
-)
 # MemTracker's split of the peak, bottom to top of the stacked bars; the last two are often zero.
 MEMORY_PARTS = {
     "mem_params_bytes": "parameters",

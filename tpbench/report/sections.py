@@ -109,7 +109,7 @@ def header(data: ReportData) -> Section:
     )
     env = runs.assign(
         commit=runs["git_commit"].map(lambda c: c[:10] if isinstance(c, str) else units.DASH)
-        + runs["git_dirty"].map(lambda d: " (dirty)" if d else "")
+        + runs["git_dirty"].map(lambda d: " (dirty)" if pd.notna(d) and d else "")
     )
     where = (
         env.groupby(
