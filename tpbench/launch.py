@@ -134,7 +134,7 @@ def _launch(cfg: RunConfig, job: Path, on_progress: Callable[[str], None]) -> No
         with _agent_log(job / "launcher.log"), _Tail(job / "logs", on_progress):
             elastic_launch(_launch_config(cfg, job), sys.executable)("-m", "tpbench.worker", str(job))
     except ChildFailedError as e:
-        raise _first_failure(e.failures) from None
+        raise _first_failure(e.failures, cfg) from None
     except SignalException as e:
         raise JobFailed(Status.INTERRUPTED, f"interrupted by {e.sigval.name}") from None
     except KeyboardInterrupt:
@@ -182,7 +182,7 @@ def _read_results(cfg: RunConfig, folder: Path) -> list[RankResult]:
     return results
 
 
-def _first_failure(failures: dict[int, ProcessFailure]) -> JobFailed:
+def _first_failure(failures: dict[int, ProcessFailure], cfg: RunConfig) -> JobFailed:
     """The rank that failed first. The agent lists the ranks it stopped (SIGTERM) as failures too, and
     a rank whose peer died fails with a connection error: both come after every other failure."""
 
@@ -196,7 +196,9 @@ def _first_failure(failures: dict[int, ProcessFailure]) -> JobFailed:
     rank, failure = min(failures.items(), key=order)
     message = _message(failure)
     if failure.exitcode == -signal.SIGALRM:
-        return JobFailed(Status.TIMEOUT, f"rank {rank} ran past launch.job_timeout_s", rank)
+        return JobFailed(
+            Status.TIMEOUT, f"rank {rank} ran past launch.job_timeout_s={cfg.launch.job_timeout_s:g}", rank
+        )
     if any(m in message for m in OOM_ERRORS):
         return JobFailed(Status.OOM, f"rank {rank}: {message}", rank)
     if TIMEOUT_ERRORS.search(message):
