@@ -160,18 +160,19 @@ def test_dtensor_moves_the_same_bytes_as_ours(measured, mode):
 
 
 def test_what_dtensor_cannot_express_is_refused_up_front():
-    from tpbench.config import ParallelConfig
-    from tpbench.models.minimind import MiniMindConfig
+    from tpbench.config import ModelConfig, ParallelConfig
+    from tpbench.parallel.checks import ConfigError
     from tpbench.parallel.dtensor import check_dtensor_shardable
 
-    tiny = MiniMindConfig(hidden_size=64, num_hidden_layers=2, vocab_size=256)  # heads 8/4
-    check_dtensor_shardable(tiny, ParallelConfig(tp=4, sp=True, vp=True), 4)
-    with pytest.raises(ValueError, match="num_key_value_heads=4, parallel.tp=8"):
-        check_dtensor_shardable(tiny, ParallelConfig(tp=8), 8)
-    odd_vocab = MiniMindConfig(hidden_size=64, num_hidden_layers=2, vocab_size=255)
-    check_dtensor_shardable(odd_vocab, ParallelConfig(tp=2), 2)  # replicated vocab: fine
-    with pytest.raises(ValueError, match="vocab_size=255"):
-        check_dtensor_shardable(odd_vocab, ParallelConfig(tp=2, vp=True), 2)
+    tiny = ModelConfig()  # heads 8/4, V 256
+    check_dtensor_shardable(tiny, ParallelConfig(tp=4, sp=True, vp=True, engine="dtensor"))
+    with pytest.raises(ConfigError, match="num_key_value_heads=4, parallel.tp=8"):
+        check_dtensor_shardable(tiny, ParallelConfig(tp=8, engine="dtensor"))
+    check_dtensor_shardable(tiny, ParallelConfig(tp=8))  # ours replicates KV heads: not refused here
+    odd_vocab = ModelConfig(vocab_size=255)
+    check_dtensor_shardable(odd_vocab, ParallelConfig(tp=2, engine="dtensor"))  # replicated vocab: fine
+    with pytest.raises(ConfigError, match="vocab_size=255"):
+        check_dtensor_shardable(odd_vocab, ParallelConfig(tp=2, vp=True, engine="dtensor"))
 
 
 if __name__ == "__main__":

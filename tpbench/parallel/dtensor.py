@@ -55,25 +55,29 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from tpbench.config import ParallelConfig
+from tpbench.config import ModelConfig, ParallelConfig
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, MiniMindForCausalLM
 from tpbench.parallel import comm
+from tpbench.parallel.checks import ConfigError
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.plan import Layout, plan_layouts
 
 GRAD_SUMS = ("qk_norm", "sp_norms", "dp")  # what `skip_grad_sum` may switch off, to prove it is needed
 
 
-def check_dtensor_shardable(cfg: MiniMindConfig, pcfg: ParallelConfig, tp: int) -> None:
-    """Raise ValueError (one line) for what the DTensor engine cannot express."""
-    if tp > 1 and cfg.num_key_value_heads % tp:
-        raise ValueError(
-            f"parallel.engine=dtensor with model.num_key_value_heads={cfg.num_key_value_heads}, "
-            f"parallel.tp={tp}: accepted are tp dividing the KV heads (ColwiseParallel cannot replicate them)"
+def check_dtensor_shardable(model: ModelConfig | MiniMindConfig, pcfg: ParallelConfig) -> None:
+    """Raise ConfigError (one line) for what this engine cannot express; callable before launch."""
+    tp, kv = pcfg.tp, model.num_key_value_heads
+    if pcfg.engine != "dtensor" or tp == 1:
+        return
+    if kv % tp:
+        raise ConfigError(
+            f"parallel.engine=dtensor with model.num_key_value_heads={kv}, parallel.tp={tp}: accepted are "
+            f"tp dividing the KV heads (ColwiseParallel cannot replicate them)"
         )
-    if tp > 1 and pcfg.vp and cfg.vocab_size % tp:
-        raise ValueError(
-            f"parallel.engine=dtensor vp=true with model.vocab_size={cfg.vocab_size}: accepted are vocab "
+    if pcfg.vp and model.vocab_size % tp:
+        raise ConfigError(
+            f"parallel.engine=dtensor vp=true with model.vocab_size={model.vocab_size}: accepted are vocab "
             f"sizes divisible by parallel.tp={tp} (this engine does not pad the vocab)"
         )
 
@@ -133,7 +137,7 @@ def parallelize_dtensor(
     left plain replicated weights), sp_norms (their Partial gradients left as they are), dp.
     """
     cfg = model.config
-    check_dtensor_shardable(cfg, pcfg, ctx.tp)
+    check_dtensor_shardable(cfg, replace(pcfg, engine="dtensor", tp=ctx.tp))
     if unknown := set(skip_grad_sum) - set(GRAD_SUMS):
         raise ValueError(f"skip_grad_sum={sorted(unknown)}: accepted are {', '.join(GRAD_SUMS)}")
     layouts = plan_layouts(cfg, ctx.tp, replace(pcfg, vocab_pad_multiple=1))
