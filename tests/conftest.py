@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from typer.testing import CliRunner, Result
+
+from tpbench.cli import app
 
 TPBENCH = str(Path(sys.executable).with_name("tpbench"))
 # The tiny model, a couple of AdamW steps: a launch costs seconds.
@@ -46,6 +52,15 @@ class Workdir:
         return subprocess.run(
             [TPBENCH, *args], cwd=self.path, env=self.env(), capture_output=True, text=True, timeout=timeout
         )
+
+    def invoke(self, *args: str) -> Result:
+        """The CLI in this process, for commands that launch nothing: no interpreter to start."""
+        saved, tempfile.tempdir = tempfile.tempdir, str(self.jobs)
+        try:
+            with contextlib.chdir(self.path):
+                return CliRunner().invoke(app, list(args))
+        finally:
+            tempfile.tempdir = saved
 
     def live_workers(self) -> list[int]:
         """Pids of tpbench workers still running from this folder's jobs."""

@@ -7,6 +7,7 @@ tests read, and one sweep injects every fault.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import time
@@ -107,7 +108,7 @@ def test_json_is_one_object_per_run_with_the_resolved_config(swept):
             record["config"]["launch"]["device"] == "cpu" and record["config"]["launch"]["backend"] == "gloo"
         )
         assert VALIDATE_METRICS <= set(record["metrics"]) and record["metrics"]["passed"] == 1.0
-    shown = work.run("runs", "show", "2", "--json")
+    shown = work.invoke("runs", "show", "2", "--json")
     assert json.loads(shown.stdout) == printed[1]
 
 
@@ -115,15 +116,15 @@ def test_strings_are_stored_and_shown_verbatim(swept):
     work, _, _ = swept
     (config,) = work.query("SELECT config FROM runs WHERE id = 1")[0]
     assert json.loads(config)["model"]["name"] == ODD_NAME
-    shown = work.run("runs", "show", "1")
-    assert shown.returncode == 0 and ODD_SWEEP in shown.stdout
+    shown = work.invoke("runs", "show", "1")
+    assert shown.exit_code == 0 and ODD_SWEEP in shown.stdout
 
 
 def test_a_second_sweep_skips_what_is_done(swept):
     work, _, _ = swept
     jobs_before = set(work.jobs.iterdir())
-    again = work.run("sweep", *FAST, "mode=tp,tp_sp", ODD_NAME_OVERRIDE)
-    assert again.returncode == 0, again.stderr
+    again = work.invoke("sweep", *FAST, "mode=tp,tp_sp", ODD_NAME_OVERRIDE)
+    assert again.exit_code == 0, again.stderr
     assert "skipped 2" in again.stderr
     assert work.query("SELECT count(*) FROM runs")[0][0] == 2
     assert set(work.jobs.iterdir()) == jobs_before  # nothing launched
@@ -144,10 +145,10 @@ def test_python_api_returns_frames(swept):
 
 def test_runs_lists_with_filters(swept):
     work, _, _ = swept
-    listed = work.run("runs", "--mode", "tp_sp")
-    assert listed.returncode == 0
+    listed = work.invoke("runs", "--mode", "tp_sp")
+    assert listed.exit_code == 0
     assert "1 runs" in listed.stdout and "tp_sp" in listed.stdout and "passed" in listed.stdout
-    assert "0 runs" in work.run("runs", "--status", "FAILED", "--since", "1d").stdout
+    assert "0 runs" in work.invoke("runs", "--status", "FAILED", "--since", "1d").stdout
 
 
 # -- faults (issue 8) ----------------------------------------------------------------------------------
@@ -295,3 +296,25 @@ def test_a_worker_past_the_job_timeout_is_stopped_and_recorded(tmp_path):
     assert status == "TIMEOUT" and rank in (0, 1) and error.endswith("ran past launch.job_timeout_s=3")
     assert seconds < 3 + 15
     assert work.live_workers() == []
+
+
+def test_a_killed_launcher_takes_its_workers_with_it(tmp_path):
+    work = Workdir(tmp_path)
+    cli = work.start("run", "kind=validate", "validate.steps=1000000")
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(work.jobs.glob("*/pids/rank*.pid"))) < 2:
+            assert time.monotonic() < deadline and cli.poll() is None
+            time.sleep(0.1)
+        time.sleep(2)  # past init_process_group: the workers no longer need the launcher's store
+        assert len(work.live_workers()) == 2
+        cli.kill()  # SIGKILL: the launcher has no say; the workers' parent-death signal does
+        cli.communicate()
+        deadline = time.monotonic() + 10
+        while work.live_workers():
+            assert time.monotonic() < deadline, work.live_workers()
+            time.sleep(0.1)
+    finally:
+        cli.kill()
+        for pid in work.live_workers():
+            os.kill(pid, signal.SIGKILL)

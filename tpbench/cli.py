@@ -289,7 +289,10 @@ def _run_one(
     the one of rank 0 in a multi-node job, which leaves recording to that node."""
     from tpbench.launch import run_job
 
-    outcome = run_job(cfg, on_progress)
+    try:
+        outcome = run_job(cfg, on_progress)
+    except KeyboardInterrupt:  # before the agent started or after the job ended: nothing ran to record
+        return None, "INTERRUPTED"
     if not outcome.ran_rank0:
         err.print(f"{_label(cfg)}: {outcome.status}; the node that ran rank 0 records it")
         return None, str(outcome.status)

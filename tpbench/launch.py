@@ -178,7 +178,10 @@ def _read_results(cfg: RunConfig, folder: Path) -> list[RankResult]:
             limit = cfg.launch.max_result_mb
             message = f"rank {rank} wrote a {size_mb:.1f} MB result, over launch.max_result_mb={limit:g}"
             raise JobFailed(Status.FAILED, message, rank)
-        results.append(RankResult.load(path))
+        try:
+            results.append(RankResult.load(path))
+        except (ValueError, KeyError, TypeError) as e:
+            raise JobFailed(Status.FAILED, f"rank {rank} wrote an unreadable result ({e})", rank) from None
     return results
 
 
@@ -202,7 +205,10 @@ def _first_failure(failures: dict[int, ProcessFailure], cfg: RunConfig) -> JobFa
     if any(m in message for m in OOM_ERRORS):
         return JobFailed(Status.OOM, f"rank {rank}: {message}", rank)
     if TIMEOUT_ERRORS.search(message):
-        return JobFailed(Status.TIMEOUT, f"rank {rank}: {message}", rank)
+        limit = cfg.launch.collective_timeout_s
+        return JobFailed(
+            Status.TIMEOUT, f"rank {rank}: {message} (launch.collective_timeout_s={limit:g})", rank
+        )
     return JobFailed(Status.FAILED, f"rank {rank}: {message}", rank)
 
 

@@ -50,10 +50,10 @@ def main(job_dir: Path) -> None:
 
 
 def _register(job_dir: Path, rank: int) -> None:
-    """Leave a pid file for the launcher's final check, and die with the launcher."""
-    (job_dir / "pids" / f"rank{rank}.pid").write_text(str(os.getpid()))
+    """Die with the launcher, and leave a pid file for its final check."""
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    (job_dir / "pids" / f"rank{rank}.pid").write_text(str(os.getpid()))
     # The agent stops workers with SIGINT on Ctrl-C: end at once, as with SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
