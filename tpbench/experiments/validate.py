@@ -17,6 +17,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from tpbench import theory
 from tpbench.config import RunConfig, mode_label
 from tpbench.experiments.setup import Batches, build_dense, build_parallel, context, param_dtype
 from tpbench.parallel import comm
@@ -43,6 +44,7 @@ def run(cfg: RunConfig) -> RankResult:
         pm.finish_grads()
     result.comm = counter.rows()
     result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")
+    result.add("predicted_comm_bytes_per_step", theory.predict(cfg).comm_bytes_per_step, "B")
 
     fwd = _max_abs(pm.full_logits(logits), batches.local_slice(dense_logits))
     mean_loss = comm.all_reduce(loss.detach().clone(), ctx.dp_group, "check") / ctx.dp
