@@ -29,6 +29,7 @@ from tpbench.config import CONF_DIR, RunConfig, register_schema, world_size
 from tpbench.experiments import KINDS
 from tpbench.faults import FAULTS
 from tpbench.parallel.checks import ConfigError, check_shardable
+from tpbench.parallel.dtensor import check_dtensor_shardable
 
 # Short names for the keys people type most; any full key of `tpbench run --cfg` works as well.
 SHORT_NAMES = {
@@ -129,6 +130,7 @@ def check(cfg: RunConfig) -> None:
     _check_nodes(cfg)
     _check_fault(cfg)
     check_shardable(cfg)
+    check_dtensor_shardable(cfg.model, cfg.parallel)
     if importlib.util.find_spec(f"tpbench.experiments.{cfg.kind}") is None:
         available = [k for k in KINDS if importlib.util.find_spec(f"tpbench.experiments.{k}")]
         raise ConfigError(
