@@ -28,6 +28,9 @@ the same holds for the norms under SP (Shard(0)). `finish_grads` redistributes t
 Replicate (an all-reduce each). Left Partial, DTensor's optimizer would reduce them inside every op
 that reads them, and the local gradients would not be the dense ones.
 
+DTensor's collectives are torch's functional collectives, not tpbench.parallel.comm's: `counting`
+counts them (through torch's CommDebugMode) into the same CommCounter, with the same ring bytes.
+
 What DTensor cannot express here, refused up front by `check_dtensor_shardable`: GQA with fewer KV
 heads than ranks (ours replicates KV heads; ColwiseParallel would cut a head in half), and, under VP,
 a vocab not divisible by tp (ours pads it; this engine keeps DTensor's even split).
