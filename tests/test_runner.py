@@ -130,12 +130,19 @@ def test_a_second_sweep_skips_what_is_done(swept):
     assert set(work.jobs.iterdir()) == jobs_before  # nothing launched
 
 
+def test_force_runs_a_finished_config_again(swept):
+    work, _, _ = swept
+    forced = work.run("sweep", *FAST, "mode=tp", ODD_NAME_OVERRIDE, "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert work.query("SELECT id, mode, status FROM runs WHERE id > 2") == [(3, "tp", "OK")]
+
+
 def test_python_api_returns_frames(swept):
     work, _, _ = swept
     db = ResultsDB(f"sqlite:///{work.db}", create=False)
     runs = db.runs(status="OK", mode="tp_sp")
     assert runs["id"].tolist() == [2]
-    metrics = db.metrics()
+    metrics = db.metrics([1, 2])
     assert list(metrics.index) == [1, 2] and VALIDATE_METRICS <= set(metrics.columns)
     long = db.measurements([1])
     per_run = long[long["step"].isna()]
