@@ -39,7 +39,7 @@ app = typer.Typer(
 runs_app = typer.Typer(help="List the runs of the database, or show one.", add_completion=False)
 app.add_typer(runs_app, name="runs")
 
-out = Console(width=None if sys.stdout.isatty() else 160)  # piped tables keep their columns
+out = Console(width=None if sys.stdout.isatty() else 200)  # piped tables keep their columns
 err = Console(stderr=True)
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
@@ -250,6 +250,44 @@ def report(
         _one_line(str(e))
         return
     out.print(str(path), highlight=False)
+
+
+@app.command(
+    epilog="Examples:\n\n"
+    "tpbench plan tp=8 sp=true vp=true model=minimind layers=64\n\n"
+    "tpbench plan +preset=seed_tp_memory  (every config of the sweep)\n\n"
+    "tpbench plan mode=ddp,tp_sp_vp model=seed_memory precision=mixed"
+)
+def plan(overrides: Overrides = None) -> None:
+    """Print the analytic model's prediction, per rank, without running anything: memory at each moment
+    of a training step (the peak marked), collective bytes per step, model FLOPs per step."""
+    from tpbench import theory
+
+    configs = _compose(overrides or [], single=False)
+    for c in (c for c in configs if c.kind == configs[0].kind):  # kind=all: one config per kind
+        prediction = theory.predict(c)
+        p, m, t = c.parallel, c.model, c.train
+        title = (
+            f"{mode_label(p)} tp={p.tp} dp={p.dp} L{m.num_hidden_layers} H{m.hidden_size} S{t.seq_len} "
+            f"B{prediction.dims.B} {t.dtype} {t.precision}"
+        )
+        memory = Table(title=f"{title}: predicted memory per rank (MiB)")
+        for column in ("moment", "params", "grads", "optimizer", "activations", "temporaries", "total"):
+            memory.add_column(column, justify="left" if column == "moment" else "right")
+        for moment in prediction.moments:
+            peak = moment is prediction.peak
+            values = (moment.params, moment.grads, moment.optimizer, moment.activations, moment.temporaries)
+            cells = [f"{v / 2**20:,.1f}" for v in (*values, moment.total)]
+            memory.add_row(moment.name + (" (peak)" if peak else ""), *cells, style="bold" if peak else None)
+        out.print(memory)
+        comm = Table(title=f"{title}: predicted collectives per rank and step")
+        for column in ("op", "purpose", "count", "MiB"):
+            comm.add_column(column, justify="left" if column in ("op", "purpose") else "right")
+        for r in prediction.comm_rows():
+            comm.add_row(r.op, r.purpose, str(r.count), f"{r.bytes / 2**20:,.2f}")
+        comm.add_row("total", "", "", f"{prediction.comm_bytes_per_step / 2**20:,.2f}", style="bold")
+        out.print(comm)
+        out.print(f"model FLOPs per step (global batch): {theory.model_flops_per_step(c):.4g}")
 
 
 # -- helpers -----------------------------------------------------------------------------------------
