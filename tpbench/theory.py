@@ -24,7 +24,7 @@ Saved activations per layer, bf16 (p = 2), bytes, T = 1, SDPA, GQA (Nkv < Nq):
                                             (a view when a rank holds a single KV head)
   SDPA out          2 N H + 4 B Nq S        viewed, not copied, as o_proj's input; + logsumexp
   SwiGLU            4 * 2 N I               gate out (silu), silu out and up out (mul), product (down)
-= N H (34 + 6 Nkv/Nq + 8 I/H) bytes: 63 N H at heads 8/4 and I = 3.17 H, where the paper's GPT
+= N H (30 + 6 Nkv/Nq + 8 I/H) bytes: 58.3 N H at heads 8/4 and I = 3.17 H, where the paper's GPT
 layer (dropout, GeLU, 4H MLP) has 34 N H. RoPE saves only its cos/sin tables (they need no grad),
 the residual adds save nothing. Manual attention adds the fp32 softmax and its cast: (4 + 2) B Nq S^2,
 the paper's 5 a S / H term. TP divides every per-head and per-I term by T; SP divides the norms and,
@@ -404,7 +404,9 @@ def comm_rows(cfg: RunConfig) -> list[CommRow]:
         add("all_gather", "activation", N * H * e_out, T, 2 * L)
         add("reduce_scatter", "activation", N * H * e_in, T, 2 * L + (2 if d.vp else 0))
         add("reduce_scatter", "activation", N * H * e_out, T, 2 * L)
-        if d.regather:  # backward all-gathers each saved shard again: 2 per block, + the VP head
+        # backward all-gathers each saved shard again: 2 per block, + the VP head. Under autocast the
+        # linears save their bf16 casts of the gathered input, not the input: no shard, no re-gather
+        if d.regather and not d.mixed:
             add("all_gather", "regather", N * H * e_in, T, 2 * L + (1 if d.vp else 0))
     if d.vp:  # max, target logit, sum of exp: [S, B] fp32 each
         add("all_reduce", "loss", N * FP32, T, 3)
