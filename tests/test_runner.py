@@ -20,7 +20,7 @@ from tpbench.db import ResultsDB
 # A config string and a sweep name with quotes, spaces, `;` and `$`: stored and shown verbatim.
 ODD_NAME = """it's a "tiny"; echo $HOME && rm -rf nothing"""
 ODD_NAME_OVERRIDE = """model.name='it\\'s a "tiny"; echo $HOME && rm -rf nothing'"""
-ODD_SWEEP = """nightly 'a'; "b" $(x)"""
+ODD_SWEEP = """nightly [bold]'a'[/bold]; "b" $(x)"""
 VALIDATE_METRICS = {
     "fwd_logits_max_abs",
     "loss_abs_diff",

@@ -16,6 +16,7 @@ import pandas as pd
 import typer
 from omegaconf import OmegaConf
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -39,8 +40,9 @@ app = typer.Typer(
 runs_app = typer.Typer(help="List the runs of the database, or show one.", add_completion=False)
 app.add_typer(runs_app, name="runs")
 
-out = Console(width=None if sys.stdout.isatty() else 200)  # piped tables keep their columns
-err = Console(stderr=True)
+# Whatever a run stored is shown verbatim: no rich markup in cells ("[x]" stays "[x]").
+out = Console(width=None if sys.stdout.isatty() else 200, markup=False, highlight=False)  # piped: 200 columns
+err = Console(stderr=True, markup=False, highlight=False)
 
 EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 # The one figure `tpbench runs` shows per kind, and how.
@@ -82,7 +84,7 @@ def run(overrides: Overrides = None, cfg: ShowCfg = False, as_json: AsJson = Fal
         label = _label(c)
         with err.status(f"{label}: starting") as status:
             run_id, outcome_status = _run_one(
-                c, dbs, lambda line, s=status, lb=label: s.update(f"{lb}: {line}")
+                c, dbs, lambda line, s=status, lb=label: s.update(escape(f"{lb}: {line}"))
             )
         failed |= outcome_status != "OK"
         if run_id is not None:
@@ -143,7 +145,7 @@ def sweep(
             label = _label(c)
             progress.update(task, description=label)
             run_id, status = _run_one(
-                c, dbs, lambda line, lb=label: progress.update(task, description=f"{lb}: {line}")
+                c, dbs, lambda line, lb=label: progress.update(task, description=escape(f"{lb}: {line}"))
             )
             counts["OK" if status == "OK" else "failed"] += 1
             progress.update(task, advance=1, ok=counts["OK"], failed=counts["failed"])
@@ -357,6 +359,8 @@ def _report_run(db: ResultsDB, run_id: int, as_json: bool, full: bool = False) -
             if key not in ("config", "metrics"):
                 fields.add_row(key, str(value))
         out.print(fields)
+    if not record["metrics"]:  # a failed run: its one line on stderr says it all
+        return
     metrics = Table(title=f"run {run_id} {record['status']}: {record['kind']} {record['mode']}")
     metrics.add_column("metric")
     metrics.add_column("value", justify="right")
