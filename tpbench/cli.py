@@ -26,7 +26,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
-from rich.table import Table
+from rich.table import Column, Table
 
 from tpbench.config import DbConfig, RunConfig, config_hash, mode_label
 from tpbench.db import DatabaseRefused, NoDatabase, ResultsDB, parse_since
@@ -132,7 +132,9 @@ def sweep(
     interrupted = False
     with Progress(
         SpinnerColumn(),
-        TextColumn("{task.description}"),
+        TextColumn(
+            "{task.description}", table_column=Column(max_width=60, no_wrap=True, overflow="ellipsis")
+        ),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn(f"ok {{task.fields[ok]}} · failed {{task.fields[failed]}} · skipped {len(done)}"),
@@ -148,7 +150,7 @@ def sweep(
                 c, dbs, lambda line, lb=label: progress.update(task, description=escape(f"{lb}: {line}"))
             )
             counts["OK" if status == "OK" else "failed"] += 1
-            progress.update(task, advance=1, ok=counts["OK"], failed=counts["failed"])
+            progress.update(task, advance=1, ok=counts["OK"], failed=counts["failed"], description="sweep")
             ran.append((run_id, c, status))
             if status == "INTERRUPTED":
                 interrupted = True
