@@ -57,8 +57,6 @@ CHECKS = {
     "ddp_dp4": [*DDP, "parallel.dp=4"],
     "ddp_dp4_s4": [*DDP, "parallel.dp=4", "train.seq_len=4"],
 }
-# Mixed precision's memory (autocast's bf16 copies of weights and inputs) is not modelled yet.
-MEMORY_MODELLED = [name for name in CHECKS if "mixed" not in name]
 
 
 def run_config(overrides: list[str]) -> RunConfig:
@@ -102,7 +100,7 @@ def test_ddp_counts_one_all_reduce_per_bucket(measured):
     assert measured["ddp_dp4"][0]["comm"] == [["all_reduce", "dp_grad", row.count, row.bytes]]
 
 
-@pytest.mark.parametrize("name", MEMORY_MODELLED)
+@pytest.mark.parametrize("name", CHECKS)
 def test_peak_memory_within_5_percent(measured, name):
     peak = max(rank["peak"] for rank in measured[name])
     assert theory.predict(config(name)).peak_bytes == pytest.approx(peak, rel=0.05)
@@ -111,7 +109,7 @@ def test_peak_memory_within_5_percent(measured, name):
 def test_the_peak_moments_are_the_ones_measured(measured):
     """The configs peak at different moments (S 4: the gradients; S 256, manual: attention), so the
     5% test above checks each moment of the model, not only the loss."""
-    names = {theory.predict(config(n)).peak.name for n in MEMORY_MODELLED}
+    names = {theory.predict(config(n)).peak.name for n in CHECKS}
     assert names == {"loss", "attention", "backward end", "gradient sums"}
 
 

@@ -27,8 +27,14 @@ Saved activations per layer, bf16 (p = 2), bytes, T = 1, SDPA, GQA (Nkv < Nq):
 = N H (30 + 6 Nkv/Nq + 8 I/H) bytes: 58.3 N H at heads 8/4 and I = 3.17 H, where the paper's GPT
 layer (dropout, GeLU, 4H MLP) has 34 N H. RoPE saves only its cos/sin tables (they need no grad),
 the residual adds save nothing. Manual attention adds the fp32 softmax and its cast: (4 + 2) B Nq S^2,
-the paper's 5 a S / H term. TP divides every per-head and per-I term by T; SP divides the norms and,
-with the re-gather, the region inputs too: what is left whole is q, k, v, SDPA and the MLP, all /T.
+the paper's 5 a S / H term. TP divides the per-head and per-I terms by T, while the norms and the
+region inputs stay whole on every rank; SP divides those too (the region inputs only with the
+re-gather), so that TP + SP saves 1/T of everything, as in the paper.
+
+Mixed precision (fp32 masters, autocast): the stream and the norms are fp32, and every autocast op
+saves its own bf16 casts: q, k and v each cast the region input (3 copies, gate and up 2), SDPA casts
+rope's fp32 outputs, and each linear's weight is cast once per forward and kept until its backward.
+SP's re-gather never triggers there: the linears save their casts, not the gathered input.
 """
 
 from __future__ import annotations
@@ -69,6 +75,12 @@ class Dims:
     ddp: bool
     bucket_view: bool
     gpu: bool
+
+    @property
+    def s(self) -> int:
+        """Bytes of a residual-stream element: fp32 under mixed precision (the embedding is fp32 and
+        adding a bf16 branch to it stays fp32), else the activation dtype."""
+        return FP32 if self.mixed else self.p
 
     @property
     def D(self) -> int:
@@ -224,40 +236,67 @@ def ddp_buckets(d: Dims, cap_bytes: int, rebuilt: bool = True) -> list[int]:
 
 
 def layer_activations(d: Dims) -> dict[str, int]:
-    """Bytes one block saves for backward on this rank (pure precision), term by term."""
+    """Bytes one block saves for backward on this rank, term by term.
+
+    p is the activation dtype: train.dtype, or the autocast dtype under mixed precision, where the
+    stream and the norms stay fp32 (d.s) and every autocast op saves its own bf16 casts: each of q, k,
+    v (gate, up) casts the fp32 region input; SDPA casts the fp32 rope outputs; the linears' weights
+    are cast once per forward (and kept, saved, until their backward)."""
     N, Ns, S, B, H, p = d.N, d.Ns, d.S, d.B, d.H, d.p
-    rmsnorm = FP32 * Ns * H + FP32 * Ns + p * Ns * H  # fp32 input, rsqrt [Ns, 1], normed cast back
-    region_input = p * d.saved_input_tokens * H  # the (gathered) norm output q/k/v or gate/up save
-    # repeat_kv's expand + reshape copies k and v out to the query heads, unless this rank has one KV
-    # head: then the expanded size-1 dim merges into a stride-0 view and nothing is copied
-    kv_width = d.Hq if d.Nq_l > d.Nkv_l > 1 else d.Hkv
+    rmsnorm = FP32 * Ns * H + FP32 * Ns + d.s * Ns * H  # fp32 input, rsqrt [Ns, 1], normed cast back
+    if d.mixed:  # the linears save their casts of the whole (gathered) input: 3 for attention, 2 MLP
+        # (SP's re-gather then never triggers, but its unpack hook, kept with every tensor saved in
+        # the region, holds on to the fp32 shard)
+        shard = d.s * Ns * H if d.sp and d.regather else 0
+        attn_input, mlp_input = 3 * p * N * H + shard, 2 * p * N * H + shard
+    else:  # one tensor q/k/v (gate/up) share: under SP with the re-gather, only this rank's shard
+        attn_input = mlp_input = p * d.saved_input_tokens * H
+    k_width, v_width = kv_widths(d)
     if d.flash:  # SDPA saves its output (o_proj's input is a view of it) and the logsumexp
         core = p * N * d.Hq + FP32 * B * d.Nq_l * S
-    else:  # fp32 softmax output, its cast back (unless p is 4 already), o_proj's input copy
+    else:  # fp32 softmax output, its cast (unless it is fp32 already), o_proj's input copy
         core = (FP32 + (p if p != FP32 else 0)) * B * d.Nq_l * S * S + p * N * d.Hq
-    return {
+    terms = {
         "input_layernorm": rmsnorm,
-        "attention input": region_input,
+        "attention input": attn_input,
         "q_norm": (FP32 + p) * N * d.Hq + FP32 * N * d.Nq_l,
         "k_norm": (FP32 + p) * N * d.Hkv + FP32 * N * d.Nkv_l,
-        "rope tables": 4 * S * d.D * p if p != FP32 else 0,  # cos, sin cast to p, for q and for k
-        "q, k, v": p * N * (d.Hq + 2 * kv_width),
+        "rope tables": 4 * S * d.D * p if d.s != FP32 else 0,  # cos, sin cast to p, for q and for k
+        "q, k, v": p * N * (d.Hq + k_width + v_width),
         "attention core": core,
         "post_attention_layernorm": rmsnorm,
-        "mlp input": region_input,
+        "mlp input": mlp_input,
         "swiglu": 4 * p * N * d.I_l,
     }
+    if d.mixed:
+        linears = sum(n for name, n in layer_params(d) if not name.endswith("norm"))
+        terms["weight casts"] = p * linears
+    return terms
+
+
+def kv_widths(d: Dims) -> tuple[int, int]:
+    """Widths of the k and v that attention saves. repeat_kv's expand + reshape copies them out to the
+    query heads, unless this rank has one KV head: then the expanded size-1 dim merges into a
+    stride-0 view and nothing is copied (but an autocast cast of that view, k's under mixed
+    precision, is a dense copy again)."""
+    n_rep = d.Nq_l > d.Nkv_l
+    v_width = d.Hq if n_rep and d.Nkv_l > 1 else d.Hkv
+    return (d.Hq if n_rep and d.mixed else v_width), v_width
 
 
 def model_activations(d: Dims) -> dict[str, int]:
     """Bytes saved for backward outside the blocks, and the tensors the step holds all along."""
     N, Ns, H, p = d.N, d.Ns, d.H, d.p
-    head_input = p * (Ns if d.sp and d.vp and d.regather else N) * H
+    if d.mixed:  # the LM head's cast of the whole input; with SP and VP, the unused shard too
+        head_input = p * N * H + (d.s * Ns * H if d.sp and d.vp and d.regather else 0)
+    else:
+        head_input = p * (Ns if d.sp and d.vp and d.regather else N) * H
     return {
         "blocks": d.L * sum(layer_activations(d).values()),
         "embedding": embedding_activations(d),
-        "rope tables": 2 * FP32 * d.S * d.D if p == FP32 else 0,  # fp32: the tables themselves
-        "final norm": FP32 * Ns * H + FP32 * Ns + p * Ns * H + head_input,
+        "rope tables": 2 * FP32 * d.S * d.D if d.s == FP32 else 0,  # fp32: the tables themselves
+        "final norm": FP32 * Ns * H + FP32 * Ns + d.s * Ns * H + head_input,
+        "head weight cast": p * d.V_l * H if d.mixed else 0,
         "logits": p * N * d.V_l,  # [S, B, V(/T)]; the training step keeps them until it returns
         "batch": 2 * INT64 * d.B * d.dp * d.S,  # ids and labels of the global batch (sliced views)
     }
@@ -269,7 +308,7 @@ def embedding_activations(d: Dims) -> int:
     fp32 the first RMSNorm saves that view as its input, so the whole [S, B, H] stays alive."""
     if d.vp:
         return (INT64 + 1) * d.N
-    return d.p * (d.N - d.Ns) * d.H if d.sp and d.p == FP32 else 0
+    return d.s * (d.N - d.Ns) * d.H if d.sp and d.s == FP32 else 0
 
 
 def loss_extra(d: Dims) -> tuple[int, int]:
@@ -350,14 +389,14 @@ def attention_backward(
     the embedding's share. Also alive: the residual stream's gradient and v's (its node runs later)."""
     layer = layer_activations(d)
     scores = d.B * d.Nq_l * d.S * d.S
-    kv_width = layer["q, k, v"] // (d.p * d.N) - d.Hq  # both k and v
+    v_width = kv_widths(d)[1]
     freed = acts["final norm"] + layer["post_attention_layernorm"] + layer["mlp input"] + layer["swiglu"]
-    freed += (d.p * scores if d.p != FP32 else 0) + d.p * d.N * (d.Hq + kv_width // 2)  # probs, o in, v
+    freed += (d.p * scores if d.p != FP32 else 0) + d.p * d.N * (d.Hq + v_width)  # probs, o in, v
     done = ["mlp.", "post_attention_layernorm", "self_attn.o_proj"]
     grads = d.H + sum(n for name, n in layer_params(d) if name.startswith(tuple(done)))
     grads += 0 if d.tied else d.V_l * d.H
     tied_head = d.V_l * d.H * d.w if d.tied else 0
-    flowing = d.p * (d.Ns * d.H + d.N * kv_width // 2)
+    flowing = d.p * (d.Ns * d.H + d.N * v_width)
     grads = buckets + (grads * d.w if own_grads else 0)
     activations = sum(acts.values()) - freed
     return Moment("attention", P, grads, optim, activations, 2 * FP32 * scores + tied_head + flowing)
