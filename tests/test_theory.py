@@ -101,14 +101,14 @@ def test_ddp_counts_one_all_reduce_per_bucket(measured):
 
 
 @pytest.mark.parametrize("name", CHECKS)
-def test_peak_memory_within_5_percent(measured, name):
+def test_peak_memory_within_2_percent(measured, name):
     peak = max(rank["peak"] for rank in measured[name])
-    assert theory.predict(config(name)).peak_bytes == pytest.approx(peak, rel=0.05)
+    assert theory.predict(config(name)).peak_bytes == pytest.approx(peak, rel=0.02)  # the issue asks 5%
 
 
 def test_the_peak_moments_are_the_ones_measured(measured):
     """The configs peak at different moments (S 4: the gradients; S 256, manual: attention), so the
-    5% test above checks each moment of the model, not only the loss."""
+    2% test above checks each moment of the model, not only the loss."""
     names = {theory.predict(config(n)).peak.name for n in CHECKS}
     assert names == {"loss", "attention", "backward end", "gradient sums"}
 
