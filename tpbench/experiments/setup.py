@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+from contextlib import AbstractContextManager
 from dataclasses import asdict
 
 import torch
 
 from tpbench.config import RunConfig, local_batch
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, MiniMindForCausalLM, build_model
+from tpbench.parallel import comm
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.plan import ParallelModel, parallelize
 
@@ -43,11 +45,21 @@ def build_parallel(
     if cfg.parallel.engine == "dtensor":
         from tpbench.parallel.dtensor import parallelize_dtensor
 
-        pm = parallelize_dtensor(model, ctx, cfg.parallel)
+        pm = parallelize_dtensor(model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum))
     else:
         pm = parallelize(model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum))
     pm.module.to(device=ctx.device, dtype=param_dtype(cfg))
     return pm
+
+
+def counting(cfg: RunConfig, counter: comm.CommCounter) -> AbstractContextManager:
+    """Count the collectives of a training step: ours go through tpbench.parallel.comm; DTensor's
+    own are seen through torch's CommDebugMode."""
+    if cfg.parallel.engine == "dtensor":
+        from tpbench.parallel import dtensor
+
+        return dtensor.counting(counter)
+    return comm.counting(counter)
 
 
 class Batches:

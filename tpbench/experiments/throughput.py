@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tpbench import theory
 from tpbench.config import RunConfig, local_batch
+from tpbench.experiments.setup import counting
 from tpbench.experiments.training import Trainer
 from tpbench.parallel import comm
 from tpbench.results import RankResult
@@ -39,7 +40,7 @@ def run(cfg: RunConfig) -> RankResult:
 
     counter = comm.CommCounter(timed=True)
     flops = FlopCounterMode(display=False)
-    with comm.counting(counter), flops:
+    with counting(cfg, counter), flops:
         trainer.step()
     result.comm = counter.rows()
     result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")

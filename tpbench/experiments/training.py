@@ -15,7 +15,15 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from tpbench.config import RunConfig
-from tpbench.experiments.setup import DTYPES, Batches, build_dense, build_parallel, context, param_dtype
+from tpbench.experiments.setup import (
+    DTYPES,
+    Batches,
+    build_dense,
+    build_parallel,
+    context,
+    counting,
+    param_dtype,
+)
 from tpbench.parallel import comm
 from tpbench.parallel.context import ParallelContext
 
@@ -67,7 +75,7 @@ class Trainer:
     def counted_step(self) -> list:
         """One step with its collectives counted: CommRows per step."""
         counter = comm.CommCounter()
-        with comm.counting(counter):
+        with counting(self.cfg, counter):
             self.step()
         return counter.rows()
 

@@ -19,7 +19,7 @@ from rich.table import Table
 
 from tpbench import theory
 from tpbench.config import RunConfig, mode_label
-from tpbench.experiments.setup import Batches, build_dense, build_parallel, context, param_dtype
+from tpbench.experiments.setup import Batches, build_dense, build_parallel, context, counting, param_dtype
 from tpbench.parallel import comm
 from tpbench.parallel.plan import ParallelModel
 from tpbench.results import ParamRow, RankResult
@@ -38,7 +38,7 @@ def run(cfg: RunConfig) -> RankResult:
     dense_logits, dense_loss = dense(ids, labels)
     dense_loss.backward()
     counter = comm.CommCounter()
-    with comm.counting(counter):
+    with counting(cfg, counter):
         logits, loss = pm(batches.local_slice(ids), batches.local_slice(labels))
         loss.backward()
         pm.finish_grads()
