@@ -4,6 +4,7 @@ Memory is what torch's MemTracker sees on one rank: the bytes of live tensor sto
   zero_grad(set_to_none) -> forward -> loss -> backward -> gradient sums -> AdamW step,
 so the peak is the largest of a few moments (`Prediction.moments`):
   loss          the cross entropy, every activation of the forward still saved for backward;
+  head backward the LM head's backward: the logits' and the head weight's gradients;
   attention     the top layer's manual-attention backward, with its fp32 [B, N, S, S] gradients;
   backward end  a tied embedding's two gradients and their sum, beside all the others;
   gradient sums megatron with DP: every gradient and a flat copy of them all being all-reduced;
@@ -363,6 +364,12 @@ def moments(d: Dims) -> list[Moment]:
     loss_act, loss_temp = loss_extra(d)
     out = [Moment("loss", P, buckets, O, A + loss_act, loss_temp)]
 
+    # the LM head's backward: the logits' gradient, the head's weight gradient (not yet accumulated
+    # into .grad) and its input gradient, with every activation still saved
+    temp = d.p * d.N * d.V_l + d.V_l * d.H * d.w + d.p * d.N * d.H
+    if d.sp and d.vp and d.regather and not d.mixed:  # the head's input, all-gathered again
+        temp += d.p * d.N * d.H
+    out.append(Moment("head backward", P, buckets, O, A, temp))
     if not d.flash:
         out.append(attention_backward(d, acts, P, O, buckets, G > 0))
 
