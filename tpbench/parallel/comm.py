@@ -139,6 +139,21 @@ def reduce_scatter(x: torch.Tensor, group: Group, purpose: str) -> torch.Tensor:
     return out
 
 
+def all_reduce_coalesced(
+    tensors: list[torch.Tensor], group: Group, purpose: str, average: bool = False
+) -> None:
+    """Sum (or average) many tensors over the group in one all-reduce of their concatenation, in place."""
+    if not tensors or _size(group) == 1:
+        return
+    flat = all_reduce(torch.cat([t.reshape(-1) for t in tensors]), group, purpose)
+    if average:
+        flat /= _size(group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def split(x: torch.Tensor, group: Group) -> torch.Tensor:
     """This rank's shard of dim 0; no communication."""
     world = _size(group)

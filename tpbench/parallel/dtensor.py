@@ -229,12 +229,9 @@ class DTensorParallelModel:
                     p.grad = p.grad.redistribute(p.device_mesh, p.placements)  # Partial -> Replicate
         if self.ctx.dp > 1 and "dp" not in self.skip_grad_sum:
             grads = [_local(p.grad) for p in params.values() if p.grad is not None]
-            flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), self.ctx.dp_group, "dp_grad")
-            flat /= self.ctx.dp
-            offset = 0
-            for g in grads:  # the local tensors of the DTensor gradients: copied in place
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            comm.all_reduce_coalesced(
+                grads, self.ctx.dp_group, "dp_grad", average=True
+            )  # local tensors, in place
 
     def semantics(self, name: str) -> str:
         return self.layouts[name].semantics

@@ -126,16 +126,9 @@ class ParallelModel:
         """The gradient sums the shards need before an optimizer step (and the DP average)."""
         for gs in self.grad_sums:
             grads = [p.grad for p in gs.params if p.grad is not None]
-            if not grads:
-                continue
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            comm.all_reduce(flat, gs.group, "dp_grad" if gs.name == "dp" else "grad_sum")
-            if gs.average:
-                flat /= comm._size(gs.group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            comm.all_reduce_coalesced(
+                grads, gs.group, "dp_grad" if gs.name == "dp" else "grad_sum", gs.average
+            )
 
     def semantics(self, name: str) -> str:
         return self.layouts[name].semantics
