@@ -10,12 +10,11 @@ Rank 0 writes the measured numbers as JSON; the assertions live in the pytest fu
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from torchrun_checks import run_config, torchrun
 
 TINY = ["model.flash_attn=false", "validate.steps=6", "validate.every=3"]  # H64 L2 heads 8/4 V256 S32
 S, B, H, L, F32 = 32, 2, 64, 2, 4  # the tiny model's shapes, for the collective arithmetic
@@ -35,43 +34,24 @@ BROKEN = {  # each gradient sum switched off: validation must fail
 # --- the torchrun job ----------------------------------------------------------------------------
 
 
-def _run_config(overrides: list[str]):
-    from omegaconf import OmegaConf
-
-    from tpbench.config import RunConfig
-
-    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.from_dotlist(overrides))
-    cfg = OmegaConf.to_object(merged)
-    cfg.launch.device = "cpu"
-    return cfg
-
-
 def _validate(overrides: list[str]) -> dict[str, float]:
-    """validate.run on the DTensor engine, with debug.skip_grad_sum handed to parallelize_dtensor."""
+    """validate.run on the DTensor engine (debug.skip_grad_sum reaches parallelize_dtensor)."""
     from tpbench.experiments import validate
-    from tpbench.parallel import dtensor
 
-    cfg = _run_config(TINY + ["parallel.engine=dtensor"] + overrides)
-    original = dtensor.parallelize_dtensor
-    skip = tuple(cfg.debug.skip_grad_sum)
-    dtensor.parallelize_dtensor = lambda model, ctx, pcfg, *_: original(model, ctx, pcfg, skip)
-    try:
-        result = validate.run(cfg)
-    finally:
-        dtensor.parallelize_dtensor = original
+    result = validate.run(run_config(TINY + ["parallel.engine=dtensor"] + overrides))
     return {m.name: m.value for m in result.measurements if m.step is None}
 
 
 def _comm_per_step(engine: str, overrides: list[str], ctx) -> dict[str, list[int]]:
     """One training step under the engine's counter: {op/purpose: [count, bytes]}."""
-    from tpbench.experiments.setup import Batches, build_parallel
-    from tpbench.parallel import comm, dtensor
+    from tpbench.experiments.setup import Batches, build_parallel, counting
+    from tpbench.parallel import comm
 
-    cfg = _run_config(TINY + [f"parallel.engine={engine}"] + overrides)
+    cfg = run_config(TINY + [f"parallel.engine={engine}"] + overrides)
     pm = build_parallel(cfg, ctx)
     ids, labels = Batches(cfg, ctx).next_local()
     counter = comm.CommCounter()
-    with (dtensor.counting if engine == "dtensor" else comm.counting)(counter):
+    with counting(cfg, counter):
         pm(ids, labels)[1].backward()
         pm.finish_grads()
     return {f"{r.op}/{r.purpose}": [r.count, r.bytes] for r in counter.rows()}
@@ -86,7 +66,7 @@ def _main(out: str) -> None:
     results: dict[str, dict] = {}
     for name, overrides in (MODES | BROKEN).items():
         results[name] = {"metrics": _validate(overrides)}
-    ctx = context(_run_config(TINY))
+    ctx = context(run_config(TINY))
     for name, overrides in MODES.items():
         results[name]["comm_dtensor"] = _comm_per_step("dtensor", overrides, ctx)
         results[name]["comm_ours"] = _comm_per_step("megatron", overrides, ctx)
@@ -101,13 +81,7 @@ def _main(out: str) -> None:
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("dtensor") / "dtensor.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           __file__, str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return torchrun(Path(__file__), 2, tmp_path_factory.mktemp("dtensor") / "dtensor.json")
 
 
 @pytest.mark.parametrize("mode", MODES)

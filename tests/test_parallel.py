@@ -2,37 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from torchrun_checks import torchrun
 
-HERE = Path(__file__).parent
+CHECKS = Path(__file__).parent / "torchrun_checks.py"
 TINY = ["model.flash_attn=false", "validate.steps=6", "validate.every=3"]  # H64 L2 heads 8/4 V256 S32
 S, B, H, L, D = 32, 2, 64, 2, 8  # the tiny model's shapes, for the collective arithmetic
 TOL_FWD, TOL_GRAD, TOL_PARAM = 1e-5, 1e-5, 1e-3
-
-
-def torchrun(nproc: int, suite: str, tmp_path: Path, checks: dict[str, list[str]] | None = None) -> dict:
-    out = tmp_path / f"{suite}-{nproc}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", TPBENCH_CHECKS=json.dumps(checks or {}))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--standalone",
-        str(HERE / "torchrun_checks.py"),
-        str(out),
-        suite,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
 
 
 # --- world 2: layers, collectives, loss, checkpoints, and every combination at T = 2 --------------
@@ -91,14 +69,18 @@ VALIDATE_W4 = {
 
 @pytest.fixture(scope="module")
 def units(tmp_path_factory):
-    return torchrun(2, "units", tmp_path_factory.mktemp("units"))
+    return torchrun(CHECKS, 2, tmp_path_factory.mktemp("units") / "units.json", "units")
 
 
 @pytest.fixture(scope="module")
 def validated(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("validate")
-    t2 = torchrun(2, "validate", tmp, {k: TINY + v for k, v in VALIDATE_T2.items()})
-    w4 = torchrun(4, "validate", tmp, {k: TINY + v for k, v in VALIDATE_W4.items()})
+    t2 = torchrun(
+        CHECKS, 2, tmp / "t2.json", "validate", checks={k: TINY + v for k, v in VALIDATE_T2.items()}
+    )
+    w4 = torchrun(
+        CHECKS, 4, tmp / "w4.json", "validate", checks={k: TINY + v for k, v in VALIDATE_W4.items()}
+    )
     return t2 | w4
 
 

@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
+from torchrun_checks import run_config, torchrun
 from typer.testing import CliRunner
 
 from tpbench import theory
 from tpbench.config import RunConfig
 from tpbench.experiments.setup import build_dense
 
-HERE = Path(__file__).parent
 # H 64, L 2, heads 8/4, I 256, V 512, S 64, micro-batch 2, bf16: a memory run takes a fraction of a second
 SMALL = [
     "kind=memory",
@@ -60,27 +55,13 @@ CHECKS = {
 }
 
 
-def run_config(overrides: list[str]) -> RunConfig:
-    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.from_dotlist(overrides))
-    cfg = OmegaConf.to_object(merged)
-    cfg.launch.device = "cpu"
-    return cfg
-
-
-def torchrun(nproc: int, checks: dict[str, list[str]], tmp_path: Path) -> dict:
-    out = tmp_path / f"theory-{nproc}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", TPBENCH_CHECKS=json.dumps(checks))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
-    cmd += [str(HERE / "torchrun_theory.py"), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
-
-
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("theory")
-    return torchrun(4, {name: SMALL + overrides for name, overrides in CHECKS.items()}, tmp)
+    checks = {name: SMALL + overrides for name, overrides in CHECKS.items()}
+    return torchrun(
+        Path(__file__).parent / "torchrun_checks.py", 4, tmp / "theory.json", "memory", checks=checks
+    )
 
 
 def config(name: str) -> RunConfig:

@@ -2,15 +2,19 @@
 
     torchrun --nproc-per-node N tests/torchrun_checks.py OUT.json units
     torchrun --nproc-per-node N tests/torchrun_checks.py OUT.json validate   (configs in TPBENCH_CHECKS)
+    torchrun --nproc-per-node N tests/torchrun_checks.py OUT.json memory     (configs in TPBENCH_CHECKS)
 
-Each check only records numbers; the assertions live in the pytest files.
+Each check only records numbers; the assertions live in the pytest files, which start the job with
+`torchrun(...)` below.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,13 +23,23 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from tpbench.config import ParallelConfig, RunConfig
-from tpbench.experiments import validate
+from tpbench.experiments import memory, validate
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, build_model
 from tpbench.parallel import comm
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.cross_entropy import VocabParallelCrossEntropy
 from tpbench.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tpbench.parallel.plan import parallelize, plan_layouts, shard_state_dict
+
+
+def torchrun(script: Path, nproc: int, out: Path, *args: str, checks: dict | None = None) -> dict:
+    """Run `script OUT ARGS...` as a real torchrun job over gloo and return the JSON rank 0 wrote."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TPBENCH_CHECKS=json.dumps(checks or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    proc = subprocess.run([*cmd, str(script), str(out), *args], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(Path(out).read_text())
 
 
 def run_config(overrides: list[str]) -> RunConfig:
@@ -183,11 +197,29 @@ def suite_validate() -> dict:
     return results
 
 
+def suite_memory() -> dict:
+    """The memory experiment per config: every rank's measured peak and counted collectives."""
+    results = {}
+    for name, overrides in json.loads(os.environ["TPBENCH_CHECKS"]).items():
+        r = memory.run(run_config(overrides))
+        mine = {
+            "peak": next(m.value for m in r.measurements if m.name == "peak_bytes"),
+            "comm": sorted([c.op, c.purpose, c.count, c.bytes] for c in r.comm),
+        }
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+        results[name] = ranks
+    return results
+
+
+SUITES = {"units": suite_units, "validate": suite_validate, "memory": suite_memory}
+
+
 def main() -> None:
     out_path, suite = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    results = suite_units() if suite == "units" else suite_validate()
+    results = SUITES[suite]()
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
