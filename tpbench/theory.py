@@ -40,10 +40,11 @@ SP's re-gather never triggers there: the linears save their casts, not the gathe
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from tpbench.config import RunConfig, local_batch
+from tpbench.models.minimind import default_intermediate_size
+from tpbench.parallel.plan import padded_vocab
 from tpbench.results import CommRow
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -131,7 +132,6 @@ def dims(cfg: RunConfig) -> Dims:
     m, par, t = cfg.model, cfg.parallel, cfg.train
     T = par.tp
     vp = par.vp and T > 1
-    multiple = T * par.vocab_pad_multiple
     mixed = t.precision == "mixed"
     return Dims(
         S=t.seq_len,
@@ -140,9 +140,9 @@ def dims(cfg: RunConfig) -> Dims:
         L=m.num_hidden_layers,
         Nq=m.num_attention_heads,
         Nkv=m.num_key_value_heads,
-        I=m.intermediate_size or math.ceil(m.hidden_size * math.pi / 64) * 64,
+        I=m.intermediate_size or default_intermediate_size(m.hidden_size),
         V=m.vocab_size,
-        Vp=-(-m.vocab_size // multiple) * multiple if vp else m.vocab_size,
+        Vp=padded_vocab(m.vocab_size, T, par.vocab_pad_multiple) if vp else m.vocab_size,
         T=T,
         dp=par.dp,
         sp=par.sp and T > 1,
