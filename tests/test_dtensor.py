@@ -14,11 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from torchrun_checks import run_config, torchrun
+from torchrun_checks import TINY, TOL_FWD, TOL_GRAD, TOL_PARAM, B, H, L, S, run_config, torchrun
 
-TINY = ["model.flash_attn=false", "validate.steps=6", "validate.every=3"]  # H64 L2 heads 8/4 V256 S32
-S, B, H, L, F32 = 32, 2, 64, 2, 4  # the tiny model's shapes, for the collective arithmetic
-TOL_FWD, TOL_GRAD, TOL_PARAM = 1e-5, 1e-5, 1e-3
+F32 = 4  # bytes
 
 MODES = {
     "dtensor_tp": ["parallel.tp=2"],

@@ -5,12 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from torchrun_checks import torchrun
+from torchrun_checks import TINY, TOL_FWD, TOL_GRAD, TOL_PARAM, B, D, H, L, S, torchrun
 
 CHECKS = Path(__file__).parent / "torchrun_checks.py"
-TINY = ["model.flash_attn=false", "validate.steps=6", "validate.every=3"]  # H64 L2 heads 8/4 V256 S32
-S, B, H, L, D = 32, 2, 64, 2, 8  # the tiny model's shapes, for the collective arithmetic
-TOL_FWD, TOL_GRAD, TOL_PARAM = 1e-5, 1e-5, 1e-3
 
 
 # --- world 2: layers, collectives, loss, checkpoints, and every combination at T = 2 --------------

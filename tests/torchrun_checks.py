@@ -31,6 +31,11 @@ from tpbench.parallel.cross_entropy import VocabParallelCrossEntropy
 from tpbench.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tpbench.parallel.plan import parallelize, plan_layouts, shard_state_dict
 
+# The tiny model of the tests (H 64, L 2, heads 8/4, V 256, S 32): manual attention, short AdamW runs
+TINY = ["model.flash_attn=false", "validate.steps=6", "validate.every=3"]
+S, B, H, L, D = 32, 2, 64, 2, 8  # its shapes, for the collective arithmetic
+TOL_FWD, TOL_GRAD, TOL_PARAM = 1e-5, 1e-5, 1e-3  # the validation tolerances of the core issue
+
 
 def torchrun(script: Path, nproc: int, out: Path, *args: str, checks: dict | None = None) -> dict:
     """Run `script OUT ARGS...` as a real torchrun job over gloo and return the JSON rank 0 wrote."""
