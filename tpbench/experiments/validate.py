@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
@@ -84,8 +85,6 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _max_over_ranks(value: float) -> float:
     """The worst value over all ranks (every rank checks its own logits shard and DP slice)."""
-    import torch.distributed as dist
-
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
@@ -93,8 +92,6 @@ def _max_over_ranks(value: float) -> float:
 
 def _grad_rows(pm: ParallelModel, dense: torch.nn.Module) -> list[ParamRow]:
     """Gradient error of every parameter against its shard of the dense gradient, worst over ranks."""
-    import torch.distributed as dist
-
     dense_params = dict(dense.named_parameters())
     names, stats = [], []
     for name, p in pm.module.named_parameters():

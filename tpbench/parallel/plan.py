@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tpbench.config import ParallelConfig
@@ -299,8 +300,6 @@ def shard_state_dict(
 def gather_state_dict(pm: ParallelModel) -> dict[str, torch.Tensor]:
     """The TP shards of every rank -> one dense state dict with the dense names and the real vocab.
     Collective over the TP group; every rank gets the result."""
-    import torch.distributed as dist
-
     out = {}
     for name, local in pm.module.state_dict().items():
         local = local.detach().contiguous()
