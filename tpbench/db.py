@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
+import time
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -202,11 +204,28 @@ class ResultsDB:
                 f"give another db.url"
             )
         if self.sqlite:  # outside any transaction, and only once the file is known to be ours
-            raw = self.engine.raw_connection()
-            try:
-                raw.driver_connection.execute("PRAGMA journal_mode=WAL")
-            finally:
-                raw.close()
+            self._use_wal()
+
+    def _use_wal(self) -> None:
+        """WAL, so that readers and one writer share the file. Switching to it needs the file alone for
+        a moment, and SQLite answers "database is locked" at once, without its busy wait, when another
+        process opens the file then: wait and look again, within the busy timeout. Once the file is in
+        WAL (it stays so) the pragma is only read."""
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        raw = self.engine.raw_connection()
+        try:
+            conn = raw.driver_connection
+            while True:
+                try:
+                    if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal":
+                        return
+                    conn.execute("PRAGMA journal_mode=WAL")
+                except sqlite3.OperationalError as e:
+                    if "locked" not in str(e) or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        finally:
+            raw.close()
 
     # -- writing -------------------------------------------------------------------------------------
 
