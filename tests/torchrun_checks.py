@@ -181,7 +181,7 @@ def check_checkpoints(ctx: ParallelContext) -> dict[str, float]:
 
 
 def suite_units() -> dict:
-    ctx = ParallelContext.from_world(dist.get_world_size(), 1, "cpu")
+    ctx = ParallelContext.from_world(dist.get_world_size(), 1, torch.device("cpu"))
     return {
         "collectives": check_collectives(ctx),
         "layers": check_layers(ctx),

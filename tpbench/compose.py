@@ -25,7 +25,9 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandat
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
+from tpbench.allocator import GPUS
 from tpbench.config import CONF_DIR, RunConfig, register_schema, world_size
+from tpbench.emulation import EMULATED_KINDS, FLAVOURS
 from tpbench.experiments import KINDS
 from tpbench.faults import FAULTS
 from tpbench.parallel.checks import ConfigError, check_shardable
@@ -58,10 +60,13 @@ CHOICES = {
     "train.batch": ("fixed_per_rank", "fixed_global"),
     "train.dtype": ("float32", "bfloat16", "float16"),
     "train.precision": ("pure", "mixed"),
+    "train.loss": ("cross_entropy", "logits_mean"),
     "launch.device": ("auto", "cpu", "cuda"),
     "launch.backend": ("auto", "gloo", "nccl"),
     "launch.rdzv_backend": ("c10d", "static"),
     "fault": ("", *FAULTS),
+    "launch.emulate": FLAVOURS,
+    "launch.emulate_gpu": tuple(GPUS),
 }
 SKIPPABLE_GRAD_SUMS = ("qk_norm", "kv_replicas", "sp_norms", "dp")
 AT_LEAST_ONE = (
@@ -127,6 +132,7 @@ def check(cfg: RunConfig) -> None:
             accepted = ", ".join(SKIPPABLE_GRAD_SUMS)
             raise ConfigError(f"debug.skip_grad_sum has {name!r}: accepted are {accepted}")
     _check_db_url(cfg.db.url)
+    _check_emulation(cfg)
     _check_nodes(cfg)
     _check_fault(cfg)
     check_shardable(cfg)
@@ -146,7 +152,7 @@ def resolve_device(cfg: RunConfig) -> None:
     gpus = torch.cuda.device_count()
     if launch.device == "auto":
         launch.device = "cuda" if gpus >= local_ranks else "cpu"
-    if launch.device == "cuda" and gpus < local_ranks:
+    if launch.device == "cuda" and gpus < local_ranks and launch.emulate != "fake":
         raise ConfigError(
             f"launch.device=cuda: {local_ranks} ranks on this node need {local_ranks} GPUs, torch sees "
             f"{gpus}; accepted here are auto, cpu"
@@ -158,6 +164,9 @@ def resolve_device(cfg: RunConfig) -> None:
 
 
 def local_world_size(cfg: RunConfig) -> int:
+    """Processes on this node: one per rank, or the one that emulates a rank."""
+    if cfg.launch.emulate != "none":
+        return 1
     return cfg.launch.nproc_per_node or world_size(cfg) // int(cfg.launch.nnodes)
 
 
@@ -209,7 +218,8 @@ def _runs_of(composed: DictConfig) -> list[RunConfig]:
         raise ConfigError(f"{e.full_key} is missing: give it, e.g. {e.full_key}=VALUE") from None
     if run.kind != "all":
         return [run]
-    return [dataclasses.replace(copy.deepcopy(run), kind=kind) for kind in KINDS]
+    kinds = EMULATED_KINDS if run.launch.emulate != "none" else KINDS
+    return [dataclasses.replace(copy.deepcopy(run), kind=kind) for kind in kinds]
 
 
 def _check_db_url(url: str) -> None:
@@ -242,6 +252,29 @@ def _check_nodes(cfg: RunConfig) -> None:
         raise ConfigError(
             f"launch.nnodes={nnodes} needs launch.rdzv_endpoint=HOST:PORT (reached by all nodes)"
         )
+
+
+def _check_emulation(cfg: RunConfig) -> None:
+    launch, world = cfg.launch, world_size(cfg)
+    if launch.emulate == "none":
+        if launch.emulate_rank is not None:
+            raise ConfigError(
+                f"launch.emulate_rank={launch.emulate_rank} without launch.emulate: accepted are "
+                f"launch.emulate=real or fake with it"
+            )
+        return
+    if cfg.kind not in EMULATED_KINDS:
+        raise ConfigError(
+            f"kind={cfg.kind} with launch.emulate={launch.emulate}: an emulated rank has no real "
+            f"collectives to check or time; accepted is kind={', '.join(EMULATED_KINDS)}"
+        )
+    if launch.emulate_rank is not None and not 0 <= launch.emulate_rank < world:
+        raise ConfigError(
+            f"launch.emulate_rank={launch.emulate_rank}: accepted are 0 to {world - 1} (tp x dp = {world})"
+        )
+    if launch.nnodes != "1" or cfg.fault:
+        what = f"launch.nnodes={launch.nnodes}" if launch.nnodes != "1" else f"fault={cfg.fault}"
+        raise ConfigError(f"{what} with launch.emulate={launch.emulate}: an emulated rank runs alone")
 
 
 def _check_fault(cfg: RunConfig) -> None:

@@ -57,6 +57,9 @@ class TrainConfig:
     batch: str = "fixed_per_rank"  # fixed_per_rank | fixed_global
     dtype: str = "float32"  # float32 | bfloat16 | float16
     precision: str = "pure"  # pure: everything in dtype | mixed: fp32 master + autocast(dtype)
+    # what memory and throughput train on: cross_entropy (the model's loss) | logits_mean (the seed
+    # chapter's memory benchmark: logits.float().mean(), no labels)
+    loss: str = "cross_entropy"
     lr: float = 1e-3
     weight_decay: float = 0.0
     steps: int = 5  # measured steps (memory, throughput)
@@ -91,6 +94,11 @@ class LaunchConfig:
     job_timeout_s: float = 3600.0  # a worker running longer is stopped and the run recorded TIMEOUT
     memory_cap_mb: int = 0  # per worker, 0: none; CPU: RLIMIT_AS, CUDA: a memory fraction of the GPU
     max_result_mb: float = 64.0  # a rank result file larger than this is refused, the run FAILED
+    # One process stands in for one rank of the tp x dp job, on torch's fake process group (see
+    # tpbench.emulation): none | real (real tensors on this machine's device) | fake (FakeTensorMode)
+    emulate: str = "none"
+    emulate_rank: int | None = None  # the rank to emulate; None: the busiest rank of the mode
+    emulate_gpu: str = "H100"  # device=cuda emulate=fake: whose allocator and cuBLAS workspaces
 
 
 @dataclass

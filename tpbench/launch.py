@@ -34,6 +34,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, ProcessF
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from tpbench import emulation
 from tpbench.compose import local_world_size
 from tpbench.config import RunConfig, config_hash, save_run_config, world_size
 from tpbench.results import RankResult
@@ -169,7 +170,7 @@ def _read_results(cfg: RunConfig, folder: Path) -> list[RankResult]:
     if not (folder / "rank0.json").exists() and int(cfg.launch.nnodes) > 1:
         return []  # rank 0 ran on another node, which records the run
     results = []
-    for rank in range(world_size(cfg)):
+    for rank in [emulation.emulated_rank(cfg)] if emulation.emulated(cfg) else range(world_size(cfg)):
         path = folder / f"rank{rank}.json"
         if not path.exists():
             raise JobFailed(Status.FAILED, f"rank {rank} ended without a result", rank)

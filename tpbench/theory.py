@@ -77,6 +77,7 @@ class Dims:
     ddp: bool
     bucket_view: bool
     gpu: bool
+    logits_mean: bool  # the seed's benchmark loss, logits.float().mean(), instead of cross entropy
 
     @property
     def s(self) -> int:
@@ -156,6 +157,7 @@ def dims(cfg: RunConfig) -> Dims:
         ddp=par.engine == "ddp",
         bucket_view=par.ddp_gradient_as_bucket_view,
         gpu=cfg.launch.device == "cuda",
+        logits_mean=t.loss == "logits_mean",
     )
 
 
@@ -318,8 +320,12 @@ def loss_extra(d: Dims) -> tuple[int, int]:
     Dense loss (F.cross_entropy on logits.float()): the peak is log_softmax's backward, holding its
     fp32 output (saved), the fp32 gradient from nll_loss and the fp32 gradient it makes: 3 x 4 N V.
     Vocab-parallel loss: the peak is its forward, holding the fp32 logits (a copy unless p is 4 and
-    no padded column is masked), logits - max and their exp: up to 3 x 4 N V/T."""
+    no padded column is masked), logits - max and their exp: up to 3 x 4 N V/T.
+    The seed's logits.float().mean(): the fp32 copy of the logits (unless they are fp32), freed once
+    the mean is taken; its backward is the logits' gradient of the head's backward."""
     nv = d.N * d.V_l
+    if d.logits_mean:
+        return (FP32 * nv if d.p != FP32 else 0), 0
     if not d.vp:
         return FP32 * nv, 2 * FP32 * nv
     padded = d.Vp > d.V  # the last rank masks its padded columns into a new tensor

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from tpbench import faults
+from tpbench import emulation, faults
 from tpbench.config import RunConfig, load_run_config
 from tpbench.experiments import experiment
 from tpbench.results import RankResult
@@ -36,16 +36,23 @@ def main(job_dir: Path) -> None:
     _register(job_dir, rank)
     signal.alarm(math.ceil(cfg.launch.job_timeout_s))  # SIGALRM ends the process: the run is TIMEOUT
     device = _device(cfg, local_rank)
-    dist.init_process_group(
-        cfg.launch.backend,
-        timeout=timedelta(seconds=cfg.launch.collective_timeout_s),
-        device_id=device if device.type == "cuda" else None,
-    )
+    if emulation.emulated(cfg):  # this one process is rank r of the whole job, on the fake backend
+        emulation.init_process_group(cfg)
+    else:
+        dist.init_process_group(
+            cfg.launch.backend,
+            timeout=timedelta(seconds=cfg.launch.collective_timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
     _cap_memory(cfg, device)
     faults.before_experiment(cfg, rank, device)
     result = experiment(cfg.kind)(cfg)
     faults.after_experiment(cfg, result)
-    _hand_in(result, job_dir / "results")
+    if emulation.emulated(cfg):
+        (job_dir / "results").mkdir(exist_ok=True)
+        result.save(job_dir / "results")
+    else:
+        _hand_in(result, job_dir / "results")
     dist.destroy_process_group()
 
 
@@ -59,7 +66,7 @@ def _register(job_dir: Path, rank: int) -> None:
 
 
 def _device(cfg: RunConfig, local_rank: int) -> torch.device:
-    if cfg.launch.device == "cuda":
+    if cfg.launch.device == "cuda" and not emulation.gpu_emulated(cfg):
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores between the ranks of this node

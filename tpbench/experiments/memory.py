@@ -1,17 +1,22 @@
 """Per-rank peak memory of a training step, after warm-up, beside the analytic prediction.
 
-GPU: torch.cuda max_memory_allocated / max_memory_reserved after reset_peak_memory_stats.
-CPU (and GPU too, for the split): torch's MemTracker, which attributes every live tensor to
-parameters, buffers, gradients, activations, temporaries or optimizer state, at the peak.
+CPU and GPU alike: `peak_bytes` is the peak of live tensors by torch's MemTracker, which attributes
+every one to parameters, buffers, gradients, activations, temporaries or optimizer state.
+A GPU also reports its caching allocator's peaks (max_memory_allocated / max_memory_reserved after
+reset_peak_memory_stats); an emulated GPU rank (tpbench.emulation) reports what the allocator model
+(tpbench.allocator) makes of its allocation trace instead.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from tpbench import theory
+from tpbench import allocator, emulation, theory
 from tpbench.config import RunConfig
+from tpbench.experiments.setup import context
 from tpbench.experiments.training import Trainer
 from tpbench.results import RankResult
 
@@ -27,8 +32,35 @@ CATEGORIES = {
 }
 
 
+class PeakTracker(MemTracker):
+    """MemTracker keeping the device's peak and its split by category, not each module's: its
+    per-module peaks cost time quadratic in depth (135 s a step at L 32), and tpbench reads none."""
+
+    def _update_peak_stats(self, peak_state) -> None:
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                self._peak_mem[device] = snapshot["Total"]
+                self._peak_mem_snap[device] = dict(snapshot)
+
+
 def run(cfg: RunConfig) -> RankResult:
-    trainer = Trainer(cfg)
+    ctx = context(cfg)  # the mesh reads the store: made before any fake tensor
+    trace = emulation.AllocationTrace() if emulation.gpu_emulated(cfg) else None
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(emulation.tensor_mode(cfg))
+
+        def on_device(module: torch.nn.Module) -> None:  # as if just moved to the GPU, in order
+            if trace is not None:
+                trace.adopt(module.parameters())
+                stack.enter_context(trace)
+
+        trainer = Trainer(cfg, ctx, on_device)
+        if trace is not None:
+            trace.mark("gemm_workspaces")  # the first GEMMs (forward, backward) allocate them
+        return _measure(cfg, trainer, trace)
+
+
+def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace | None) -> RankResult:
     result = RankResult(rank=trainer.ctx.rank)
     for _ in range(cfg.train.warmup):
         trainer.step()
@@ -39,21 +71,30 @@ def run(cfg: RunConfig) -> RankResult:
     if on_gpu:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    tracker = MemTracker()
-    tracker.track_external(trainer.module, trainer.optimizer)
+    host_counters = _host_step_counters(trainer) if trace is not None else []
+    if trace is not None:
+        trace.exclude(host_counters)
+        trace.mark("window")
+    tracker = PeakTracker()
+    tracker.track_external(trainer.module, trainer.optimizer, *trainer.ddp_buckets())
     with tracker:
         for _ in range(cfg.train.steps):
             trainer.step()
             tracker.reset_mod_stats()  # per-module stats are per iteration; the peak is kept
     peak = tracker.get_tracker_snapshot("peak")[trainer.ctx.device]
+    # an emulated GPU keeps AdamW's step counters on the host, where the CPU stand-in cannot
+    counters = sum(t.untyped_storage().nbytes() for t in host_counters)
+    peak["Optstate"], peak["Total"] = peak.get("Optstate", 0) - counters, peak["Total"] - counters
     for category, name in CATEGORIES.items():
         result.add(name, peak.get(category, 0), "B")
+    result.add("peak_bytes", peak["Total"], "B")
     if on_gpu:
         result.add("max_memory_allocated_bytes", torch.cuda.max_memory_allocated(), "B")
         result.add("max_memory_reserved_bytes", torch.cuda.max_memory_reserved(), "B")
-        result.add("peak_bytes", torch.cuda.max_memory_allocated(), "B")
-    else:
-        result.add("peak_bytes", peak["Total"], "B")
+    if trace is not None:
+        peaks = allocator.replay(trace.replayable(), cfg.launch.emulate_gpu)
+        result.add("modelled_max_memory_allocated_bytes", peaks.allocated, "B")
+        result.add("modelled_max_memory_reserved_bytes", peaks.reserved, "B")
 
     predicted = theory.predict(cfg)
     result.add("predicted_peak_bytes", predicted.peak_bytes, "B")
@@ -61,3 +102,9 @@ def run(cfg: RunConfig) -> RankResult:
         result.add(f"predicted_{name}", value, "B")
     result.add("predicted_comm_bytes_per_step", predicted.comm_bytes_per_step, "B")
     return result
+
+
+def _host_step_counters(trainer: Trainer) -> list[torch.Tensor]:
+    """AdamW's `step` counters: on a GPU they stay on the host (torch keeps them there unless the
+    optimizer is capturable or fused)."""
+    return [state["step"] for state in trainer.optimizer.state.values() if "step" in state]

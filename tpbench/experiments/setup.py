@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
+import os
 from contextlib import AbstractContextManager
 from dataclasses import asdict
 
 import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from tpbench.config import RunConfig, local_batch
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, MiniMindForCausalLM, build_model
@@ -23,8 +26,40 @@ def model_config(cfg: RunConfig) -> MiniMindConfig:
     return MiniMindConfig(**fields)
 
 
+def tensor_device(cfg: RunConfig) -> torch.device:
+    """Where this rank's tensors live: its GPU under launch.device=cuda, else the CPU. A fake-tensor
+    emulation of a GPU rank keeps them on the CPU (see tpbench.emulation for why)."""
+    if cfg.launch.device == "cuda" and cfg.launch.emulate != "fake":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
 def context(cfg: RunConfig) -> ParallelContext:
-    return ParallelContext.from_world(cfg.parallel.tp, cfg.parallel.dp, cfg.launch.device)
+    return ParallelContext.from_world(cfg.parallel.tp, cfg.parallel.dp, tensor_device(cfg))
+
+
+def place(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Move every parameter of `module` to `device` and `dtype`, tied parameters staying tied.
+
+    Module.to() cannot swap the storage of a fake parameter, so each parameter is replaced by a new
+    one (tpbench's gradient sums find parameters by name). A fake tensor holds no values, and torch
+    copies nothing across devices without a device guard: a fake parameter bound for another device
+    is made there, empty."""
+    moved: dict[int, nn.Parameter] = {}
+    for mod in module.modules():
+        for name, p in mod._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in moved:
+                moved[id(p)] = nn.Parameter(_moved(p.detach(), device, dtype), p.requires_grad)
+            mod._parameters[name] = moved[id(p)]
+    return module
+
+
+def _moved(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(t, FakeTensor) and t.device.type != device.type:
+        return torch.empty(t.shape, dtype=dtype, device=device)
+    return t.to(device=device, dtype=dtype)
 
 
 def param_dtype(cfg: RunConfig) -> torch.dtype:
@@ -46,9 +81,10 @@ def build_parallel(
         from tpbench.parallel.dtensor import parallelize_dtensor
 
         pm = parallelize_dtensor(model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum))
-    else:
-        pm = parallelize(model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum))
-    pm.module.to(device=ctx.device, dtype=param_dtype(cfg))
+        pm.module.to(device=ctx.device, dtype=param_dtype(cfg))
+        return pm
+    pm = parallelize(model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum))
+    place(pm.module, ctx.device, param_dtype(cfg))
     return pm
 
 
@@ -79,7 +115,7 @@ class Batches:
         ids = torch.randint(self.vocab, (self.local * self.dp, self.seq), generator=self.gen)
         labels = ids.clone()
         labels[:, 3::7] = IGNORE_INDEX
-        return ids.to(self.device), labels.to(self.device)
+        return _to(ids, self.device), _to(labels, self.device)
 
     def local_slice(self, t: torch.Tensor) -> torch.Tensor:
         return t[self.dp_rank * self.local : (self.dp_rank + 1) * self.local]
@@ -87,3 +123,10 @@ class Batches:
     def next_local(self) -> tuple[torch.Tensor, torch.Tensor]:
         ids, labels = self.next_global()
         return self.local_slice(ids), self.local_slice(labels)
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch on the rank's device. Fake tokens hold no values: on another device they are made there."""
+    if isinstance(t, FakeTensor) and t.device.type != device.type:
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+    return t.to(device)

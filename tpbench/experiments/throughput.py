@@ -11,7 +11,6 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from tpbench import theory
@@ -44,9 +43,7 @@ def run(cfg: RunConfig) -> RankResult:
         trainer.step()
     result.comm = counter.rows()
     result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")
-    executed = torch.tensor([float(flops.get_total_flops())], dtype=torch.float64)
-    dist.all_reduce(executed)
-    result.add("flops_per_step", executed.item(), "FLOP")
+    result.add("flops_per_step", _summed_over_ranks(flops.get_total_flops()), "FLOP")
 
     times = []
     for _ in range(cfg.train.steps):
@@ -70,6 +67,11 @@ def run(cfg: RunConfig) -> RankResult:
     if peak:
         result.add("mfu", model_flops / median / (world * peak))
     return result
+
+
+def _summed_over_ranks(value: float) -> float:
+    """Every rank's count summed over the job, on a tensor of the device the backend serves."""
+    return comm.reduce_floats([float(value)])[0]
 
 
 def _quantile(values: list[float], q: float) -> float:

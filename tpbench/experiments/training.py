@@ -9,6 +9,8 @@ Precision: `pure` keeps parameters, gradients and optimizer state in train.dtype
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -23,54 +25,90 @@ from tpbench.experiments.setup import (
     context,
     counting,
     param_dtype,
+    place,
 )
 from tpbench.parallel import comm
 from tpbench.parallel.context import ParallelContext
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig):
+    """The model of the run's engine on this rank, its optimizer and its batches.
+
+    on_device: called with the module once its parameters are on the device, before DDP wraps it and
+    before the optimizer exists (an emulated GPU rank starts its allocation trace there)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        ctx: ParallelContext | None = None,
+        on_device: Callable[[torch.nn.Module], None] = lambda module: None,
+    ):
         self.cfg = cfg
-        self.ctx: ParallelContext = context(cfg)
+        self.ctx: ParallelContext = ctx or context(cfg)
         self.batches = Batches(cfg, self.ctx)
         if cfg.parallel.engine == "ddp":
-            self.model, self.module = self._ddp()
+            self.model, self.module = self._ddp(on_device)
             self.finish_grads = lambda: None  # DDP all-reduces in backward
         else:
             pm = build_parallel(cfg, self.ctx)
+            on_device(pm.module)
             self.model, self.module, self.finish_grads = pm, pm.module, pm.finish_grads
+        # foreach is AdamW's default for CUDA tensors; said here for an emulated GPU rank
         self.optimizer = torch.optim.AdamW(
-            self.module.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
+            self.module.parameters(),
+            lr=cfg.train.lr,
+            weight_decay=cfg.train.weight_decay,
+            foreach=True if cfg.launch.device == "cuda" else None,
         )
-        self.autocast = (
-            torch.autocast(self.ctx.device.type, dtype=DTYPES[cfg.train.dtype])
-            if cfg.train.precision == "mixed"
-            else contextlib.nullcontext()
-        )
+        self.autocast = self.autocast_for(cfg, self.ctx.device)
 
-    def _ddp(self):
+    def ddp_buckets(self) -> list[torch.Tensor]:
+        """DDP's gradient buckets that no module or optimizer holds: all of them, unless the
+        gradients are views of them (none for the other engines)."""
+        state = getattr(self, "ddp_state", None)
+        if state is None or self.cfg.parallel.ddp_gradient_as_bucket_view:
+            return []
+        return list(state.buckets.values())
+
+    @staticmethod
+    def autocast_for(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager:
+        """precision=mixed: autocast to train.dtype with the cast lists of the device's type."""
+        if cfg.train.precision != "mixed":
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=DTYPES[cfg.train.dtype])
+
+    def _ddp(self, on_device: Callable[[torch.nn.Module], None]):
         p = self.cfg.parallel
-        dense = build_dense(self.cfg).to(device=self.ctx.device, dtype=param_dtype(self.cfg))
+        dense = place(build_dense(self.cfg), self.ctx.device, param_dtype(self.cfg))
+        on_device(dense)
+        fake = dist.get_backend(self.ctx.dp_group) == "fake"
         ddp = DistributedDataParallel(
             dense,
             device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None,
             process_group=self.ctx.dp_group,
             bucket_cap_mb=p.ddp_bucket_mb,
             gradient_as_bucket_view=p.ddp_gradient_as_bucket_view,
+            init_sync=not fake,  # an emulated rank has no one to agree with, nor values to send
         )
-        ddp.register_comm_hook(self.ctx.dp_group, _counted_allreduce)
+        self.ddp_state = _DDPHookState(self.ctx.dp_group)
+        ddp.register_comm_hook(self.ddp_state, _counted_allreduce)
+        if fake and self.cfg.launch.emulate == "fake":
+            ddp.reducer = _KeepBuckets(ddp.reducer)
         return ddp, dense
 
-    def step(self) -> float:
-        """One optimizer step on the next batch; returns the loss."""
+    def step(self) -> torch.Tensor:
+        """One optimizer step on the next batch; returns the loss (a tensor: reading it would sync)."""
         ids, labels = self.batches.next_local()
         self.optimizer.zero_grad(set_to_none=True)
         with self.autocast:
-            _, loss = self.model(ids, labels)
+            if self.cfg.train.loss == "logits_mean":  # the seed's memory benchmark
+                loss = self.model(ids)[0].float().mean()
+            else:
+                _, loss = self.model(ids, labels)
         loss.backward()
         self.finish_grads()
         self.optimizer.step()
-        return loss.item()
+        return loss.detach()
 
     def counted_step(self) -> list:
         """One step with its collectives counted: CommRows per step."""
@@ -85,9 +123,38 @@ class Trainer:
         dist.barrier()
 
 
-def _counted_allreduce(group, bucket):  # no annotations: DDP checks them and ours are strings
-    """DDP's own asynchronous all-reduce of a gradient bucket (averaged), reported to the counter."""
+class _KeepBuckets:
+    """DDP's reducer, except that it keeps its first buckets: rebuilding them after the first backward
+    reads bucket indices back from a broadcast, and a fake tensor has no values. The buckets hold the
+    same gradients either way, in another order (so DDP's all-reduces are as many bytes)."""
+
+    def __init__(self, reducer):
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str):
+        return getattr(self._reducer, name)
+
+
+@dataclass
+class _DDPHookState:
+    group: dist.ProcessGroup | None
+    buckets: dict[int, torch.Tensor] = field(default_factory=dict)  # DDP's flat bucket buffers
+
+
+def _counted_allreduce(state, bucket):  # no annotations: DDP checks them and ours are strings
+    """DDP's own asynchronous all-reduce of a gradient bucket (averaged), reported to the counter.
+    Keeps the bucket's buffer: a memory tracker must see it (unless the gradients are views of it,
+    DDP's buckets are tensors no module or optimizer holds)."""
+    group = state.group
+    state.buckets[bucket.index()] = bucket.buffer()
     buffer = bucket.buffer().div_(dist.get_world_size(group))
     comm.record_async("all_reduce", "dp_grad", buffer, group)
     work = dist.all_reduce(buffer, group=group, async_op=True)
+    if dist.get_backend(group) == "fake":  # an emulated rank: the fake work's future holds no value
+        done = torch.futures.Future()
+        done.set_result(buffer)
+        return done
     return work.get_future().then(lambda fut: fut.value()[0])

@@ -20,7 +20,15 @@ from rich.table import Table
 
 from tpbench import theory
 from tpbench.config import RunConfig, mode_label
-from tpbench.experiments.setup import Batches, build_dense, build_parallel, context, counting, param_dtype
+from tpbench.experiments.setup import (
+    Batches,
+    build_dense,
+    build_parallel,
+    context,
+    counting,
+    param_dtype,
+    place,
+)
 from tpbench.parallel import comm
 from tpbench.parallel.plan import ParallelModel
 from tpbench.results import ParamRow, RankResult
@@ -30,7 +38,7 @@ def run(cfg: RunConfig) -> RankResult:
     ctx = context(cfg)
     dense = build_dense(cfg)
     pm = build_parallel(cfg, ctx, dense)
-    dense.to(device=ctx.device, dtype=param_dtype(cfg))
+    place(dense, ctx.device, param_dtype(cfg))
     batches = Batches(cfg, ctx)
     result = RankResult(rank=ctx.rank)
 
@@ -85,9 +93,12 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _max_over_ranks(value: float) -> float:
     """The worst value over all ranks (every rank checks its own logits shard and DP slice)."""
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return comm.reduce_floats([value], dist.ReduceOp.MAX)[0]
+
+
+def _worst_over_ranks(stats: torch.Tensor) -> torch.Tensor:
+    """Element-wise max over every rank, issued on the device the backend serves."""
+    return comm.reduce_over_world(stats, dist.ReduceOp.MAX)
 
 
 def _grad_rows(pm: ParallelModel, dense: torch.nn.Module) -> list[ParamRow]:
@@ -99,9 +110,8 @@ def _grad_rows(pm: ParallelModel, dense: torch.nn.Module) -> list[ParamRow]:
         diff = p.grad.float() - ref
         rel = diff.norm() / ref.norm().clamp(min=1e-30)
         names.append(name)
-        stats.append(torch.stack([diff.abs().mean(), diff.abs().max(), rel]).double().cpu())
-    stacked = torch.stack(stats)
-    dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+        stats.append(torch.stack([diff.abs().mean(), diff.abs().max(), rel]).double())
+    stacked = _worst_over_ranks(torch.stack(stats)).cpu()  # [params, 3]
     return [
         ParamRow(n, pm.semantics(n), list(p.shape), *map(float, s))
         for n, p, s in zip(names, pm.module.parameters(), stacked, strict=True)

@@ -63,22 +63,25 @@ class RMSNorm(nn.Module):
         return self.weight * normed.type_as(x)
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [S, D]: the frequency table concatenated twice (rotate-half form)."""
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
-    angles = torch.outer(torch.arange(seq_len).float(), freqs)  # [S, D/2]
+def rope_tables(
+    head_dim: int, seq_len: int, theta: float, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [S, D]: the frequency table concatenated twice (rotate-half form), made on
+    `device` (no copy from the host)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim // 2 * 2, 2, device=device).float() / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device).float(), freqs)  # [S, D/2]
     emb = torch.cat([angles, angles], dim=-1)  # [S, D]
     return emb.cos(), emb.sin()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x [S, B, N, D]; cos, sin [S, D] -> broadcast over B and N
-    cos, sin = cos[:, None, None, :].to(x.dtype), sin[:, None, None, :].to(x.dtype)
+    cos, sin = cos.view(cos.shape[0], 1, 1, -1).to(x.dtype), sin.view(sin.shape[0], 1, 1, -1).to(x.dtype)
     return x * cos + rotate_half(x) * sin
 
 
@@ -87,7 +90,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     if n_rep == 1:
         return x
     s, b, n_kv, d = x.shape
-    return x[:, :, :, None, :].expand(s, b, n_kv, n_rep, d).reshape(s, b, n_kv * n_rep, d)
+    return x.unsqueeze(3).expand(s, b, n_kv, n_rep, d).reshape(s, b, n_kv * n_rep, d)
 
 
 class Attention(nn.Module):
@@ -164,8 +167,7 @@ class MiniMindModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         s = input_ids.shape[1]
-        cos, sin = rope_tables(self.head_dim, s, self.rope_theta)
-        cos, sin = cos.to(input_ids.device), sin.to(input_ids.device)
+        cos, sin = rope_tables(self.head_dim, s, self.rope_theta, input_ids.device)
         x = self.embed_tokens(input_ids.t())  # [S, B, H]
         for layer in self.layers:
             x = layer(x, cos, sin)
@@ -184,9 +186,8 @@ class CausalLMLoss(nn.Module):
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     """[B, S] labels -> [S, B] targets: position s predicts token s + 1; the last predicts nothing."""
-    targets = torch.full_like(labels, IGNORE_INDEX)
-    targets[:, :-1] = labels[:, 1:]
-    return targets.t().contiguous()
+    last = torch.full_like(labels.narrow(1, 0, 1), IGNORE_INDEX)  # [B, 1]
+    return torch.cat([labels.narrow(1, 1, labels.shape[1] - 1), last], dim=1).t().contiguous()
 
 
 class MiniMindForCausalLM(nn.Module):

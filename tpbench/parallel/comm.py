@@ -150,8 +150,32 @@ def all_reduce_coalesced(
         flat /= _size(group)
     offset = 0
     for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        t.copy_(flat.narrow(0, offset, t.numel()).view_as(t))
         offset += t.numel()
+
+
+def world_device() -> torch.device:
+    """The device whose tensors the default group's backend takes: CUDA for NCCL (which refuses CPU
+    tensors), the CPU for gloo. The same rule torch uses for its object collectives."""
+    kind = dist.distributed_c10d._get_object_coll_device()
+    if kind == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
+def reduce_over_world(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """A figure every rank computed, reduced over the whole job (sum, max, ...) for its headline value:
+    issued on a copy on `world_device()`, returned on the device it came from. Not counted: it is no
+    part of a training step."""
+    device = world_device()
+    on_backend = x.detach().clone() if x.device.type == device.type else x.detach().to(device)
+    dist.all_reduce(on_backend, op)
+    return on_backend if x.device.type == device.type else on_backend.to(x.device)
+
+
+def reduce_floats(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+    """Python numbers reduced over the whole job, on a float64 tensor of `world_device()`."""
+    return reduce_over_world(torch.tensor(values, dtype=torch.float64, device=world_device()), op).tolist()
 
 
 def split(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -7,7 +7,6 @@ group; those ranks form a KV-replica group whose k/v gradients are summed.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -37,17 +36,13 @@ class ParallelContext:
         return cls(1, 1, 0, 0, torch.device(device), None, None)
 
     @classmethod
-    def from_world(cls, tp: int, dp: int, device_type: str) -> ParallelContext:
-        """Build the mesh from an initialised default process group of dp * tp ranks."""
+    def from_world(cls, tp: int, dp: int, device: torch.device) -> ParallelContext:
+        """Build the mesh from an initialised default process group of dp * tp ranks, whose tensors
+        live on `device` (the worker has made it the current CUDA device)."""
         world = dist.get_world_size()
         if world != tp * dp:
             raise ValueError(f"world size {world} != dp {dp} x tp {tp}")
-        if device_type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            torch.cuda.set_device(device)
-        else:
-            device = torch.device("cpu")
-        mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
         rank = dist.get_rank()
         return cls(
             tp=tp,

@@ -106,7 +106,7 @@ def plan_layouts(cfg: MiniMindConfig, tp: int, pcfg: ParallelConfig) -> dict[str
 class GradSum:
     name: str
     group: comm.Group
-    params: list[nn.Parameter]
+    params: list[str]  # parameter names: the sum follows a parameter that is replaced (moved, cast)
     average: bool = False
 
 
@@ -125,8 +125,9 @@ class ParallelModel:
 
     def finish_grads(self) -> None:
         """The gradient sums the shards need before an optimizer step (and the DP average)."""
+        params = dict(self.module.named_parameters())
         for gs in self.grad_sums:
-            grads = [p.grad for p in gs.params if p.grad is not None]
+            grads = [params[name].grad for name in gs.params if params[name].grad is not None]
             comm.all_reduce_coalesced(
                 grads, gs.group, "dp_grad" if gs.name == "dp" else "grad_sum", gs.average
             )
@@ -145,10 +146,10 @@ class ParallelModel:
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """[B, S, V/T] vocab-sharded logits -> [B, S, V], for checks only (never in training)."""
         if not self.config.vp or self.ctx.tp == 1:
-            return logits[..., : self.module.config.vocab_size]
+            return logits.narrow(-1, 0, self.module.config.vocab_size)
         shards = logits.detach().movedim(-1, 0).contiguous()  # [V/T, S, B]
         gathered = comm.all_gather(shards, self.ctx.tp_group, "check").movedim(0, -1)
-        return gathered[..., : self.module.config.vocab_size]
+        return gathered.narrow(-1, 0, self.module.config.vocab_size)
 
 
 # --- the plan ----------------------------------------------------------------------------------
@@ -268,10 +269,10 @@ def _grad_sums(
     model: nn.Module, ctx: ParallelContext, layouts: dict[str, Layout], skip: tuple[str, ...]
 ) -> list[GradSum]:
     params = dict(model.named_parameters())  # tied weights appear once
-    by_sum: dict[str, list[nn.Parameter]] = {}
-    for name, p in params.items():
+    by_sum: dict[str, list[str]] = {}
+    for name in params:
         if layouts[name].grad_sum:
-            by_sum.setdefault(layouts[name].grad_sum, []).append(p)
+            by_sum.setdefault(layouts[name].grad_sum, []).append(name)
     groups = {"qk_norm": ctx.tp_group, "sp_norms": ctx.tp_group, "kv_replicas": ctx.kv_replica_group}
     sums: list[GradSum] = []
     for name, ps in by_sum.items():  # sums over the same group share one all-reduce
@@ -283,7 +284,7 @@ def _grad_sums(
         else:
             same.name, same.params = f"{same.name}+{name}", same.params + ps
     if ctx.dp > 1 and "dp" not in skip:
-        sums.append(GradSum("dp", ctx.dp_group, list(params.values()), average=True))
+        sums.append(GradSum("dp", ctx.dp_group, list(params), average=True))
     return sums
 
 

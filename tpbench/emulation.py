@@ -1,0 +1,141 @@
+"""One process stands in for any rank of any job: rank emulation on torch's fake process group.
+
+`launch.emulate=real|fake` runs rank r (`launch.emulate_rank`, default the busiest) of a tp x dp job in
+one process, on `torch.testing._internal.distributed.fake_pg`: every collective is a no-op that leaves
+its output the right shape, so the rank allocates, and counts, exactly what it would in the real job;
+the values it computes are not the job's.
+
+  real   real tensors on this machine's device: the rank's true per-category memory (MemTracker), and
+         on a GPU its allocator peaks. The compute runs, so a big model needs the memory it measures.
+  fake   FakeTensorMode: tensors carry shapes, dtypes and storage sizes but no data, so no compute
+         runs and any shape fits (H 8192, L 64, T 64 in seconds). Peaks equal real tensors' byte for
+         byte (tests/test_emulation.py holds it).
+
+Emulating a GPU rank without a GPU (`launch.device=cuda launch.emulate=fake`). On a CPU-only torch,
+fake tensors on device "cuda" run a forward only: autograd cannot record a graph on them, and
+copy_, strided copies and Python indexing abort, all for want of CUDA's device guard (a CUDA build of
+torch without a GPU fails the same way, and a C++ guard shim still leaves autograd's accelerator
+check). Fake CPU tensors run the whole step, and the kernels that differ between the devices save the
+same tensors: the CPU flash-attention kernel saves what the CUDA one does (q, k, v, output and an
+fp32 logsumexp), to the 512-byte rounding the allocator model applies. So a GPU rank is emulated on
+fake CPU tensors with the GPU's own choices made explicitly: AdamW's foreach path (CUDA's default)
+with its step counters on the host, torch DDP as configured, and the allocator's view of the trace
+(tpbench.allocator: 512-byte rounding, 2 and 20 MiB segments, block splitting, cuBLAS workspaces).
+What this cannot tell: time, bandwidth, and autocast's CUDA cast lists (precision=mixed emulates
+with the CPU's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from tpbench.config import RunConfig, world_size
+from tpbench.parallel.plan import padded_vocab
+from tpbench.results import RankResult
+
+FLAVOURS = ("none", "real", "fake")
+EMULATED_KINDS = ("memory",)  # validate and throughput need the job's real collectives
+
+
+def emulated(cfg: RunConfig) -> bool:
+    return cfg.launch.emulate != "none"
+
+
+def busiest_rank(cfg: RunConfig) -> int:
+    """The rank whose memory is the largest. Every rank of a mode holds the same shapes (TP shards are
+    equal, DP replicas are equal, a replicated KV head is one head on every rank) except under VP with
+    a padded vocabulary: the ranks holding padded rows (the last one always) mask their padded logits
+    into one more fp32 [S, B, V/T] copy in the loss. So the last TP rank of the first DP group there,
+    rank 0 everywhere else."""
+    p, m = cfg.parallel, cfg.model
+    if p.vp and p.tp > 1 and padded_vocab(m.vocab_size, p.tp, p.vocab_pad_multiple) > m.vocab_size:
+        return p.tp - 1
+    return 0
+
+
+def emulated_rank(cfg: RunConfig) -> int:
+    r = cfg.launch.emulate_rank
+    return busiest_rank(cfg) if r is None else r
+
+
+def init_process_group(cfg: RunConfig) -> None:
+    """Join a job of tp x dp ranks as the emulated rank, alone: torch's fake backend."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=emulated_rank(cfg), world_size=world_size(cfg))
+
+
+def tensor_mode(cfg: RunConfig) -> contextlib.AbstractContextManager:
+    """Where the rank's tensors are made: FakeTensorMode for the fake flavour."""
+    return FakeTensorMode() if cfg.launch.emulate == "fake" else contextlib.nullcontext()
+
+
+def gpu_emulated(cfg: RunConfig) -> bool:
+    """A GPU rank emulated on the CPU (see the module's docstring)."""
+    return cfg.launch.device == "cuda" and cfg.launch.emulate == "fake"
+
+
+class AllocationTrace(TorchDispatchMode):
+    """Every tensor storage made beneath it, in order, and when it is freed: the trace the allocator
+    model replays. Events: ("alloc", token, bytes), ("free", token), and the markers `mark` adds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple] = []
+        self._tokens: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._excluded: set[int] = set()
+
+    def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Tensors made before the trace (parameters moved to the device), allocated in this order."""
+        for t in tensors:
+            self._note(t)
+
+    def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Tensors that live elsewhere on the emulated device (AdamW's step counters: on the host)."""
+        for t in tensors:
+            token = self._tokens.get(t.untyped_storage())
+            if token is not None:
+                self._excluded.add(token)
+
+    def mark(self, name: str) -> None:
+        self.events.append((name,))
+
+    def replayable(self) -> list[tuple]:
+        return [e for e in self.events if len(e) == 1 or e[1] not in self._excluded]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._note(t)
+        return out
+
+    def _note(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        if storage in self._tokens or storage.nbytes() == 0:
+            return
+        token = len(self.events)
+        self._tokens[storage] = token
+        self.events.append(("alloc", token, storage.nbytes()))
+        weakref.finalize(storage, self.events.append, ("free", token))
+
+
+def measure_in_process(cfg: RunConfig) -> RankResult:
+    """The memory experiment of the emulated rank, in this process (no launcher): for `tpbench plan
+    --measure` and the tests. The process group lives only for the call."""
+    from tpbench.experiments import memory
+
+    init_process_group(cfg)
+    try:
+        return memory.run(cfg)
+    finally:
+        dist.destroy_process_group()
