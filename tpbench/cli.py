@@ -262,12 +262,22 @@ def report(
     "tpbench plan +preset=seed_tp_memory  (every config of the sweep)\n\n"
     "tpbench plan mode=ddp,tp_sp_vp model=seed_memory precision=mixed"
 )
-def plan(overrides: Overrides = None) -> None:
+def plan(
+    overrides: Overrides = None,
+    measure: Annotated[
+        bool,
+        typer.Option(
+            "--measure",
+            help="Also emulate the busiest rank with fake tensors (no compute, any size) and print its "
+            "measured peak beside the prediction; with launch.device=cuda, the allocator's too.",
+        ),
+    ] = False,
+) -> None:
     """Print the analytic model's prediction, per rank, without running anything: memory at each moment
     of a training step (the peak marked), collective bytes per step, model FLOPs per step."""
     from tpbench import theory
 
-    configs = _compose(overrides or [], single=False)
+    configs = _compose([*(overrides or []), *(["launch.emulate=fake"] if measure else [])], single=False)
     for c in (c for c in configs if c.kind == configs[0].kind):  # kind=all: one config per kind
         prediction = theory.predict(c)
         p, m, t = c.parallel, c.model, c.train
@@ -292,6 +302,33 @@ def plan(overrides: Overrides = None) -> None:
         comm.add_row("total", "", "", f"{prediction.comm_bytes_per_step / 2**20:,.2f}", style="bold")
         out.print(comm)
         out.print(f"model FLOPs per step (global batch): {theory.model_flops_per_step(c):.4g}")
+        if measure:
+            _print_measured(c, prediction.peak_bytes)
+
+
+def _print_measured(cfg: RunConfig, predicted: int) -> None:
+    """The fake-tensor emulation of the config's busiest rank, beside the prediction."""
+    import dataclasses
+    import time
+
+    from tpbench import emulation
+
+    # the peak of a step repeats from the second step on: one warm-up step, one measured
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, warmup=1, steps=1))
+    start = time.perf_counter()
+    result = {m.name: m.value for m in emulation.measure_in_process(cfg).measurements}
+    seconds = time.perf_counter() - start
+    peak = result["peak_bytes"]
+    out.print(
+        f"emulated rank {emulation.emulated_rank(cfg)} (fake tensors, {seconds:.1f} s): live-tensor peak "
+        f"{peak / 2**20:,.1f} MiB, predicted {predicted / 2**20:,.1f} ({(predicted - peak) / peak:+.2%})"
+    )
+    if "modelled_max_memory_allocated_bytes" in result:
+        out.print(
+            f"caching allocator model ({cfg.launch.emulate_gpu}, with cuBLAS workspaces): max allocated "
+            f"{result['modelled_max_memory_allocated_bytes'] / 2**20:,.1f} MiB, max reserved "
+            f"{result['modelled_max_memory_reserved_bytes'] / 2**20:,.1f} MiB"
+        )
 
 
 # -- helpers -----------------------------------------------------------------------------------------

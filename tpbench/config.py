@@ -190,3 +190,12 @@ def config_hash(cfg: RunConfig) -> str:
     for key in _UNHASHED_LAUNCH:
         del data["launch"][key]
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def emulation_label(flat: dict) -> str:
+    """How a stored run (its config flattened to dotted keys) was emulated: "" for a real job."""
+    flavour = flat.get("launch.emulate", "none")
+    if flavour == "none":
+        return ""
+    rank, world = flat.get("launch.emulate_rank"), flat["parallel.tp"] * flat["parallel.dp"]
+    return f"emulated ({flavour} tensors, rank {'busiest' if rank is None else rank} of {world})"

@@ -72,14 +72,14 @@ class Environment:
 
     @classmethod
     def probe(cls, cfg: RunConfig) -> Environment:
-        cuda = cfg.launch.device == "cuda"
+        cuda = cfg.launch.device == "cuda" and not emulation.gpu_emulated(cfg)
         commit = _git("rev-parse", "HEAD")
         return cls(
             host=socket.gethostname(),
             device=cfg.launch.device,
-            device_name=torch.cuda.get_device_name(0) if cuda else _cpu_name(),
+            device_name=torch.cuda.get_device_name(0) if cuda else _emulated_or_cpu_name(cfg),
             device_count=torch.cuda.device_count() if cuda else os.cpu_count() or 1,
-            backend=cfg.launch.backend,
+            backend="fake" if emulation.emulated(cfg) else cfg.launch.backend,
             torch_version=torch.__version__,
             cuda_version=torch.version.cuda,
             git_commit=commit,
@@ -286,6 +286,12 @@ def _git(*args: str) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _emulated_or_cpu_name(cfg: RunConfig) -> str:
+    if emulation.gpu_emulated(cfg):
+        return f"{cfg.launch.emulate_gpu} (emulated on {_cpu_name()})"
+    return _cpu_name()
 
 
 def _cpu_name() -> str:

@@ -310,11 +310,11 @@ def saving_only_shard(full: torch.Tensor, shard: torch.Tensor, group: Group) -> 
         yield
         return
     # the hooks live as long as the graph: they must not hold `full` itself, or nothing is saved
-    storage, dtype = full.untyped_storage().data_ptr(), full.dtype
+    storage, dtype = full.untyped_storage()._cdata, full.dtype  # a fake tensor has no data_ptr
     token = _Regather(shard, group)
 
     def pack(t: torch.Tensor):
-        if t.untyped_storage().data_ptr() == storage and t.dtype == dtype:
+        if t.untyped_storage()._cdata == storage and t.dtype == dtype:
             return token, t.shape, t.stride(), t.storage_offset()
         return t
 

@@ -15,6 +15,7 @@ import pandas as pd
 from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
+from tpbench.config import emulation_label
 from tpbench.db import ResultsDB, Run, parse_since
 
 MODE_ORDER = ("ddp", "tp", "tp_sp", "tp_vp", "tp_sp_vp")
@@ -114,6 +115,8 @@ def load(db: ResultsDB, selection: Selection) -> ReportData:
     ok_ids = runs.loc[runs["status"] == "OK", "id"].tolist()
     metrics = db.metrics(ok_ids)
     runs = runs.join(metrics, on="id")
+    # emulated runs (tpbench.emulation) are a setting of their own: never drawn beside measured jobs
+    runs["emulated"] = [emulation_label(configs[i]) for i in runs["id"]]
     runs["setting"] = runs.apply(setting_label, axis=1) if len(runs) else pd.Series(dtype=str)
     runs["mode_rank"] = runs["mode"].map(mode_rank)
     long = db.measurements(ok_ids)
@@ -132,7 +135,7 @@ def setting_label(run: pd.Series) -> str:
     return (
         f"H{run['hidden']} S{run['seq']} V{run['vocab']} heads {run['heads']}/{run['kv_heads']} "
         f"{batch} {run['batch_policy']} {run['dtype']} {run['precision']} · {run['world_size']} ranks "
-        f"{run['device']}"
+        f"{run['device']}" + (f" · {run['emulated']}" if run.get("emulated") else "")
     )
 
 

@@ -1,0 +1,126 @@
+"""Rank emulation (tpbench.emulation): one process standing in for rank r of a job gives that rank's
+memory and collectives byte for byte, with real tensors and with fake ones."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from torchrun_checks import run_config, torchrun
+
+from tpbench import emulation, theory
+from tpbench.allocator import CachingAllocator, replay
+from tpbench.config import RunConfig
+
+SMALL = [
+    "kind=memory",
+    "model.hidden_size=64",
+    "model.num_hidden_layers=2",
+    "model.vocab_size=510",  # padded under VP at T = 4: the last rank is the busiest there
+    "train.seq_len=64",
+    "train.dtype=bfloat16",
+    "train.steps=1",
+    "train.warmup=1",
+]
+# One launch of world 4: T = 2 as dp 2 x tp 2, T = 4, and DDP over 4 ranks
+DP2 = ["parallel.tp=2", "parallel.dp=2"]
+MODES = {
+    "ddp": ["parallel.engine=ddp", "parallel.tp=1", "parallel.dp=4"],
+    "t2_tp": DP2,
+    "t2_tp_sp": [*DP2, "parallel.sp=true"],
+    "t2_tp_vp": [*DP2, "parallel.vp=true"],
+    "t2_tp_sp_vp": [*DP2, "parallel.sp=true", "parallel.vp=true"],
+    "t4_tp": ["parallel.tp=4"],
+    "t4_tp_sp": ["parallel.tp=4", "parallel.sp=true"],
+    "t4_tp_vp": ["parallel.tp=4", "parallel.vp=true"],
+    "t4_tp_sp_vp_kv1": [
+        "parallel.tp=4",
+        "parallel.sp=true",
+        "parallel.vp=true",
+        "model.num_key_value_heads=1",
+    ],
+    "t4_dtensor_tp_sp": ["parallel.tp=4", "parallel.engine=dtensor", "parallel.sp=true"],
+}
+
+
+@pytest.fixture(scope="module")
+def real_job(tmp_path_factory) -> dict:
+    """Every rank's peak and collectives in real torchrun jobs (gloo, 4 processes)."""
+    checks = {name: SMALL + overrides for name, overrides in MODES.items()}
+    out = tmp_path_factory.mktemp("emulation") / "real.json"
+    return torchrun(Path(__file__).parent / "torchrun_checks.py", 4, out, "memory", checks=checks)
+
+
+def emulate(name: str, flavour: str, rank: int | None) -> dict:
+    cfg = run_config([*SMALL, *MODES[name], f"launch.emulate={flavour}"])
+    cfg.launch.emulate_rank = rank
+    result = emulation.measure_in_process(cfg)
+    return {
+        "peak": next(m.value for m in result.measurements if m.name == "peak_bytes"),
+        "comm": sorted([c.op, c.purpose, c.count, c.bytes] for c in result.comm),
+        "rank": result.rank,
+    }
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_real_tensors_give_every_rank_of_the_job_byte_for_byte(real_job, name):
+    for rank, measured in enumerate(real_job[name]):
+        emulated = emulate(name, "real", rank)
+        assert emulated["rank"] == rank
+        assert emulated["peak"] == measured["peak"], f"rank {rank}"
+        assert emulated["comm"] == measured["comm"], f"rank {rank}"
+
+
+@pytest.mark.parametrize("name", ["t2_tp_sp_vp", "t4_tp_vp", "t4_tp_sp_vp_kv1"])
+def test_fake_tensors_give_the_same_bytes(real_job, name):
+    rank = emulation.busiest_rank(run_config([*SMALL, *MODES[name]]))
+    emulated = emulate(name, "fake", None)
+    assert emulated["rank"] == rank
+    assert emulated["peak"] == real_job[name][rank]["peak"]
+    assert emulated["comm"] == real_job[name][rank]["comm"]
+
+
+@pytest.mark.parametrize("name", MODES)
+def test_the_default_rank_is_the_busiest(real_job, name):
+    peaks = [r["peak"] for r in real_job[name]]
+    assert peaks[emulation.busiest_rank(run_config([*SMALL, *MODES[name]]))] == max(peaks)
+
+
+def test_only_vp_with_a_padded_vocab_has_a_busier_rank(real_job):
+    padded = real_job["t4_tp_vp"]
+    assert padded[3]["peak"] > padded[0]["peak"]  # 510 rows pad to 512: rank 3 masks its logits
+    assert emulation.busiest_rank(run_config([*SMALL, *MODES["t4_tp_vp"]])) == 3
+    assert len({r["peak"] for r in real_job["t4_tp_sp"]}) == 1
+
+
+def gpu_config(overrides: list[str]) -> RunConfig:
+    cfg = run_config([*SMALL, *overrides, "launch.emulate=fake"])
+    return dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, device="cuda"))
+
+
+@pytest.mark.parametrize("name", ["ddp", "t2_tp_sp_vp"])
+def test_an_emulated_gpu_rank_matches_the_model_and_reports_the_allocator(name):
+    cfg = gpu_config([*MODES[name], "parallel.ddp_gradient_as_bucket_view=false", "train.loss=logits_mean"])
+    result = {m.name: m.value for m in emulation.measure_in_process(cfg).measurements}
+    # the model leaves out a few bytes of [S, B] bookkeeping at this tiny size (8 and 120 B here)
+    assert result["peak_bytes"] == pytest.approx(theory.predict(cfg).peak_bytes, rel=1e-3)
+    workspaces = 2 * 32 * 2**20  # H100: two cuBLAS workspaces of 32 MiB
+    assert result["modelled_max_memory_allocated_bytes"] >= result["peak_bytes"] + workspaces
+    assert result["modelled_max_memory_reserved_bytes"] >= result["modelled_max_memory_allocated_bytes"]
+
+
+def test_allocator_rounds_splits_and_keeps_whole_blocks():
+    a = CachingAllocator()
+    small = a.malloc(100)  # rounds to 512 in a new 2 MiB segment
+    assert (a.allocated, a.reserved) == (512, 2 << 20)
+    big = a.malloc(3 << 20)  # a 20 MiB segment, split: 17 MiB remain
+    assert (a.allocated, a.reserved) == (512 + (3 << 20), (2 << 20) + (20 << 20))
+    a.free(big)
+    whole = a.malloc((20 << 20) - (512 << 10))  # 512 KiB would remain: not split, the block counts whole
+    assert a.allocated == 512 + (20 << 20)
+    a.free(whole)
+    a.free(small)
+    assert a.allocated == 0 and a.reserved == (22 << 20)  # segments are kept
+    peaks = replay([("alloc", 0, 5 << 20), ("window",), ("free", 0), ("alloc", 1, 1 << 20)], "A100")
+    assert peaks.allocated == 5 << 20  # the window starts from what is held
