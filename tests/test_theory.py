@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from tpbench import theory
 from tpbench.config import RunConfig
 from tpbench.experiments.setup import build_dense
+from tpbench.experiments.throughput import LocalFlopCounter
 
 # H 64, L 2, heads 8/4, I 256, V 512, S 64, micro-batch 2, bf16: a memory run takes a fraction of a second
 SMALL = [
@@ -106,18 +107,52 @@ def test_layer_coefficient_of_the_docstring():
 
 
 @pytest.mark.parametrize("flash", [False, True])
-def test_model_flops_match_flop_counter_mode(flash):
+def test_counted_flops_equal_the_model_flops_on_cpu(flash):
+    """Attention included: torch's FlopCounterMode has no formula for the CPU SDPA kernel and counts
+    the matmuls only (the SDPA case then falls short by the attention's 2 x 2 S H per token and layer)."""
     overrides = ["parallel.tp=1", "train.seq_len=32", "train.micro_batch=3", f"model.flash_attn={flash}"]
     cfg = run_config(overrides)
     model = build_dense(cfg)
     ids = torch.randint(cfg.model.vocab_size, (3, 32), generator=torch.Generator().manual_seed(0))
-    with FlopCounterMode(display=False) as counter:
-        _, loss = model(ids, ids)
-        loss.backward()
+    counts = []
+    for counter in (LocalFlopCounter(), FlopCounterMode(display=False)):
+        with counter:
+            _, loss = model(ids, ids)
+            loss.backward()
+        counts.append(counter.get_total_flops())
+    assert counts[0] == pytest.approx(theory.model_flops_per_step(cfg), rel=0.01)
+    if flash:  # what torch alone counts on CPU: no attention
+        d = theory.dims(cfg)
+        assert counts[0] - counts[1] == 3 * 2 * (2 * d.B * d.S * d.S * d.H) * d.L
+
+
+FLOP_CHECKS = {
+    f"{engine}_{mode}": [f"parallel.engine={engine}", "parallel.tp=2", *extra, "train.seq_len=32"]
+    for engine in ("megatron", "dtensor")
+    for mode, extra in (("tp_sp_vp", ["parallel.sp=true", "parallel.vp=true"]), ("tp", []))
+}
+
+
+@pytest.fixture(scope="module")
+def flops(tmp_path_factory):
+    out = tmp_path_factory.mktemp("flops") / "flops.json"
+    return torchrun(Path(__file__).parent / "torchrun_checks.py", 2, out, "flops", checks=FLOP_CHECKS)
+
+
+def test_every_engine_counts_the_flops_of_its_ranks_alike(flops):
+    """Summed over ranks, TP+SP+VP shards every matmul: the model's FLOPs (the analytic count, within
+    1%). TP alone runs the LM head on every rank: once more per extra rank. DTensor counts the same."""
+    cfg = run_config(FLOP_CHECKS["megatron_tp_sp_vp"])
+    model = theory.model_flops_per_step(cfg)
+    assert flops["megatron_tp_sp_vp"]["local"] == pytest.approx(model, rel=0.01)
     d = theory.dims(cfg)
-    # FlopCounterMode has no formula for the CPU SDPA kernel: it counts the matmuls only
-    attention = 3 * 2 * (2 * d.B * d.S * d.S * d.H) * d.L
-    assert counter.get_total_flops() == theory.model_flops_per_step(cfg) - (attention if flash else 0)
+    head = 3 * 2 * d.N * d.H * d.V  # forward + backward of the LM head over the batch
+    assert flops["megatron_tp"]["local"] == pytest.approx(model + head, rel=0.01)
+    for mode in ("tp_sp_vp", "tp"):
+        assert flops[f"dtensor_{mode}"]["local"] == pytest.approx(
+            flops[f"megatron_{mode}"]["local"], rel=0.01
+        )
+    assert flops["dtensor_tp"]["torch"] > 1.3 * flops["dtensor_tp"]["local"]  # torch's global shapes
 
 
 def test_plan_prints_the_prediction_of_a_config_too_large_to_run():

@@ -198,6 +198,7 @@ def suite_validate() -> dict:
             "drift": [[m.step, m.value] for m in r.measurements if m.step is not None],
             "comm": [[c.op, c.purpose, c.count, c.bytes] for c in r.comm],
             "semantics": sorted({p.semantics for p in r.params}),
+            "failed": r.failed,
         }
     return results
 
@@ -217,7 +218,28 @@ def suite_memory() -> dict:
     return results
 
 
-SUITES = {"units": suite_units, "validate": suite_validate, "memory": suite_memory}
+def suite_flops() -> dict:
+    """FLOPs of one training step summed over ranks: LocalFlopCounter, and torch's FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tpbench.experiments.throughput import LocalFlopCounter
+    from tpbench.experiments.training import Trainer
+
+    results = {}
+    for name, overrides in json.loads(os.environ["TPBENCH_CHECKS"]).items():
+        trainer = Trainer(run_config(overrides))
+        counts = []
+        for counter in (LocalFlopCounter(), FlopCounterMode(display=False)):
+            with counter:
+                trainer.step()
+            total = torch.tensor([float(counter.get_total_flops())], dtype=torch.float64)
+            dist.all_reduce(total)
+            counts.append(total.item())
+        results[name] = {"local": counts[0], "torch": counts[1]}
+    return results
+
+
+SUITES = {"units": suite_units, "validate": suite_validate, "memory": suite_memory, "flops": suite_flops}
 
 
 def main() -> None:

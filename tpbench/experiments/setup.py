@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from contextlib import AbstractContextManager
 from dataclasses import asdict
+from datetime import timedelta
 
 import torch
 
@@ -24,12 +26,20 @@ def model_config(cfg: RunConfig) -> MiniMindConfig:
 
 
 def context(cfg: RunConfig) -> ParallelContext:
-    return ParallelContext.from_world(cfg.parallel.tp, cfg.parallel.dp, cfg.launch.device)
+    timeout = timedelta(seconds=cfg.launch.collective_timeout_s)
+    return ParallelContext.from_world(cfg.parallel.tp, cfg.parallel.dp, cfg.launch.device, timeout)
 
 
 def param_dtype(cfg: RunConfig) -> torch.dtype:
     """Pure precision keeps parameters in train.dtype; mixed keeps fp32 masters."""
     return DTYPES[cfg.train.dtype] if cfg.train.precision == "pure" else torch.float32
+
+
+def precision(cfg: RunConfig, device: torch.device) -> AbstractContextManager:
+    """What forward runs under: autocast(train.dtype) for mixed precision, nothing for pure."""
+    if cfg.train.precision == "mixed":
+        return torch.autocast(device.type, dtype=DTYPES[cfg.train.dtype])
+    return contextlib.nullcontext()
 
 
 def build_dense(cfg: RunConfig) -> MiniMindForCausalLM:

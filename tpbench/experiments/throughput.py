@@ -1,8 +1,11 @@
 """Step time and tokens/s of training steps after warm-up; FLOPs counted and MFU on GPUs.
 
 Each step starts and ends on a barrier (and a CUDA synchronize), so its time is that of the slowest
-rank. Model FLOPs come from the analytic model; the FLOPs every rank really executes are counted with
-FlopCounterMode on one step and summed over ranks (replicated work under TP counts on every rank).
+rank. Model FLOPs come from the analytic model; the FLOPs every rank really executes are counted on
+one step and summed over ranks (replicated work under TP counts on every rank), by `LocalFlopCounter`:
+torch's FlopCounterMode with the formula of the CPU SDPA kernel added (torch has none, so attention
+counted zero on CPU), counting what runs on each rank's local tensors, so that a DTensor op counts its
+local shards as our engine's ops do, not the global shape on every rank.
 """
 
 from __future__ import annotations
@@ -12,7 +15,13 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.utils.flop_counter import FlopCounterMode
+from torch.distributed.tensor import DTensor
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    _FlopCounterMode,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
 
 from tpbench import theory
 from tpbench.config import RunConfig, local_batch
@@ -39,7 +48,7 @@ def run(cfg: RunConfig) -> RankResult:
         trainer.step()
 
     counter = comm.CommCounter(timed=True)
-    flops = FlopCounterMode(display=False)
+    flops = LocalFlopCounter()
     with counting(cfg, counter), flops:
         trainer.step()
     result.comm = counter.rows()
@@ -70,6 +79,40 @@ def run(cfg: RunConfig) -> RankResult:
     if peak:
         result.add("mfu", model_flops / median / (world * peak))
     return result
+
+
+def _sdpa(query, key, value, *args, out_shape=None, **kwargs) -> int:  # shapes, as torch passes them
+    return sdpa_flop_count(query, key, value)
+
+
+def _sdpa_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+class _LocalFlopCounterMode(_FlopCounterMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs it; the ops on its local shards come back here
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class LocalFlopCounter(FlopCounterMode):
+    """FlopCounterMode over the ops each rank runs on its own tensors, CPU attention included."""
+
+    def __init__(self) -> None:
+        aten = torch.ops.aten
+        cpu_sdpa = {  # the formulas torch gives its CUDA SDPA kernels (q, k, v shapes: full S x S)
+            aten._scaled_dot_product_flash_attention_for_cpu: _sdpa,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward,
+        }
+        super().__init__(display=False, custom_mapping=cpu_sdpa)
+
+    def __enter__(self) -> LocalFlopCounter:
+        super().__enter__()
+        self.mode.__exit__(None, None, None)  # swap torch's dispatch mode for the local one
+        self.mode = _LocalFlopCounterMode(self)
+        self.mode.__enter__()
+        return self
 
 
 def _quantile(values: list[float], q: float) -> float:

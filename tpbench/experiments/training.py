@@ -8,21 +8,19 @@ Precision: `pure` keeps parameters, gradients and optimizer state in train.dtype
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from tpbench.config import RunConfig
 from tpbench.experiments.setup import (
-    DTYPES,
     Batches,
     build_dense,
     build_parallel,
     context,
     counting,
     param_dtype,
+    precision,
 )
 from tpbench.parallel import comm
 from tpbench.parallel.context import ParallelContext
@@ -42,11 +40,6 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.module.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
         )
-        self.autocast = (
-            torch.autocast(self.ctx.device.type, dtype=DTYPES[cfg.train.dtype])
-            if cfg.train.precision == "mixed"
-            else contextlib.nullcontext()
-        )
 
     def _ddp(self):
         p = self.cfg.parallel
@@ -65,7 +58,7 @@ class Trainer:
         """One optimizer step on the next batch; returns the loss."""
         ids, labels = self.batches.next_local()
         self.optimizer.zero_grad(set_to_none=True)
-        with self.autocast:
+        with precision(self.cfg, self.ctx.device):
             _, loss = self.model(ids, labels)
         loss.backward()
         self.finish_grads()
