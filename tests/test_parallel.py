@@ -245,8 +245,3 @@ def test_dp_all_reduces_every_gradient_once(validated):
     assert set(counted) == {("all_reduce", "dp_grad")}
     assert counted[("all_reduce", "dp_grad")][0] == 1
 
-
-def test_zz_dump(validated):
-    import json
-
-    Path("/tmp/validated.json").write_text(json.dumps(validated))

@@ -244,7 +244,8 @@ def test_a_hang_inside_a_sub_group_ends_within_the_collective_timeout(tmp_path):
     for fault, status, rank, error, seconds in rows:
         assert (status, rank) == ("TIMEOUT", 1), (fault, error)
         assert "timed out" in error.lower() or "timeout" in error.lower(), (fault, error)
-        assert COLLECTIVE_TIMEOUT_S <= seconds < COLLECTIVE_TIMEOUT_S + 20, (fault, seconds)
+        # launch included, on a loaded 2-core machine; without the timeout it would wait 30 minutes
+        assert COLLECTIVE_TIMEOUT_S <= seconds < COLLECTIVE_TIMEOUT_S + 90, (fault, seconds)
     assert work.live_workers() == []
 
 

@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.flop_counter import (
     FlopCounterMode,
     _FlopCounterMode,
@@ -93,6 +94,8 @@ class _LocalFlopCounterMode(_FlopCounterMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor runs it; the ops on its local shards come back here
+        if any(issubclass(t, FakeTensor) for t in types):
+            return func(*args, **(kwargs or {}))  # DTensor's sharding propagation: nothing runs
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
