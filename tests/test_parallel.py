@@ -125,6 +125,10 @@ def test_layers_match_nn_linear_embedding_and_cross_entropy(units):
         assert value < 1e-5, name
 
 
+def test_a_step_neither_syncs_the_host_nor_rebuilds_rope_tables(units):
+    assert units["step_ops"] == {"host_syncs": 0, "rope_builds": 0}
+
+
 def test_checkpoint_round_trip_is_bit_exact(units):
     ck = units["checkpoints"]
     for case in ("tp", "kv_replicated", "vp_padded_untied"):
@@ -244,4 +248,3 @@ def test_dp_all_reduces_every_gradient_once(validated):
     counted = {(op, purpose): (n, b) for op, purpose, n, b in validated["dp4_t1"]["comm"]}
     assert set(counted) == {("all_reduce", "dp_grad")}
     assert counted[("all_reduce", "dp_grad")][0] == 1
-

@@ -1,8 +1,9 @@
 """Per-rank peak memory of a training step, after warm-up, beside the analytic prediction.
 
-GPU: torch.cuda max_memory_allocated / max_memory_reserved after reset_peak_memory_stats.
-CPU (and GPU too, for the split): torch's MemTracker, which attributes every live tensor to
-parameters, buffers, gradients, activations, temporaries or optimizer state, at the peak.
+`peak_bytes` is torch's MemTracker peak on every device: the live tensors, attributed to parameters,
+buffers, gradients, activations, temporaries or optimizer state, as the analytic model counts them.
+On a GPU the caching allocator's own peaks are stored beside it, after reset_peak_memory_stats:
+`max_memory_allocated_bytes` (blocks handed out, rounded up) and `max_memory_reserved_bytes`.
 """
 
 from __future__ import annotations
@@ -48,12 +49,10 @@ def run(cfg: RunConfig) -> RankResult:
     peak = tracker.get_tracker_snapshot("peak")[trainer.ctx.device]
     for category, name in CATEGORIES.items():
         result.add(name, peak.get(category, 0), "B")
+    result.add("peak_bytes", peak["Total"], "B")
     if on_gpu:
         result.add("max_memory_allocated_bytes", torch.cuda.max_memory_allocated(), "B")
         result.add("max_memory_reserved_bytes", torch.cuda.max_memory_reserved(), "B")
-        result.add("peak_bytes", torch.cuda.max_memory_allocated(), "B")
-    else:
-        result.add("peak_bytes", peak["Total"], "B")
 
     predicted = theory.predict(cfg)
     result.add("predicted_peak_bytes", predicted.peak_bytes, "B")

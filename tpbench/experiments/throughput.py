@@ -15,8 +15,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import (
     FlopCounterMode,
     _FlopCounterMode,
@@ -31,15 +31,18 @@ from tpbench.experiments.training import Trainer
 from tpbench.parallel import comm
 from tpbench.results import RankResult
 
-# Dense peak FLOP/s by device name and dtype, from the vendors' data sheets.
-PEAK_FLOPS = {
-    ("H200", torch.bfloat16): 989e12,
-    ("H100", torch.bfloat16): 989e12,
-    ("A100", torch.bfloat16): 312e12,
-    ("H200", torch.float32): 67e12,
-    ("H100", torch.float32): 67e12,
-    ("A100", torch.float32): 19.5e12,
-}
+# Dense (no sparsity) peak FLOP/s of the tensor cores, from NVIDIA's data sheets: (16-bit: bf16 and
+# fp16, tf32, fp32 without tensor cores). Matched in order against torch.cuda.get_device_name, so the
+# variants come before their family: "NVIDIA H100 NVL", "NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3"
+# (SXM), "NVIDIA H200 NVL", "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe".
+PEAK_FLOPS: tuple[tuple[str, tuple[float, float, float]], ...] = (
+    ("H100 NVL", (835.5e12, 417.5e12, 60e12)),  # per GPU: half the data sheet's 2-GPU sparse figures
+    ("H100 PCIe", (756.5e12, 378e12, 51.2e12)),
+    ("H100", (989.4e12, 494.7e12, 66.9e12)),  # SXM5
+    ("H200 NVL", (835.5e12, 417.5e12, 60e12)),
+    ("H200", (989.4e12, 494.7e12, 66.9e12)),  # SXM
+    ("A100", (312e12, 156e12, 19.5e12)),  # SXM4 and PCIe, 40 and 80 GB alike
+)
 
 
 def run(cfg: RunConfig) -> RankResult:
@@ -76,7 +79,10 @@ def run(cfg: RunConfig) -> RankResult:
     model_flops = theory.model_flops_per_step(cfg)
     result.add("model_flops_per_step", model_flops, "FLOP")
     result.add("predicted_comm_bytes_per_step", theory.predict(cfg).comm_bytes_per_step, "B")
-    peak = _peak_flops(trainer.ctx.device, cfg)
+    peak = None
+    if trainer.ctx.device.type == "cuda":
+        tf32 = torch.backends.cuda.matmul.allow_tf32  # fp32 matmuls on the tensor cores
+        peak = peak_flops(torch.cuda.get_device_name(trainer.ctx.device), cfg.train.dtype, tf32)
     if peak:
         result.add("mfu", model_flops / median / (world * peak))
     return result
@@ -123,9 +129,11 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _peak_flops(device: torch.device, cfg: RunConfig) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
-    return next((v for (chip, dt), v in PEAK_FLOPS.items() if chip in name and dt == dtype), None)
+def peak_flops(device_name: str, dtype: str, tf32: bool = False) -> float | None:
+    """Dense peak FLOP/s of one GPU for matmuls in `dtype` (train.dtype: mixed precision runs its
+    matmuls in it too), or None for a GPU not in PEAK_FLOPS."""
+    name = device_name.upper()
+    for chip, (half, tf32_peak, fp32) in PEAK_FLOPS:
+        if chip.upper() in name:
+            return half if dtype in ("bfloat16", "float16") else tf32_peak if tf32 else fp32
+    return None

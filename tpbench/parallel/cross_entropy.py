@@ -23,8 +23,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.dtype = logits.dtype
         logits = logits.float()
         v_local = logits.shape[-1]
-        padded = vocab_start + torch.arange(v_local, device=logits.device) >= vocab_size
-        if padded.any():
+        if vocab_start + v_local > vocab_size:  # this rank holds padded columns: from ints, no sync
+            padded = vocab_start + torch.arange(v_local, device=logits.device) >= vocab_size
             logits = logits.masked_fill(padded, float("-inf"))
 
         row_max = logits.max(dim=-1).values  # [S, B]
