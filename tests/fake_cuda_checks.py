@@ -30,8 +30,7 @@ from torch.utils._pytree import tree_leaves
 from torchrun_checks import TINY, run_config
 
 from tpbench.experiments import throughput, validate
-from tpbench.experiments.setup import build_parallel, context
-from tpbench.experiments.training import Trainer
+from tpbench.experiments.setup import build_parallel, context, precision
 from tpbench.parallel import comm
 
 WORLD = 4  # dp 2 x tp 2: the dp and tp sub-groups are both real groups of the fake backend
@@ -73,7 +72,7 @@ def check_mode(overrides: list[str], recorder: CollectiveDevices) -> dict:
     seen: dict = {}
     S, B, H = cfg.train.seq_len, cfg.train.micro_batch, cfg.model.hidden_size
     with FakeTensorMode(shape_env=ShapeEnv()), recorder:
-        autocast = Trainer.autocast_for(cfg, ctx.device)
+        autocast = precision(cfg, ctx.device)
         seen["autocast_device"] = autocast.device if isinstance(autocast, torch.autocast) else None
         pm = build_parallel(cfg, ctx)
         seen["params"] = sorted({p.device.type for p in pm.module.parameters()})

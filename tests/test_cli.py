@@ -47,7 +47,7 @@ BAD_INPUT = {
     "bad batch policy": (["batch=bogus"], "batch=bogus: accepted are fixed_global, fixed_per_rank"),
     "bad kind": (["kind=bogus"], "kind=bogus: accepted are all, memory, throughput, validate"),
     "bad mode": (["mode=bogus"], "mode=bogus: accepted are ddp, dtensor_tp, dtensor_tp_sp, dtensor_tp_sp_vp"),
-    "bad fault": (["+fault=bogus"], "fault=bogus: accepted are big_result, hang_on_rank1, kill_on_rank1"),
+    "bad fault": (["+fault=bogus"], "fault=bogus: accepted are big_result, hang_in_dp_group"),
     "fault without +": (["fault=raise_on_rank1"], "To append to your default list use +fault=raise_on_rank1"),
     "not an override": (["tp=="], "tp==: not an override KEY=VALUE"),
     "heads over tp": (["tp=3"], "parallel.tp=3 does not divide model.num_attention_heads=8"),
@@ -73,6 +73,35 @@ BAD_INPUT = {
     "elastic node range": (["launch.nnodes=1:4"], "launch.nnodes='1:4': accepted are node counts"),
     "oom without a cap": (["+fault=oom_on_rank1", "launch.memory_cap_mb=0"], "needs a cap to exceed"),
     "a sweep given to run": (["layers=1,2"], "a sweep of 2 configs, `tpbench run` runs one"),
+    # issue 12: keys outside the schema, booleans, paths, and the rest of the class
+    "an added key": (["+anything=1"], "+anything=1: anything is not a tpbench setting and cannot be added"),
+    "an added nested key": (["+model.colour=red"], "model.colour is not a tpbench setting"),
+    "an int for a bool": (["vp=2"], "vp=2: parallel.vp takes bool: accepted are true, false"),
+    "yes for a bool": (["sp=yes"], "sp=yes: parallel.sp takes bool"),
+    "an int in a bool sweep": (["vp=true,2"], "parallel.vp takes bool"),
+    "an int for a bool key": (["model.flash_attn=1"], "model.flash_attn takes bool"),
+    "a db path that cannot be": (
+        ["db.url=sqlite:////etc/hostname/x.db"],
+        "cannot create the folder /etc/hostname",
+    ),
+    "a db driver not installed": (["db.url=mysql://u@h/x"], "not a SQLAlchemy URL with an installed driver"),
+    "pure fp16": (["dtype=float16"], "AdamW's eps (1e-8) underflows to 0 in fp16"),
+    "mixed fp32": (["precision=mixed"], "train.precision=mixed with train.dtype=float32"),
+    "nan timeout": (["launch.collective_timeout_s=nan"], "accepted are finite numbers > 0"),
+    "inf timeout": (["launch.job_timeout_s=inf"], "launch.job_timeout_s=inf: accepted are finite"),
+    "huge timeout": (["launch.job_timeout_s=1e30"], "accepted are seconds up to 1e+07"),
+    "negative lr": (["train.lr=-1"], "train.lr=-1.0: accepted are finite numbers >= 0"),
+    "negative tolerance": (["validate.tol_fwd=-1"], "validate.tol_fwd=-1.0: accepted"),
+    "zero rope theta": (["model.rope_theta=0"], "model.rope_theta=0.0: accepted are finite numbers > 0"),
+    "zero norm eps": (["model.rms_norm_eps=0"], "model.rms_norm_eps=0.0"),
+    "zero bucket": (["parallel.ddp_bucket_mb=0"], "parallel.ddp_bucket_mb=0.0"),
+    "negative seed": (["train.seed=-1"], "train.seed=-1: accepted are integers >= 0"),
+    "zero pad multiple": (["parallel.vocab_pad_multiple=0"], "parallel.vocab_pad_multiple=0: accepted"),
+    "zero intermediate": (["model.intermediate_size=0"], "model.intermediate_size=0: accepted"),
+    "zero ranks per node": (["launch.nproc_per_node=0"], "launch.nproc_per_node=0: accepted"),
+    "odd head dim": (["hidden=72"], "odd head dim"),
+    "dp hang without dp": (["+fault=hang_in_dp_group"], "fault=hang_in_dp_group needs parallel.dp >= 2"),
+    "kv hang without replicas": (["+fault=hang_in_kv_group"], "needs parallel.tp > model.num_key_value"),
 }
 
 
@@ -144,6 +173,27 @@ def test_strings_survive_the_config_file_verbatim(tmp_path):
 def test_every_command_has_help_with_an_example(command):
     done = runner.invoke(app, [*command, "--help"])
     assert done.exit_code == 0 and "Examples" in done.stdout and "tpbench " + command[0] in done.stdout
+
+
+BAD_FLAGS = {
+    "runs status": (["runs", "--status", "DONE"], "--status DONE: accepted are OK, FAILED, OOM, TIMEOUT"),
+    "runs kind": (["runs", "--kind", "memroy"], "--kind memroy: accepted are validate, memory, throughput"),
+    "runs mode": (["runs", "--mode", "sp"], "--mode sp: accepted are ddp, dtensor_tp"),
+    "runs db": (["runs", "--db", "::x"], "'::x' is not a SQLAlchemy URL"),
+    "runs show db": (["runs", "show", "1", "--db", "sqlite:////etc/hostname/x.db"], "no database at"),
+    "report format": (["report", "--format", "pdf"], "--format pdf: accepted are html, md, csv, json"),
+    "report kind": (["report", "--kind", "x"], "--kind x: accepted are validate"),
+    "report mode": (["report", "--mode", "x"], "--mode x: accepted are ddp"),
+    "report db": (["report", "--db", "nosuch://x"], "'nosuch://x' is not a SQLAlchemy URL"),
+}
+
+
+@pytest.mark.parametrize("args, says", BAD_FLAGS.values(), ids=BAD_FLAGS.keys())
+def test_bad_flags_are_one_line_and_exit_2_before_any_database(workdir, args, says):
+    done = runner.invoke(app, args)
+    assert done.exit_code == (0 if "no database" in says else 2), done.output
+    assert len(done.stderr.splitlines()) == 1 and says in done.stderr
+    assert nothing_written(workdir)
 
 
 def test_listing_a_missing_database_creates_nothing(workdir):

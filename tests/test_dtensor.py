@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 from torchrun_checks import TINY, TOL_FWD, TOL_GRAD, TOL_PARAM, B, H, L, S, run_config, torchrun
 
+from tpbench.experiments.validate import CHECKS as VALIDATE_CHECKS
+from tpbench.experiments.validate import K
+
 F32 = 4  # bytes
 
 MODES = {
@@ -23,9 +26,15 @@ MODES = {
     "dtensor_tp_sp": ["parallel.tp=2", "parallel.sp=true"],
     "dtensor_tp_sp_vp": ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true"],
 }
+PRECISIONS = {
+    "bf16": ["train.dtype=bfloat16"],
+    "mixed": ["train.dtype=bfloat16", "train.precision=mixed"],
+}
+IN_PRECISION = {f"{m}_{p}": [*o, *PRECISIONS[p]] for m, o in MODES.items() for p in PRECISIONS}
 BROKEN = {  # each gradient sum switched off: validation must fail
     "broken_qk_norm": ["parallel.tp=2", "debug.skip_grad_sum=[qk_norm]"],
     "broken_sp_norms": ["parallel.tp=2", "parallel.sp=true", "debug.skip_grad_sum=[sp_norms]"],
+    "broken_qk_norm_bf16": ["parallel.tp=2", "train.dtype=bfloat16", "debug.skip_grad_sum=[qk_norm]"],
 }
 
 
@@ -62,7 +71,7 @@ def _main(out: str) -> None:
 
     dist.init_process_group("gloo")
     results: dict[str, dict] = {}
-    for name, overrides in (MODES | BROKEN).items():
+    for name, overrides in (MODES | IN_PRECISION | BROKEN).items():
         results[name] = {"metrics": _validate(overrides)}
     ctx = context(run_config(TINY))
     for name, overrides in MODES.items():
@@ -92,12 +101,23 @@ def test_every_dtensor_mode_equals_dense(measured, mode):
     assert m["passed"] == 1.0
 
 
+@pytest.mark.parametrize("case", IN_PRECISION)
+def test_every_dtensor_mode_equals_dense_in_bf16_and_mixed(measured, case):
+    m = measured[case]["metrics"]
+    assert m["fwd_logits_max_abs"] > 100 * TOL_FWD  # bf16 rounding: fp32's tolerance would fail it
+    for check, *_ in VALIDATE_CHECKS:
+        assert m[f"dense_{check}"] > 0, check
+        assert m[check] <= K * m[f"dense_{check}"], check
+    assert m["passed"] == 1.0
+
+
 @pytest.mark.parametrize("case", BROKEN)
 def test_each_norm_gradient_sum_is_needed(measured, case):
     m = measured[case]["metrics"]
     assert m["grad_max_rel_l2"] > 0.1  # local partial sums, not the dense gradient
+    assert m["grad_max_rel_l2"] > K * m["dense_grad_max_rel_l2"]
     assert m["passed"] == 0.0
-    if case == "broken_qk_norm":  # nothing sums them: the replicas drift apart under AdamW
+    if case == "broken_qk_norm":  # fp32: nothing sums them: the replicas drift apart under AdamW
         assert m["adamw_param_max_abs"] > TOL_PARAM
 
 

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import time
 
 import pytest
@@ -217,6 +218,95 @@ def test_faults_leave_no_worker_and_a_sound_database(faulted):
     kept = {row[0] for row in work.query("SELECT log_dir FROM runs WHERE status != 'OK'")}
     assert len(kept) == 5 and all((work.jobs / k.rsplit("/", 1)[1] / "launcher.log").exists() for k in kept)
     assert work.query("SELECT log_dir FROM runs WHERE status = 'OK'") == [(None,)]
+
+
+SUBGROUP_HANGS = "hang_in_tp_group,hang_in_dp_group,hang_in_kv_group"
+
+
+def test_a_hang_inside_a_sub_group_ends_within_the_collective_timeout(tmp_path):
+    """dp 2 x tp 2 with one KV head (replicated on both TP ranks): rank 1 all-reduces alone in its TP,
+    DP and KV-replica group, which carry no timeout but the one tpbench gives every group it makes."""
+    work = Workdir(tmp_path)
+    done = work.run(
+        "sweep",
+        *FAST,
+        f"+fault={SUBGROUP_HANGS}",
+        "dp=2",
+        "kv_heads=1",
+        f"launch.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",
+    )
+    assert done.returncode == 1
+    rows = work.query(
+        "SELECT fault, status, failed_rank, error, (julianday(ended_at) - julianday(started_at)) * 86400 "
+        "FROM runs ORDER BY id"
+    )
+    assert [r[0] for r in rows] == SUBGROUP_HANGS.split(",")
+    for fault, status, rank, error, seconds in rows:
+        assert (status, rank) == ("TIMEOUT", 1), (fault, error)
+        assert "timed out" in error.lower() or "timeout" in error.lower(), (fault, error)
+        # launch included, on a loaded 2-core machine; without the timeout it would wait 30 minutes
+        assert COLLECTIVE_TIMEOUT_S <= seconds < COLLECTIVE_TIMEOUT_S + 90, (fault, seconds)
+    assert work.live_workers() == []
+
+
+def test_a_validation_out_of_bounds_is_a_failed_run_and_a_sweep_runs_it_again(tmp_path):
+    work = Workdir(tmp_path)
+    broken = [*FAST, "debug.skip_grad_sum=[qk_norm]"]
+    done = work.run("sweep", *broken)
+    assert done.returncode == 1
+    ((status, rank, error, log_dir),) = work.query("SELECT status, failed_rank, error, log_dir FROM runs")
+    assert (status, rank) == ("FAILED", 0)
+    assert error.startswith("validate out of bounds: grad_max_rel_l2 ") and "> bound" in error
+    assert f"run 1 FAILED: {error}" in done.stderr
+    assert (work.jobs / log_dir.rsplit("/", 1)[1] / "results" / "rank0.json").exists()  # kept for a look
+    # what it measured is recorded: the failing figure beside the dense model's own error
+    metrics = json.loads(work.invoke("runs", "show", "1", "--json").stdout)["metrics"]
+    assert metrics["passed"] == 0.0 and metrics["grad_max_rel_l2"] > 0.1
+    again = work.run("sweep", *broken)  # not done: run again
+    assert again.returncode == 1
+    assert work.query("SELECT id, status FROM runs") == [(1, "FAILED"), (2, "FAILED")]
+
+
+def test_a_failed_database_write_keeps_the_job_folder_and_names_it(tmp_path):
+    work = Workdir(tmp_path)
+    ResultsDB(f"sqlite:///{work.db}")  # the schema, then a trigger that refuses every run
+    with sqlite3.connect(work.db) as conn:
+        conn.execute("CREATE TRIGGER no_runs BEFORE INSERT ON runs BEGIN SELECT RAISE(ABORT, 'no'); END")
+    done = work.run("run", *FAST)
+    assert done.returncode == 1
+    (line,) = done.stderr.strip().splitlines()[-1:]
+    assert "OK, but not recorded in sqlite:///runs/tpbench.db" in line and "IntegrityError: no" in line
+    (job,) = list(work.jobs.glob("tpbench-job-*"))
+    assert line.endswith(f"stay in {job}")
+    assert (job / "config.yaml").exists() and (job / "results" / "rank0.json").exists()
+    assert (job / "results" / "rank1.json").exists()
+    assert work.query("SELECT count(*) FROM runs") == [(0,)]
+
+
+def test_an_nccl_watchdog_abort_is_a_timeout(tmp_path):
+    """NCCL's watchdog ends a rank stuck in a collective with SIGABRT, leaving no error file; its
+    stderr has the reason. Without it, the same SIGABRT is a plain failure."""
+    from torch.distributed.elastic.multiprocessing import ProcessFailure
+
+    from tpbench.compose import expand
+    from tpbench.launch import Status, _first_failure
+
+    (cfg,) = expand(["kind=validate"])
+    log = tmp_path / "logs" / "tpbench-x" / "attempt_0" / "1" / "stderr.log"
+    log.parent.mkdir(parents=True)
+    log.write_text(
+        "[rank1]:[E1130 06:12:01.000000000 ProcessGroupNCCL.cpp:632] [Rank 1] Watchdog caught collective "
+        "operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=300000) "
+        "ran for 300012 milliseconds before timing out.\n"
+        "terminate called after throwing an instance of 'c10::DistBackendError'\n"
+    )
+    abort = {1: ProcessFailure(local_rank=1, pid=4242, exitcode=-signal.SIGABRT, error_file="/nonexistent")}
+    failed = _first_failure(abort, cfg, tmp_path)
+    assert (failed.status, failed.rank) == (Status.TIMEOUT, 1)
+    assert "Watchdog caught collective operation timeout" in failed.message
+    assert failed.message.endswith("(launch.collective_timeout_s=300)")
+    log.write_text("free(): invalid pointer\n")
+    assert _first_failure(abort, cfg, tmp_path).status is Status.FAILED
 
 
 def test_ctrl_c_interrupts_the_current_run_and_a_rerun_finishes_the_rest(tmp_path):

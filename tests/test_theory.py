@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from typer.testing import CliRunner
 from tpbench import theory
 from tpbench.config import RunConfig
 from tpbench.experiments.setup import build_dense
+from tpbench.experiments.throughput import LocalFlopCounter, peak_flops
 
 # H 64, L 2, heads 8/4, I 256, V 512, S 64, micro-batch 2, bf16: a memory run takes a fraction of a second
 SMALL = [
@@ -52,7 +54,60 @@ CHECKS = {
     "t1_dp4_s4": ["parallel.tp=1", "parallel.dp=4", "train.seq_len=4"],
     "ddp_dp4": [*DDP, "parallel.dp=4"],
     "ddp_dp4_s4": [*DDP, "parallel.dp=4", "train.seq_len=4"],
+    # the issue's config: one KV head per rank under manual attention, whose matmuls copy k and v
+    "dp2_tp_sp_kv1_per_rank_manual_fp32_untied": [
+        *DP2,
+        SP,
+        "model.hidden_size=96",
+        "model.num_attention_heads=6",
+        "model.num_key_value_heads=2",
+        "model.num_hidden_layers=3",
+        "train.seq_len=48",
+        "train.micro_batch=3",
+        "model.vocab_size=301",
+        "train.dtype=float32",
+        "model.tie_word_embeddings=false",
+        "model.flash_attn=false",
+    ],
 }
+
+
+def odd_shapes(n: int, seed: int = 12) -> dict[str, list[str]]:
+    """n seeded random configs of odd shapes (world 4), each one compose would accept."""
+    from tpbench.compose import check
+
+    rng = random.Random(seed)
+    out: dict[str, list[str]] = {}
+    while len(out) < n:
+        tp = rng.choice([2, 4])
+        heads = tp * rng.choice([1, 2, 3])
+        kv = rng.choice([k for k in range(1, heads + 1) if heads % k == 0 and (k % tp == 0 or tp % k == 0)])
+        overrides = [
+            f"parallel.tp={tp}",
+            f"parallel.dp={4 // tp}",
+            f"parallel.sp={rng.choice(['true', 'false'])}",
+            f"parallel.vp={rng.choice(['true', 'false'])}",
+            f"model.hidden_size={heads * 2 * rng.randint(2, 8)}",
+            f"model.num_attention_heads={heads}",
+            f"model.num_key_value_heads={kv}",
+            f"model.num_hidden_layers={rng.randint(1, 3)}",
+            f"model.vocab_size={rng.randint(60, 400)}",
+            f"model.tie_word_embeddings={rng.choice(['true', 'false'])}",
+            f"model.flash_attn={rng.choice(['true', 'false'])}",
+            f"model.intermediate_size={tp * rng.randint(8, 40)}",
+            f"train.seq_len={tp * rng.randint(2, 24)}",
+            f"train.micro_batch={rng.randint(1, 3)}",
+            f"train.dtype={rng.choice(['float32', 'bfloat16'])}",
+        ]
+        try:
+            check(run_config(SMALL + overrides))
+        except ValueError:
+            continue
+        out[f"odd_{len(out)}"] = overrides
+    return out
+
+
+CHECKS |= odd_shapes(8)
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +137,28 @@ def test_ddp_counts_one_all_reduce_per_bucket(measured):
     assert measured["ddp_dp4"][0]["comm"] == [["all_reduce", "dp_grad", row.count, row.bytes]]
 
 
-@pytest.mark.parametrize("name", CHECKS)
-def test_peak_memory_within_2_percent(measured, name):
+# What the model leaves out: tensors of a few elements (the loss and its gradient, 8 B; VP's per-row
+# bookkeeping beyond loss_extra, 1,288 B at dp 2 x tp 2 and 1,416 B at tp 4 on SMALL).
+FEW_ELEMENTS = 2048
+# Seeded odd shapes the model does not reach yet (issue 12 leaves them open): measured - predicted.
+KNOWN_GAPS = {
+    "odd_0": "-4,856 B: tp 4, SP, fp32, manual attention, untied",
+    "odd_4": "+124,846 B: tp 4, VP, MHA (12/12), fp32, manual attention, untied",
+    "odd_5": "-5,675 B: dp 2 x tp 2, SP, VP, fp32, manual attention, tied",
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[n])) if n in KNOWN_GAPS else n
+        for n in CHECKS
+    ],
+)
+def test_peak_memory_is_predicted_to_a_few_elements(measured, name):
+    """The model counts tensors, as MemTracker does: every rank's peak, to FEW_ELEMENTS bytes."""
     peak = max(rank["peak"] for rank in measured[name])
-    assert theory.predict(config(name)).peak_bytes == pytest.approx(peak, rel=0.02)  # the issue asks 5%
+    assert abs(theory.predict(config(name)).peak_bytes - peak) <= FEW_ELEMENTS
 
 
 def test_the_peak_moments_are_the_ones_measured(measured):
@@ -106,18 +179,52 @@ def test_layer_coefficient_of_the_docstring():
 
 
 @pytest.mark.parametrize("flash", [False, True])
-def test_model_flops_match_flop_counter_mode(flash):
+def test_counted_flops_equal_the_model_flops_on_cpu(flash):
+    """Attention included: torch's FlopCounterMode has no formula for the CPU SDPA kernel and counts
+    the matmuls only (the SDPA case then falls short by the attention's 2 x 2 S H per token and layer)."""
     overrides = ["parallel.tp=1", "train.seq_len=32", "train.micro_batch=3", f"model.flash_attn={flash}"]
     cfg = run_config(overrides)
     model = build_dense(cfg)
     ids = torch.randint(cfg.model.vocab_size, (3, 32), generator=torch.Generator().manual_seed(0))
-    with FlopCounterMode(display=False) as counter:
-        _, loss = model(ids, ids)
-        loss.backward()
+    counts = []
+    for counter in (LocalFlopCounter(), FlopCounterMode(display=False)):
+        with counter:
+            _, loss = model(ids, ids)
+            loss.backward()
+        counts.append(counter.get_total_flops())
+    assert counts[0] == pytest.approx(theory.model_flops_per_step(cfg), rel=0.01)
+    if flash:  # what torch alone counts on CPU: no attention
+        d = theory.dims(cfg)
+        assert counts[0] - counts[1] == 3 * 2 * (2 * d.B * d.S * d.S * d.H) * d.L
+
+
+FLOP_CHECKS = {
+    f"{engine}_{mode}": [f"parallel.engine={engine}", "parallel.tp=2", *extra, "train.seq_len=32"]
+    for engine in ("megatron", "dtensor")
+    for mode, extra in (("tp_sp_vp", ["parallel.sp=true", "parallel.vp=true"]), ("tp", []))
+}
+
+
+@pytest.fixture(scope="module")
+def flops(tmp_path_factory):
+    out = tmp_path_factory.mktemp("flops") / "flops.json"
+    return torchrun(Path(__file__).parent / "torchrun_checks.py", 2, out, "flops", checks=FLOP_CHECKS)
+
+
+def test_every_engine_counts_the_flops_of_its_ranks_alike(flops):
+    """Summed over ranks, TP+SP+VP shards every matmul: the model's FLOPs (the analytic count, within
+    1%). TP alone runs the LM head on every rank: once more per extra rank. DTensor counts the same."""
+    cfg = run_config(FLOP_CHECKS["megatron_tp_sp_vp"])
+    model = theory.model_flops_per_step(cfg)
+    assert flops["megatron_tp_sp_vp"]["local"] == pytest.approx(model, rel=0.01)
     d = theory.dims(cfg)
-    # FlopCounterMode has no formula for the CPU SDPA kernel: it counts the matmuls only
-    attention = 3 * 2 * (2 * d.B * d.S * d.S * d.H) * d.L
-    assert counter.get_total_flops() == theory.model_flops_per_step(cfg) - (attention if flash else 0)
+    head = 3 * 2 * d.N * d.H * d.V  # forward + backward of the LM head over the batch
+    assert flops["megatron_tp"]["local"] == pytest.approx(model + head, rel=0.01)
+    for mode in ("tp_sp_vp", "tp"):
+        assert flops[f"dtensor_{mode}"]["local"] == pytest.approx(
+            flops[f"megatron_{mode}"]["local"], rel=0.01
+        )
+    assert flops["dtensor_tp"]["torch"] > 1.3 * flops["dtensor_tp"]["local"]  # torch's global shapes
 
 
 def test_plan_prints_the_prediction_of_a_config_too_large_to_run():
@@ -130,3 +237,25 @@ def test_plan_prints_the_prediction_of_a_config_too_large_to_run():
     (cfg,) = expand([*overrides, "kind=memory"])  # the config `tpbench run` would launch
     assert "peak" in result.output and "reduce_scatter" in result.output
     assert f"{theory.predict(cfg).peak_bytes / 2**20:,.1f}" in result.output
+
+
+@pytest.mark.parametrize(
+    "name, dtype, tf32, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", "bfloat16", False, 989.4e12),  # SXM5
+        ("NVIDIA H100 80GB HBM3", "float32", False, 66.9e12),
+        ("NVIDIA H100 80GB HBM3", "float32", True, 494.7e12),
+        ("NVIDIA H100 PCIe", "bfloat16", False, 756.5e12),
+        ("NVIDIA H100 PCIe", "float32", True, 378e12),
+        ("NVIDIA H100 NVL", "float16", False, 835.5e12),
+        ("NVIDIA H100 NVL", "float32", False, 60e12),
+        ("NVIDIA H200", "bfloat16", False, 989.4e12),
+        ("NVIDIA H200 NVL", "bfloat16", False, 835.5e12),
+        ("NVIDIA A100-SXM4-80GB", "bfloat16", False, 312e12),
+        ("NVIDIA A100-PCIE-40GB", "float32", False, 19.5e12),
+        ("NVIDIA A100 80GB PCIe", "float32", True, 156e12),
+        ("NVIDIA GeForce RTX 4090", "bfloat16", False, None),  # not in the table: no MFU, not a guess
+    ],
+)
+def test_mfu_divides_by_the_peak_of_the_chip_variant_and_dtype(name, dtype, tf32, peak):
+    assert peak_flops(name, dtype, tf32) == peak

@@ -180,12 +180,42 @@ def check_checkpoints(ctx: ParallelContext) -> dict[str, float]:
     return out
 
 
+def check_step_ops(ctx: ParallelContext) -> dict[str, float]:
+    """The ops of a training step's forward and backward (TP+SP+VP, a padded vocab), after a first
+    step: none copies a value to the host (a GPU sync), none builds the RoPE tables again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    host = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.item.default}
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    mcfg = MiniMindConfig(64, 2, 8, 4, 255)  # V 255: the last rank masks a padded column
+    pm = parallelize(build_model(mcfg), ctx, ParallelConfig(tp=ctx.tp, sp=True, vp=True))
+    ids = torch.randint(255, (2, 32), generator=torch.Generator().manual_seed(5))
+    pm(ids, ids)[1].backward()
+    with Ops() as ops:
+        pm(ids, ids)[1].backward()
+    return {
+        "host_syncs": sum(f in host for f in ops.seen),
+        "rope_builds": sum(f is aten.cos.default for f in ops.seen),
+    }
+
+
 def suite_units() -> dict:
     ctx = ParallelContext.from_world(dist.get_world_size(), 1, torch.device("cpu"))
     return {
         "collectives": check_collectives(ctx),
         "layers": check_layers(ctx),
         "checkpoints": check_checkpoints(ctx),
+        "step_ops": check_step_ops(ctx),
     }
 
 
@@ -198,6 +228,7 @@ def suite_validate() -> dict:
             "drift": [[m.step, m.value] for m in r.measurements if m.step is not None],
             "comm": [[c.op, c.purpose, c.count, c.bytes] for c in r.comm],
             "semantics": sorted({p.semantics for p in r.params}),
+            "failed": r.failed,
         }
     return results
 
@@ -217,7 +248,28 @@ def suite_memory() -> dict:
     return results
 
 
-SUITES = {"units": suite_units, "validate": suite_validate, "memory": suite_memory}
+def suite_flops() -> dict:
+    """FLOPs of one training step summed over ranks: LocalFlopCounter, and torch's FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tpbench.experiments.throughput import LocalFlopCounter
+    from tpbench.experiments.training import Trainer
+
+    results = {}
+    for name, overrides in json.loads(os.environ["TPBENCH_CHECKS"]).items():
+        trainer = Trainer(run_config(overrides))
+        counts = []
+        for counter in (LocalFlopCounter(), FlopCounterMode(display=False)):
+            with counter:
+                trainer.step()
+            total = torch.tensor([float(counter.get_total_flops())], dtype=torch.float64)
+            dist.all_reduce(total)
+            counts.append(total.item())
+        results[name] = {"local": counts[0], "torch": counts[1]}
+    return results
+
+
+SUITES = {"units": suite_units, "validate": suite_validate, "memory": suite_memory, "flops": suite_flops}
 
 
 def main() -> None:

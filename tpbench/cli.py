@@ -27,6 +27,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Column, Table
+from sqlalchemy.exc import SQLAlchemyError
 
 from tpbench.config import DbConfig, RunConfig, config_hash, mode_label
 from tpbench.db import DatabaseRefused, NoDatabase, ResultsDB, parse_since
@@ -180,6 +181,7 @@ def runs(
     if ctx.invoked_subcommand is not None:
         ctx.obj = db
         return
+    _check_filters(status=status, kind=kind, mode=mode)
     try:
         start = parse_since(since) if since else None
     except ValueError:
@@ -245,6 +247,9 @@ def report(
     files beside it), csv or json (the raw rows). An empty selection writes nothing and exits 0."""
     from tpbench import report as reporting  # matplotlib loads only for this command
 
+    if fmt not in reporting.FORMATS:
+        _usage(f"--format {fmt}: accepted are {', '.join(reporting.FORMATS)}")
+    _check_filters(kind=kind, mode=mode)
     try:
         selection = reporting.Selection.parse(sweep, kind, mode, since, where)
         path = reporting.write(_read_db(db), selection, fmt, out_path)
@@ -344,6 +349,22 @@ def _compose(overrides: list[str], single: bool) -> list[RunConfig]:
         _usage(str(e))
 
 
+def _check_filters(**given: str | None) -> None:
+    """--status, --kind, --mode: a value no run can have is a typo, refused rather than matching nothing."""
+    from tpbench.config import CONF_DIR
+    from tpbench.experiments import KINDS
+    from tpbench.results import Status
+
+    accepted = {
+        "status": tuple(Status),
+        "kind": KINDS,
+        "mode": tuple(sorted(p.stem for p in (CONF_DIR / "mode").glob("*.yaml"))),
+    }
+    for flag, value in given.items():
+        if value is not None and value not in accepted[flag]:
+            _usage(f"--{flag} {value}: accepted are {', '.join(accepted[flag])}")
+
+
 def _databases(configs: list[RunConfig]) -> dict[str, ResultsDB]:
     try:
         return {url: ResultsDB(url) for url in dict.fromkeys(c.db.url for c in configs)}
@@ -374,8 +395,18 @@ def _run_one(
         return None, "INTERRUPTED"
     if not outcome.ran_rank0:
         err.print(f"{_label(cfg)}: {outcome.status}; the node that ran rank 0 records it")
+        outcome.release()
         return None, str(outcome.status)
-    run_id = dbs[cfg.db.url].record(cfg, outcome)
+    try:
+        run_id = dbs[cfg.db.url].record(cfg, outcome)
+    except SQLAlchemyError as e:  # the job folder stays: its results are not lost
+        cause = " ".join(str(getattr(e, "orig", None) or e).split())
+        _one_line(
+            f"{_label(cfg)}: {outcome.status}, but not recorded in {cfg.db.url} "
+            f"({type(e).__name__}: {cause}); its config, logs and rank results stay in {outcome.job}"
+        )
+        return None, "FAILED"
+    outcome.release()
     if outcome.status != "OK":
         _one_line(f"run {run_id} {outcome.status}: {outcome.error} (logs: {outcome.log_dir})")
     return run_id, str(outcome.status)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import math
 from collections.abc import Sequence
 from functools import reduce
 
@@ -84,8 +85,25 @@ AT_LEAST_ONE = (
     "validate.steps",
     "validate.every",
 )
-AT_LEAST_ZERO = ("train.warmup", "launch.node_rank", "launch.memory_cap_mb")
-POSITIVE = ("launch.collective_timeout_s", "launch.job_timeout_s", "launch.max_result_mb")
+AT_LEAST_ZERO = ("train.warmup", "train.seed", "launch.node_rank", "launch.memory_cap_mb")
+POSITIVE = (
+    "launch.collective_timeout_s",
+    "launch.job_timeout_s",
+    "launch.max_result_mb",
+    "model.rope_theta",
+    "model.rms_norm_eps",
+    "parallel.ddp_bucket_mb",
+    "validate.lr",
+)
+AT_LEAST_ZERO_FLOAT = (
+    "train.lr",
+    "train.weight_decay",
+    "validate.tol_fwd",
+    "validate.tol_loss",
+    "validate.tol_grad_rel",
+    "validate.tol_param",
+)
+MAX_SECONDS = 10**7  # timeouts: about 4 months; past 2**32 s the worker's alarm() and timedelta overflow
 
 
 def expand(overrides: Sequence[str], single: bool = False) -> list[RunConfig]:
@@ -97,10 +115,12 @@ def expand(overrides: Sequence[str], single: bool = False) -> list[RunConfig]:
     parser = OverridesParser.create()
     user = _parse(parser, overrides)
     typed = {o.key_or_group: o.input_line for o in user}
+    _check_added_keys(user)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         fixed = [_as_string(o) for o in user if not o.is_sweep_override()]
         params = _compose(fixed, typed, hydra=True).hydra.sweeper.params or {}
         preset = _parse(parser, [f"{key}={value}" for key, value in params.items()])
+        _check_booleans(preset + user)
         (combos,) = BasicSweeper.split_arguments(preset + user, None)
         if single and len(combos) > 1:
             raise ConfigError(
@@ -124,9 +144,18 @@ def check(cfg: RunConfig) -> None:
     ]:
         if _get(cfg, key) < least:
             raise ConfigError(f"{key}={_get(cfg, key)}: accepted are {what}")
-    for key in POSITIVE:
-        if _get(cfg, key) <= 0:
-            raise ConfigError(f"{key}={_get(cfg, key)}: accepted are numbers > 0")
+    for key in (*POSITIVE, *AT_LEAST_ZERO_FLOAT):
+        value = _get(cfg, key)
+        least, what = (0, "> 0") if key in POSITIVE else (0, ">= 0")
+        if not math.isfinite(value) or value < least or (key in POSITIVE and value == least):
+            raise ConfigError(f"{key}={value}: accepted are finite numbers {what}")
+    for key in ("launch.collective_timeout_s", "launch.job_timeout_s"):
+        if _get(cfg, key) > MAX_SECONDS:
+            raise ConfigError(f"{key}={_get(cfg, key)}: accepted are seconds up to {MAX_SECONDS:g}")
+    for key in ("model.intermediate_size", "launch.nproc_per_node", "parallel.vocab_pad_multiple"):
+        if _get(cfg, key) is not None and _get(cfg, key) < 1:
+            raise ConfigError(f"{key}={_get(cfg, key)}: accepted are integers >= 1")
+    _check_precision(cfg)
     for name in cfg.debug.skip_grad_sum:
         if name not in SKIPPABLE_GRAD_SUMS:
             accepted = ", ".join(SKIPPABLE_GRAD_SUMS)
@@ -180,6 +209,29 @@ def _parse(parser: OverridesParser, overrides: Sequence[str]) -> list[Override]:
     ]
 
 
+def _check_added_keys(overrides: list[Override]) -> None:
+    """`+key=value` appends a config group (+preset, +fault); a key the schema lacks is refused, not
+    added to a config that nothing reads."""
+    groups = {g.lstrip("+") for g in GROUPS}
+    for o in overrides:
+        if o.is_add() and o.key_or_group not in groups:
+            raise ConfigError(
+                f"{o.input_line}: {o.key_or_group} is not a tpbench setting and cannot be added; accepted "
+                f"with + are the groups +preset and +fault, and keys as key=value without +"
+            )
+
+
+def _check_booleans(overrides: list[Override]) -> None:
+    """A bool setting takes true or false only (OmegaConf would also take 2, yes, on, 1)."""
+    for o in overrides:
+        if _field_type(o.key_or_group, default="") != "bool":
+            continue
+        values = list(o.sweep_iterator()) if o.is_sweep_override() else [o.value()]
+        for value in values:
+            if not isinstance(value, bool):
+                raise ConfigError(f"{o.input_line}: {o.key_or_group} takes bool: accepted are true, false")
+
+
 def _as_string(o: Override) -> str:
     """The override as Hydra's BasicSweeper writes it for one job."""
     return f"{o.get_key_element()}={o.get_value_element_as_str()}"
@@ -224,12 +276,27 @@ def _runs_of(composed: DictConfig) -> list[RunConfig]:
 
 def _check_db_url(url: str) -> None:
     try:
-        make_url(url).get_dialect()
-    except (ArgumentError, NoSuchModuleError, ValueError) as e:
+        make_url(url).get_dialect().import_dbapi()
+    except (ArgumentError, NoSuchModuleError, ImportError, ValueError) as e:
         raise ConfigError(
             f"db.url={url!r}: not a SQLAlchemy URL with an installed driver ({e}); accepted are e.g. "
             f"sqlite:///runs/tpbench.db, postgresql://user@host/tpbench"
         ) from None
+
+
+def _check_precision(cfg: RunConfig) -> None:
+    t = cfg.train
+    if t.dtype == "float16" and t.precision == "pure":
+        raise ConfigError(
+            "train.dtype=float16 with train.precision=pure: AdamW's eps (1e-8) underflows to 0 in fp16, "
+            "so a parameter row without gradient turns NaN after one step; accepted are "
+            "precision=mixed (fp32 master weights and optimizer state) or dtype=bfloat16"
+        )
+    if t.precision == "mixed" and t.dtype == "float32":
+        raise ConfigError(
+            "train.precision=mixed with train.dtype=float32: mixed runs forward under autocast to a "
+            "16-bit dtype; accepted are dtype=bfloat16 or float16, or precision=pure"
+        )
 
 
 def _check_nodes(cfg: RunConfig) -> None:
@@ -280,6 +347,14 @@ def _check_emulation(cfg: RunConfig) -> None:
 def _check_fault(cfg: RunConfig) -> None:
     if cfg.fault.endswith("_on_rank1") and world_size(cfg) < 2:
         raise ConfigError(f"fault={cfg.fault} needs a rank 1, in a world of {world_size(cfg)} rank")
+    p, kv = cfg.parallel, cfg.model.num_key_value_heads
+    needs = {
+        "hang_in_tp_group": (p.tp >= 2, "parallel.tp >= 2"),
+        "hang_in_dp_group": (p.dp >= 2, "parallel.dp >= 2"),
+        "hang_in_kv_group": (p.tp > kv, f"parallel.tp > model.num_key_value_heads={kv}"),
+    }
+    if cfg.fault in needs and not needs[cfg.fault][0]:
+        raise ConfigError(f"fault={cfg.fault} needs {needs[cfg.fault][1]}: rank 1 must share such a group")
     if cfg.fault == "oom_on_rank1" and cfg.launch.memory_cap_mb == 0:
         raise ConfigError("fault=oom_on_rank1 needs a cap to exceed: launch.memory_cap_mb > 0")
 
@@ -288,14 +363,22 @@ def _get(cfg: RunConfig, key: str):
     return reduce(getattr, key.split("."), cfg)
 
 
-def _field_type(key: str) -> str:
-    """The annotation of a schema field, e.g. 'int' for parallel.tp."""
+def _field_type(key: str, default: str | None = None) -> str:
+    """The annotation of a schema field, e.g. 'int' for parallel.tp; `default` for a key the schema
+    lacks (None: raise StopIteration)."""
     cls: type = RunConfig
     *parents, name = key.split(".")
-    for part in parents:
-        cls = _field(cls, part).default_factory  # type: ignore[assignment]
-    return str(_field(cls, name).type)
+    try:
+        for part in parents:
+            cls = _field(cls, part).default_factory  # type: ignore[assignment]
+        return str(_field(cls, name).type)
+    except (StopIteration, TypeError):
+        if default is None:
+            raise
+        return default
 
 
 def _field(cls: type, name: str) -> dataclasses.Field:
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls} has no fields")
     return next(f for f in dataclasses.fields(cls) if f.name == name)

@@ -74,6 +74,8 @@ class ValidateConfig:
     # MiniMind's pretraining learning rate. At 1e-3 the seed's check config itself turns chaotic after
     # ~120 AdamW steps, and any two fp32 summation orders (dense vs T=4) drift apart by ~1e-2.
     lr: float = 5e-4
+    # Absolute tolerances: each check's bound is max(tolerance, K x the dense model's own error against
+    # fp32) (tpbench.experiments.validate), so they decide alone in pure fp32.
     tol_fwd: float = 1e-5  # max |logits diff|
     tol_loss: float = 1e-5
     tol_grad_rel: float = 1e-5  # max relative L2 of any gradient

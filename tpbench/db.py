@@ -38,7 +38,7 @@ from sqlalchemy import (
     select,
 )
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DatabaseError
+from sqlalchemy.exc import ArgumentError, DatabaseError, NoSuchModuleError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from tpbench.config import RunConfig, config_hash, mode_label, world_size
@@ -157,7 +157,14 @@ class ResultsDB:
 
     def __init__(self, url: str, create: bool = True):
         self.url = url
-        parsed = make_url(url)
+        try:
+            parsed = make_url(url)
+            parsed.get_dialect().import_dbapi()  # the driver is installed
+        except (ArgumentError, NoSuchModuleError, ImportError, ValueError) as e:
+            raise DatabaseRefused(
+                f"{url!r} is not a SQLAlchemy URL with an installed driver ({e}); accepted are e.g. "
+                f"sqlite:///runs/tpbench.db, postgresql://user@host/tpbench"
+            ) from None
         self.sqlite = parsed.get_backend_name() == "sqlite"
         in_memory = parsed.database in (None, "", ":memory:")
         path = Path(parsed.database) if self.sqlite and not in_memory else None
@@ -165,7 +172,12 @@ class ResultsDB:
             _refuse_foreign_file(path)
             if not create and not path.exists():
                 raise NoDatabase(f"no database at {path} yet: `tpbench run` creates it")
-            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise DatabaseRefused(
+                    f"{url}: cannot create the folder {path.parent} ({e.strerror})"
+                ) from None
         self.engine = _engine(url, self.sqlite)
         self._writer = self.engine.execution_options(immediate=True)
         self._open(create)

@@ -8,6 +8,7 @@ switch at their own cluster to see how a crash, a hang or an OOM is reported the
 | raise_on_rank1 | rank 1     | raises RuntimeError once the process group is up    | FAILED                 |
 | kill_on_rank1  | rank 1     | sends itself SIGKILL                                | FAILED                 |
 | hang_on_rank1  | rank 1     | all-reduces alone; fails after collective_timeout_s | TIMEOUT                |
+| hang_in_*_group| rank 1     | the same in its TP, DP or KV-replica group          | TIMEOUT                |
 | oom_on_rank1   | rank 1     | allocates twice launch.memory_cap_mb                | OOM                    |
 | print_flood    | every rank | writes 32 MiB to stdout and to stderr, then runs    | OK                     |
 | big_result     | rank 1     | adds 200 000 curve points to its result             | OK; FAILED if too big  |
@@ -21,7 +22,6 @@ import os
 import signal
 import sys
 import threading
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,16 @@ import torch.distributed as dist
 from tpbench.config import RunConfig
 from tpbench.results import RankResult
 
-FAULTS = ("raise_on_rank1", "kill_on_rank1", "hang_on_rank1", "oom_on_rank1", "print_flood", "big_result")
+SUBGROUP_HANGS = ("hang_in_tp_group", "hang_in_dp_group", "hang_in_kv_group")
+FAULTS = (
+    "raise_on_rank1",
+    "kill_on_rank1",
+    "hang_on_rank1",
+    *SUBGROUP_HANGS,
+    "oom_on_rank1",
+    "print_flood",
+    "big_result",
+)
 
 FLOOD_BYTES = 32 << 20
 BIG_RESULT_POINTS = 200_000
@@ -45,19 +54,31 @@ def before_experiment(cfg: RunConfig, rank: int, device: torch.device) -> None:
             sys.stderr.write(line)
         sys.stdout.flush()
         return
+    hang = fault == "hang_on_rank1" or fault in SUBGROUP_HANGS
+    group = _subgroup(cfg, fault) if fault in SUBGROUP_HANGS else None  # collective: every rank
     if rank != 1:
-        if fault == "hang_on_rank1":
+        if hang:
             threading.Event().wait()  # never joins rank 1's all-reduce; stopped when rank 1 fails
         return
     if fault == "raise_on_rank1":
         raise RuntimeError("injected fault raise_on_rank1: rank 1 raised on purpose")
     if fault == "kill_on_rank1":
         os.kill(os.getpid(), signal.SIGKILL)
-    if fault == "hang_on_rank1":
-        timeout = timedelta(seconds=cfg.launch.collective_timeout_s)
-        dist.all_reduce(torch.ones(1, device=device), async_op=True).wait(timeout)
+    if hang:  # bounded by nothing but the group's own timeout
+        dist.all_reduce(torch.ones(1, device=device), group=group)
     if fault == "oom_on_rank1":
         torch.empty(2 * cfg.launch.memory_cap_mb << 20, dtype=torch.uint8, device=device).fill_(1)
+
+
+def _subgroup(cfg: RunConfig, fault: str) -> dist.ProcessGroup:
+    """Rank 1's TP, DP or KV-replica group, made as every experiment makes them."""
+    from tpbench.experiments.setup import context
+
+    ctx = context(cfg)
+    if fault == "hang_in_kv_group":
+        ctx.setup_kv_replicas(cfg.model.num_key_value_heads)
+        return ctx.kv_replica_group
+    return ctx.tp_group if fault == "hang_in_tp_group" else ctx.dp_group
 
 
 def after_experiment(cfg: RunConfig, result: RankResult) -> None:

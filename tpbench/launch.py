@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from enum import StrEnum
 from pathlib import Path
 
 import torch
@@ -37,7 +36,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from tpbench import emulation
 from tpbench.compose import local_world_size
 from tpbench.config import RunConfig, config_hash, save_run_config, world_size
-from tpbench.results import RankResult
+from tpbench.results import RankResult, Status
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,15 +44,11 @@ REPO = Path(__file__).resolve().parents[1]
 PEER_ERRORS = ("closed by peer", "reset by peer", "Broken pipe", "remote worker", "remote process")
 OOM_ERRORS = ("OutOfMemoryError", "MemoryError", "out of memory", "can't allocate memory", "not enough memor")
 TIMEOUT_ERRORS = re.compile(r"timed out|timing out|timeout", re.IGNORECASE)
+# What ProcessGroupNCCL's watchdog writes before it aborts the process (SIGABRT) on a timed-out collective
+WATCHDOG = re.compile(
+    r"Watchdog caught collective operation timeout|ran for \d+ milliseconds before timing out"
+)
 AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # what the agent traps
-
-
-class Status(StrEnum):
-    OK = "OK"
-    FAILED = "FAILED"
-    OOM = "OOM"
-    TIMEOUT = "TIMEOUT"
-    INTERRUPTED = "INTERRUPTED"
 
 
 @dataclass
@@ -98,6 +93,12 @@ class Outcome:
     failed_rank: int | None = None
     log_dir: str | None = None  # the job folder, kept when the run did not end OK
     ran_rank0: bool = True  # False on the other nodes of a multi-node job: node of rank 0 records it
+    job: Path | None = None  # the job folder, until `release` (after the run is recorded)
+
+    def release(self) -> None:
+        """Remove the job folder of an OK run; call once the run is recorded (or left to another node)."""
+        if self.job is not None and self.log_dir is None:
+            shutil.rmtree(self.job, ignore_errors=True)
 
 
 class JobFailed(Exception):
@@ -116,15 +117,17 @@ def run_job(cfg: RunConfig, on_progress: Callable[[str], None] = lambda line: No
         _launch(cfg, job, on_progress)
         results = _read_results(cfg, job / "results")
         status, error, rank = Status.OK, "", None
+        failed = [(r.rank, check) for r in results for check in r.failed]
+        if failed:  # the job ran, and what it measured says the run is wrong: kept, and FAILED
+            status, rank = Status.FAILED, failed[0][0]
+            error = f"{cfg.kind} out of bounds: " + "; ".join(check for _, check in failed)
     except JobFailed as e:
         status, error, rank, results = e.status, e.message, e.rank, []
     finally:
         _reap(job)
     ran_rank0 = int(cfg.launch.nnodes) == 1 or (job / "pids" / "rank0.pid").exists()
     kept = None if status is Status.OK else str(job)
-    if kept is None:
-        shutil.rmtree(job)
-    return Outcome(status, started, _now(), env, results, error, rank, kept, ran_rank0)
+    return Outcome(status, started, _now(), env, results, error, rank, kept, ran_rank0, job)
 
 
 def _launch(cfg: RunConfig, job: Path, on_progress: Callable[[str], None]) -> None:
@@ -135,7 +138,7 @@ def _launch(cfg: RunConfig, job: Path, on_progress: Callable[[str], None]) -> No
         with _agent_log(job / "launcher.log"), _Tail(job / "logs", on_progress):
             elastic_launch(_launch_config(cfg, job), sys.executable)("-m", "tpbench.worker", str(job))
     except ChildFailedError as e:
-        raise _first_failure(e.failures, cfg) from None
+        raise _first_failure(e.failures, cfg, job) from None
     except SignalException as e:
         raise JobFailed(Status.INTERRUPTED, f"interrupted by {e.sigval.name}") from None
     except KeyboardInterrupt:
@@ -186,7 +189,7 @@ def _read_results(cfg: RunConfig, folder: Path) -> list[RankResult]:
     return results
 
 
-def _first_failure(failures: dict[int, ProcessFailure], cfg: RunConfig) -> JobFailed:
+def _first_failure(failures: dict[int, ProcessFailure], cfg: RunConfig, job: Path) -> JobFailed:
     """The rank that failed first. The agent lists the ranks it stopped (SIGTERM) as failures too, and
     a rank whose peer died fails with a connection error: both come after every other failure."""
 
@@ -203,6 +206,13 @@ def _first_failure(failures: dict[int, ProcessFailure], cfg: RunConfig) -> JobFa
         return JobFailed(
             Status.TIMEOUT, f"rank {rank} ran past launch.job_timeout_s={cfg.launch.job_timeout_s:g}", rank
         )
+    if failure.exitcode == -signal.SIGABRT:  # NCCL's watchdog aborts the process past the timeout
+        watchdog = _watchdog_line(job, failure.local_rank)
+        if watchdog:
+            limit = cfg.launch.collective_timeout_s
+            return JobFailed(
+                Status.TIMEOUT, f"rank {rank}: {watchdog} (launch.collective_timeout_s={limit:g})", rank
+            )
     if any(m in message for m in OOM_ERRORS):
         return JobFailed(Status.OOM, f"rank {rank}: {message}", rank)
     if TIMEOUT_ERRORS.search(message):
@@ -211,6 +221,17 @@ def _first_failure(failures: dict[int, ProcessFailure], cfg: RunConfig) -> JobFa
             Status.TIMEOUT, f"rank {rank}: {message} (launch.collective_timeout_s={limit:g})", rank
         )
     return JobFailed(Status.FAILED, f"rank {rank}: {message}", rank)
+
+
+def _watchdog_line(job: Path, local_rank: int, tail_bytes: int = 1 << 16) -> str | None:
+    """The line of a rank's stderr in which NCCL's watchdog reports a collective timeout, if any."""
+    for log in (job / "logs").glob(f"*/attempt_0/{local_rank}/stderr.log"):
+        with log.open("rb") as f:
+            f.seek(max(0, log.stat().st_size - tail_bytes))
+            for line in f.read().decode(errors="replace").splitlines():
+                if WATCHDOG.search(line):
+                    return " ".join(line.split())[:300]
+    return None
 
 
 def _message(failure: ProcessFailure) -> str:

@@ -8,7 +8,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
+
+
+class Status(StrEnum):
+    """How a run ended."""
+
+    OK = "OK"
+    FAILED = "FAILED"
+    OOM = "OOM"
+    TIMEOUT = "TIMEOUT"
+    INTERRUPTED = "INTERRUPTED"
 
 
 @dataclass
@@ -49,6 +60,7 @@ class RankResult:
     params: list[ParamRow] = field(default_factory=list)
     comm: list[CommRow] = field(default_factory=list)
     text: str = ""  # a readable table, printed by the launcher (rank 0)
+    failed: list[str] = field(default_factory=list)  # checks out of bounds: the run is FAILED
 
     def add(self, name: str, value: float, unit: str = "", step: int | None = None) -> None:
         self.measurements.append(Measurement(name, float(value), unit, step))
@@ -69,6 +81,7 @@ class RankResult:
             params=[ParamRow(**p) for p in raw["params"]],
             comm=[CommRow(**c) for c in raw["comm"]],
             text=raw["text"],
+            failed=raw["failed"],
         )
 
 

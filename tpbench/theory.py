@@ -26,9 +26,10 @@ Saved activations per layer, bf16 (p = 2), bytes, T = 1, SDPA, GQA (Nkv < Nq):
   SDPA out          2 N H + 4 B Nq S        viewed, not copied, as o_proj's input; + logsumexp
   SwiGLU            4 * 2 N I               gate out (silu), silu out and up out (mul), product (down)
 = N H (30 + 6 Nkv/Nq + 8 I/H) bytes: 58.3 N H at heads 8/4 and I = 3.17 H, where the paper's GPT
-layer (dropout, GeLU, 4H MLP) has 34 N H. RoPE saves only its cos/sin tables (they need no grad),
-the residual adds save nothing. Manual attention adds the fp32 softmax and its cast: (4 + 2) B Nq S^2,
-the paper's 5 a S / H term. TP divides the per-head and per-I terms by T, while the norms and the
+layer (dropout, GeLU, 4H MLP) has 34 N H. RoPE saves only its cos/sin tables cast to p (they need
+no grad; the fp32 tables are built once per device and kept: `model_activations`), the residual adds
+save nothing. Manual attention adds the fp32 softmax and its cast: (4 + 2) B Nq S^2, the
+paper's 5 a S / H term. TP divides the per-head and per-I terms by T, while the norms and the
 region inputs stay whole on every rank; SP divides those too (the region inputs only with the
 re-gather), so that TP + SP saves 1/T of everything, as in the paper.
 
@@ -280,10 +281,11 @@ def layer_activations(d: Dims) -> dict[str, int]:
 def kv_widths(d: Dims) -> tuple[int, int]:
     """Widths of the k and v that attention saves. repeat_kv's expand + reshape copies them out to the
     query heads, unless this rank has one KV head: then the expanded size-1 dim merges into a
-    stride-0 view and nothing is copied (but an autocast cast of that view, k's under mixed
-    precision, is a dense copy again)."""
+    stride-0 view and nothing is copied. SDPA saves that view; manual attention's matmuls copy it
+    (batched matmul reshapes it to [B Nq, S, D]) and save the copy; an autocast cast of it, k's under
+    mixed precision, is a dense copy too."""
     n_rep = d.Nq_l > d.Nkv_l
-    v_width = d.Hq if n_rep and d.Nkv_l > 1 else d.Hkv
+    v_width = d.Hq if n_rep and (d.Nkv_l > 1 or not d.flash) else d.Hkv
     return (d.Hq if n_rep and d.mixed else v_width), v_width
 
 
@@ -297,7 +299,7 @@ def model_activations(d: Dims) -> dict[str, int]:
     return {
         "blocks": d.L * sum(layer_activations(d).values()),
         "embedding": embedding_activations(d),
-        "rope tables": 2 * FP32 * d.S * d.D if d.s == FP32 else 0,  # fp32: the tables themselves
+        "rope tables": 2 * FP32 * d.S * d.D,  # cos, sin [S, D] fp32, built once and kept by the model
         "final norm": FP32 * Ns * H + FP32 * Ns + d.s * Ns * H + head_input,
         "head weight cast": p * d.V_l * H if d.mixed else 0,
         "logits": p * N * d.V_l,  # [S, B, V(/T)]; the training step keeps them until it returns

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from contextlib import AbstractContextManager
 from dataclasses import asdict
+from datetime import timedelta
 
 import torch
 from torch import nn
@@ -35,7 +37,8 @@ def tensor_device(cfg: RunConfig) -> torch.device:
 
 
 def context(cfg: RunConfig) -> ParallelContext:
-    return ParallelContext.from_world(cfg.parallel.tp, cfg.parallel.dp, tensor_device(cfg))
+    timeout = timedelta(seconds=cfg.launch.collective_timeout_s)
+    return ParallelContext.from_world(cfg.parallel.tp, cfg.parallel.dp, tensor_device(cfg), timeout)
 
 
 def place(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -65,6 +68,13 @@ def _moved(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.T
 def param_dtype(cfg: RunConfig) -> torch.dtype:
     """Pure precision keeps parameters in train.dtype; mixed keeps fp32 masters."""
     return DTYPES[cfg.train.dtype] if cfg.train.precision == "pure" else torch.float32
+
+
+def precision(cfg: RunConfig, device: torch.device) -> AbstractContextManager:
+    """What forward runs under: autocast(train.dtype) for mixed precision, nothing for pure."""
+    if cfg.train.precision == "mixed":
+        return torch.autocast(device.type, dtype=DTYPES[cfg.train.dtype])
+    return contextlib.nullcontext()
 
 
 def build_dense(cfg: RunConfig) -> MiniMindForCausalLM:

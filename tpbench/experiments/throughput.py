@@ -1,8 +1,11 @@
 """Step time and tokens/s of training steps after warm-up; FLOPs counted and MFU on GPUs.
 
 Each step starts and ends on a barrier (and a CUDA synchronize), so its time is that of the slowest
-rank. Model FLOPs come from the analytic model; the FLOPs every rank really executes are counted with
-FlopCounterMode on one step and summed over ranks (replicated work under TP counts on every rank).
+rank. Model FLOPs come from the analytic model; the FLOPs every rank really executes are counted on
+one step and summed over ranks (replicated work under TP counts on every rank), by `LocalFlopCounter`:
+torch's FlopCounterMode with the formula of the CPU SDPA kernel added (torch has none, so attention
+counted zero on CPU), counting what runs on each rank's local tensors, so that a DTensor op counts its
+local shards as our engine's ops do, not the global shape on every rank.
 """
 
 from __future__ import annotations
@@ -11,7 +14,14 @@ import statistics
 import time
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    _FlopCounterMode,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
 
 from tpbench import theory
 from tpbench.config import RunConfig, local_batch
@@ -20,15 +30,18 @@ from tpbench.experiments.training import Trainer
 from tpbench.parallel import comm
 from tpbench.results import RankResult
 
-# Dense peak FLOP/s by device name and dtype, from the vendors' data sheets.
-PEAK_FLOPS = {
-    ("H200", torch.bfloat16): 989e12,
-    ("H100", torch.bfloat16): 989e12,
-    ("A100", torch.bfloat16): 312e12,
-    ("H200", torch.float32): 67e12,
-    ("H100", torch.float32): 67e12,
-    ("A100", torch.float32): 19.5e12,
-}
+# Dense (no sparsity) peak FLOP/s of the tensor cores, from NVIDIA's data sheets: (16-bit: bf16 and
+# fp16, tf32, fp32 without tensor cores). Matched in order against torch.cuda.get_device_name, so the
+# variants come before their family: "NVIDIA H100 NVL", "NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3"
+# (SXM), "NVIDIA H200 NVL", "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe".
+PEAK_FLOPS: tuple[tuple[str, tuple[float, float, float]], ...] = (
+    ("H100 NVL", (835.5e12, 417.5e12, 60e12)),  # per GPU: half the data sheet's 2-GPU sparse figures
+    ("H100 PCIe", (756.5e12, 378e12, 51.2e12)),
+    ("H100", (989.4e12, 494.7e12, 66.9e12)),  # SXM5
+    ("H200 NVL", (835.5e12, 417.5e12, 60e12)),
+    ("H200", (989.4e12, 494.7e12, 66.9e12)),  # SXM
+    ("A100", (312e12, 156e12, 19.5e12)),  # SXM4 and PCIe, 40 and 80 GB alike
+)
 
 
 def run(cfg: RunConfig) -> RankResult:
@@ -38,7 +51,7 @@ def run(cfg: RunConfig) -> RankResult:
         trainer.step()
 
     counter = comm.CommCounter(timed=True)
-    flops = FlopCounterMode(display=False)
+    flops = LocalFlopCounter()
     with counting(cfg, counter), flops:
         trainer.step()
     result.comm = counter.rows()
@@ -63,7 +76,10 @@ def run(cfg: RunConfig) -> RankResult:
     model_flops = theory.model_flops_per_step(cfg)
     result.add("model_flops_per_step", model_flops, "FLOP")
     result.add("predicted_comm_bytes_per_step", theory.predict(cfg).comm_bytes_per_step, "B")
-    peak = _peak_flops(trainer.ctx.device, cfg)
+    peak = None
+    if trainer.ctx.device.type == "cuda":
+        tf32 = torch.backends.cuda.matmul.allow_tf32  # fp32 matmuls on the tensor cores
+        peak = peak_flops(torch.cuda.get_device_name(trainer.ctx.device), cfg.train.dtype, tf32)
     if peak:
         result.add("mfu", model_flops / median / (world * peak))
     return result
@@ -74,14 +90,52 @@ def _summed_over_ranks(value: float) -> float:
     return comm.reduce_floats([float(value)])[0]
 
 
+def _sdpa(query, key, value, *args, out_shape=None, **kwargs) -> int:  # shapes, as torch passes them
+    return sdpa_flop_count(query, key, value)
+
+
+def _sdpa_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+class _LocalFlopCounterMode(_FlopCounterMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs it; the ops on its local shards come back here
+        if any(issubclass(t, FakeTensor) for t in types):
+            return func(*args, **(kwargs or {}))  # DTensor's sharding propagation: nothing runs
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class LocalFlopCounter(FlopCounterMode):
+    """FlopCounterMode over the ops each rank runs on its own tensors, CPU attention included."""
+
+    def __init__(self) -> None:
+        aten = torch.ops.aten
+        cpu_sdpa = {  # the formulas torch gives its CUDA SDPA kernels (q, k, v shapes: full S x S)
+            aten._scaled_dot_product_flash_attention_for_cpu: _sdpa,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward,
+        }
+        super().__init__(display=False, custom_mapping=cpu_sdpa)
+
+    def __enter__(self) -> LocalFlopCounter:
+        super().__enter__()
+        self.mode.__exit__(None, None, None)  # swap torch's dispatch mode for the local one
+        self.mode = _LocalFlopCounterMode(self)
+        self.mode.__enter__()
+        return self
+
+
 def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _peak_flops(device: torch.device, cfg: RunConfig) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
-    return next((v for (chip, dt), v in PEAK_FLOPS.items() if chip in name and dt == dtype), None)
+def peak_flops(device_name: str, dtype: str, tf32: bool = False) -> float | None:
+    """Dense peak FLOP/s of one GPU for matmuls in `dtype` (train.dtype: mixed precision runs its
+    matmuls in it too), or None for a GPU not in PEAK_FLOPS."""
+    name = device_name.upper()
+    for chip, (half, tf32_peak, fp32) in PEAK_FLOPS:
+        if chip.upper() in name:
+            return half if dtype in ("bfloat16", "float16") else tf32_peak if tf32 else fp32
+    return None

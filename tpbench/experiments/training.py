@@ -8,7 +8,6 @@ Precision: `pure` keeps parameters, gradients and optimizer state in train.dtype
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,7 +17,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tpbench.config import RunConfig
 from tpbench.experiments.setup import (
-    DTYPES,
     Batches,
     build_dense,
     build_parallel,
@@ -26,6 +24,7 @@ from tpbench.experiments.setup import (
     counting,
     param_dtype,
     place,
+    precision,
 )
 from tpbench.parallel import comm
 from tpbench.parallel.context import ParallelContext
@@ -60,7 +59,6 @@ class Trainer:
             weight_decay=cfg.train.weight_decay,
             foreach=True if cfg.launch.device == "cuda" else None,
         )
-        self.autocast = self.autocast_for(cfg, self.ctx.device)
 
     def ddp_buckets(self) -> list[torch.Tensor]:
         """DDP's gradient buckets that no module or optimizer holds: all of them, unless the
@@ -69,13 +67,6 @@ class Trainer:
         if state is None or self.cfg.parallel.ddp_gradient_as_bucket_view:
             return []
         return list(state.buckets.values())
-
-    @staticmethod
-    def autocast_for(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager:
-        """precision=mixed: autocast to train.dtype with the cast lists of the device's type."""
-        if cfg.train.precision != "mixed":
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=DTYPES[cfg.train.dtype])
 
     def _ddp(self, on_device: Callable[[torch.nn.Module], None]):
         p = self.cfg.parallel
@@ -100,7 +91,7 @@ class Trainer:
         """One optimizer step on the next batch; returns the loss (a tensor: reading it would sync)."""
         ids, labels = self.batches.next_local()
         self.optimizer.zero_grad(set_to_none=True)
-        with self.autocast:
+        with precision(self.cfg, self.ctx.device):
             if self.cfg.train.loss == "logits_mean":  # the seed's memory benchmark
                 loss = self.model(ids)[0].float().mean()
             else:

@@ -164,10 +164,17 @@ class MiniMindModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head_dim = cfg.head_dim
         self.rope_theta = cfg.rope_theta
+        self.rope_cache: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [S, D] in fp32, built once per length and device, not on the CPU at every step."""
+        key = (seq_len, device)
+        if key not in self.rope_cache:
+            self.rope_cache[key] = rope_tables(self.head_dim, seq_len, self.rope_theta, device)
+        return self.rope_cache[key]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        s = input_ids.shape[1]
-        cos, sin = rope_tables(self.head_dim, s, self.rope_theta, input_ids.device)
+        cos, sin = self.rope(input_ids.shape[1], input_ids.device)
         x = self.embed_tokens(input_ids.t())  # [S, B, H]
         for layer in self.layers:
             x = layer(x, cos, sin)

@@ -20,6 +20,11 @@ def check_shardable(cfg: RunConfig) -> None:
             f"model.hidden_size={m.hidden_size} is not divisible by "
             f"model.num_attention_heads={m.num_attention_heads}: accepted are multiples of the head count"
         )
+    if (m.hidden_size // m.num_attention_heads) % 2:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} / model.num_attention_heads={m.num_attention_heads} is an "
+            f"odd head dim, which RoPE's rotate-half cannot split: accepted are even head dims"
+        )
     if m.num_attention_heads % m.num_key_value_heads:
         raise ConfigError(
             f"model.num_key_value_heads={m.num_key_value_heads} does not divide "

@@ -8,10 +8,11 @@ group; those ranks form a KV-replica group whose k/v gradients are summed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass
@@ -25,6 +26,7 @@ class ParallelContext:
     dp_group: dist.ProcessGroup | None
     mesh: DeviceMesh | None = None
     kv_replica_group: dist.ProcessGroup | None = None  # set by setup_kv_replicas when tp > N_kv
+    timeout: timedelta | None = None  # of every collective in the groups made here
 
     @property
     def rank(self) -> int:
@@ -36,23 +38,31 @@ class ParallelContext:
         return cls(1, 1, 0, 0, torch.device(device), None, None)
 
     @classmethod
-    def from_world(cls, tp: int, dp: int, device: torch.device) -> ParallelContext:
+    def from_world(
+        cls, tp: int, dp: int, device: torch.device, timeout: timedelta | None = None
+    ) -> ParallelContext:
         """Build the mesh from an initialised default process group of dp * tp ranks, whose tensors
-        live on `device` (the worker has made it the current CUDA device)."""
+        live on `device` (the worker has made it the current CUDA device). Every group is made here
+        with `timeout` (init_device_mesh would give its sub-groups torch's default, 30 minutes,
+        whatever the world group has); None: torch's default."""
         world = dist.get_world_size()
         if world != tp * dp:
             raise ValueError(f"world size {world} != dp {dp} x tp {tp}")
-        mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+        grid = torch.arange(world).view(dp, tp)  # rank = d * tp + t
         rank = dist.get_rank()
+        tp_group = _own_group([row.tolist() for row in grid], rank, timeout)
+        dp_group = _own_group([col.tolist() for col in grid.t()], rank, timeout)
+        mesh = DeviceMesh.from_group([dp_group, tp_group], device.type, grid, mesh_dim_names=("dp", "tp"))
         return cls(
             tp=tp,
             dp=dp,
             tp_rank=rank % tp,
             dp_rank=rank // tp,
             device=device,
-            tp_group=mesh.get_group("tp"),
-            dp_group=mesh.get_group("dp"),
+            tp_group=tp_group,
+            dp_group=dp_group,
             mesh=mesh,
+            timeout=timeout,
         )
 
     def setup_kv_replicas(self, num_kv_heads: int) -> None:
@@ -63,6 +73,12 @@ class ParallelContext:
         for d in range(self.dp):
             for head in range(num_kv_heads):
                 ranks = [d * self.tp + head * replicas + r for r in range(replicas)]
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=self.timeout)
                 if self.rank in ranks:
                     self.kv_replica_group = group
+
+
+def _own_group(all_ranks: list[list[int]], rank: int, timeout: timedelta | None) -> dist.ProcessGroup:
+    """Create every group of `all_ranks` (collective: each rank creates them all); return this rank's."""
+    groups = [dist.new_group(ranks, timeout=timeout) for ranks in all_ranks]
+    return next(g for g, ranks in zip(groups, all_ranks, strict=True) if rank in ranks)

@@ -23,7 +23,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.dtype = logits.dtype
         logits = logits.float()
         v_local = logits.shape[-1]
-        if vocab_start + v_local > vocab_size:  # this rank holds padded columns: known without a sync
+        if vocab_start + v_local > vocab_size:  # this rank holds padded columns: from ints, no sync
             padded = vocab_start + torch.arange(v_local, device=logits.device) >= vocab_size
             logits = logits.masked_fill(padded, float("-inf"))
 
