@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from browser import chromium
 from matplotlib.figure import Figure
 from typer.testing import CliRunner
 
@@ -30,7 +31,6 @@ from tpbench.report import published, render
 from tpbench.report.data import ReportData, Selection, mode_rank, setting_label
 
 TPBENCH = str(Path(sys.executable).with_name("tpbench"))
-CHROMIUM = "/usr/bin/chromium"
 PAYLOAD = "<script>document.body.dataset.pwned = 'yes'</script>"
 SWEEP = f"checks {PAYLOAD}"
 QUICK = ["train.steps=2", "train.warmup=1"]
@@ -204,28 +204,6 @@ window.addEventListener('load', () => {
   document.body.dataset.shown = document.body.innerText.includes("<script>document.body.dataset.pwned");
 });
 </script>"""
-
-
-def chromium(*args: str, page: Path, profile: Path) -> tuple[str, list[str]]:
-    """Run headless chromium on a file: (stdout, the console messages it logged)."""
-    assert Path(CHROMIUM).exists(), f"{CHROMIUM} is missing: apt-get install chromium (CI: .ci/run does)"
-    flags = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        f"--user-data-dir={profile}",
-        "--enable-logging=stderr",
-        "--v=0",
-    ]
-    done = subprocess.run(
-        [CHROMIUM, *flags, *args, page.as_uri()], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout, [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
 
 
 def probe(page: Path, tmp_path: Path) -> tuple[str, list[str]]:

@@ -23,6 +23,7 @@ from tpbench.diagram.trace import Call, Collective, RankTrace, Shard, Trace
 from tpbench.experiments.setup import model_config
 
 FONT = "DejaVu Sans"
+GAP = 12  # points between the columns of a box
 COLOURS = {"forward": "#1f5fbf", "backward": "#b4361f", "gradient sums": "#6a3d9a"}
 OP_NAMES = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter"}
 LINEAR_KINDS = ("Linear", "ColumnParallelLinear", "RowParallelLinear")
@@ -230,7 +231,7 @@ class _Mode:
             f"#{c.index}",
             c.phase,
             what,
-            f"{_shape(e.shape)} → {_shape(out)} {e.dtype.removeprefix('torch.')}",
+            f"{_shape(e.shape)} -> {_shape(out)} {e.dtype.removeprefix('torch.')}",
             self._groups(c),
             f"{e.bytes:,} B",
         ]
@@ -350,10 +351,12 @@ class _Symbols:
 
 
 def _box(head: str, rows: list[list[str]], fill: str, colour_rows: list[str] | None = None) -> str:
-    """An HTML-like Graphviz label: a bold head over a table of rows (cells escaped)."""
-    width = max((len(r) for r in rows), default=1)
+    """An HTML-like Graphviz label: a bold head over a table of rows (cells escaped). Columns are kept
+    apart by empty cells: a browser may set a line a few percent wider than Graphviz measured it."""
+    cells_max = max((len(r) for r in rows), default=1)
+    width = 2 * cells_max - 1
     out = [
-        f'<<table border="1" cellborder="0" cellspacing="0" cellpadding="3" bgcolor="{fill}" '
+        f'<<table border="1" cellborder="0" cellspacing="0" cellpadding="2" bgcolor="{fill}" '
         'color="#777777">',
         f'<tr><td colspan="{width}" align="left"><b>{escape(head)}</b></td></tr>',
     ]
@@ -361,11 +364,14 @@ def _box(head: str, rows: list[list[str]], fill: str, colour_rows: list[str] | N
         colour = COLOURS.get(colour_rows[i]) if colour_rows and i < len(colour_rows) else None
         cells = []
         for j, cell in enumerate(row):
-            span = f' colspan="{width - len(row) + 1}"' if j == len(row) - 1 and len(row) < width else ""
+            last = j == len(row) - 1
+            span = f' colspan="{width - 2 * j}"' if last and len(row) < cells_max else ""
             text = escape(cell)
             if colour:
                 text = f'<font color="{colour}">{text}</font>'
             cells.append(f'<td align="left"{span}>{text}</td>')
+            if not last:
+                cells.append(f'<td width="{GAP}"></td>')
         out.append("<tr>" + "".join(cells) + "</tr>")
     out.append("</table>>")
     return "".join(out)
