@@ -27,16 +27,7 @@ def configs(overrides: Sequence[str], compare: bool = False) -> list[RunConfig]:
     Raises ConfigError, one line, for anything that cannot be traced."""
     from tpbench import compose  # hydra and the experiments load only here
 
-    cfg = compose.expand([*overrides, "kind=validate"], single=True)[0]
-    p = cfg.parallel
-    if p.engine != "megatron":
-        raise ConfigError(
-            f"parallel.engine={p.engine}: the diagram traces tpbench's own collectives; accepted are "
-            f"mode=tp, tp_sp, tp_vp, tp_sp_vp"
-        )
-    if p.dp != 1:
-        raise ConfigError(f"parallel.dp={p.dp}: the diagram draws one TP group; accepted is dp=1")
-    cfg.model.num_hidden_layers = 1  # one block is the picture
+    cfg = traceable(compose.expand([*overrides, "kind=validate"], single=True)[0])
     if not compare:
         return [cfg]
     out = []
@@ -46,6 +37,21 @@ def configs(overrides: Sequence[str], compare: bool = False) -> list[RunConfig]:
         check_shardable(c)
         out.append(c)
     return out
+
+
+def traceable(cfg: RunConfig) -> RunConfig:
+    """A copy of a checked config with one layer (one block is the picture). Raises ConfigError."""
+    p = cfg.parallel
+    if p.engine != "megatron":
+        raise ConfigError(
+            f"parallel.engine={p.engine}: the diagram traces tpbench's own collectives; accepted are "
+            f"mode=tp, tp_sp, tp_vp, tp_sp_vp"
+        )
+    if p.dp != 1:
+        raise ConfigError(f"parallel.dp={p.dp}: the diagram draws one TP group; accepted is dp=1")
+    cfg = copy.deepcopy(cfg)
+    cfg.model.num_hidden_layers = 1
+    return cfg
 
 
 def render(traces: list[Trace], fmt: str) -> bytes:
@@ -87,4 +93,5 @@ __all__ = [
     "inline_svg",
     "render",
     "trace",
+    "traceable",
 ]

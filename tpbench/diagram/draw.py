@@ -198,8 +198,11 @@ class _Mode:
             rows.append([f"{whole}  ({shard.semantics})"])
         else:
             cut = "rows" if shard.dim == 0 else "columns"
-            view = f"W = weight^T [in, out]: {dense[1]}" if linear else f"E = weight: {dense[1]}"
-            rows.append([f"{shard.semantics}: weight {dense[0]} cut on dim {shard.dim} ({cut}); {view}"])
+            weight = "weight [out, in]" if linear else "weight (a lookup table)"
+            rows.append([f"{shard.semantics}: {weight} = {dense[0]}, cut on dim {shard.dim} (its {cut})"])
+            if linear:
+                other = "columns" if shard.dim == 0 else "rows"
+                rows.append([f"math view: W = weight^T [in, out] = {dense[1]}, cut on its {other}"])
             rows.append(["rank", "W (math view)" if linear else "E (table)", "weight (nn view)"])
             for r in self.tr.ranks:
                 s = next(s for c in r.calls for s in c.shards if s.name == shard.name)
@@ -336,8 +339,10 @@ class _Symbols:
         if len(numbers) == 3:
             last = "H"
             if not is_input and call.shards and call.kind in LINEAR_KINDS:
-                names = next((v for k, v in DENSE.items() if call.shards[0].name.endswith(k)), ("H",))
-                last = names[0] + ("/T" if call.shards[0].dim == 0 else "")
+                shard = call.shards[0]
+                names = next((v for k, v in DENSE.items() if shard.name.endswith(k)), ("H",))
+                last = "D" if shard.semantics == "kv_replicated" else names[0]
+                last += "/T" if shard.dim == 0 and shard.semantics != "kv_replicated" else ""
             elif call.kind in ("silu", "multiply") or (is_input and "down_proj" in call.name):
                 last = "I/T"
             elif is_input and "o_proj" in call.name:
@@ -354,24 +359,22 @@ def _box(head: str, rows: list[list[str]], fill: str, colour_rows: list[str] | N
     """An HTML-like Graphviz label: a bold head over a table of rows (cells escaped). Columns are kept
     apart by empty cells: a browser may set a line a few percent wider than Graphviz measured it."""
     cells_max = max((len(r) for r in rows), default=1)
-    width = 2 * cells_max - 1
+    width = 2 * cells_max  # each cell followed by a gap, the last one too
     out = [
         f'<<table border="1" cellborder="0" cellspacing="0" cellpadding="2" bgcolor="{fill}" '
         'color="#777777">',
-        f'<tr><td colspan="{width}" align="left"><b>{escape(head)}</b></td></tr>',
+        f'<tr><td colspan="{width - 1}" align="left"><b>{escape(head)}</b></td><td width="{GAP}"></td></tr>',
     ]
     for i, row in enumerate(rows):
         colour = COLOURS.get(colour_rows[i]) if colour_rows and i < len(colour_rows) else None
         cells = []
         for j, cell in enumerate(row):
             last = j == len(row) - 1
-            span = f' colspan="{width - 2 * j}"' if last and len(row) < cells_max else ""
+            span = f' colspan="{width - 1 - 2 * j}"' if last and len(row) < cells_max else ""
             text = escape(cell)
             if colour:
                 text = f'<font color="{colour}">{text}</font>'
-            cells.append(f'<td align="left"{span}>{text}</td>')
-            if not last:
-                cells.append(f'<td width="{GAP}"></td>')
+            cells.append(f'<td align="left"{span}>{text}</td><td width="{GAP}"></td>')
         out.append("<tr>" + "".join(cells) + "</tr>")
     out.append("</table>>")
     return "".join(out)
