@@ -71,7 +71,10 @@ def default_path(fmt: str) -> Path:
 
 def check_writable(path: Path) -> None:
     """Raise ConfigError if `path` cannot be written, before anything is traced; leaves no file."""
-    existed = path.exists()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if existing == path and path.is_dir() or existing != path and not existing.is_dir():
+        what = "is a folder" if existing == path else f"lies under {existing}, which is not a folder"
+        raise ConfigError(f"--out {path}: {what}; accepted is a writable file path")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "ab"):
@@ -80,7 +83,7 @@ def check_writable(path: Path) -> None:
         raise ConfigError(
             f"--out {path}: cannot be written ({e.strerror}); accepted is a writable file path"
         ) from None
-    if not existed:
+    if existing != path:
         path.unlink()
 
 
