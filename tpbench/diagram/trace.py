@@ -31,6 +31,7 @@ from tpbench.experiments.setup import build_dense
 from tpbench.experiments.training import Trainer
 from tpbench.models.minimind import FeedForward, MiniMindBlock
 from tpbench.parallel import comm
+from tpbench.parallel.plan import Layout
 
 
 @dataclass
@@ -149,8 +150,9 @@ class _Log(comm.CommCounter):
         self.context.append(self.recorder.where())
 
 
-def _locate(name: str, param: torch.Tensor, dense: torch.Tensor, layout) -> Shard:
-    """Find this rank's shard in the dense weight by value: the indices along the cut dim."""
+def _locate(name: str, param: torch.Tensor, dense: torch.Tensor, layout: Layout) -> Shard:
+    """Find this rank's shard in the dense weight by value: the indices along the cut dim (a padded
+    vocab's last shard ends in zero rows that are in no dense row)."""
     shard = Shard(
         name, layout.semantics, tuple(dense.shape), tuple(param.shape), layout.dim, grad_sum=layout.grad_sum
     )
@@ -158,7 +160,6 @@ def _locate(name: str, param: torch.Tensor, dense: torch.Tensor, layout) -> Shar
         shard.stop = dense.shape[0]
         return shard
     size, dim = param.shape[layout.dim], layout.dim
-    real = min(size, dense.shape[dim])  # a padded vocab: the last shard ends in zero rows
     wanted = dense.detach().to(param.dtype)
     for start in range(0, dense.shape[dim], size):
         real = min(size, dense.shape[dim] - start)
@@ -188,7 +189,7 @@ class _Recorder(TorchFunctionMode):
         self.stack: list[nn.Module] = []  # the forward's open module calls
         self.producer: dict[int, int] = {}  # storage pointer -> id of the call whose output it is
         self.unconsumed: list[int] = []  # calls whose output no later call has read yet
-        self.keep: list[torch.Tensor] = []  # outputs stay alive: a storage pointer means one tensor
+        self.keep: list[torch.Tensor] = []  # what was seen stays alive: one storage pointer, one tensor
         self.phase = "forward"
         self.open: list[str] = []  # modules whose backward is running, innermost last
         self.last_backward = ""  # the module whose backward began last
@@ -254,7 +255,9 @@ class _Recorder(TorchFunctionMode):
                 self._record(f"{path}.{op[0]}", op[0], [*args, *kwargs.values()], out, [], parent=path)
         return out
 
-    def _record(self, name, kind, inputs, output, shards, parent=None) -> None:
+    def _record(
+        self, name: str, kind: str, inputs: list, output, shards: list[Shard], parent: str | None = None
+    ) -> None:
         tensors = [t for t in inputs if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if isinstance(output, tuple):
             output = output[0]
