@@ -124,15 +124,15 @@ def _trace_rank(cfg: RunConfig, rank: int) -> RankTrace:
     with recorder.hooked(), comm.counting(log):
         trainer.step()
     # finish_grads issues one coalesced all-reduce per GradSum that has gradients, in order
-    sums = iter([gs for gs in pm.grad_sums if any(p.grad is not None for p in gs.params)])
-    names = {id(p): n for n, p in trainer.module.named_parameters()}
+    params = dict(trainer.module.named_parameters())
+    sums = iter([gs for gs in pm.grad_sums if any(params[n].grad is not None for n in gs.params)])
     collectives = []
     for i, (event, (phase, module, node)) in enumerate(zip(log.events or [], log.context, strict=True)):
         c = Collective(i, event, phase, module, node)
         if event.purpose in ("grad_sum", "dp_grad"):
             gs = next(sums)
             c.phase, c.module, c.node = "gradient sums", "", ""
-            c.sum_name, c.summed = gs.name, tuple(names[id(p)] for p in gs.params)
+            c.sum_name, c.summed = gs.name, tuple(gs.params)
         collectives.append(c)
     return RankTrace(rank, recorder.calls, collectives)
 
