@@ -17,11 +17,13 @@ import sqlite3
 import subprocess
 import sys
 import threading
+from html import unescape
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from browser import chromium
 from matplotlib.figure import Figure
 from typer.testing import CliRunner
 
@@ -30,7 +32,6 @@ from tpbench.report import published, render
 from tpbench.report.data import ReportData, Selection, mode_rank, setting_label
 
 TPBENCH = str(Path(sys.executable).with_name("tpbench"))
-CHROMIUM = "/usr/bin/chromium"
 PAYLOAD = "<script>document.body.dataset.pwned = 'yes'</script>"
 SWEEP = f"checks {PAYLOAD}"
 QUICK = ["train.steps=2", "train.warmup=1"]
@@ -155,6 +156,18 @@ def test_html_has_every_section_with_figures_from_the_database(filled, html_repo
     assert published.SEED not in html  # the tiny model is not the seed's config
 
 
+def test_html_carries_the_diagram_of_each_tp_mode_inline(html_report):
+    html = html_report.read_text()
+    # the OK runs of tpbench's TP modes: memory and throughput of tp, validate of tp_sp_vp (DDP: none)
+    assert re.findall(r"<figcaption>(\w+) at T = (\d+)", html) == [("tp", "2"), ("tp_sp_vp", "2")]
+    assert html.count("<svg") == 2 and "<?xml" not in html and "<!DOCTYPE svg" not in html
+    # drawn from each run's config: f / f-bar for tp; SP's g and VP's three loss all-reduces for tp_sp_vp
+    text = unescape(html)  # Graphviz writes "-" as &#45;
+    assert "f: identity / all-reduce (enter the TP region)" in text
+    assert "g: all-gather / reduce-scatter (enter the TP region)" in text
+    assert text.count("all-reduce (loss)") == 3
+
+
 def test_html_is_self_contained_and_escapes_what_runs_hold(html_report):
     html = html_report.read_text()
     tags = Tags()
@@ -204,28 +217,6 @@ window.addEventListener('load', () => {
   document.body.dataset.shown = document.body.innerText.includes("<script>document.body.dataset.pwned");
 });
 </script>"""
-
-
-def chromium(*args: str, page: Path, profile: Path) -> tuple[str, list[str]]:
-    """Run headless chromium on a file: (stdout, the console messages it logged)."""
-    assert Path(CHROMIUM).exists(), f"{CHROMIUM} is missing: apt-get install chromium (CI: .ci/run does)"
-    flags = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        f"--user-data-dir={profile}",
-        "--enable-logging=stderr",
-        "--v=0",
-    ]
-    done = subprocess.run(
-        [CHROMIUM, *flags, *args, page.as_uri()], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout, [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
 
 
 def probe(page: Path, tmp_path: Path) -> tuple[str, list[str]]:
@@ -291,9 +282,14 @@ def test_markdown_has_the_tables_and_png_charts_beside_it(filled, tmp_path):
     text = out.read_text()
     assert "| layers | mode | run | peak / rank |" in text
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
-    assert len(links) == len(expected_charts(filled))
-    for link in links:
+    charts = [link for link in links if link.endswith(".png")]
+    diagrams = [link for link in links if link.endswith(".svg")]
+    assert len(charts) == len(expected_charts(filled)) and len(links) == len(charts) + len(diagrams)
+    for link in charts:
         assert (out.parent / link).read_bytes().startswith(b"\x89PNG")
+    assert [Path(link).stem for link in diagrams] == ["diagram-tp", "diagram-tp_sp_vp"]
+    for link in diagrams:
+        assert "<svg" in (out.parent / link).read_text()
     assert "&lt;script&gt;" in text and "<script>" not in text
 
 

@@ -336,6 +336,43 @@ def _print_measured(cfg: RunConfig, predicted: int) -> None:
         )
 
 
+@app.command(
+    epilog="Examples:\n\n"
+    "tpbench diagram tp=4 sp=true  (runs/diagram.svg)\n\n"
+    "tpbench diagram tp=4 kv_heads=2 --compare  (TP and TP+SP side by side)\n\n"
+    "tpbench diagram tp=4 sp=true vp=true --format png --out block.png"
+)
+def diagram(
+    overrides: Overrides = None,
+    fmt: Annotated[str, typer.Option("--format", help="svg or png.")] = "svg",
+    out_path: Annotated[
+        str | None, typer.Option("--out", help="File to write (default: runs/diagram.FORMAT).")
+    ] = None,
+    compare: Annotated[
+        bool, typer.Option("--compare", help="Draw the same config without and with SP, side by side.")
+    ] = False,
+) -> None:
+    """Draw one transformer block at TP = T from a traced training step (every rank emulated in this
+    process on torch's fake process group): each module, each rank's weight shard (math view W [in, out]
+    and nn.Linear view [out, in]), each activation's per-rank shape, and every collective, forward and
+    backward, with its type, group and bytes. One layer is traced, whatever model.num_hidden_layers says."""
+    from pathlib import Path
+
+    from tpbench import diagram as diagrams  # torch and graphviz load only for this command
+
+    if fmt not in diagrams.FORMATS:
+        _usage(f"--format {fmt}: accepted are {', '.join(diagrams.FORMATS)}")
+    path = Path(out_path) if out_path is not None else diagrams.default_path(fmt)
+    try:
+        configs = diagrams.configs(overrides or [], compare)
+        diagrams.check_writable(path)
+    except diagrams.ConfigError as e:
+        _usage(str(e))
+    drawn = diagrams.render([diagrams.trace(c) for c in configs], fmt)
+    path.write_bytes(drawn)
+    out.print(str(path), highlight=False)
+
+
 # -- helpers -----------------------------------------------------------------------------------------
 
 

@@ -13,7 +13,8 @@ The last two pair a replicated region with the sequence-sharded stream (replicat
 SP into a replicated LM head). Every op is the identity for a group of one.
 
 Every collective goes through `all_reduce`, `all_gather` or `reduce_scatter` below, which report to
-the active `CommCounter`: count and per-rank ring bytes on the wire, by op and purpose.
+the active `CommCounter`: count and per-rank ring bytes on the wire, by op and purpose; with
+`log=True` it also keeps each one, in the order issued, as a `CommEvent` (what `tpbench diagram` draws).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,20 +33,47 @@ from tpbench.results import CommRow
 Group = dist.ProcessGroup | None
 
 
+@dataclass(frozen=True)
+class CommEvent:
+    """One collective as this rank issued it."""
+
+    op: str
+    purpose: str
+    shape: tuple[int, ...]  # the tensor handed to the collective on this rank
+    dtype: str
+    ranks: tuple[int, ...]  # the group, as global ranks
+    bytes: int  # per-rank ring bytes, as counted
+
+
 class CommCounter:
     """Counts the collectives issued while active. Bytes are per rank on the wire of a ring:
-    all-reduce 2(T-1)/T * N, all-gather and reduce-scatter (T-1)/T * N, N the full tensor's bytes."""
+    all-reduce 2(T-1)/T * N, all-gather and reduce-scatter (T-1)/T * N, N the full tensor's bytes.
+    `log=True` also keeps every collective in issue order in `events`."""
 
-    def __init__(self, timed: bool = False):
+    def __init__(self, timed: bool = False, log: bool = False):
         self.timed = timed
         self.stats: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
+        self.events: list[CommEvent] | None = [] if log else None
 
-    def record(self, op: str, purpose: str, full_bytes: int, world: int, seconds: float) -> None:
+    def record(
+        self,
+        op: str,
+        purpose: str,
+        full_bytes: int,
+        world: int,
+        seconds: float,
+        shape: tuple[int, ...] = (),
+        dtype: str = "",
+        ranks: tuple[int, ...] = (),
+    ) -> None:
         factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
+        wire = round(full_bytes * factor)
         entry = self.stats[(op, purpose)]
         entry[0] += 1
-        entry[1] += round(full_bytes * factor)
+        entry[1] += wire
         entry[2] += seconds
+        if self.events is not None:
+            self.events.append(CommEvent(op, purpose, shape, dtype, ranks, wire))
 
     def rows(self, steps: int = 1) -> list[CommRow]:
         return [
@@ -54,6 +83,8 @@ class CommCounter:
 
     def reset(self) -> None:
         self.stats.clear()
+        if self.events is not None:
+            self.events.clear()
 
 
 _counter: CommCounter | None = None
@@ -83,7 +114,12 @@ def _run(op: str, purpose: str, x: torch.Tensor, full_bytes: int, group: Group, 
     if timed and x.is_cuda:
         torch.cuda.synchronize(x.device)
     if _counter is not None:
-        _counter.record(op, purpose, full_bytes, _size(group), time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        if _counter.events is None:
+            _counter.record(op, purpose, full_bytes, _size(group), seconds)
+        else:
+            ranks = tuple(dist.get_process_group_ranks(group))
+            _counter.record(op, purpose, full_bytes, len(ranks), seconds, tuple(x.shape), str(x.dtype), ranks)
 
 
 def record_async(op: str, purpose: str, x: torch.Tensor, group: Group) -> None:

@@ -1,4 +1,5 @@
-"""The report as one self-contained HTML file: inline CSS, charts as PNG data URIs, no script.
+"""The report as one self-contained HTML file: inline CSS, charts as PNG data URIs, diagrams as inline
+SVG, no script.
 
 Every string that comes from a config, a sweep name or an error message is escaped: the template
 autoescapes, and tables go through pandas' Styler with escape="html".
@@ -14,6 +15,7 @@ import pandas as pd
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 
+from tpbench.diagram import inline_svg
 from tpbench.report.sections import Section, Table
 
 TEMPLATES = Path(__file__).with_name("templates")
@@ -26,6 +28,7 @@ def render(sections: list[Section]) -> str:
     ids = count()
     env.filters["b64"] = lambda data: base64.b64encode(data).decode("ascii")
     env.filters["styled"] = lambda table: Markup(styled(table, f"t{next(ids)}"))
+    env.filters["inline_svg"] = lambda svg: Markup(inline_svg(svg))  # Graphviz escapes its text
     return env.get_template("report.html.j2").render(title=sections[0].title, sections=sections)
 
 

@@ -1,4 +1,5 @@
-"""The report as Markdown (a README, a PR comment): the same tables, charts as PNG files beside it."""
+"""The report as Markdown (a README, a PR comment): the same tables, charts as PNG files and diagrams
+as SVG files beside it."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from tpbench.report.sections import Chart, Section
+from tpbench.report.sections import Chart, Diagram, Section
 
 
 def render(sections: list[Section], out: Path) -> str:
-    """The Markdown text; writes each chart as `<out stem>_charts/<name>.png` next to `out`."""
+    """The Markdown text; writes each chart as `<out stem>_charts/<name>.png` (a diagram: .svg) next to
+    `out`."""
     charts_dir = out.with_name(f"{out.stem}_charts")
     lines: list[str] = []
     for i, s in enumerate(sections):
@@ -20,7 +22,14 @@ def render(sections: list[Section], out: Path) -> str:
         if not s.blocks:
             lines += [f"_{_escape(s.empty or 'Nothing to show.')}_", ""]
         for block in s.blocks:
-            if isinstance(block, Chart):
+            if isinstance(block, Diagram):
+                charts_dir.mkdir(parents=True, exist_ok=True)
+                path = charts_dir / f"{block.name}.svg"
+                path.write_bytes(block.svg)
+                lines += [f"![{_escape(block.title)}]({charts_dir.name}/{path.name})", ""]
+                if block.note:
+                    lines += [f"_{_escape(block.note)}_", ""]
+            elif isinstance(block, Chart):
                 charts_dir.mkdir(parents=True, exist_ok=True)
                 path = charts_dir / f"{block.name}.png"
                 path.write_bytes(block.png)
