@@ -29,7 +29,7 @@ from rich.progress import (
 from rich.table import Column, Table
 from sqlalchemy.exc import SQLAlchemyError
 
-from tpbench.config import DbConfig, RunConfig, config_hash, mode_label
+from tpbench.config import DbConfig, RunConfig, config_hash, mode_label, public_config
 from tpbench.db import DatabaseRefused, NoDatabase, ResultsDB, parse_since
 
 app = typer.Typer(
@@ -484,7 +484,7 @@ def _print_sweep(
             if run_id is not None:
                 print(json.dumps(dbs[c.db.url].run_record(run_id), default=str))
         return
-    flat = pd.json_normalize([OmegaConf.to_container(OmegaConf.structured(c)) for _, c, _ in ran])
+    flat = pd.json_normalize([public_config(c) for _, c, _ in ran])
     varying = [key for key in flat.columns if key != "sweep" and flat[key].astype(str).nunique() > 1]
     table = Table(title=f"sweep {ran[0][1].sweep}" if ran else "sweep: nothing to run")
     for column in ("run", "status", "mode", *varying):
@@ -495,7 +495,7 @@ def _print_sweep(
 
 
 def _print_configs(configs: list[RunConfig]) -> None:
-    print("\n---\n".join(OmegaConf.to_yaml(OmegaConf.structured(c)) for c in configs), end="")
+    print("\n---\n".join(OmegaConf.to_yaml(public_config(c)) for c in configs), end="")
 
 
 def _headline(row, metrics: pd.DataFrame) -> str:

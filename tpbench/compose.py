@@ -27,7 +27,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from tpbench.allocator import GPUS
-from tpbench.config import CONF_DIR, RunConfig, register_schema, world_size
+from tpbench.config import CONF_DIR, RunConfig, hide_password, register_schema, world_size
+from tpbench.db import driver_missing
 from tpbench.emulation import EMULATED_KINDS, FLAVOURS
 from tpbench.experiments import KINDS
 from tpbench.faults import FAULTS
@@ -279,9 +280,12 @@ def _check_db_url(url: str) -> None:
         make_url(url).get_dialect().import_dbapi()
     except (ArgumentError, NoSuchModuleError, ImportError, ValueError) as e:
         raise ConfigError(
-            f"db.url={url!r}: not a SQLAlchemy URL with an installed driver ({e}); accepted are e.g. "
-            f"sqlite:///runs/tpbench.db, postgresql://user@host/tpbench"
+            f"db.url={hide_password(url)!r}: not a SQLAlchemy URL with an installed driver ({e}); accepted "
+            f"are e.g. sqlite:///runs/tpbench.db, postgresql://user@host/tpbench"
         ) from None
+    missing = driver_missing(url)
+    if missing:
+        raise ConfigError(missing)
 
 
 def _check_precision(cfg: RunConfig) -> None:

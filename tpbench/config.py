@@ -13,6 +13,8 @@ from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 # conf/ sits next to the package: the groups Hydra composes into a RunConfig.
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -138,7 +140,22 @@ def save_run_config(cfg: RunConfig, path: Path) -> None:
     """Write a resolved config as the YAML file a worker reads with `load_run_config`.
 
     A string holding `${` is escaped, so that it is read back verbatim rather than interpolated."""
-    OmegaConf.save(OmegaConf.create(_escaped(OmegaConf.to_container(OmegaConf.structured(cfg)))), path)
+    OmegaConf.save(OmegaConf.create(_escaped(public_config(cfg))), path)
+
+
+def hide_password(url: str) -> str:
+    """The URL as it may be shown and stored: a password becomes ***."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):  # not a URL at all: nothing in it to hide that we could find
+        return url
+
+
+def public_config(cfg: RunConfig) -> dict:
+    """The resolved config as stored and written to job folders: the database password hidden."""
+    data = OmegaConf.to_container(OmegaConf.structured(cfg))
+    data["db"]["url"] = hide_password(cfg.db.url)
+    return data
 
 
 def _escaped(node: object) -> object:
