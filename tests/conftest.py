@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from slurm_cluster import OneNodeCluster, why_not
 from typer.testing import CliRunner, Result
 
 from tpbench.cli import app
@@ -192,3 +193,21 @@ def db_url(request, tmp_path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'runs' / 't.db'}"
     return request.getfixturevalue("postgres").new_database()
+
+
+# -- Slurm: one real one-node cluster for the session (tests/slurm_cluster.py) ------------------------
+
+
+@pytest.fixture(scope="session")
+def slurm() -> Iterator[OneNodeCluster]:
+    """Skipped, with the reason, only where this machine cannot run Slurm."""
+    reason = why_not()
+    if reason:
+        pytest.skip(reason)
+    cluster = OneNodeCluster(Path(tempfile.mkdtemp(prefix="tpbench-slurm-")))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(cluster.dir, ignore_errors=True)

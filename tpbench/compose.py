@@ -66,6 +66,8 @@ CHOICES = {
     "launch.device": ("auto", "cpu", "cuda"),
     "launch.backend": ("auto", "gloo", "nccl"),
     "launch.rdzv_backend": ("c10d", "static"),
+    "launch.launcher": ("local", "slurm"),
+    "launch.slurm.on_preempt": ("requeue", "interrupted"),
     "fault": ("", *FAULTS),
     "launch.emulate": FLAVOURS,
     "launch.emulate_gpu": tuple(GPUS),
@@ -85,8 +87,17 @@ AT_LEAST_ONE = (
     "train.steps",
     "validate.steps",
     "validate.every",
+    "launch.max_parallel",
+    "launch.slurm.cpus_per_rank",
 )
-AT_LEAST_ZERO = ("train.warmup", "train.seed", "launch.node_rank", "launch.memory_cap_mb")
+AT_LEAST_ZERO = (
+    "train.warmup",
+    "train.seed",
+    "launch.node_rank",
+    "launch.memory_cap_mb",
+    "launch.slurm.gpus_per_node",
+    "launch.slurm.mem_gb",
+)
 POSITIVE = (
     "launch.collective_timeout_s",
     "launch.job_timeout_s",
@@ -164,6 +175,10 @@ def check(cfg: RunConfig) -> None:
     _check_db_url(cfg.db.url)
     _check_emulation(cfg)
     _check_nodes(cfg)
+    if cfg.launch.launcher == "slurm":
+        from tpbench.slurm import check_slurm  # submitit loads only for launcher=slurm
+
+        check_slurm(cfg)
     _check_fault(cfg)
     check_shardable(cfg)
     check_dtensor_shardable(cfg.model, cfg.parallel)
@@ -179,13 +194,15 @@ def resolve_device(cfg: RunConfig) -> None:
     """Replace device/backend `auto` by what this node has: CUDA + NCCL with a GPU per local rank."""
     launch = cfg.launch
     local_ranks = local_world_size(cfg)
-    gpus = torch.cuda.device_count()
+    # On Slurm the ranks run on the job's nodes, not here: they get what the job asks for.
+    gpus = launch.slurm.gpus_per_node if launch.launcher == "slurm" else torch.cuda.device_count()
     if launch.device == "auto":
         launch.device = "cuda" if gpus >= local_ranks else "cpu"
     if launch.device == "cuda" and gpus < local_ranks and launch.emulate != "fake":
         raise ConfigError(
-            f"launch.device=cuda: {local_ranks} ranks on this node need {local_ranks} GPUs, torch sees "
-            f"{gpus}; accepted here are auto, cpu"
+            f"launch.device=cuda: {local_ranks} ranks on a node need {local_ranks} GPUs, "
+            + (f"launch.slurm.gpus_per_node={gpus}" if launch.launcher == "slurm" else f"torch sees {gpus}")
+            + "; accepted here are auto, cpu"
         )
     if launch.backend == "auto":
         launch.backend = "nccl" if launch.device == "cuda" else "gloo"
@@ -319,7 +336,7 @@ def _check_nodes(cfg: RunConfig) -> None:
         )
     if launch.node_rank >= nnodes:
         raise ConfigError(f"launch.node_rank={launch.node_rank}: accepted are 0 to {nnodes - 1}")
-    if nnodes > 1 and not launch.rdzv_endpoint:
+    if nnodes > 1 and not launch.rdzv_endpoint and launch.launcher != "slurm":  # Slurm: the first node
         raise ConfigError(
             f"launch.nnodes={nnodes} needs launch.rdzv_endpoint=HOST:PORT (reached by all nodes)"
         )

@@ -323,6 +323,13 @@ class ResultsDB:
         with self.engine.connect() as conn:
             return dict(conn.execute(query).all())
 
+    def run_of_job(self, slurm_job_id: str) -> tuple[int, str] | None:
+        """(id, status) of the run a Slurm job recorded, if any."""
+        query = select(Run.id, Run.status).where(Run.slurm_job_id == slurm_job_id).order_by(Run.id.desc())
+        with self.engine.connect() as conn:
+            row = conn.execute(query).first()
+        return None if row is None else (row.id, row.status)
+
     def runs(
         self,
         status: str | None = None,
