@@ -29,7 +29,7 @@ def pg(postgres, tmp_path_factory) -> tuple[Workdir, str, list, object]:
     work = Workdir(tmp_path_factory.mktemp("pg"))
     url = postgres.new_database()
     clis = [work.start("sweep", *FAST, "tp=1", f"train.seed={seed}", f"db.url={url}") for seed in SEEDS]
-    sweeps = [(cli, *cli.communicate(timeout=300)) for cli in clis]
+    sweeps = [(cli, *cli.communicate(timeout=600)) for cli in clis]
     failed = work.run("run", *FAST, "+fault=raise_on_rank1", f"db.url={url}")
     return work, url, sweeps, failed
 
