@@ -68,6 +68,11 @@ class OneNodeCluster:
             time.sleep(0.3)
 
     def stop(self) -> None:
+        """Cancel what still runs (a slurmstepd outlives its slurmd), then stop every daemon."""
+        if self.run("scancel", "--user", "root").returncode == 0:
+            deadline = time.monotonic() + 30
+            while self.run("squeue", "-h").stdout.strip() and time.monotonic() < deadline:
+                time.sleep(0.5)
         for pid_file in reversed(self.pids):
             try:
                 pid = int(pid_file.read_text())

@@ -149,11 +149,12 @@ def _follow(items: list[Followed], db: ResultsDB, say: Callable[[str], None], su
         if not open_items:
             return
         watcher.update()  # one sacct for every job
+        changed = False
         for item in open_items:
             info = watcher.get_info(item.job_id, mode="cache")
-            state = (info.get("State") or "UNKNOWN").split()[0]
-            if state != item.state:
-                item.state = state
+            state = (info.get("State") or "UNKNOWN").split()[0]  # UNKNOWN: not in sacct yet
+            if state != item.state and state != "UNKNOWN":
+                item.state, changed = state, True
                 nodes = f" on {info['NodeList']}" if info.get("NodeList", "None") != "None" else ""
                 say(f"{item.job_id} {state}{nodes}: {run_label(item.cfg)}")
             recorded = db.run_of_job(item.job_id)
@@ -166,10 +167,24 @@ def _follow(items: list[Followed], db: ResultsDB, say: Callable[[str], None], su
                 say(f"{item.job_id} run {item.run_id} {item.status}: {run_label(item.cfg)}")
             elif _ended(item) and item.state == "COMPLETED":  # the job found the config done elsewhere
                 item.status = "skipped"
+            changed |= bool(item.status)
+        if changed:
+            say(_progress(items))
         time.sleep(POLL_S)
 
 
+def _progress(items: list[Followed]) -> str:
+    """pending / running / done / failed over the jobs followed."""
+    pending = sum(not i.status and i.state not in ("RUNNING", "COMPLETING") for i in items)
+    running = sum(not i.status and i.state in ("RUNNING", "COMPLETING") for i in items)
+    done = sum(i.status in ("OK", "skipped") for i in items)
+    failed = sum(bool(i.status) and i.status not in ("OK", "skipped") for i in items)
+    return f"jobs: {pending} pending · {running} running · {done} done · {failed} failed"
+
+
 def _ended(item: Followed) -> bool:
+    if not item.state:  # not seen in sacct yet
+        return False
     if item.state == "PREEMPTED":  # requeued, unless the job was submitted --no-requeue
         return item.cfg.launch.slurm.on_preempt == "interrupted"
     return item.state not in LIVE
