@@ -87,8 +87,9 @@ def run(overrides: Overrides = None, cfg: ShowCfg = False, as_json: AsJson = Fal
     if cfg:
         _print_configs(configs)
         return
+    on_slurm = _on_slurm_launcher(configs)
     dbs = _databases(configs)
-    if configs[0].launch.launcher == "slurm":
+    if on_slurm:
         _on_slurm(configs, dbs, force=True, wait_only=False, as_json=as_json, sweep=False)
     failed = interrupted = False
     for c in configs:
@@ -140,10 +141,11 @@ def sweep(
     if cfg:
         _print_configs(configs)
         return
-    if wait and configs[0].launch.launcher != "slurm":
+    on_slurm = _on_slurm_launcher(configs)
+    if wait and not on_slurm:
         _usage("--wait follows Slurm jobs: it needs launcher=slurm (a local sweep runs in this shell)")
     dbs = _databases(configs)
-    if configs[0].launch.launcher == "slurm":
+    if on_slurm:
         _on_slurm(configs, dbs, force=force, wait_only=wait, as_json=as_json, sweep=True)
     finished = {url: db.finished() for url, db in dbs.items()}
     todo, done = [], []
@@ -477,6 +479,15 @@ def _run_one(
     return run_id, str(outcome.status)
 
 
+def _on_slurm_launcher(configs: list[RunConfig]) -> bool:
+    """Whether the runs go to Slurm; a Slurm sweep has one launcher and one database for all its runs."""
+    if not any(c.launch.launcher == "slurm" for c in configs):
+        return False
+    if len({c.launch.launcher for c in configs}) > 1 or len({c.db.url for c in configs}) > 1:
+        _usage("launcher=slurm: a Slurm sweep has one launcher and one db.url for all its runs")
+    return True
+
+
 def _on_slurm(
     configs: list[RunConfig],
     dbs: dict[str, ResultsDB],
@@ -488,8 +499,6 @@ def _on_slurm(
     """Submit the runs as Slurm jobs (tpbench.slurm), follow them to their end, show them, exit."""
     from tpbench import slurm
 
-    if len({c.launch.launcher for c in configs}) > 1 or len(dbs) > 1:
-        _usage("a Slurm sweep has one launcher and one db.url for all its runs")
     (db,) = dbs.values()
     try:
         followed = slurm.submit_and_follow(configs, db, force, wait_only, _one_line)
