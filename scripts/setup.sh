@@ -47,10 +47,21 @@ if [ "$(id -u)" != 0 ]; then
   if sudo -n true 2>/dev/null; then as_root=(sudo -n); else as_root=(false); fi
 fi
 echo "setup.sh: installing Debian's ${missing[*]} (for the tests)" >&2
-if ! command -v apt-get >/dev/null 2>&1 || [ "${as_root[*]}" = false ] \
-  || ! { "${as_root[@]}" apt-get update -qq \
-    && "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive \
-      apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null; }; then
+install_packages() {  # chromium with its recommended fonts; the daemons without extras
+  local lean=() browser=()
+  for package in "$@"; do
+    if [ "$package" = chromium ]; then browser+=("$package"); else lean+=("$package"); fi
+  done
+  "${as_root[@]}" apt-get update -qq || return 1
+  if [ ${#browser[@]} != 0 ]; then
+    "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${browser[@]}" >/dev/null || return 1
+  fi
+  if [ ${#lean[@]} != 0 ]; then
+    "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -qq --no-install-recommends "${lean[@]}" >/dev/null || return 1
+  fi
+}
+if ! command -v apt-get >/dev/null 2>&1 || [ "${as_root[*]}" = false ] || ! install_packages "${missing[@]}"; then
   echo "setup.sh: could not install ${missing[*]} (needs apt-get and root or passwordless sudo);" \
     "install them by hand, else the tests that need them are skipped with the reason" >&2
 fi
