@@ -94,8 +94,8 @@ def test_the_report_is_the_same_as_from_sqlite(pg, tmp_path):
             done = CliRunner().invoke(app, ["report", "--db", db, "--format", fmt, "--out", str(out)])
             assert done.exit_code == 0, done.output
         folder = tmp_path / name
-        md = (folder / "report.md").read_text()
-        md = md.replace(ResultsDB(db, create=False).url, "DB")
+        md = (folder / "report.md").read_text()  # the database's own row names it: the one difference
+        md = re.sub(r"^\| database \| .* \|$", "| database | DB |", md, flags=re.MULTILINE)
         reports[name] = (
             re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", "TIME", md),
             json.loads((folder / "report.json").read_text()),
