@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 
 from tpbench.config import RunConfig, config_hash, run_label
 from tpbench.db import ResultsDB
@@ -293,7 +293,9 @@ def _job_config(cfg: RunConfig) -> RunConfig:
         os.environ[PASSWORD_ENV] = url.password  # sbatch passes the submitting environment on
     if url.get_backend_name() == "sqlite" and url.database and not Path(url.database).is_absolute():
         url = url.set(database=str(Path(url.database).resolve()))
-    public = url.set(password=None).render_as_string(hide_password=False)
+    # URL.set(password=None) means "unchanged": build the URL again without it.
+    public = URL.create(url.drivername, url.username, None, url.host, url.port, url.database, url.query)
+    public = public.render_as_string(hide_password=False)
     return dataclasses.replace(cfg, db=dataclasses.replace(cfg.db, url=public))
 
 
