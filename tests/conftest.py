@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+import pwd
+import shutil
+import socket
 import sqlite3
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+from slurm_cluster import OneNodeCluster, why_not
 from typer.testing import CliRunner, Result
 
 from tpbench.cli import app
@@ -81,3 +88,126 @@ class Workdir:
     def query(self, sql: str, *params: object) -> list[tuple]:
         with sqlite3.connect(self.db) as conn:
             return conn.execute(sql, params).fetchall()
+
+
+# -- PostgreSQL: one real server for the session, a fresh database per test ---------------------------
+
+PG_PASSWORD = "s3cret-pg-Pa55"  # must never show up in what tpbench stores, logs or prints
+
+
+class PostgresServer:
+    """Debian's PostgreSQL in a temp folder: initdb, then pg_ctl on a free port of 127.0.0.1, password
+    authentication over TCP. As root it runs as the `postgres` user (PostgreSQL refuses root)."""
+
+    def __init__(self, bindir: Path, folder: Path, as_user: list[str]):
+        self.bindir, self.folder, self.as_user = bindir, folder, as_user
+        self.data, self.port, self.count = folder / "data", _free_port(), 0
+
+    def _run(self, tool: str, *args: str) -> None:
+        subprocess.run(
+            [*self.as_user, str(self.bindir / tool), *args], check=True, capture_output=True, timeout=60
+        )
+
+    def start(self) -> None:
+        (self.folder / "pw").write_text(PG_PASSWORD)
+        self._run(
+            "initdb",
+            "-D",
+            str(self.data),
+            "-U",
+            "tpbench",
+            "--pwfile",
+            str(self.folder / "pw"),
+            "--auth-host=scram-sha-256",
+            "--auth-local=trust",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        )
+        options = f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1 -c fsync=off"
+        self._run(
+            "pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.folder / "log"), "-w", "start"
+        )
+
+    def stop(self) -> None:
+        self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
+
+    def url(self, database: str, password: bool = True) -> str:
+        secret = f":{PG_PASSWORD}" if password else ""
+        return f"postgresql://tpbench{secret}@127.0.0.1:{self.port}/{database}"
+
+    def new_database(self) -> str:
+        """A blank database; its URL."""
+        import psycopg
+
+        self.count += 1
+        name = f"t{self.count}"
+        with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+        return self.url(name)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _postgres_bindir() -> Path | None:
+    on_path = shutil.which("pg_ctl")
+    if on_path:
+        return Path(on_path).parent
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"), key=lambda p: int(p.parts[-3]))
+    return found[-1].parent if found else None
+
+
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory) -> Iterator[PostgresServer]:
+    """Skipped, with the reason, only where this machine cannot run PostgreSQL."""
+    bindir = _postgres_bindir()
+    if bindir is None:
+        pytest.skip("PostgreSQL is not installed (no pg_ctl): `bash scripts/setup.sh --tests` installs it")
+    if importlib.util.find_spec("psycopg") is None:
+        pytest.skip("psycopg is not installed: `pip install -e '.[test]'` installs it")
+    folder = Path(tempfile.mkdtemp(prefix="tpbench-pg-"))
+    as_user: list[str] = []
+    if os.geteuid() == 0:
+        try:
+            pw = pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root and there is no `postgres` user to run PostgreSQL as")
+        os.chown(folder, pw.pw_uid, pw.pw_gid)
+        as_user = ["runuser", "-u", "postgres", "--"]
+    server = PostgresServer(bindir, folder, as_user)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path) -> str:
+    """A blank results database: a SQLite file, or a database on the session's PostgreSQL server."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'runs' / 't.db'}"
+    return request.getfixturevalue("postgres").new_database()
+
+
+# -- Slurm: one real one-node cluster for the session (tests/slurm_cluster.py) ------------------------
+
+
+@pytest.fixture(scope="session")
+def slurm() -> Iterator[OneNodeCluster]:
+    """Skipped, with the reason, only where this machine cannot run Slurm."""
+    reason = why_not()
+    if reason:
+        pytest.skip(reason)
+    cluster = OneNodeCluster(Path(tempfile.mkdtemp(prefix="tpbench-slurm-")))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(cluster.dir, ignore_errors=True)

@@ -6,6 +6,7 @@ launched and nothing written (the database is not even created).
 
 from __future__ import annotations
 
+import sys
 import tempfile
 
 import pytest
@@ -199,4 +200,46 @@ def test_bad_flags_are_one_line_and_exit_2_before_any_database(workdir, args, sa
 def test_listing_a_missing_database_creates_nothing(workdir):
     done = runner.invoke(app, ["runs"])
     assert done.exit_code == 0 and "no database" in done.stderr
+    assert nothing_written(workdir)
+
+
+SLURM_BAD_INPUT = {
+    "no sbatch": ([], "PATH", "launcher=slurm: no sbatch on PATH; accepted here is launcher=local"),
+    "no submitit": ([], "submitit", "launcher=slurm needs submitit, which is not installed: pip install"),
+    "short time limit": (
+        ["launch.slurm.time_min=4"],
+        "",
+        "launch.slurm.time_min=4: accepted are minutes >= 5",
+    ),
+    "sbatch line": (
+        ["launch.slurm.sbatch=['qos=high']"],
+        "",
+        "launch.slurm.sbatch has 'qos=high': accepted are",
+    ),
+    "preemption": (["launch.slurm.on_preempt=retry"], "", "launch.slurm.on_preempt='retry': accepted are"),
+    "parallel jobs": (["launch.max_parallel=0"], "", "launch.max_parallel=0: accepted are integers >= 1"),
+    "gpus": (
+        ["device=cuda"],
+        "",
+        "launch.device=cuda: 2 ranks on a node need 2 GPUs, launch.slurm.gpus_per_node=0",
+    ),
+    "--wait without slurm": (["--wait"], "local", "--wait follows Slurm jobs: it needs launcher=slurm"),
+}
+
+
+@pytest.mark.parametrize("overrides, without, says", SLURM_BAD_INPUT.values(), ids=SLURM_BAD_INPUT.keys())
+def test_slurm_bad_input_is_one_line_exit_2_and_nothing_written(
+    workdir, monkeypatch, overrides, without, says
+):
+    sbatch = workdir / "bin" / "sbatch"  # submitting is never reached: any sbatch on PATH will do
+    sbatch.parent.mkdir()
+    sbatch.write_text("#!/bin/sh\nexit 1\n")
+    sbatch.chmod(0o755)
+    monkeypatch.setenv("PATH", str(workdir / "nothing" if without == "PATH" else sbatch.parent))
+    if without == "submitit":
+        monkeypatch.setitem(sys.modules, "submitit", None)
+    launcher = "launcher=local" if without == "local" else "launcher=slurm"
+    done = runner.invoke(app, ["sweep", "kind=validate", launcher, *overrides])
+    assert done.exit_code == 2
+    assert len(done.stderr.splitlines()) == 1 and says in done.stderr, done.stderr
     assert nothing_written(workdir)

@@ -1,4 +1,7 @@
-"""The results database on its own: what a run stores, how headlines are taken, what it refuses."""
+"""The results database on its own: what a run stores, how headlines are taken, what it refuses.
+
+Every test that is not about SQLite's file runs twice: on a SQLite file and on a real PostgreSQL server
+(the `db_url` fixture of conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +13,10 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from sqlalchemy import create_engine, inspect, text
 
 from tpbench.config import RunConfig
-from tpbench.db import SCHEMA_VERSION, DatabaseRefused, NoDatabase, ResultsDB
+from tpbench.db import SCHEMA_VERSION, DatabaseRefused, NoDatabase, ResultsDB, _driver_url
 from tpbench.launch import Environment, Outcome, Status
 from tpbench.results import CommRow, ParamRow, RankResult
 
@@ -42,8 +46,8 @@ def config(seed: int = 0) -> RunConfig:
     return cfg
 
 
-def test_a_run_is_stored_whole_and_headlines_aggregate_over_ranks(tmp_path):
-    db = ResultsDB(f"sqlite:///{tmp_path / 'runs' / 't.db'}")
+def test_a_run_is_stored_whole_and_headlines_aggregate_over_ranks(db_url):
+    db = ResultsDB(db_url)
     run_id = db.record(config(), outcome())
     runs = db.runs()
     assert runs[["id", "status", "mode", "tp", "dp", "layers", "backend", "git_commit"]].values.tolist() == [
@@ -62,8 +66,8 @@ def test_a_run_is_stored_whole_and_headlines_aggregate_over_ranks(tmp_path):
     assert db.text(run_id) == "table of rank 0"
 
 
-def test_finished_knows_only_ok_runs(tmp_path):
-    db = ResultsDB(f"sqlite:///{tmp_path / 't.db'}")
+def test_finished_knows_only_ok_runs(db_url):
+    db = ResultsDB(db_url)
     db.record(config(1), outcome(Status.FAILED))
     ok = db.record(config(2), outcome())
     assert list(db.finished().values()) == [ok]
@@ -81,44 +85,85 @@ def test_reading_creates_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def test_reading_a_blank_postgresql_database_creates_no_table(postgres):
+    url = postgres.new_database()
+    with pytest.raises(NoDatabase, match="has no runs yet"):
+        ResultsDB(url, create=False)
+    assert _tables(url) == {}
 
 
-def _foreign_sqlite(path: Path) -> None:
-    with sqlite3.connect(path) as conn:
-        conn.execute("CREATE TABLE photos (id INTEGER PRIMARY KEY, caption TEXT)")
-        conn.execute("INSERT INTO photos (caption) VALUES ('holiday')")
+def _tables(url: str) -> dict[str, list[tuple]]:
+    """Every table with all its rows: what "left untouched" compares."""
+    engine = create_engine(_driver_url(url))
+    try:
+        with engine.connect() as conn:
+            names = inspect(conn).get_table_names()
+            return {n: sorted(map(tuple, conn.execute(text(f'SELECT * FROM "{n}"')).all())) for n in names}
+    finally:
+        engine.dispose()
+
+
+def _snapshot(url: str) -> object:
+    """A SQLite database by its folder's files, byte for byte; a PostgreSQL one by its tables' rows."""
+    if url.startswith("sqlite"):
+        folder = Path(url.removeprefix("sqlite:///")).parent
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+    return _tables(url)
+
+
+def _foreign(url: str) -> None:
+    engine = create_engine(_driver_url(url))
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE photos (caption TEXT)"))
+        conn.execute(text("INSERT INTO photos (caption) VALUES ('holiday')"))
+    engine.dispose()
 
 
 def _tpbench_of_version(version: int):
-    def make(path: Path) -> None:
-        ResultsDB(f"sqlite:///{path}")
-        with sqlite3.connect(path) as conn:
-            conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(version),))
-            conn.commit()
-            conn.execute("PRAGMA journal_mode = DELETE")  # one file, so that its digest says it all
+    def make(url: str) -> None:
+        ResultsDB(url)
+        engine = create_engine(_driver_url(url))
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE meta SET value = :v WHERE key = 'schema_version'"), {"v": str(version)})
+        if url.startswith("sqlite"):
+            with engine.connect() as conn:  # one file, so that its digest says it all
+                conn.exec_driver_sql("PRAGMA journal_mode = DELETE")
+        engine.dispose()
 
     return make
 
 
-@pytest.mark.parametrize(
-    "make, says",
-    [
-        (lambda path: path.write_text("name,value\nx,1\n"), "not even SQLite"),
-        (_foreign_sqlite, "not a tpbench database (its tables: photos)"),
-        (_tpbench_of_version(0), "schema version 0, written by an older tpbench"),
-        (_tpbench_of_version(SCHEMA_VERSION + 1), f"schema version {SCHEMA_VERSION + 1}, written by a newer"),
-    ],
-    ids=["text file", "foreign sqlite", "older schema", "newer schema"],
-)
-def test_a_file_that_is_not_ours_is_refused_untouched(tmp_path, make, says):
-    path = tmp_path / "t.db"
-    make(path)
-    before, files = _digest(path), sorted(tmp_path.iterdir())
+REFUSED = {
+    "foreign tables": (_foreign, "not a tpbench database (its tables: photos)"),
+    "older schema": (
+        _tpbench_of_version(SCHEMA_VERSION - 1),
+        f"schema version {SCHEMA_VERSION - 1}, written by an older",
+    ),
+    "newer schema": (
+        _tpbench_of_version(SCHEMA_VERSION + 1),
+        f"schema version {SCHEMA_VERSION + 1}, written by a newer",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=REFUSED)
+def test_a_database_that_is_not_ours_is_refused_untouched(db_url, case):
+    make, says = REFUSED[case]
+    if db_url.startswith("sqlite"):
+        Path(db_url.removeprefix("sqlite:///")).parent.mkdir()
+    make(db_url)
+    before = _snapshot(db_url)
     with pytest.raises(DatabaseRefused, match=re.escape(says)):
+        ResultsDB(db_url)
+    assert _snapshot(db_url) == before
+
+
+def test_a_file_that_is_not_sqlite_is_refused_untouched(tmp_path):
+    path = tmp_path / "t.db"
+    path.write_text("name,value\nx,1\n")
+    with pytest.raises(DatabaseRefused, match="not even SQLite"):
         ResultsDB(f"sqlite:///{path}")
-    assert _digest(path) == before and sorted(tmp_path.iterdir()) == files
+    assert path.read_text() == "name,value\nx,1\n" and list(tmp_path.iterdir()) == [path]
 
 
 def _write_runs(url: str, seed: int) -> int:
@@ -128,11 +173,14 @@ def _write_runs(url: str, seed: int) -> int:
     return seed
 
 
-def test_four_writers_at_once_lose_nothing(tmp_path):
-    url = f"sqlite:///{tmp_path / 't.db'}"
+def test_four_writers_at_once_lose_nothing(db_url):
+    """Four processes start on one blank database at once (the schema is created once) and each
+    writes ten runs."""
     with multiprocessing.get_context("fork").Pool(4) as pool:
-        assert sorted(pool.starmap(_write_runs, [(url, seed) for seed in range(4)])) == [0, 1, 2, 3]
-    db = ResultsDB(url, create=False)
+        assert sorted(pool.starmap(_write_runs, [(db_url, seed) for seed in range(4)])) == [0, 1, 2, 3]
+    db = ResultsDB(db_url, create=False)
     assert len(db.runs()) == 40 and db.measurements()["run_id"].nunique() == 40
-    with sqlite3.connect(tmp_path / "t.db") as conn:
-        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    assert len(db.measurements()) == 40 * 2 * 6
+    if db_url.startswith("sqlite"):
+        with sqlite3.connect(db_url.removeprefix("sqlite:///")) as conn:
+            assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)

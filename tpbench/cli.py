@@ -29,7 +29,15 @@ from rich.progress import (
 from rich.table import Column, Table
 from sqlalchemy.exc import SQLAlchemyError
 
-from tpbench.config import DbConfig, RunConfig, config_hash, mode_label
+from tpbench.config import (
+    DbConfig,
+    RunConfig,
+    config_hash,
+    hide_password,
+    mode_label,
+    public_config,
+    run_label,
+)
 from tpbench.db import DatabaseRefused, NoDatabase, ResultsDB, parse_since
 
 app = typer.Typer(
@@ -79,10 +87,13 @@ def run(overrides: Overrides = None, cfg: ShowCfg = False, as_json: AsJson = Fal
     if cfg:
         _print_configs(configs)
         return
+    on_slurm = _on_slurm_launcher(configs)
     dbs = _databases(configs)
+    if on_slurm:
+        _on_slurm(configs, dbs, force=True, wait_only=False, as_json=as_json, sweep=False)
     failed = interrupted = False
     for c in configs:
-        label = _label(c)
+        label = run_label(c)
         with err.status(f"{label}: starting") as status:
             run_id, outcome_status = _run_one(
                 c, dbs, lambda line, s=status, lb=label: s.update(escape(f"{lb}: {line}"))
@@ -111,18 +122,31 @@ def sweep(
             help="Sweep name stored with each run [default: the preset's name, else the overrides]."
         ),
     ] = None,
+    wait: Annotated[
+        bool,
+        typer.Option(
+            "--wait",
+            help="launcher=slurm: submit nothing; follow the jobs this sweep submitted before to their end.",
+        ),
+    ] = False,
     cfg: ShowCfg = False,
     as_json: AsJson = False,
 ) -> None:
     """Run the cartesian product of comma-separated overrides (and of a preset's sweep), skipping
-    configs that already have an OK run; a failed run does not stop the sweep."""
+    configs that already have an OK run; a failed run does not stop the sweep. With launcher=slurm every
+    run is a Slurm job (one job array) and the command follows them."""
     configs = _compose(overrides or [], single=False)
     for c in configs:
-        c.sweep = c.sweep or name or " ".join(overrides or []) or "default"
+        c.sweep = c.sweep or name or " ".join(map(_shown, overrides or [])) or "default"
     if cfg:
         _print_configs(configs)
         return
+    on_slurm = _on_slurm_launcher(configs)
+    if wait and not on_slurm:
+        _usage("--wait follows Slurm jobs: it needs launcher=slurm (a local sweep runs in this shell)")
     dbs = _databases(configs)
+    if on_slurm:
+        _on_slurm(configs, dbs, force=force, wait_only=wait, as_json=as_json, sweep=True)
     finished = {url: db.finished() for url, db in dbs.items()}
     todo, done = [], []
     for c in configs:
@@ -145,7 +169,7 @@ def sweep(
     ) as progress:
         task = progress.add_task("sweep", total=len(todo), ok=0, failed=0)
         for c in todo:
-            label = _label(c)
+            label = run_label(c)
             progress.update(task, description=label)
             run_id, status = _run_one(
                 c, dbs, lambda line, lb=label: progress.update(task, description=escape(f"{lb}: {line}"))
@@ -189,12 +213,17 @@ def runs(
     results = _read_db(db)
     frame = results.runs(status=status, kind=kind, mode=mode, since=start, sweep=sweep)
     metrics = results.metrics(frame["id"].tolist()) if len(frame) else pd.DataFrame()
-    table = Table(title=f"{len(frame)} runs in {db}")
+    table = Table(title=f"{len(frame)} runs in {results.url}")
     for column in ("id", "started (UTC)", "kind", "mode", "tp×dp", "shape", "dtype", "status"):
         table.add_column(column, justify="right" if column == "id" else "left", no_wrap=True)
     table.add_column("result / error", overflow="ellipsis", no_wrap=True, max_width=40)
     table.add_column("sweep", overflow="ellipsis", no_wrap=True, max_width=24)
+    on_slurm = frame["slurm_job_id"].notna().any()  # then: each run's job and nodes (or host)
+    if on_slurm:
+        table.add_column("slurm job", no_wrap=True)
+        table.add_column("nodes", overflow="ellipsis", no_wrap=True, max_width=24)
     for row in frame.itertuples():
+        where = [row.slurm_job_id or "", row.nodes or row.host] if on_slurm else []
         table.add_row(
             str(row.id),
             row.started_at.strftime("%m-%d %H:%M"),
@@ -206,6 +235,7 @@ def runs(
             row.status,
             _headline(row, metrics),
             row.sweep,
+            *where,
         )
     out.print(table)
 
@@ -431,7 +461,7 @@ def _run_one(
     except KeyboardInterrupt:  # before the agent started or after the job ended: nothing ran to record
         return None, "INTERRUPTED"
     if not outcome.ran_rank0:
-        err.print(f"{_label(cfg)}: {outcome.status}; the node that ran rank 0 records it")
+        err.print(f"{run_label(cfg)}: {outcome.status}; the node that ran rank 0 records it")
         outcome.release()
         return None, str(outcome.status)
     try:
@@ -439,7 +469,7 @@ def _run_one(
     except SQLAlchemyError as e:  # the job folder stays: its results are not lost
         cause = " ".join(str(getattr(e, "orig", None) or e).split())
         _one_line(
-            f"{_label(cfg)}: {outcome.status}, but not recorded in {cfg.db.url} "
+            f"{run_label(cfg)}: {outcome.status}, but not recorded in {cfg.db.url} "
             f"({type(e).__name__}: {cause}); its config, logs and rank results stay in {outcome.job}"
         )
         return None, "FAILED"
@@ -447,6 +477,48 @@ def _run_one(
     if outcome.status != "OK":
         _one_line(f"run {run_id} {outcome.status}: {outcome.error} (logs: {outcome.log_dir})")
     return run_id, str(outcome.status)
+
+
+def _on_slurm_launcher(configs: list[RunConfig]) -> bool:
+    """Whether the runs go to Slurm; a Slurm sweep has one launcher and one database for all its runs."""
+    if not any(c.launch.launcher == "slurm" for c in configs):
+        return False
+    if len({c.launch.launcher for c in configs}) > 1 or len({c.db.url for c in configs}) > 1:
+        _usage("launcher=slurm: a Slurm sweep has one launcher and one db.url for all its runs")
+    return True
+
+
+def _on_slurm(
+    configs: list[RunConfig],
+    dbs: dict[str, ResultsDB],
+    force: bool,
+    wait_only: bool,
+    as_json: bool,
+    sweep: bool,
+) -> NoReturn:
+    """Submit the runs as Slurm jobs (tpbench.slurm), follow them to their end, show them, exit."""
+    from tpbench import slurm
+
+    (db,) = dbs.values()
+    try:
+        followed = slurm.submit_and_follow(configs, db, force, wait_only, _one_line)
+    except KeyboardInterrupt:
+        _one_line("stopped following; the Slurm jobs go on: `tpbench sweep ... --wait` follows them again")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except slurm.SubmitError as e:
+        _one_line(str(e))
+        raise typer.Exit(EXIT_FAILED) from None
+    for f in followed:
+        if f.run_id is not None and f.status not in ("OK", "skipped"):
+            error = db.run_record(f.run_id)["error"]
+            _one_line(f"run {f.run_id} {f.status} (Slurm job {f.job_id}): {error}")
+    if sweep or as_json:
+        _print_sweep([(f.run_id, f.cfg, f.status) for f in followed], dbs, as_json)
+    else:
+        for f in followed:
+            if f.run_id is not None:
+                _report_run(db, f.run_id, as_json=False)
+    raise typer.Exit(0 if all(f.status in ("OK", "skipped") for f in followed) else EXIT_FAILED)
 
 
 def _report_run(db: ResultsDB, run_id: int, as_json: bool, full: bool = False) -> None:
@@ -484,7 +556,7 @@ def _print_sweep(
             if run_id is not None:
                 print(json.dumps(dbs[c.db.url].run_record(run_id), default=str))
         return
-    flat = pd.json_normalize([OmegaConf.to_container(OmegaConf.structured(c)) for _, c, _ in ran])
+    flat = pd.json_normalize([public_config(c) for _, c, _ in ran])
     varying = [key for key in flat.columns if key != "sweep" and flat[key].astype(str).nunique() > 1]
     table = Table(title=f"sweep {ran[0][1].sweep}" if ran else "sweep: nothing to run")
     for column in ("run", "status", "mode", *varying):
@@ -495,7 +567,7 @@ def _print_sweep(
 
 
 def _print_configs(configs: list[RunConfig]) -> None:
-    print("\n---\n".join(OmegaConf.to_yaml(OmegaConf.structured(c)) for c in configs), end="")
+    print("\n---\n".join(OmegaConf.to_yaml(public_config(c)) for c in configs), end="")
 
 
 def _headline(row, metrics: pd.DataFrame) -> str:
@@ -507,9 +579,10 @@ def _headline(row, metrics: pd.DataFrame) -> str:
     return fmt(metrics.at[row.id, name])
 
 
-def _label(c: RunConfig) -> str:
-    p = c.parallel
-    return f"{c.kind} {mode_label(p)} tp={p.tp} dp={p.dp} layers={c.model.num_hidden_layers}"
+def _shown(override: str) -> str:
+    """An override as it may be stored (a sweep name): a URL's password hidden."""
+    key, sep, value = override.partition("=")
+    return f"{key}{sep}{hide_password(value)}" if "://" in value else override
 
 
 def _one_line(message: str) -> None:

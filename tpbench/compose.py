@@ -27,7 +27,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from tpbench.allocator import GPUS
-from tpbench.config import CONF_DIR, RunConfig, register_schema, world_size
+from tpbench.config import CONF_DIR, RunConfig, hide_password, register_schema, world_size
+from tpbench.db import driver_missing
 from tpbench.emulation import EMULATED_KINDS, FLAVOURS
 from tpbench.experiments import KINDS
 from tpbench.faults import FAULTS
@@ -65,6 +66,8 @@ CHOICES = {
     "launch.device": ("auto", "cpu", "cuda"),
     "launch.backend": ("auto", "gloo", "nccl"),
     "launch.rdzv_backend": ("c10d", "static"),
+    "launch.launcher": ("local", "slurm"),
+    "launch.slurm.on_preempt": ("requeue", "interrupted"),
     "fault": ("", *FAULTS),
     "launch.emulate": FLAVOURS,
     "launch.emulate_gpu": tuple(GPUS),
@@ -84,8 +87,17 @@ AT_LEAST_ONE = (
     "train.steps",
     "validate.steps",
     "validate.every",
+    "launch.max_parallel",
+    "launch.slurm.cpus_per_rank",
 )
-AT_LEAST_ZERO = ("train.warmup", "train.seed", "launch.node_rank", "launch.memory_cap_mb")
+AT_LEAST_ZERO = (
+    "train.warmup",
+    "train.seed",
+    "launch.node_rank",
+    "launch.memory_cap_mb",
+    "launch.slurm.gpus_per_node",
+    "launch.slurm.mem_gb",
+)
 POSITIVE = (
     "launch.collective_timeout_s",
     "launch.job_timeout_s",
@@ -163,6 +175,10 @@ def check(cfg: RunConfig) -> None:
     _check_db_url(cfg.db.url)
     _check_emulation(cfg)
     _check_nodes(cfg)
+    if cfg.launch.launcher == "slurm":
+        from tpbench.slurm import check_slurm  # submitit loads only for launcher=slurm
+
+        check_slurm(cfg)
     _check_fault(cfg)
     check_shardable(cfg)
     check_dtensor_shardable(cfg.model, cfg.parallel)
@@ -178,13 +194,15 @@ def resolve_device(cfg: RunConfig) -> None:
     """Replace device/backend `auto` by what this node has: CUDA + NCCL with a GPU per local rank."""
     launch = cfg.launch
     local_ranks = local_world_size(cfg)
-    gpus = torch.cuda.device_count()
+    # On Slurm the ranks run on the job's nodes, not here: they get what the job asks for.
+    gpus = launch.slurm.gpus_per_node if launch.launcher == "slurm" else torch.cuda.device_count()
     if launch.device == "auto":
         launch.device = "cuda" if gpus >= local_ranks else "cpu"
     if launch.device == "cuda" and gpus < local_ranks and launch.emulate != "fake":
         raise ConfigError(
-            f"launch.device=cuda: {local_ranks} ranks on this node need {local_ranks} GPUs, torch sees "
-            f"{gpus}; accepted here are auto, cpu"
+            f"launch.device=cuda: {local_ranks} ranks on a node need {local_ranks} GPUs, "
+            + (f"launch.slurm.gpus_per_node={gpus}" if launch.launcher == "slurm" else f"torch sees {gpus}")
+            + "; accepted here are auto, cpu"
         )
     if launch.backend == "auto":
         launch.backend = "nccl" if launch.device == "cuda" else "gloo"
@@ -279,9 +297,12 @@ def _check_db_url(url: str) -> None:
         make_url(url).get_dialect().import_dbapi()
     except (ArgumentError, NoSuchModuleError, ImportError, ValueError) as e:
         raise ConfigError(
-            f"db.url={url!r}: not a SQLAlchemy URL with an installed driver ({e}); accepted are e.g. "
-            f"sqlite:///runs/tpbench.db, postgresql://user@host/tpbench"
+            f"db.url={hide_password(url)!r}: not a SQLAlchemy URL with an installed driver ({e}); accepted "
+            f"are e.g. sqlite:///runs/tpbench.db, postgresql://user@host/tpbench"
         ) from None
+    missing = driver_missing(url)
+    if missing:
+        raise ConfigError(missing)
 
 
 def _check_precision(cfg: RunConfig) -> None:
@@ -315,7 +336,7 @@ def _check_nodes(cfg: RunConfig) -> None:
         )
     if launch.node_rank >= nnodes:
         raise ConfigError(f"launch.node_rank={launch.node_rank}: accepted are 0 to {nnodes - 1}")
-    if nnodes > 1 and not launch.rdzv_endpoint:
+    if nnodes > 1 and not launch.rdzv_endpoint and launch.launcher != "slurm":  # Slurm: the first node
         raise ConfigError(
             f"launch.nnodes={nnodes} needs launch.rdzv_endpoint=HOST:PORT (reached by all nodes)"
         )

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 # conf/ sits next to the package: the groups Hydra composes into a RunConfig.
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -83,7 +85,25 @@ class ValidateConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """launcher=slurm: each run one Slurm job of launch.nnodes nodes (see tpbench.slurm)."""
+
+    partition: str = ""  # empty: the cluster's default partition
+    account: str = ""
+    time_min: int = 60  # the job's time limit; the run itself stops (TIMEOUT) 3 minutes before it
+    gpus_per_node: int = 0  # with device=auto: CUDA when each rank of a node gets a GPU
+    cpus_per_rank: int = 1
+    mem_gb: float = 0  # per node; 0: the partition's default
+    sbatch: list[str] = field(default_factory=list)  # extra sbatch lines, e.g. ["--qos=high", "--exclusive"]
+    on_preempt: str = "requeue"  # requeue: run again from the start | interrupted: record INTERRUPTED
+    folder: str = "runs/slurm"  # submitit's job folders (logs, pickles) and the jobs of each config
+
+
+@dataclass
 class LaunchConfig:
+    launcher: str = "local"  # local: torchrun jobs from this process | slurm: Slurm jobs (tpbench.slurm)
+    max_parallel: int = 4  # launcher=slurm: jobs of one sweep running at once
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
     device: str = "auto"  # auto | cpu | cuda
     backend: str = "auto"  # auto | gloo | nccl
     nnodes: str = "1"  # torchrun --nnodes, e.g. "2" or "1:4"
@@ -138,7 +158,22 @@ def save_run_config(cfg: RunConfig, path: Path) -> None:
     """Write a resolved config as the YAML file a worker reads with `load_run_config`.
 
     A string holding `${` is escaped, so that it is read back verbatim rather than interpolated."""
-    OmegaConf.save(OmegaConf.create(_escaped(OmegaConf.to_container(OmegaConf.structured(cfg)))), path)
+    OmegaConf.save(OmegaConf.create(_escaped(public_config(cfg))), path)
+
+
+def hide_password(url: str) -> str:
+    """The URL as it may be shown and stored: a password becomes ***."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):  # not a URL at all: nothing in it to hide that we could find
+        return url
+
+
+def public_config(cfg: RunConfig) -> dict:
+    """The resolved config as stored and written to job folders: the database password hidden."""
+    data = OmegaConf.to_container(OmegaConf.structured(cfg))
+    data["db"]["url"] = hide_password(cfg.db.url)
+    return data
 
 
 def _escaped(node: object) -> object:
@@ -163,6 +198,12 @@ def mode_label(p: ParallelConfig) -> str:
     return f"dtensor_{label}" if p.engine == "dtensor" else label
 
 
+def run_label(c: RunConfig) -> str:
+    """One run in a few words, as progress lines show it."""
+    p = c.parallel
+    return f"{c.kind} {mode_label(p)} tp={p.tp} dp={p.dp} layers={c.model.num_hidden_layers}"
+
+
 def local_batch(cfg: RunConfig) -> int:
     """Sequences per DP rank (shared by the TP ranks of its group) under the batch policy."""
     t = cfg.train
@@ -175,6 +216,9 @@ def world_size(cfg: RunConfig) -> int:
 
 # How a run was launched and where it is stored, not what it measures: left out of the config hash.
 _UNHASHED_LAUNCH = (
+    "launcher",
+    "max_parallel",
+    "slurm",
     "node_rank",
     "rdzv_backend",
     "rdzv_endpoint",

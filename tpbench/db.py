@@ -1,9 +1,11 @@
 """The results database: every run, its measurements, per-parameter errors and collectives.
 
-SQLAlchemy 2.0 over any URL (SQLite at runs/tpbench.db by default). Only the parent process writes,
-one transaction per run. SQLite runs in WAL mode with a busy timeout and takes its write lock up front
-(BEGIN IMMEDIATE), so several sweeps can share one file. A `meta` table names the schema version: a
-database of another version, or a file that is not a tpbench database, is refused untouched.
+SQLAlchemy 2.0 over SQLite (runs/tpbench.db by default) or PostgreSQL (psycopg 3, the `postgres` extra).
+Only the parent process writes, one transaction per run. SQLite runs in WAL mode with a busy timeout and
+takes its write lock up front (BEGIN IMMEDIATE), so several sweeps can share one file; on PostgreSQL the
+schema is created under an advisory lock, so several sweeps can start on one blank database. A `meta`
+table names the schema version: a database of another version, or a file that is not a tpbench
+database, is refused untouched. A password in a URL is never shown or stored (`hide_password`).
 
 Reading returns pandas DataFrames: `runs()`, `measurements()`, `metrics()` (one headline value per
 run and metric), `param_errors()`, `comm()`; `run_record()` is one run as a JSON-ready dict.
@@ -11,6 +13,7 @@ run and metric), `param_errors()`, `comm()`; `run_record()` is one run as a JSON
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import sqlite3
@@ -21,7 +24,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
-from omegaconf import OmegaConf
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -36,21 +38,27 @@ from sqlalchemy import (
     insert,
     inspect,
     select,
+    text,
 )
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, DatabaseError, NoSuchModuleError
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, DatabaseError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from tpbench.config import RunConfig, config_hash, mode_label, world_size
+from tpbench.config import RunConfig, config_hash, hide_password, mode_label, public_config, world_size
 from tpbench.results import RANK_AGGREGATION
 
 if TYPE_CHECKING:
     from tpbench.launch import Outcome
 
-SCHEMA_VERSION = 1
+# 2: runs.slurm_job_id and runs.nodes
+SCHEMA_VERSION = 2
 APP = "tpbench"
 BUSY_TIMEOUT_S = 60
 SQLITE_HEADER = b"SQLite format 3\x00"
+# Serializes the schema check and creation of sweeps starting at once on one PostgreSQL database.
+PG_SCHEMA_LOCK = 0x7470626E  # "tpbn"
+# SQLAlchemy backend -> (the DBAPI module tpbench drives it with, the dialect+driver, what installs it)
+DRIVERS = {"postgresql": ("psycopg", "postgresql+psycopg", "pip install 'tpbench[postgres]'")}
 
 
 class DatabaseRefused(Exception):
@@ -110,6 +118,8 @@ class Run(Base):
     git_commit: Mapped[str | None] = mapped_column(String(64))
     git_dirty: Mapped[bool | None]
     log_dir: Mapped[str | None] = mapped_column(Text)  # the job folder, kept when not OK
+    slurm_job_id: Mapped[str | None] = mapped_column(String(32))  # e.g. 812 or 812_3 (an array task)
+    nodes: Mapped[str | None] = mapped_column(Text)  # Slurm's node list, e.g. node[01-04]
     text: Mapped[str] = mapped_column(Text)  # rank 0's readable summary
 
 
@@ -156,13 +166,16 @@ class ResultsDB:
     """One results database. `create=False` opens only what exists (NoDatabase otherwise)."""
 
     def __init__(self, url: str, create: bool = True):
-        self.url = url
+        self.url = hide_password(url)  # what messages and reports show
+        missing = driver_missing(url)
+        if missing:
+            raise DatabaseRefused(missing)
         try:
             parsed = make_url(url)
-            parsed.get_dialect().import_dbapi()  # the driver is installed
+            _driver_url(url).get_dialect().import_dbapi()  # the driver is installed
         except (ArgumentError, NoSuchModuleError, ImportError, ValueError) as e:
             raise DatabaseRefused(
-                f"{url!r} is not a SQLAlchemy URL with an installed driver ({e}); accepted are e.g. "
+                f"{self.url!r} is not a SQLAlchemy URL with an installed driver ({e}); accepted are e.g. "
                 f"sqlite:///runs/tpbench.db, postgresql://user@host/tpbench"
             ) from None
         self.sqlite = parsed.get_backend_name() == "sqlite"
@@ -187,6 +200,8 @@ class ResultsDB:
         where = self.url
         try:
             with self._writer.begin() as conn:
+                if conn.dialect.name == "postgresql":
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": PG_SCHEMA_LOCK})
                 tables = set(inspect(conn).get_table_names())
                 if not tables and not create:
                     raise NoDatabase(f"{where} has no runs yet: `tpbench run` creates them")
@@ -201,9 +216,13 @@ class ResultsDB:
                     )
                 else:
                     meta = dict(conn.execute(select(Meta.key, Meta.value)).all())
+        except OperationalError as e:
+            if self.sqlite:
+                raise
+            raise DatabaseRefused(f"{where}: cannot connect ({str(e.orig).strip()})") from None
         except DatabaseError as e:
             raise DatabaseRefused(
-                f"{where} is not a database tpbench reads ({e.orig}); left untouched"
+                f"{where} is not a database tpbench reads ({str(e.orig).strip()}); left untouched"
             ) from None
         if meta.get("app") != APP:
             raise DatabaseRefused(f"{where} has a meta table but was not written by tpbench; left untouched")
@@ -246,7 +265,7 @@ class ResultsDB:
         m, p, t = cfg.model, cfg.parallel, cfg.train
         run = Run(
             config_hash=config_hash(cfg),
-            config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+            config=public_config(cfg),
             kind=cfg.kind,
             mode=mode_label(p),
             engine=p.engine,
@@ -303,6 +322,13 @@ class ResultsDB:
         query = select(Run.config_hash, func.max(Run.id)).where(Run.status == "OK").group_by(Run.config_hash)
         with self.engine.connect() as conn:
             return dict(conn.execute(query).all())
+
+    def run_of_job(self, slurm_job_id: str) -> tuple[int, str] | None:
+        """(id, status) of the run a Slurm job recorded, if any."""
+        query = select(Run.id, Run.status).where(Run.slurm_job_id == slurm_job_id).order_by(Run.id.desc())
+        with self.engine.connect() as conn:
+            row = conn.execute(query).first()
+        return None if row is None else (row.id, row.status)
 
     def runs(
         self,
@@ -387,9 +413,27 @@ def parse_since(text: str) -> datetime:
     return datetime.fromisoformat(text)
 
 
+def driver_missing(url: str) -> str | None:
+    """One line saying what to install when the URL needs a driver this Python lacks, else None."""
+    backend = make_url(url).get_backend_name()
+    if backend in DRIVERS and importlib.util.find_spec(DRIVERS[backend][0]) is None:
+        module, _, install = DRIVERS[backend]
+        return f"db.url={hide_password(url)!r} needs the {module} driver, which is not installed: {install}"
+    return None
+
+
+def _driver_url(url: str) -> URL:
+    """`postgresql://` means psycopg 3 here (SQLAlchemy alone would pick psycopg2)."""
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend in DRIVERS and parsed.drivername == backend:
+        return parsed.set(drivername=DRIVERS[backend][1])
+    return parsed
+
+
 def _engine(url: str, sqlite: bool) -> Engine:
     if not sqlite:
-        return create_engine(url)
+        return create_engine(_driver_url(url))
     engine = create_engine(url, connect_args={"timeout": BUSY_TIMEOUT_S})
 
     @event.listens_for(engine, "connect")

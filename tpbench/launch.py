@@ -64,6 +64,8 @@ class Environment:
     cuda_version: str | None
     git_commit: str | None
     git_dirty: bool | None
+    slurm_job_id: str | None = None  # inside a Slurm job: its id (an array task as JOB_TASK)
+    nodes: str | None = None  # inside a Slurm job: its node list
 
     @classmethod
     def probe(cls, cfg: RunConfig) -> Environment:
@@ -79,6 +81,8 @@ class Environment:
             cuda_version=torch.version.cuda,
             git_commit=commit,
             git_dirty=None if commit is None else bool(_git("status", "--porcelain")),
+            slurm_job_id=_slurm_job_id(),
+            nodes=os.environ.get("SLURM_JOB_NODELIST"),
         )
 
 
@@ -313,6 +317,11 @@ def _emulated_or_cpu_name(cfg: RunConfig) -> str:
     if emulation.gpu_emulated(cfg):
         return f"{cfg.launch.emulate_gpu} (emulated on {_cpu_name()})"
     return _cpu_name()
+
+
+def _slurm_job_id() -> str | None:
+    array_job, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array_job}_{task}" if array_job and task else os.environ.get("SLURM_JOB_ID")
 
 
 def _cpu_name() -> str:

@@ -20,6 +20,8 @@ class Status(StrEnum):
     OOM = "OOM"
     TIMEOUT = "TIMEOUT"
     INTERRUPTED = "INTERRUPTED"
+    CANCELLED = "CANCELLED"  # Slurm: scancel (tpbench.slurm)
+    NODE_FAIL = "NODE_FAIL"  # Slurm: a node of the job failed
 
 
 @dataclass

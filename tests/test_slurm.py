@@ -1,0 +1,109 @@
+"""`launcher=slurm` on a real one-node Slurm cluster (conftest.py `slurm`: munge, MariaDB, slurmdbd,
+slurmctld and slurmd on this machine): a two-run sweep of two ranks each into the session's PostgreSQL
+server (the jobs record their runs there, the password reaching them only through their environment),
+whose submitting command is killed and followed again with --wait; and a job cancelled while it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+from conftest import FAST, PG_PASSWORD, Workdir
+
+from tpbench.db import ResultsDB
+
+SWEEP = ["sweep", *FAST, "mode=tp,tp_sp", "launcher=slurm", "launch.slurm.time_min=10"]
+
+
+class SlurmWorkdir(Workdir):
+    def __init__(self, path, cluster):
+        super().__init__(path)
+        self.cluster = cluster
+
+    def env(self) -> dict[str, str]:
+        return {**super().env(), "SLURM_CONF": str(self.cluster.conf)}
+
+    def submitted(self) -> list[dict]:
+        index = self.path / "runs" / "slurm" / "jobs.jsonl"
+        return [json.loads(line) for line in index.read_text().splitlines()] if index.exists() else []
+
+
+def _wait_for(condition, what: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def swept(slurm, postgres, tmp_path_factory):
+    """The sweep is submitted, its command killed (the shell went away), then followed with --wait."""
+    work = SlurmWorkdir(tmp_path_factory.mktemp("slurm"), slurm)
+    url = postgres.new_database()
+    sweep = [*SWEEP, f"db.url={url}"]
+    first = work.start(*sweep)
+    _wait_for(lambda: len(work.submitted()) == 2 or first.poll() is not None, "two submitted jobs")
+    first.kill()
+    first.communicate()
+    followed = work.run(*sweep, "--wait", timeout=300)
+    return work, url, sweep, followed
+
+
+def test_a_sweep_runs_as_a_job_array_and_wait_follows_it_to_the_end(swept):
+    work, url, _, followed = swept
+    assert followed.returncode == 0, followed.stderr
+    jobs = [entry["job_id"] for entry in work.submitted()]
+    array = jobs[0].split("_")[0]
+    assert jobs == [f"{array}_0", f"{array}_1"]  # one job array
+    runs = ResultsDB(url, create=False).runs()
+    rows = runs[["mode", "status", "slurm_job_id", "nodes", "world_size"]].values.tolist()
+    host = socket.gethostname().split(".")[0]
+    assert sorted(rows) == [["tp", "OK", jobs[0], host, 2], ["tp_sp", "OK", jobs[1], host, 2]]
+    for job in jobs:  # the follower said how each job went
+        assert f"{job} COMPLETED" in followed.stderr or f"{job} run " in followed.stderr
+    assert work.live_workers() == []
+
+
+def test_the_password_reaches_the_jobs_but_none_of_their_files(swept):
+    work, _, _, _ = swept
+    files = [p for p in (work.path / "runs" / "slurm").rglob("*") if p.is_file()]
+    assert len(files) >= 8  # per job: the pickled submission and result, stdout and stderr
+    assert not [p for p in files if PG_PASSWORD.encode() in p.read_bytes()]
+
+
+def test_runs_shows_the_slurm_job_and_nodes(swept):
+    work, url, _, _ = swept
+    listed = work.invoke("runs", "--db", url)
+    assert listed.exit_code == 0
+    runs = ResultsDB(url, create=False).runs()
+    for job, nodes in zip(runs["slurm_job_id"], runs["nodes"], strict=True):
+        line = next(line for line in listed.stdout.splitlines() if f" {job} " in line)
+        assert nodes in line
+
+
+def test_the_same_sweep_again_submits_nothing(swept):
+    work, url, sweep, _ = swept
+    again = work.run(*sweep)
+    assert again.returncode == 0, again.stderr
+    assert "skipped" in again.stdout and len(work.submitted()) == 2
+    assert len(ResultsDB(url, create=False).runs()) == 2
+
+
+def test_a_cancelled_job_is_recorded_cancelled(slurm, tmp_path):
+    work = SlurmWorkdir(tmp_path, slurm)
+    cli = work.start(
+        "run", "kind=validate", "validate.steps=1000000", "launcher=slurm", "launch.slurm.time_min=10"
+    )
+    _wait_for(lambda: len(work.live_workers()) == 2 or cli.poll() is not None, "running workers")
+    (job,) = [entry["job_id"] for entry in work.submitted()]
+    assert slurm.run("scancel", job).returncode == 0
+    _, stderr = cli.communicate(timeout=120)
+    assert cli.returncode == 1, stderr
+    ((status, slurm_job, error, nodes),) = work.query("SELECT status, slurm_job_id, error, nodes FROM runs")
+    assert (status, slurm_job) == ("CANCELLED", job) and error.startswith(f"Slurm ended job {job}: CANCELLED")
+    assert nodes == socket.gethostname().split(".")[0]
+    assert f"CANCELLED (Slurm job {job})" in stderr
+    _wait_for(lambda: not work.live_workers(), "workers gone", timeout=30)
