@@ -107,3 +107,31 @@ def test_a_cancelled_job_is_recorded_cancelled(slurm, tmp_path):
     assert nodes == socket.gethostname().split(".")[0]
     assert f"CANCELLED (Slurm job {job})" in stderr
     _wait_for(lambda: not work.live_workers(), "workers gone", timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("state", "on_preempt", "ended", "status"),
+    [
+        ("TIMEOUT", "requeue", True, "TIMEOUT"),
+        ("DEADLINE", "requeue", True, "TIMEOUT"),
+        ("OUT_OF_MEMORY", "requeue", True, "OOM"),
+        ("NODE_FAIL", "requeue", True, "NODE_FAIL"),
+        ("CANCELLED", "requeue", True, "CANCELLED"),
+        ("PREEMPTED", "requeue", False, None),  # requeued: Slurm runs it again, the follower waits
+        ("PREEMPTED", "interrupted", True, "INTERRUPTED"),
+        ("RUNNING", "interrupted", False, None),
+        ("REQUEUED", "interrupted", False, None),
+    ],
+)
+def test_each_slurm_ending_has_its_status(state, on_preempt, ended, status):
+    """The endings the one-node test cluster cannot produce on demand (only a cancel is run above):
+    which Slurm states end a run, and with which status, as `_record_ending` records them."""
+    from torchrun_checks import run_config
+
+    from tpbench import slurm
+
+    cfg = run_config(["launch.launcher=slurm", f"launch.slurm.on_preempt={on_preempt}"])
+    item = slurm.Followed(cfg, job_id="1", state=state)
+    assert slurm._ended(item) is ended
+    if ended:
+        assert str(slurm.ENDINGS[state]) == status
