@@ -414,8 +414,12 @@ def parse_since(text: str) -> datetime:
 
 
 def driver_missing(url: str) -> str | None:
-    """One line saying what to install when the URL needs a driver this Python lacks, else None."""
-    backend = make_url(url).get_backend_name()
+    """One line saying what to install when the URL needs a driver this Python lacks, else None (also
+    for a URL that does not parse: that is said where the URL is read)."""
+    try:
+        backend = make_url(url).get_backend_name()
+    except (ArgumentError, ValueError):
+        return None
     if backend in DRIVERS and importlib.util.find_spec(DRIVERS[backend][0]) is None:
         module, _, install = DRIVERS[backend]
         return f"db.url={hide_password(url)!r} needs the {module} driver, which is not installed: {install}"
