@@ -293,6 +293,9 @@ def _runs_of(composed: DictConfig) -> list[RunConfig]:
 
 
 def _check_db_url(url: str) -> None:
+    missing = driver_missing(url)  # first: what to install says more than a failed import
+    if missing:
+        raise ConfigError(missing)
     try:
         make_url(url).get_dialect().import_dbapi()
     except (ArgumentError, NoSuchModuleError, ImportError, ValueError) as e:
@@ -300,9 +303,6 @@ def _check_db_url(url: str) -> None:
             f"db.url={hide_password(url)!r}: not a SQLAlchemy URL with an installed driver ({e}); accepted "
             f"are e.g. sqlite:///runs/tpbench.db, postgresql://user@host/tpbench"
         ) from None
-    missing = driver_missing(url)
-    if missing:
-        raise ConfigError(missing)
 
 
 def _check_precision(cfg: RunConfig) -> None:
