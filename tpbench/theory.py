@@ -17,15 +17,16 @@ Ns = N/T tokens of the residual stream under SP (N without). p bytes of an activ
 w of a parameter element; 4 for the fp32 in which RMSNorm, softmax and the loss compute.
 
 Saved activations per layer, bf16 (p = 2), bytes, T = 1, SDPA, GQA (Nkv < Nq):
-  2 RMSNorms        2 (4 + 2) N H           the fp32 copy of the input (pow and mul save it) and the
-                                            normed tensor cast back (saved by the weight's mul)
+  2 RMSNorms        2 (4 + 4) N H           the fp32 copy of the input (pow and mul save it) and the
+                                            fp32 normed tensor (the weight's mul saves it: MiniMind
+                                            scales in fp32 and casts the product back)
   2 region inputs   2 * 2 N H               one tensor each, saved by q/k/v and by gate/up
-  q/k norms         (4 + 2) N (H + Hkv)     the same RMSNorm over the head dim; Hkv = Nkv D
+  q/k norms         (4 + 4) N (H + Hkv)     the same RMSNorm over the head dim; Hkv = Nkv D
   q, k, v for SDPA  3 * 2 N H               rope(q); k and v copied by repeat_kv (expand + reshape)
                                             (a view when a rank holds a single KV head)
   SDPA out          2 N H + 4 B Nq S        viewed, not copied, as o_proj's input; + logsumexp
   SwiGLU            4 * 2 N I               gate out (silu), silu out and up out (mul), product (down)
-= N H (30 + 6 Nkv/Nq + 8 I/H) bytes: 58.3 N H at heads 8/4 and I = 3.17 H, where the paper's GPT
+= N H (36 + 8 Nkv/Nq + 8 I/H) bytes: 65.3 N H at heads 8/4 and I = 3.17 H, where the paper's GPT
 layer (dropout, GeLU, 4H MLP) has 34 N H. RoPE saves only its cos/sin tables cast to p (they need
 no grad; the fp32 tables are built once per device and kept: `model_activations`), the residual adds
 save nothing. Manual attention adds the fp32 softmax and its cast: (4 + 2) B Nq S^2, the
@@ -34,8 +35,9 @@ region inputs stay whole on every rank; SP divides those too (the region inputs 
 re-gather), so that TP + SP saves 1/T of everything, as in the paper.
 
 Mixed precision (fp32 masters, autocast): the stream and the norms are fp32, and every autocast op
-saves its own bf16 casts: q, k and v each cast the region input (3 copies, gate and up 2), SDPA casts
-rope's fp32 outputs, and each linear's weight is cast once per forward and kept until its backward.
+saves its own bf16 casts: q, k and v each cast the region input (3 copies, gate and up 2), and each
+linear's weight is cast once per forward and kept until its backward. q/k norms cast back to their
+input's dtype, the autocast dtype of q_proj's and k_proj's outputs, so RoPE and SDPA run in it.
 SP's re-gather never triggers there: the linears save their casts, not the gathered input.
 """
 
@@ -244,10 +246,10 @@ def layer_activations(d: Dims) -> dict[str, int]:
 
     p is the activation dtype: train.dtype, or the autocast dtype under mixed precision, where the
     stream and the norms stay fp32 (d.s) and every autocast op saves its own bf16 casts: each of q, k,
-    v (gate, up) casts the fp32 region input; SDPA casts the fp32 rope outputs; the linears' weights
-    are cast once per forward (and kept, saved, until their backward)."""
+    v (gate, up) casts the fp32 region input; the linears' weights are cast once per forward (and
+    kept, saved, until their backward)."""
     N, Ns, S, B, H, p = d.N, d.Ns, d.S, d.B, d.H, d.p
-    rmsnorm = FP32 * Ns * H + FP32 * Ns + d.s * Ns * H  # fp32 input, rsqrt [Ns, 1], normed cast back
+    rmsnorm = 2 * FP32 * Ns * H + FP32 * Ns  # fp32 input, rsqrt [Ns, 1], fp32 normed (weight's mul)
     if d.mixed:  # the linears save their casts of the whole (gathered) input: 3 for attention, 2 MLP
         # (SP's re-gather then never triggers, but its unpack hook, kept with every tensor saved in
         # the region, holds on to the fp32 shard)
@@ -263,9 +265,9 @@ def layer_activations(d: Dims) -> dict[str, int]:
     terms = {
         "input_layernorm": rmsnorm,
         "attention input": attn_input,
-        "q_norm": (FP32 + p) * N * d.Hq + FP32 * N * d.Nq_l,
-        "k_norm": (FP32 + p) * N * d.Hkv + FP32 * N * d.Nkv_l,
-        "rope tables": 4 * S * d.D * p if d.s != FP32 else 0,  # cos, sin cast to p, for q and for k
+        "q_norm": 2 * FP32 * N * d.Hq + FP32 * N * d.Nq_l,
+        "k_norm": 2 * FP32 * N * d.Hkv + FP32 * N * d.Nkv_l,
+        "rope tables": 4 * S * d.D * p if p != FP32 else 0,  # cos, sin cast to p, for q and for k
         "q, k, v": p * N * (d.Hq + k_width + v_width),
         "attention core": core,
         "post_attention_layernorm": rmsnorm,
@@ -282,11 +284,10 @@ def kv_widths(d: Dims) -> tuple[int, int]:
     """Widths of the k and v that attention saves. repeat_kv's expand + reshape copies them out to the
     query heads, unless this rank has one KV head: then the expanded size-1 dim merges into a
     stride-0 view and nothing is copied. SDPA saves that view; manual attention's matmuls copy it
-    (batched matmul reshapes it to [B Nq, S, D]) and save the copy; an autocast cast of it, k's under
-    mixed precision, is a dense copy too."""
+    (batched matmul reshapes it to [B Nq, S, D]) and save the copy."""
     n_rep = d.Nq_l > d.Nkv_l
     v_width = d.Hq if n_rep and (d.Nkv_l > 1 or not d.flash) else d.Hkv
-    return (d.Hq if n_rep and d.mixed else v_width), v_width
+    return v_width, v_width
 
 
 def model_activations(d: Dims) -> dict[str, int]:
@@ -300,7 +301,7 @@ def model_activations(d: Dims) -> dict[str, int]:
         "blocks": d.L * sum(layer_activations(d).values()),
         "embedding": embedding_activations(d),
         "rope tables": 2 * FP32 * d.S * d.D,  # cos, sin [S, D] fp32, built once and kept by the model
-        "final norm": FP32 * Ns * H + FP32 * Ns + d.s * Ns * H + head_input,
+        "final norm": 2 * FP32 * Ns * H + FP32 * Ns + head_input,
         "head weight cast": p * d.V_l * H if d.mixed else 0,
         "logits": p * N * d.V_l,  # [S, B, V(/T)]; the training step keeps them until it returns
         "batch": 2 * INT64 * d.B * d.dp * d.S,  # ids and labels of the global batch (sliced views)

@@ -50,7 +50,8 @@ def default_intermediate_size(hidden_size: int) -> int:
 
 
 class RMSNorm(nn.Module):
-    """Normalises in fp32 and casts back to the input dtype, as MiniMind does."""
+    """Normalises and scales in fp32, then casts back to the input dtype, as MiniMind does
+    (`(weight * norm(x.float())).type_as(x)`): in bf16 backward keeps two fp32 copies of x's shape."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -60,7 +61,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.type_as(x)
+        return (self.weight * normed).type_as(x)
 
 
 def rope_tables(
