@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from torchrun_checks import run_config, torchrun
 
-from tpbench import emulation, theory
+from tpbench import allocator, emulation, theory
 from tpbench.allocator import CachingAllocator, replay
 from tpbench.config import RunConfig
 
@@ -108,6 +108,16 @@ def test_an_emulated_gpu_rank_matches_the_model_and_reports_the_allocator(name):
     workspaces = 2 * 32 * 2**20  # H100: two cuBLAS workspaces of 32 MiB
     assert result["modelled_max_memory_allocated_bytes"] >= result["peak_bytes"] + workspaces
     assert result["modelled_max_memory_reserved_bytes"] >= result["modelled_max_memory_allocated_bytes"]
+    # the analytic model learns the device: its max allocated adds the workspaces to the live peak
+    predicted = result["predicted_peak_bytes"] + workspaces
+    assert result["predicted_max_memory_allocated_bytes"] == predicted
+    assert predicted <= result["modelled_max_memory_allocated_bytes"] <= 1.1 * predicted
+
+
+def test_a_gpu_is_known_by_its_device_name():
+    names = {"NVIDIA H100 80GB HBM3": "H100", "NVIDIA H200": "H200", "NVIDIA A100-SXM4-80GB": "A100"}
+    assert {name: allocator.gpu_of(name) for name in names} == names
+    assert allocator.gpu_of("NVIDIA A10") == "A10" and allocator.gpu_of("NVIDIA L40S") is None
 
 
 def test_allocator_rounds_splits_and_keeps_whole_blocks():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import re
 from dataclasses import dataclass, field
 
 MIN_BLOCK = 512
@@ -37,6 +38,11 @@ ROUND_LARGE = 2 << 20
 # GPU -> its compute capability major: what the cuBLAS workspace size depends on
 GPUS = {"H200": 9, "H100": 9, "A100": 8, "A10": 8, "L4": 8, "V100": 7}
 CUBLAS_HANDLES = 2  # the forward's thread and autograd's device thread
+
+
+def gpu_of(device_name: str) -> str | None:
+    """The GPUS key a device name ("NVIDIA H100 80GB HBM3") names, or None."""
+    return next((gpu for gpu in GPUS if re.search(rf"\b{gpu}\b", device_name)), None)
 
 
 def cublas_workspace_bytes(gpu: str) -> int:

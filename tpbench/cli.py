@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import pandas as pd
 import typer
@@ -39,6 +39,9 @@ from tpbench.config import (
     run_label,
 )
 from tpbench.db import DatabaseRefused, NoDatabase, ResultsDB, parse_since
+
+if TYPE_CHECKING:
+    from tpbench.theory import Prediction
 
 app = typer.Typer(
     help="Tensor, sequence and vocab parallelism on MiniMind: run, sweep and list experiments.",
@@ -337,11 +340,17 @@ def plan(
         comm.add_row("total", "", "", f"{prediction.comm_bytes_per_step / 2**20:,.2f}", style="bold")
         out.print(comm)
         out.print(f"model FLOPs per step (global batch): {theory.model_flops_per_step(c):.4g}")
+        if c.launch.device == "cuda":
+            gpu = c.launch.emulate_gpu
+            out.print(
+                f"predicted max_memory_allocated on an {gpu} (the peak and 2 cuBLAS workspaces): "
+                f"{prediction.max_memory_allocated_bytes(gpu) / 2**20:,.1f} MiB"
+            )
         if measure:
-            _print_measured(c, prediction.peak_bytes)
+            _print_measured(c, prediction)
 
 
-def _print_measured(cfg: RunConfig, predicted: int) -> None:
+def _print_measured(cfg: RunConfig, prediction: Prediction) -> None:
     """The fake-tensor emulation of the config's busiest rank, beside the prediction."""
     import dataclasses
     import time
@@ -353,15 +362,18 @@ def _print_measured(cfg: RunConfig, predicted: int) -> None:
     start = time.perf_counter()
     result = {m.name: m.value for m in emulation.measure_in_process(cfg).measurements}
     seconds = time.perf_counter() - start
-    peak = result["peak_bytes"]
+    peak, predicted = result["peak_bytes"], prediction.peak_bytes
     out.print(
         f"emulated rank {emulation.emulated_rank(cfg)} (fake tensors, {seconds:.1f} s): live-tensor peak "
         f"{peak / 2**20:,.1f} MiB, predicted {predicted / 2**20:,.1f} ({(predicted - peak) / peak:+.2%})"
     )
     if "modelled_max_memory_allocated_bytes" in result:
+        allocated = result["modelled_max_memory_allocated_bytes"]
+        predicted = prediction.max_memory_allocated_bytes(cfg.launch.emulate_gpu)
         out.print(
             f"caching allocator model ({cfg.launch.emulate_gpu}, with cuBLAS workspaces): max allocated "
-            f"{result['modelled_max_memory_allocated_bytes'] / 2**20:,.1f} MiB, max reserved "
+            f"{allocated / 2**20:,.1f} MiB, predicted {predicted / 2**20:,.1f} "
+            f"({(predicted - allocated) / allocated:+.2%}); max reserved "
             f"{result['modelled_max_memory_reserved_bytes'] / 2**20:,.1f} MiB"
         )
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tpbench.allocator import CUBLAS_HANDLES, cublas_workspace_bytes
 from tpbench.config import RunConfig, local_batch
 from tpbench.models.minimind import default_intermediate_size
 from tpbench.parallel.plan import padded_vocab
@@ -532,6 +533,13 @@ class Prediction:
 
     def comm_rows(self) -> list[CommRow]:
         return list(self.rows)
+
+    def max_memory_allocated_bytes(self, gpu: str) -> int:
+        """What `torch.cuda.max_memory_allocated` would say on `gpu`: the live tensors at the peak and
+        the cuBLAS workspaces, allocator blocks that hold no tensor (tpbench.allocator). Left out: the
+        allocator's 512-B rounding and blocks handed out whole (a split would leave <= 1 MiB), which
+        add 0.5-1.8% more on the seed's presets (README, "The seed's GPU table")."""
+        return self.peak_bytes + CUBLAS_HANDLES * cublas_workspace_bytes(gpu)
 
 
 def predict(cfg: RunConfig) -> Prediction:

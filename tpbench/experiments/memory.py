@@ -101,7 +101,14 @@ def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace 
     for name, value in predicted.breakdown().items():
         result.add(f"predicted_{name}", value, "B")
     result.add("predicted_comm_bytes_per_step", predicted.comm_bytes_per_step, "B")
+    gpu = cfg.launch.emulate_gpu if trace is not None else allocator.gpu_of(_device_name(trainer))
+    if gpu is not None:  # an emulated GPU, or a real one the allocator model knows
+        result.add("predicted_max_memory_allocated_bytes", predicted.max_memory_allocated_bytes(gpu), "B")
     return result
+
+
+def _device_name(trainer: Trainer) -> str:
+    return torch.cuda.get_device_name(trainer.ctx.device) if trainer.ctx.device.type == "cuda" else ""
 
 
 def _host_step_counters(trainer: Trainer) -> list[torch.Tensor]:
