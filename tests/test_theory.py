@@ -69,6 +69,26 @@ CHECKS = {
         "model.tie_word_embeddings=false",
         "model.flash_attn=false",
     ],
+    # the waste removed: the SP split copies its shard (fp32 kept the whole embedding output); mixed
+    # precision casts a region's input once, before SP's all-gather (the re-gather applies again)
+    "t4_tp_sp_fp32": ["parallel.tp=4", SP, "train.dtype=float32"],
+    "dp2_tp_sp_mixed": [*DP2, SP, "train.precision=mixed"],
+    "t4_tp_mixed": ["parallel.tp=4", "train.precision=mixed"],
+    # activation recompute
+    "dp2_tp_sp_vp_selective": [*DP2, SP, VP, "train.recompute=selective"],
+    "dp2_tp_sp_vp_full": [*DP2, SP, VP, "train.recompute=full"],
+    "dp2_tp_sp_vp_mixed_selective": [*DP2, SP, VP, "train.precision=mixed", "train.recompute=selective"],
+    "dp2_tp_sp_vp_mixed_full": [*DP2, SP, VP, "train.precision=mixed", "train.recompute=full"],
+    "t4_tp_full": ["parallel.tp=4", "train.recompute=full"],
+    "t4_tp_sp_vp_fp32_selective": ["parallel.tp=4", SP, VP, "train.dtype=float32", "train.recompute=selective"],
+    "t4_kv1_manual_full": [
+        "parallel.tp=4",
+        "model.num_key_value_heads=1",
+        "model.flash_attn=false",
+        "train.recompute=full",
+    ],
+    "ddp_dp4_selective": [*DDP, "parallel.dp=4", "train.recompute=selective"],
+    "ddp_dp4_full": [*DDP, "parallel.dp=4", "train.recompute=full"],
 }
 
 

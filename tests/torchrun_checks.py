@@ -21,9 +21,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from tpbench.config import ParallelConfig, RunConfig
 from tpbench.experiments import memory, validate
+from tpbench.experiments.throughput import LocalFlopCounter
+from tpbench.experiments.training import Trainer
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, build_model
 from tpbench.parallel import comm
 from tpbench.parallel.context import ParallelContext
@@ -240,6 +243,7 @@ def suite_memory() -> dict:
         r = memory.run(run_config(overrides))
         mine = {
             "peak": next(m.value for m in r.measurements if m.name == "peak_bytes"),
+            "breakdown": {m.name: m.value for m in r.measurements if m.name.startswith("mem_")},
             "comm": sorted([c.op, c.purpose, c.count, c.bytes] for c in r.comm),
         }
         ranks = [None] * dist.get_world_size()
@@ -250,11 +254,6 @@ def suite_memory() -> dict:
 
 def suite_flops() -> dict:
     """FLOPs of one training step summed over ranks: LocalFlopCounter, and torch's FlopCounterMode."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from tpbench.experiments.throughput import LocalFlopCounter
-    from tpbench.experiments.training import Trainer
-
     results = {}
     for name, overrides in json.loads(os.environ["TPBENCH_CHECKS"]).items():
         trainer = Trainer(run_config(overrides))
@@ -269,7 +268,45 @@ def suite_flops() -> dict:
     return results
 
 
-SUITES = {"units": suite_units, "validate": suite_validate, "memory": suite_memory, "flops": suite_flops}
+def suite_recompute() -> dict:
+    """Per config: validation, two training steps with their collectives and FLOPs counted, and the
+    largest difference of the losses and parameters against the same mode with train.recompute=none
+    (the config named MODE/none, which comes first)."""
+    results, reference = {}, {}
+    for name, overrides in json.loads(os.environ["TPBENCH_CHECKS"]).items():
+        cfg = run_config(overrides)
+        passed = next(m.value for m in validate.run(cfg).measurements if m.name == "passed")
+        trainer = Trainer(cfg)
+        loss = trainer.step().item()  # the counted step's loss is compared through the parameters
+        counter, flops = comm.CommCounter(), LocalFlopCounter()
+        with comm.counting(counter), flops:
+            trainer.step()
+        params = torch.cat([p.detach().float().reshape(-1) for p in trainer.module.parameters()])
+        mode, recompute = name.split("/")
+        if recompute == "none":
+            reference[mode] = (loss, params)
+        loss0, params0 = reference[mode]
+        diff = torch.tensor([abs(loss - loss0), (params - params0).abs().max().item()])
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        executed = torch.tensor([float(flops.get_total_flops())], dtype=torch.float64)
+        dist.all_reduce(executed)
+        results[name] = {
+            "passed": passed,
+            "loss_diff": diff[0].item(),
+            "param_diff": diff[1].item(),
+            "flops": executed.item(),
+            "comm": sorted([c.op, c.purpose, c.count, c.bytes] for c in counter.rows()),
+        }
+    return results
+
+
+SUITES = {
+    "units": suite_units,
+    "validate": suite_validate,
+    "memory": suite_memory,
+    "flops": suite_flops,
+    "recompute": suite_recompute,
+}
 
 
 def main() -> None:

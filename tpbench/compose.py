@@ -53,6 +53,7 @@ SHORT_NAMES = {
     "steps": "train.steps",
     "dtype": "train.dtype",
     "precision": "train.precision",
+    "recompute": "train.recompute",
 }
 GROUPS = ("model", "mode", "batch", "kind", "device", "db", "launcher", "+preset", "+fault")
 
@@ -63,6 +64,7 @@ CHOICES = {
     "train.dtype": ("float32", "bfloat16", "float16"),
     "train.precision": ("pure", "mixed"),
     "train.loss": ("cross_entropy", "logits_mean"),
+    "train.recompute": ("none", "selective", "full"),
     "launch.device": ("auto", "cpu", "cuda"),
     "launch.backend": ("auto", "gloo", "nccl"),
     "launch.rdzv_backend": ("c10d", "static"),

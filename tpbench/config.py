@@ -62,6 +62,7 @@ class TrainConfig:
     # what memory and throughput train on: cross_entropy (the model's loss) | logits_mean (the seed
     # chapter's memory benchmark: logits.float().mean(), no labels)
     loss: str = "cross_entropy"
+    recompute: str = "none"  # none | selective | full: activation recompute (tpbench.parallel.recompute)
     lr: float = 1e-3
     weight_decay: float = 0.0
     steps: int = 5  # measured steps (memory, throughput)

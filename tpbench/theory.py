@@ -43,7 +43,7 @@ SP's re-gather never triggers there: the linears save their casts, not the gathe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tpbench.allocator import CUBLAS_HANDLES, cublas_workspace_bytes
 from tpbench.config import RunConfig, local_batch
@@ -82,6 +82,7 @@ class Dims:
     bucket_view: bool
     gpu: bool
     logits_mean: bool  # the seed's benchmark loss, logits.float().mean(), instead of cross entropy
+    recompute: str = "none"  # none | selective | full (train.recompute)
 
     @property
     def s(self) -> int:
@@ -130,7 +131,19 @@ class Dims:
     @property
     def saved_input_tokens(self) -> int:
         """Tokens of a region's gathered input that stay saved: the shard under SP with re-gather."""
-        return self.Ns if self.sp and self.regather else self.N
+        return self.Ns if self.sp and self.block_regather else self.N
+
+    @property
+    def block_regather(self) -> bool:
+        """SP's re-gather inside the blocks: not under full recompute, where a block keeps only its
+        input and its recomputed forward gathers again (the LM head still re-gathers)."""
+        return self.regather and self.recompute != "full"
+
+    @property
+    def cast_once(self) -> bool:
+        """Mixed precision with T > 1: each region entry casts its input to the autocast dtype once,
+        so the region's linears share one tensor (the dense model's linears each cast their own)."""
+        return self.mixed and self.T > 1
 
 
 def dims(cfg: RunConfig) -> Dims:
@@ -162,6 +175,7 @@ def dims(cfg: RunConfig) -> Dims:
         bucket_view=par.ddp_gradient_as_bucket_view,
         gpu=cfg.launch.device == "cuda",
         logits_mean=t.loss == "logits_mean",
+        recompute=t.recompute,
     )
 
 
@@ -243,19 +257,25 @@ def ddp_buckets(d: Dims, cap_bytes: int, rebuilt: bool = True) -> list[int]:
 
 
 def layer_activations(d: Dims) -> dict[str, int]:
-    """Bytes one block saves for backward on this rank, term by term.
+    """Bytes one block saves for backward on this rank, term by term, under d.recompute.
 
     p is the activation dtype: train.dtype, or the autocast dtype under mixed precision, where the
-    stream and the norms stay fp32 (d.s) and every autocast op saves its own bf16 casts: each of q, k,
-    v (gate, up) casts the fp32 region input; the linears' weights are cast once per forward (and
-    kept, saved, until their backward)."""
+    stream and the norms stay fp32 (d.s) and every autocast op saves its own bf16 casts: the linears'
+    weights are cast once per forward (and kept, saved, until their backward); with T > 1 each region entry casts its input once for all its linears, while the dense
+    model's (T = 1) q, k, v (gate, up) each cast it.
+
+    selective keeps each RMSNorm's input instead of its fp32 copy, rsqrt and fp32 result, and gate and up
+    instead of the four SwiGLU tensors (down_proj's weight cast, made inside, is remade too); full
+    keeps the block's input only (under mixed precision the casts it remakes are still held, by
+    autocast's cache, until the forward ends: `forward_only_casts`)."""
     N, Ns, S, B, H, p = d.N, d.Ns, d.S, d.B, d.H, d.p
-    rmsnorm = 2 * FP32 * Ns * H + FP32 * Ns  # fp32 input, rsqrt [Ns, 1], fp32 normed (weight's mul)
-    if d.mixed:  # the linears save their casts of the whole (gathered) input: 3 for attention, 2 MLP
-        # (SP's re-gather then never triggers, but its unpack hook, kept with every tensor saved in
-        # the region, holds on to the fp32 shard)
-        shard = d.s * Ns * H if d.sp and d.regather else 0
-        attn_input, mlp_input = 3 * p * N * H + shard, 2 * p * N * H + shard
+    if d.recompute == "full":  # the stream entering the block, [S(/T), B, H]
+        return {"block input": d.s * Ns * H, "weight casts": 0}
+    selective = d.recompute == "selective"
+    # fp32 input, rsqrt [Ns, 1], fp32 normed (the weight's mul saves it); selective: the input
+    rmsnorm = d.s * Ns * H if selective else 2 * FP32 * Ns * H + FP32 * Ns
+    if d.mixed and not d.cast_once:  # q, k, v each save a cast of the fp32 input, gate and up too
+        attn_input, mlp_input = 3 * p * N * H, 2 * p * N * H
     else:  # one tensor q/k/v (gate/up) share: under SP with the re-gather, only this rank's shard
         attn_input = mlp_input = p * d.saved_input_tokens * H
     k_width, v_width = kv_widths(d)
@@ -263,22 +283,40 @@ def layer_activations(d: Dims) -> dict[str, int]:
         core = p * N * d.Hq + FP32 * B * d.Nq_l * S
     else:  # fp32 softmax output, its cast (unless it is fp32 already), o_proj's input copy
         core = (FP32 + (p if p != FP32 else 0)) * B * d.Nq_l * S * S + p * N * d.Hq
+
+    def head_norm(width: int, heads: int) -> int:  # q_norm / k_norm over [N, heads, D]
+        return p * N * width if selective else 2 * FP32 * N * width + FP32 * N * heads
+
     terms = {
         "input_layernorm": rmsnorm,
         "attention input": attn_input,
-        "q_norm": 2 * FP32 * N * d.Hq + FP32 * N * d.Nq_l,
-        "k_norm": 2 * FP32 * N * d.Hkv + FP32 * N * d.Nkv_l,
+        "q_norm": head_norm(d.Hq, d.Nq_l),
+        "k_norm": head_norm(d.Hkv, d.Nkv_l),
         "rope tables": 4 * S * d.D * p if p != FP32 else 0,  # cos, sin cast to p, for q and for k
         "q, k, v": p * N * (d.Hq + k_width + v_width),
         "attention core": core,
         "post_attention_layernorm": rmsnorm,
         "mlp input": mlp_input,
-        "swiglu": 4 * p * N * d.I_l,
+        "swiglu": (2 if selective else 4) * p * N * d.I_l,
     }
     if d.mixed:
-        linears = sum(n for name, n in layer_params(d) if not name.endswith("norm"))
-        terms["weight casts"] = p * linears
+        terms["weight casts"] = p * block_linears(d) - forward_only_casts(d) // d.L
     return terms
+
+
+def block_linears(d: Dims) -> int:
+    """Elements of one block's linear weights on this rank."""
+    return sum(n for name, n in layer_params(d) if not name.endswith("norm"))
+
+
+def forward_only_casts(d: Dims) -> int:
+    """Mixed precision: bf16 weight casts that autocast's cache holds until the forward ends but
+    backward does not keep, since recompute makes them again: every block linear's under full,
+    down_proj's under selective (made inside its checkpointed SwiGLU)."""
+    if not d.mixed or d.recompute == "none":
+        return 0
+    per_layer = block_linears(d) if d.recompute == "full" else d.H * d.I_l
+    return d.L * d.p * per_layer
 
 
 def kv_widths(d: Dims) -> tuple[int, int]:
@@ -292,52 +330,42 @@ def kv_widths(d: Dims) -> tuple[int, int]:
 
 
 def model_activations(d: Dims) -> dict[str, int]:
-    """Bytes saved for backward outside the blocks, and the tensors the step holds all along."""
+    """Bytes saved for backward outside the blocks, and the tensors the step holds all along. The
+    logits are not here: the loss holds them while it runs (`loss_extra`), nothing after it."""
     N, Ns, H, p = d.N, d.Ns, d.H, d.p
-    if d.mixed:  # the LM head's cast of the whole input; with SP and VP, the unused shard too
-        head_input = p * N * H + (d.s * Ns * H if d.sp and d.vp and d.regather else 0)
-    else:
-        head_input = p * (Ns if d.sp and d.vp and d.regather else N) * H
+    # the LM head's input: the shard under SP + VP with the re-gather (cast once under mixed
+    # precision, as a region entry), else the whole [S, B, H] (the dense head's own cast, if mixed)
+    head_input = p * (Ns if d.sp and d.vp and d.regather else N) * H
     return {
         "blocks": d.L * sum(layer_activations(d).values()),
-        "embedding": embedding_activations(d),
+        "embedding": (INT64 + 1) * d.N if d.vp else 0,  # VP: masked local ids (int64), out-of-range mask
         "rope tables": 2 * FP32 * d.S * d.D,  # cos, sin [S, D] fp32, built once and kept by the model
-        "final norm": 2 * FP32 * Ns * H + FP32 * Ns + head_input,
+        "final norm": 2 * FP32 * Ns * H + FP32 * Ns,
+        "head input": head_input,
         "head weight cast": p * d.V_l * H if d.mixed else 0,
-        "logits": p * N * d.V_l,  # [S, B, V(/T)]; the training step keeps them until it returns
         "batch": 2 * INT64 * d.B * d.dp * d.S,  # ids and labels of the global batch (sliced views)
     }
 
 
-def embedding_activations(d: Dims) -> int:
-    """VP: the embedding saves its masked local ids (int64) and its out-of-range mask (bool).
-    SP without VP: the stream's shard is a view (split along dim 0) of the whole embedding output; in
-    fp32 the first RMSNorm saves that view as its input, so the whole [S, B, H] stays alive."""
-    if d.vp:
-        return (INT64 + 1) * d.N
-    return d.s * (d.N - d.Ns) * d.H if d.sp and d.s == FP32 else 0
-
-
 def loss_extra(d: Dims) -> tuple[int, int]:
-    """(activation, temporary) bytes of the loss at its peak, beyond the logits.
+    """(activation, temporary) bytes of the loss at its peak, beyond the saved activations.
 
     Dense loss (F.cross_entropy on logits.float()): the peak is log_softmax's backward, holding its
-    fp32 output (saved), the fp32 gradient from nll_loss and the fp32 gradient it makes: 3 x 4 N V.
-    Vocab-parallel loss: the peak is its forward, holding the fp32 logits (a copy unless p is 4 and
-    no padded column is masked), logits - max and their exp: up to 3 x 4 N V/T.
-    The seed's logits.float().mean(): the fp32 copy of the logits (unless they are fp32), freed once
-    the mean is taken; its backward is the logits' gradient of the head's backward."""
+    fp32 output (saved), the fp32 gradient from nll_loss and the fp32 gradient it makes: 3 x 4 N V
+    (the logits themselves are gone by then: nothing saves them).
+    Vocab-parallel loss: the peak is its forward, holding the logits and one fp32 copy of them that
+    becomes the softmax in place, with the [S, B] bookkeeping; its backward holds less (the softmax
+    turned into the gradient in place, and that gradient's cast).
+    The seed's logits.float().mean(): the logits and their fp32 copy (unless they are fp32), freed
+    once the mean is taken; its backward is the logits' gradient of the head's backward."""
     nv = d.N * d.V_l
     if d.logits_mean:
-        return (FP32 * nv if d.p != FP32 else 0), 0
+        return d.p * nv + (FP32 * nv if d.p != FP32 else 0), 0
     if not d.vp:
         return FP32 * nv, 2 * FP32 * nv
-    padded = d.Vp > d.V  # the last rank masks its padded columns into a new tensor
-    # [S, B] bookkeeping: targets and local ids (int64), row max and target logit (fp32), two masks
-    small = (2 * INT64 + 2 * FP32 + 2) * d.N + d.V_l
-    forward = (FP32 if d.p != FP32 or padded else 0) * nv + 2 * FP32 * nv + small
-    backward_temp = FP32 * nv + (d.p * nv if d.p != FP32 else 0)  # softmax grad, its cast
-    return (forward, 0) if forward >= FP32 * nv + backward_temp else (FP32 * nv, backward_temp)
+    # targets and local ids (int64), row max, target logit, sum of exp (fp32), valid and owned masks
+    small = (2 * INT64 + 3 * FP32 + 2) * d.N
+    return d.p * nv + FP32 * nv + small, 0
 
 
 # --- the peak -----------------------------------------------------------------------------------
@@ -369,17 +397,20 @@ def moments(d: Dims) -> list[Moment]:
     G = P if not (d.ddp and d.bucket_view) else 0  # gradients made in backward
     acts = model_activations(d)
     A = sum(acts.values())
-    kept = acts["logits"] + acts["batch"]  # what outlives the backward
+    kept = acts["batch"]  # what outlives the backward
 
     loss_act, loss_temp = loss_extra(d)
-    out = [Moment("loss", P, buckets, O, A + loss_act, loss_temp)]
+    out = [Moment("loss", P, buckets, O, A + forward_only_casts(d) + loss_act, loss_temp)]
 
     # the LM head's backward: the logits' gradient, the head's weight gradient (not yet accumulated
     # into .grad) and its input gradient, with every activation still saved
     temp = d.p * d.N * d.V_l + d.V_l * d.H * d.w + d.p * d.N * d.H
-    if d.sp and d.vp and d.regather and not d.mixed:  # the head's input, all-gathered again
+    if d.sp and d.vp and d.regather:  # the head's input, all-gathered again
         temp += d.p * d.N * d.H
     out.append(Moment("head backward", P, buckets, O, A, temp))
+    out.append(final_norm_backward(d, acts, P, O, buckets, G > 0))
+    if d.recompute == "full":
+        out += [recomputed_block(d, acts, P, O, buckets, G > 0, i) for i in sorted({d.L - 1, 0})]
     if not d.flash:
         out.append(attention_backward(d, acts, P, O, buckets, G > 0))
 
@@ -396,6 +427,60 @@ def moments(d: Dims) -> list[Moment]:
     return out
 
 
+def final_norm_backward(
+    d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool
+) -> Moment:
+    """The final RMSNorm's backward. MiniMind's RMSNorm computes in fp32, and its backward (pow's,
+    mean's and mul's gradients and their sum) holds 5 fp32 [Ns, H] temporaries at once beside its
+    saved fp32 input (MemTracker on the norm alone, bf16 and fp32 alike). The loss and the head have
+    run their backward: their saved tensors are freed, the head's gradient made (a tied head's waits,
+    as a temporary, for the embedding's share); the norm's weight gradient is made too."""
+    freed = acts["head input"] + acts["head weight cast"] + FP32 * d.Ns * d.H + FP32 * d.Ns  # normed, rsqrt
+    grads = d.H + (0 if d.tied else d.V_l * d.H)
+    tied_head = d.V_l * d.H * d.w if d.tied else 0
+    temps = 5 * FP32 * d.Ns * d.H + tied_head
+    grads = buckets + (grads * d.w if own_grads else 0)
+    return Moment("final norm backward", P, grads, optim, sum(acts.values()) - freed, temps)
+
+
+def recomputed(d: Dims) -> dict[str, int]:
+    """What a block recomputed under full recompute saves while its backward runs, beyond its input:
+    everything of `none`, the whole gathered region inputs included (the re-gather is off inside the
+    blocks). An fp32 stream is its first norm's fp32 input itself (x.float() is x), held already."""
+    terms = layer_activations(replace(d, recompute="none", regather=False))
+    if d.s == FP32:
+        terms["input_layernorm"] -= FP32 * d.Ns * d.H
+    return terms
+
+
+def after_head(acts: dict[str, int]) -> int:
+    """What the step still saves once the final norm's backward is done: the head's input and weight
+    cast and the final norm's tensors are freed."""
+    return sum(acts.values()) - acts["final norm"] - acts["head input"] - acts["head weight cast"]
+
+
+def recomputed_block(
+    d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool, layer: int
+) -> Moment:
+    """Full recompute: block `layer`'s backward, at the SwiGLU's mul. Its forward has run again (to
+    down_proj's input) and down_proj's backward is done: its input is freed, its weight gradient made;
+    the gradient of silu(gate) * up and the two the mul makes are alive, with the stream's gradient.
+    The blocks above have finished: their inputs are freed, their gradients made, as are the head's
+    and the final norm's (a tied head's waits, as a temporary, for the embedding's share). The top
+    block holds the most activations, the bottom one the most gradients."""
+    ffn = d.p * d.N * d.I_l
+    above = d.L - 1 - layer
+    block_input = acts["blocks"] // d.L
+    activations = after_head(acts) - above * block_input
+    activations += sum(recomputed(d).values()) - ffn
+    block = sum(n for _, n in layer_params(d))
+    grads = d.H + above * block + d.H * d.I_l + (0 if d.tied else d.V_l * d.H)
+    tied_head = d.V_l * d.H * d.w if d.tied else 0
+    temps = 3 * ffn + d.p * d.Ns * d.H + tied_head
+    grads = buckets + (grads * d.w if own_grads else 0)
+    return Moment(f"recomputed block {layer}", P, grads, optim, activations, temps)
+
+
 def attention_backward(
     d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool
 ) -> Moment:
@@ -403,11 +488,13 @@ def attention_backward(
     (saved), the fp32 gradient of the probabilities and the fp32 result, 3 x 4 B Nq S^2 at once.
     By then the head, the final norm, the MLP and o_proj have run their backward: their saved
     tensors are freed and their gradients made. A tied LM head's gradient waits, as a temporary, for
-    the embedding's share. Also alive: the residual stream's gradient and v's (its node runs later)."""
-    layer = layer_activations(d)
+    the embedding's share. Also alive: the residual stream's gradient and v's (its node runs later).
+    Under full recompute the block's activations are the recomputed ones, beside every block input."""
+    full = d.recompute == "full"
+    layer = recomputed(d) if full else layer_activations(d)
     scores = d.B * d.Nq_l * d.S * d.S
     v_width = kv_widths(d)[1]
-    freed = acts["final norm"] + layer["post_attention_layernorm"] + layer["mlp input"] + layer["swiglu"]
+    freed = layer["post_attention_layernorm"] + layer["mlp input"] + layer["swiglu"]
     freed += (d.p * scores if d.p != FP32 else 0) + d.p * d.N * (d.Hq + v_width)  # probs, o in, v
     done = ["mlp.", "post_attention_layernorm", "self_attn.o_proj"]
     grads = d.H + sum(n for name, n in layer_params(d) if name.startswith(tuple(done)))
@@ -415,7 +502,7 @@ def attention_backward(
     tied_head = d.V_l * d.H * d.w if d.tied else 0
     flowing = d.p * (d.Ns * d.H + d.N * v_width)
     grads = buckets + (grads * d.w if own_grads else 0)
-    activations = sum(acts.values()) - freed
+    activations = after_head(acts) + (sum(layer.values()) if full else 0) - freed
     return Moment("attention", P, grads, optim, activations, 2 * FP32 * scores + tied_head + flowing)
 
 
@@ -447,23 +534,29 @@ def comm_rows(cfg: RunConfig) -> list[CommRow]:
         return _sorted(rows)
 
     T, L, N, H = d.T, d.L, d.N, d.H
-    # Element bytes of what enters a region (a norm output or the embedding, and their gradients) and
-    # of what leaves it (a row-parallel output and its gradient). Mixed precision: the stream and the
-    # norms are fp32, the linears' outputs are in the autocast dtype.
-    e_in, e_out = (FP32 if d.mixed else d.p), d.p
-    if not d.sp:  # per block: f-bar forward (2 exits), f backward (2 entries); VP: embedding, head
-        add("all_reduce", "activation", N * H * e_out, T, 2 * L)
-        add("all_reduce", "activation", N * H * e_in, T, 2 * L + (2 if d.vp else 0))
-    else:  # g forward / reduce-scatter backward; g-bar reduce-scatter forward / all-gather backward
-        edges = 2  # embedding and head: split or reduce-scatter, gather-replicated or g
-        add("all_gather", "activation", N * H * e_in, T, 2 * L + edges)
-        add("all_gather", "activation", N * H * e_out, T, 2 * L)
-        add("reduce_scatter", "activation", N * H * e_in, T, 2 * L + (2 if d.vp else 0))
-        add("reduce_scatter", "activation", N * H * e_out, T, 2 * L)
-        # backward all-gathers each saved shard again: 2 per block, + the VP head. Under autocast the
-        # linears save their bf16 casts of the gathered input, not the input: no shard, no re-gather
-        if d.regather and not d.mixed:
-            add("all_gather", "regather", N * H * e_in, T, 2 * L + (1 if d.vp else 0))
+    # Element bytes: `a` of what crosses a region's boundary (its entry's input, cast to the autocast
+    # dtype under mixed precision, a row-parallel output, their gradients); `e` of the stream at the
+    # edges (the embedding's output, the replicated head's input), fp32 under mixed precision.
+    a, e = d.p, d.s
+    regions, vp = 2 * L + (1 if d.vp else 0), 1 if d.vp else 0  # entries: 2 per block, the VP head
+    if not d.sp:  # f-bar forward at 2L exits, f backward at every entry; VP: the embedding's f-bar
+        add("all_reduce", "activation", N * H * a, T, 2 * L + regions)
+        add("all_reduce", "activation", N * H * e, T, vp)
+    else:  # g all-gathers forward, reduce-scatters backward; g-bar the other way round
+        add("all_gather", "activation", N * H * a, T, regions + 2 * L)
+        add("reduce_scatter", "activation", N * H * a, T, regions + 2 * L)
+        # the embedding: VP's g-bar (reduce-scatter, all-gather backward), else the split's backward
+        # all-gather; without VP, the replicated head's all-gather
+        add("all_gather", "activation", N * H * e, T, 1 if d.vp else 2)
+        add("reduce_scatter", "activation", N * H * e, T, vp)
+        if d.regather:  # backward all-gathers each saved shard again: 2 per block, + the VP head
+            add("all_gather", "regather", N * H * a, T, (2 * L if d.block_regather else 0) + vp)
+    if d.recompute == "full":  # each block's forward again, to down_proj: both entries (SP: g),
+        if d.sp:  # and the attention's exit
+            add("all_gather", "recompute", N * H * a, T, 2 * L)
+            add("reduce_scatter", "recompute", N * H * a, T, L)
+        else:
+            add("all_reduce", "recompute", N * H * a, T, L)
     if d.vp:  # max, target logit, sum of exp: [S, B] fp32 each
         add("all_reduce", "loss", N * FP32, T, 3)
     if T > 1:
@@ -496,6 +589,20 @@ def model_flops_per_step(cfg: RunConfig) -> float:
     per_token_layer = 2 * (2 * H * H + 2 * H * kv + 3 * H * I) + 2 * 2 * S * H  # weights; QK^T, PV
     per_token = d.L * per_token_layer + 2 * H * V  # + the LM head
     return 3.0 * per_token * S * d.B * d.dp
+
+
+def recompute_flops_per_step(cfg: RunConfig) -> float:
+    """FLOPs that activation recompute adds to one training step, summed over every rank (as
+    flops_per_step counts them; model FLOPs leave them out). Selective remakes elementwise results
+    only: no matmul. Full runs each block's forward again up to down_proj's input: every matmul of
+    the block but down_proj's, attention counted as the full S x S products."""
+    d = dims(cfg)
+    if d.recompute != "full":
+        return 0.0
+    N, H = d.N, d.H
+    weights = 2 * N * H * (2 * d.Hq + 2 * d.Hkv + 2 * d.I_l)  # q, o; k, v; gate, up
+    attention = 2 * 2 * d.B * d.Nq_l * d.S * d.S * d.D  # Q K^T and P V
+    return float(d.L * (weights + attention) * d.T * d.dp)
 
 
 # --- the prediction -----------------------------------------------------------------------------

@@ -75,6 +75,7 @@ def run(cfg: RunConfig) -> RankResult:
     result.add("tokens_per_s_per_device", tokens / median / world, "tokens/s")
     model_flops = theory.model_flops_per_step(cfg)
     result.add("model_flops_per_step", model_flops, "FLOP")
+    result.add("predicted_recompute_flops_per_step", theory.recompute_flops_per_step(cfg), "FLOP")
     result.add("predicted_comm_bytes_per_step", theory.predict(cfg).comm_bytes_per_step, "B")
     peak = None
     if trainer.ctx.device.type == "cuda":

@@ -28,6 +28,7 @@ from tpbench.experiments.setup import (
 )
 from tpbench.parallel import comm
 from tpbench.parallel.context import ParallelContext
+from tpbench.parallel.recompute import apply_recompute
 
 
 class Trainer:
@@ -71,6 +72,7 @@ class Trainer:
     def _ddp(self, on_device: Callable[[torch.nn.Module], None]):
         p = self.cfg.parallel
         dense = place(build_dense(self.cfg), self.ctx.device, param_dtype(self.cfg))
+        apply_recompute(dense, self.cfg.train.recompute)
         on_device(dense)
         fake = dist.get_backend(self.ctx.dp_group) == "fake"
         ddp = DistributedDataParallel(
@@ -94,8 +96,8 @@ class Trainer:
         with precision(self.cfg, self.ctx.device):
             if self.cfg.train.loss == "logits_mean":  # the seed's memory benchmark
                 loss = self.model(ids)[0].float().mean()
-            else:
-                _, loss = self.model(ids, labels)
+            else:  # the logits are dropped here, not kept through backward
+                loss = self.model(ids, labels)[1]
         loss.backward()
         self.finish_grads()
         self.optimizer.step()

@@ -58,6 +58,11 @@ def check_shardable(cfg: RunConfig) -> None:
         raise ConfigError(
             f"parallel.engine=ddp with tp={p.tp} sp={p.sp} vp={p.vp}: ddp needs tp=1, sp/vp off"
         )
+    if p.engine == "dtensor" and t.recompute != "none":
+        raise ConfigError(
+            f"train.recompute={t.recompute} with parallel.engine=dtensor: accepted there is none "
+            f"(recompute is built for the megatron and ddp engines)"
+        )
     if t.batch == "fixed_global" and t.global_batch % p.dp:
         raise ConfigError(
             f"train.global_batch={t.global_batch} is not divisible by parallel.dp={p.dp} under fixed_global"

@@ -100,6 +100,21 @@ def counting(counter: CommCounter) -> Iterator[CommCounter]:
         _counter = previous
 
 
+_recomputing = False
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """Collectives issued inside are counted under the purpose "recompute": a block's forward run
+    again in backward by activation recompute (tpbench.parallel.recompute)."""
+    global _recomputing
+    previous, _recomputing = _recomputing, True
+    try:
+        yield
+    finally:
+        _recomputing = previous
+
+
 def _size(group: Group) -> int:
     """None stands for no group at all (a single process): every op is then the identity."""
     return 1 if group is None else dist.get_world_size(group)
@@ -115,6 +130,7 @@ def _run(op: str, purpose: str, x: torch.Tensor, full_bytes: int, group: Group, 
         torch.cuda.synchronize(x.device)
     if _counter is not None:
         seconds = time.perf_counter() - start
+        purpose = "recompute" if _recomputing else purpose
         if _counter.events is None:
             _counter.record(op, purpose, full_bytes, _size(group), seconds)
         else:
@@ -215,11 +231,11 @@ def reduce_floats(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
 
 
 def split(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """This rank's shard of dim 0; no communication."""
+    """This rank's shard of dim 0; no communication. A copy: a view would keep all of `x` alive."""
     world = _size(group)
     if world == 1:
         return x
-    return x.chunk(world, dim=0)[dist.get_rank(group)].contiguous()
+    return x.chunk(world, dim=0)[dist.get_rank(group)].clone()
 
 
 # --- conjugate autograd pairs ------------------------------------------------------------------
@@ -232,14 +248,16 @@ class _CopyToTP(torch.autograd.Function):
         return x
 
     @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad.clone(), ctx.group, "activation"), None
+    def backward(ctx, grad):  # the incoming gradient is this node's own: reduced in place
+        return all_reduce(grad, ctx.group, "activation"), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return all_reduce(x.clone(), group, "activation")
+        # in place, as Megatron: x is a row-parallel layer's partial sum that nothing saves (were it
+        # saved, its bumped version counter would make that backward fail, never silently differ)
+        return all_reduce(x, group, "activation")
 
     @staticmethod
     def backward(ctx, grad):

@@ -69,7 +69,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(weight)
         self.bias = None if bias is None else nn.Parameter(bias)
         self.group = group
-        self.reduce = reduce
+        self.reduction = reduce
 
     @classmethod
     def init(
@@ -87,8 +87,11 @@ class RowParallelLinear(nn.Module):
         return cls(weight, group, reduce, torch.zeros(out_features) if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)  # [S, B, out], a partial sum over the TP ranks
-        if self.reduce == "all_reduce":
+        return self.reduce(F.linear(x, self.weight))  # [S, B, out], a partial sum over the TP ranks
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial outputs (f-bar), or reduce-scatter them (g-bar); add the bias."""
+        if self.reduction == "all_reduce":
             out = comm.reduce_from_tp_region(partial, self.group)  # [S, B, out]
         else:
             out = comm.reduce_scatter_to_sp_region(partial, self.group)  # [S/T, B, out]

@@ -27,6 +27,7 @@ from tpbench.parallel import comm
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.cross_entropy import VocabParallelCrossEntropy
 from tpbench.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tpbench.parallel.recompute import apply_recompute
 
 GRAD_SUMS = ("qk_norm", "kv_replicas", "sp_norms", "dp")
 
@@ -160,17 +161,21 @@ def parallelize(
     ctx: ParallelContext,
     pcfg: ParallelConfig,
     skip_grad_sum: tuple[str, ...] = (),
+    recompute: str = "none",
 ) -> ParallelModel:
     """Shard `model` in place for ctx.tp ranks and return it with its layouts and gradient sums.
 
     skip_grad_sum names entries of GRAD_SUMS to leave out: only to prove that each one is needed.
+    recompute (train.recompute) is applied first; under `full` the blocks keep no gathered input, so
+    SP's re-gather applies to the LM head only.
     """
     cfg = model.config
+    apply_recompute(model, recompute)
     if ctx.tp > 1:
         ctx.setup_kv_replicas(cfg.num_key_value_heads)
     layouts = plan_layouts(cfg, ctx.tp, pcfg)
     if ctx.tp > 1:
-        apply_tp(model, ctx, layouts, pcfg.sp, pcfg.sp_regather)
+        apply_tp(model, ctx, layouts, pcfg.sp, pcfg.sp_regather and recompute != "full")
         if pcfg.vp:
             apply_vp(model, ctx, layouts, pcfg.sp, pcfg.sp_regather)
         elif pcfg.sp:
@@ -244,6 +249,7 @@ def _enter_region(module: nn.Module, group: comm.Group, sp: bool, regather: bool
     inner = module.forward
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
+        x = _autocast_input(x)
         if not sp:
             return inner(comm.copy_to_tp_region(x, group), *args, **kwargs)
         full = comm.gather_from_sp_region(x, group)  # [S/T, B, H] -> [S, B, H]
@@ -253,6 +259,14 @@ def _enter_region(module: nn.Module, group: comm.Group, sp: bool, regather: bool
             return inner(full, *args, **kwargs)
 
     module.forward = types.MethodType(forward, module)
+
+
+def _autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """Under autocast, a region's linears would each save their own cast of its input: cast it once,
+    before the entry op, so that they share one tensor (SP's re-gather keeps the cast shard) and the
+    entry's collectives move the autocast dtype."""
+    device = x.device.type
+    return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
 
 
 def _wrap(module: nn.Module, before: Callable | None = None, after: Callable | None = None) -> None:

@@ -1,0 +1,62 @@
+"""Activation recompute (train.recompute): the same numbers, the predicted collectives and FLOPs, one
+torchrun launch of the tiny model at T = 2 (DDP at dp = 2) for every mode and setting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from torchrun_checks import TINY, run_config, torchrun
+
+from tpbench import theory
+
+MODES = {
+    "ddp": ["parallel.engine=ddp", "parallel.tp=1", "parallel.dp=2"],
+    "tp": ["parallel.tp=2"],
+    "tp_sp": ["parallel.tp=2", "parallel.sp=true"],
+    "tp_vp": ["parallel.tp=2", "parallel.vp=true"],
+    "tp_sp_vp": ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true"],
+}
+SETTINGS = ("none", "selective", "full")
+BASE = [*TINY, "validate.steps=2", "validate.every=1", "train.warmup=0"]
+
+
+def overrides(name: str) -> list[str]:
+    mode, setting = name.split("/")
+    return [*BASE, *MODES[mode], f"train.recompute={setting}"]
+
+
+NAMES = [f"{mode}/{setting}" for mode in MODES for setting in SETTINGS]
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    out = tmp_path_factory.mktemp("recompute") / "recompute.json"
+    checks = {name: overrides(name) for name in NAMES}
+    return torchrun(Path(__file__).parent / "torchrun_checks.py", 2, out, "recompute", checks=checks)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_validation_passes_with_every_setting(checked, name):
+    assert checked[name]["passed"] == 1.0
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if not n.endswith("/none")])
+def test_recompute_is_bit_exact_against_none(checked, name):
+    """Manual attention, gloo on CPU: every op is deterministic, so recompute changes no bit."""
+    assert checked[name]["loss_diff"] == 0.0
+    assert checked[name]["param_diff"] == 0.0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_collectives_are_the_predicted_ones(checked, name):
+    predicted = sorted([r.op, r.purpose, r.count, r.bytes] for r in theory.predict(run_config(overrides(name))).rows)
+    assert checked[name]["comm"] == predicted
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_recompute_adds_the_predicted_flops(checked, name):
+    mode = name.split("/")[0]
+    extra = checked[name]["flops"] - checked[f"{mode}/none"]["flops"]
+    assert extra == theory.recompute_flops_per_step(run_config(overrides(name)))
+    assert (extra > 0) == name.endswith("/full")

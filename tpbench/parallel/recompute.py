@@ -1,0 +1,108 @@
+"""Activation recompute (`train.recompute`): keep fewer activations, run part of the forward again in
+backward. The names are Megatron's `--recompute-granularity` and torchtitan's `activation_checkpoint.mode`.
+
+| mode      | what a block keeps for backward                 | recomputed in backward               |
+|-----------|-------------------------------------------------|--------------------------------------|
+| none      | everything its ops save (tpbench.theory)        | nothing                              |
+| selective | all but the elementwise results below           | RMSNorms' fp32 internals, SwiGLU act |
+| full      | its input only: the [S/T, B, H] shard under SP  | the block, up to its last save       |
+
+Selective follows Korthikanti et al. (2022) section 5: recompute what is large to keep and cheap to
+make again. Their choice, the attention core's [S, S] softmax, is already recomputed by the fused SDPA
+kernel (it keeps the output and the logsumexp only), so here the large and cheap parts are the
+elementwise ones: each RMSNorm keeps an fp32 copy of its input and its normalised result (6 bytes per
+element in bf16), the SwiGLU keeps silu(gate) and silu(gate) * up beside gate and up (the largest
+per-token term of the block, 4 x I). Selective keeps only the inputs they are made from (the norm's
+input, gate and up) and remakes the rest from them at their first use in backward: no matmul is run
+again, so the FLOPs a counter sees do not change. The autograd graph is the one of `none`: the
+gradients are bit-identical.
+
+Full wraps each block in torch.utils.checkpoint (non-reentrant). Its recomputation stops early, at
+the block's last saved tensor (down_proj's input), so it issues the block's forward collectives up
+to there again: the entry all-gather (g) of both regions and the attention's exit (f-bar or g-bar),
+counted under the purpose "recompute". SP's re-gather hooks are not installed under full: the block
+keeps nothing of the gathered input, the recomputed forward gathers it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tpbench.models.minimind import FeedForward, MiniMindForCausalLM, RMSNorm
+from tpbench.parallel import comm
+from tpbench.parallel.layers import RowParallelLinear
+
+MODES = ("none", "selective", "full")
+
+
+def apply_recompute(model: MiniMindForCausalLM, mode: str) -> None:
+    """Make every block of `model` (dense or sharded) recompute in backward as `mode` says."""
+    if mode not in MODES:
+        raise ValueError(f"train.recompute={mode!r}: accepted are {', '.join(MODES)}")
+    if mode == "none":
+        return
+    for block in model.model.layers:
+        if mode == "full":
+            _checkpoint(block)
+        else:
+            for norm in (block.input_layernorm, block.post_attention_layernorm):
+                _recompute_norm(norm)
+            _recompute_norm(block.self_attn.q_norm)
+            _recompute_norm(block.self_attn.k_norm)
+            _recompute_swiglu(block.mlp)
+
+
+# --- full --------------------------------------------------------------------------------------
+
+
+def _recompute_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """(forward, recomputation) contexts of torch.utils.checkpoint: collectives of the second count
+    under the purpose "recompute"."""
+    return contextlib.nullcontext(), comm.recomputing()
+
+
+def _checkpoint(block: nn.Module) -> None:
+    inner = block.forward
+
+    def forward(self, x: torch.Tensor, *args):
+        return checkpoint(inner, x, *args, use_reentrant=False, context_fn=_recompute_contexts)
+
+    block.forward = types.MethodType(forward, block)
+
+
+# --- selective ---------------------------------------------------------------------------------
+
+
+def _recompute_norm(norm: RMSNorm) -> None:
+    """Keep the norm's input only; its fp32 copy, rsqrt and normalised result are made again."""
+    inner = norm.forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(inner, x, use_reentrant=False, preserve_rng_state=False)
+
+    norm.forward = types.MethodType(forward, norm)
+
+
+def _recompute_swiglu(mlp: FeedForward) -> None:
+    """Keep gate and up only. The checkpointed function ends with down_proj's local matmul, so that
+    its input, silu(gate) * up, is recomputed too; the recomputation stops early, when that matmul
+    saves its input, before the matmul itself runs. A row-parallel down_proj reduces after it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        down = self.down_proj
+        row = isinstance(down, RowParallelLinear)
+
+        def swiglu_down(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+            return F.linear(F.silu(gate) * up, down.weight, None if row else down.bias)
+
+        gate, up = self.gate_proj(x), self.up_proj(x)  # [S, B, I/T] each
+        y = checkpoint(swiglu_down, gate, up, use_reentrant=False, preserve_rng_state=False)
+        return down.reduce(y) if row else y  # [S(/T), B, H]
+
+    mlp.forward = types.MethodType(forward, mlp)
