@@ -50,7 +50,9 @@ def test_recompute_is_bit_exact_against_none(checked, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_collectives_are_the_predicted_ones(checked, name):
-    predicted = sorted([r.op, r.purpose, r.count, r.bytes] for r in theory.predict(run_config(overrides(name))).rows)
+    predicted = sorted(
+        [r.op, r.purpose, r.count, r.bytes] for r in theory.predict(run_config(overrides(name))).rows
+    )
     assert checked[name]["comm"] == predicted
 
 

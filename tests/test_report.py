@@ -1,9 +1,9 @@
 """`tpbench report` from a database of real runs (torchrun jobs of the tiny model on CPU), and the HTML
 opened in a real headless browser (Debian's chromium: missing, the browser tests fail, they do not skip).
 
-One module fixture fills the database: memory of DDP and TP, throughput of TP, validate of TP+SP+VP and
-one run that fails on purpose. A sweep name and the failed run's error hold a `<script>` that must reach
-the reader as text.
+One module fixture fills the database: memory of DDP and TP, throughput of TP (TP also with full
+activation recompute), validate of TP+SP+VP and one run that fails on purpose. A sweep name and the
+failed run's error hold a `<script>` that must reach the reader as text.
 """
 
 from __future__ import annotations
@@ -66,7 +66,11 @@ def filled(tmp_path_factory) -> Filled:
     """Two chains of real runs side by side (SQLite in WAL mode takes both writers)."""
     work = Filled(tmp_path_factory.mktemp("report"))
     chains = [
-        [["sweep", "kind=memory", "mode=ddp,tp", *QUICK]],
+        [
+            ["sweep", "kind=memory", "mode=ddp,tp", *QUICK],
+            ["run", "kind=memory", "mode=tp", "recompute=full", *QUICK],
+            ["run", "kind=throughput", "mode=tp", "recompute=full", *QUICK],
+        ],
         [
             ["run", "kind=throughput", "mode=tp", *QUICK],
             [
@@ -91,6 +95,8 @@ def filled(tmp_path_factory) -> Filled:
     assert statuses == [
         ("memory", "ddp", "OK"),
         ("memory", "tp", "OK"),
+        ("memory", "tp", "OK"),
+        ("throughput", "tp", "OK"),
         ("throughput", "tp", "OK"),
         ("validate", "tp", "FAILED"),
         ("validate", "tp_sp_vp", "OK"),
@@ -121,13 +127,19 @@ def run_values(filled: Filled, kind: str, name: str) -> dict[str, float]:
 
 
 def expected_charts(filled: Filled) -> list[str]:
-    """The chart titles of the full report; measured vs predicted only once the theory predicts a peak."""
+    """The chart titles of the full report, in order; measured vs predicted only once the theory
+    predicts a peak. TP with full recompute is a setting of its own (memory, throughput, collectives),
+    beside the default one."""
     predicted = any(v > 0 for v in run_values(filled, "memory", "predicted_peak_bytes").values())
+    per_setting = ["Peak per rank", "Breakdown of the peak"]
     return [
-        "Peak per rank",
-        "Breakdown of the peak",
-        *(["Measured vs predicted peak"] if predicted else []),
+        *per_setting,
+        *per_setting,
+        *(["Measured vs predicted peak"] * 2 if predicted else []),
+        "Recompute",
         "Throughput",
+        "Throughput",
+        "Collectives per step",
         "Collectives per step",
         "AdamW drift",
     ]
@@ -166,6 +178,23 @@ def test_html_carries_the_diagram_of_each_tp_mode_inline(html_report):
     assert "f: identity / all-reduce (enter the TP region)" in text
     assert "g: all-gather / reduce-scatter (enter the TP region)" in text
     assert text.count("all-reduce (loss)") == 3
+
+
+def test_recompute_is_its_own_axis(filled, html_report):
+    """TP's peak and step time with full recompute, beside recompute none and as a ratio to it."""
+    rows = filled.query(
+        "SELECT r.kind, json_extract(r.config, '$.train.recompute'), MAX(m.value) FROM runs r "
+        "JOIN measurements m ON m.run_id = r.id WHERE r.mode = 'tp' AND m.step IS NULL "
+        "AND m.name IN ('peak_bytes', 'step_time_s') AND r.status = 'OK' GROUP BY r.id"
+    )
+    value = {(kind, recompute): v for kind, recompute, v in rows}
+    html = html_report.read_text()
+    section = html[html.index("Activation recompute") : html.index(">Throughput<")]
+    full, none = value[("memory", "full")], value[("memory", "none")]
+    assert full < none
+    for figure in (f"{full / 2**20:,.1f} MiB", f"{none / 2**20:,.1f} MiB", f"{full / none:.1%}"):
+        assert figure in section
+    assert f"{value[('throughput', 'full')] * 1e3:,.2f} ms" in section
 
 
 def test_html_is_self_contained_and_escapes_what_runs_hold(html_report):
@@ -311,7 +340,7 @@ def test_filters_select_runs(filled, tmp_path):
     assert filled.report("--kind", "memory", "--out", str(out)).exit_code == 0
     html = out.read_text()
     assert "No OK validate runs in this selection" in html and "No OK throughput runs" in html
-    assert html.count("<img") == len(expected_charts(filled)) - 2  # not throughput, not the drift
+    assert html.count("<img") == len(expected_charts(filled)) - 3  # not throughput (2), not the drift
     done = filled.report(
         "--format", "csv", "--where", "mode=tp", "--where", "sp=false", "--out", str(tmp_path / "tp.csv")
     )

@@ -80,7 +80,13 @@ CHECKS = {
     "dp2_tp_sp_vp_mixed_selective": [*DP2, SP, VP, "train.precision=mixed", "train.recompute=selective"],
     "dp2_tp_sp_vp_mixed_full": [*DP2, SP, VP, "train.precision=mixed", "train.recompute=full"],
     "t4_tp_full": ["parallel.tp=4", "train.recompute=full"],
-    "t4_tp_sp_vp_fp32_selective": ["parallel.tp=4", SP, VP, "train.dtype=float32", "train.recompute=selective"],
+    "t4_tp_sp_vp_fp32_selective": [
+        "parallel.tp=4",
+        SP,
+        VP,
+        "train.dtype=float32",
+        "train.recompute=selective",
+    ],
     "t4_kv1_manual_full": [
         "parallel.tp=4",
         "model.num_key_value_heads=1",

@@ -3,8 +3,12 @@
 Memory is what torch's MemTracker sees on one rank: the bytes of live tensor storages. A step is
   zero_grad(set_to_none) -> forward -> loss -> backward -> gradient sums -> AdamW step,
 so the peak is the largest of a few moments (`Prediction.moments`):
-  loss          the cross entropy, every activation of the forward still saved for backward;
+  loss          the cross entropy, every activation of the forward still saved for backward (the
+                logits live only while the loss runs: the training step does not keep them);
   head backward the LM head's backward: the logits' and the head weight's gradients;
+  final norm backward  the final RMSNorm's fp32 backward temporaries;
+  recomputed block     full recompute: the top and the bottom block's backward, their forward run
+                again (the top one beside every block input, the bottom one beside most gradients);
   attention     the top layer's manual-attention backward, with its fp32 [B, N, S, S] gradients;
   backward end  a tied embedding's two gradients and their sum, beside all the others;
   gradient sums megatron with DP: every gradient and a flat copy of them all being all-reduced;
@@ -35,10 +39,18 @@ region inputs stay whole on every rank; SP divides those too (the region inputs 
 re-gather), so that TP + SP saves 1/T of everything, as in the paper.
 
 Mixed precision (fp32 masters, autocast): the stream and the norms are fp32, and every autocast op
-saves its own bf16 casts: q, k and v each cast the region input (3 copies, gate and up 2), and each
-linear's weight is cast once per forward and kept until its backward. q/k norms cast back to their
-input's dtype, the autocast dtype of q_proj's and k_proj's outputs, so RoPE and SDPA run in it.
-SP's re-gather never triggers there: the linears save their casts, not the gathered input.
+saves its own bf16 casts: each linear's weight is cast once per forward and kept until its backward,
+and q/k norms cast back to their input's dtype, the autocast dtype of q_proj's and k_proj's outputs,
+so RoPE and SDPA run in it. With T > 1 each region entry casts its input to bf16 once,
+before its collective, so that q, k, v (gate, up) share it and SP's re-gather keeps its bf16 shard;
+the dense model (T = 1) lets each linear cast its own copy (3 for attention, 2 for the MLP).
+
+Activation recompute (train.recompute, tpbench.parallel.recompute) changes the per-layer terms:
+selective keeps each RMSNorm's input instead of its fp32 internals and gate, up instead of the four
+SwiGLU tensors; full keeps each block's input only, and its backward holds one block's activations of
+`none` (without the re-gather) at a time. Full adds, per block, the collectives of the forward up to
+down_proj's input (SP: both entry all-gathers and the attention's reduce-scatter; TP: the attention's
+all-reduce, purpose "recompute") and that forward's matmuls (`recompute_flops_per_step`).
 """
 
 from __future__ import annotations

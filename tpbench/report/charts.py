@@ -175,6 +175,35 @@ def throughput(runs: pd.DataFrame, title: str) -> bytes:
         return _png(fig)
 
 
+def recompute(frame: pd.DataFrame, title: str) -> bytes:
+    """Per mode and layer count, one bar per recompute setting: the per-rank peak (its ratio to none
+    on the bar) and the median step time (likewise), where measured."""
+    groups = list(dict.fromkeys(frame["mode"] + " L" + frame["layers"].astype(str)))
+    shades = sns.color_palette("Blues", 4)[1:]
+    with _style():
+        fig = Figure(figsize=(max(6.0, 1.6 * len(groups)) * 2 + 1, 4.0))
+        axes = fig.subplots(1, 2)
+        panels = (("peak_bytes", "peak_of_none", units.MIB, "peak per rank (MiB)"),
+                  ("step_time_s", "step_of_none", 1e-3, "step time (ms)"))  # fmt: skip
+        for ax, (column, ratio, scale, label) in zip(axes, panels, strict=True):
+            series = []
+            for i, (setting, rows) in enumerate(frame.groupby("recompute", sort=False)):
+                keyed = rows.assign(group=rows["mode"] + " L" + rows["layers"].astype(str)).set_index("group")
+                values = (keyed[column] / scale).to_dict() if column in keyed else {}
+                texts = (
+                    keyed[ratio].map(lambda v: "" if pd.isna(v) else f"{v:.2f}x").to_dict()
+                    if ratio in keyed
+                    else {}
+                )
+                series.append({"label": setting, "values": values, "texts": texts,
+                               "style": {"color": shades[i % len(shades)]}})  # fmt: skip
+            _grouped_bars(ax, groups, series)
+            ax.set(ylabel=label, title=label.split(" (")[0])
+        _legend_outside(axes[1])
+        fig.suptitle(title, fontsize=9)
+        return _png(fig)
+
+
 def collectives(frame: pd.DataFrame, title: str) -> bytes:
     """Bytes on the wire and calls per step for each collective type, per mode."""
     frame = frame.assign(bar=frame["mode"] + " L" + frame["layers"].astype(str))

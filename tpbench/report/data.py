@@ -19,6 +19,7 @@ from tpbench.config import emulation_label
 from tpbench.db import ResultsDB, Run, parse_since
 
 MODE_ORDER = ("ddp", "tp", "tp_sp", "tp_vp", "tp_sp_vp")
+RECOMPUTE_ORDER = ("none", "selective", "full")
 # MemTracker's split of the peak, bottom to top of the stacked bars; the last two are often zero.
 MEMORY_PARTS = {
     "mem_params_bytes": "parameters",
@@ -117,7 +118,11 @@ def load(db: ResultsDB, selection: Selection) -> ReportData:
     runs = runs.join(metrics, on="id")
     # emulated runs (tpbench.emulation) are a setting of their own: never drawn beside measured jobs
     runs["emulated"] = [emulation_label(configs[i]) for i in runs["id"]]
-    runs["setting"] = runs.apply(setting_label, axis=1) if len(runs) else pd.Series(dtype=str)
+    runs["recompute"] = [configs.get(i, {}).get("train.recompute", "none") for i in runs["id"]]
+    runs["base_setting"] = runs.apply(setting_label, axis=1) if len(runs) else pd.Series(dtype=str)
+    # runs with activation recompute are their own setting in every section but the recompute one
+    suffix = runs["recompute"].map(lambda r: "" if r == "none" else f" · recompute {r}")
+    runs["setting"] = runs["base_setting"] + suffix
     runs["mode_rank"] = runs["mode"].map(mode_rank)
     long = db.measurements(ok_ids)
     curves = long[long["step"].notna()].groupby(["run_id", "name", "step"], as_index=False)["value"].max()
@@ -215,6 +220,44 @@ def memory_breakdown(data: ReportData) -> pd.DataFrame:
     # parts that are zero in every run (buffers, other) only clutter the legend
     used = frame.groupby("part")["measured_bytes"].apply(lambda v: (v.fillna(0) > 0).any())
     return frame[frame["part"].map(used) | frame["predicted_bytes"].fillna(0).gt(0)]
+
+
+# -- activation recompute ----------------------------------------------------------------------------
+
+
+def recompute(data: ReportData) -> pd.DataFrame:
+    """Per setting (recompute apart), layers, mode and recompute setting: the latest memory run's peak
+    (measured, predicted) and the latest throughput run's step time, each also as a ratio to the
+    same mode with recompute none. Only configs measured with more than one recompute setting."""
+    keys = ["base_setting", "layers", "mode", "recompute"]
+    memory = latest(data, "memory")
+    speed = latest(data, "throughput")
+    if memory.empty and speed.empty:
+        return pd.DataFrame()
+    columns = {
+        "memory": (memory, ["id", "peak_bytes", "predicted_peak_bytes"]),
+        "throughput": (speed, ["id", "step_time_s", "step_time_p10_s", "step_time_p90_s", "flops_per_step",
+                               "predicted_recompute_flops_per_step"]),
+    }  # fmt: skip
+    frames = []
+    for kind, (runs, wanted) in columns.items():
+        present = [c for c in wanted if c in runs]
+        frames.append(runs[keys + ["mode_rank", *present]].rename(columns={"id": f"{kind}_run"}))
+    frame = frames[0].merge(frames[1], on=[*keys, "mode_rank"], how="outer")
+    settings = frame.groupby(["base_setting", "layers", "mode"])["recompute"].transform("nunique")
+    frame = frame[settings > 1]
+    if frame.empty:
+        return frame
+    none = frame[frame["recompute"] == "none"].set_index(["base_setting", "layers", "mode"])
+    index = pd.MultiIndex.from_frame(frame[["base_setting", "layers", "mode"]])
+    for column, ratio in (("peak_bytes", "peak_of_none"), ("step_time_s", "step_of_none")):
+        if column in frame and column in none:
+            frame[ratio] = frame[column].to_numpy() / none[column].reindex(index).to_numpy()
+    frame["recompute_rank"] = frame["recompute"].map(
+        lambda r: RECOMPUTE_ORDER.index(r) if r in RECOMPUTE_ORDER else len(RECOMPUTE_ORDER)
+    )
+    order = ["base_setting", "layers", "mode_rank", "recompute_rank"]
+    return frame.sort_values(order).reset_index(drop=True)
 
 
 # -- throughput and communication --------------------------------------------------------------------

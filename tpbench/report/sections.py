@@ -22,6 +22,7 @@ from tpbench.report.data import (
     memory_breakdown,
     memory_peaks,
     mode_rank,
+    recompute,
     throughput,
     validation,
 )
@@ -77,6 +78,7 @@ def build(data: ReportData) -> list[Section]:
     return [
         header(data),
         memory(data),
+        recompute_section(data),
         throughput_section(data),
         communication(data),
         diagrams(data),
@@ -266,6 +268,45 @@ def _memory_predicted(peaks: pd.DataFrame) -> list[Table | Chart]:
     formats = {"measured": units.mib, "predicted": units.mib, "error": units.signed_percent}
     blocks.append(Table("Measured vs predicted peak", frame, formats))
     return blocks
+
+
+# -- activation recompute ----------------------------------------------------------------------------
+
+
+def recompute_section(data: ReportData) -> Section:
+    section = Section(
+        "recompute",
+        "Activation recompute",
+        intro="train.recompute = none, selective (RMSNorm internals and the SwiGLU activation made again "
+        "in backward), full (each block run again from its input): per-rank peak (memory runs) and "
+        "median step time (throughput runs) of each setting, against the same mode without recompute.",
+    )
+    frame = recompute(data)
+    if frame.empty:
+        section.empty = "No config was measured with more than one train.recompute setting."
+        return section
+    for i, (setting, group) in enumerate(frame.groupby("base_setting", sort=False)):
+        section.blocks.append(
+            Chart(f"Recompute: {setting}", charts.recompute(group, setting), f"recompute-{i}")
+        )
+        columns = {
+            "layers": ("layers", None),
+            "mode": ("mode", None),
+            "recompute": ("recompute", None),
+            "memory run": ("memory_run", _int),
+            "peak / rank": ("peak_bytes", units.mib),
+            "predicted": ("predicted_peak_bytes", units.mib),
+            "peak of none": ("peak_of_none", units.percent),
+            "throughput run": ("throughput_run", _int),
+            "step time": ("step_time_s", units.ms),
+            "p10": ("step_time_p10_s", units.ms),
+            "p90": ("step_time_p90_s", units.ms),
+            "step of none": ("step_of_none", units.ratio),
+            "executed FLOPs / step": ("flops_per_step", units.flops),
+            "predicted recompute FLOPs": ("predicted_recompute_flops_per_step", units.flops),
+        }
+        section.blocks.append(_pick(f"Recompute: {setting}", group, columns))
+    return section
 
 
 # -- throughput --------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ sci = _guard(lambda v: f"{v:.2e}")
 percent = _guard(lambda v: f"{v:.1%}")
 signed_percent = _guard(lambda v: f"{v:+.1%}")
 count = _guard(lambda v: f"{v:,.0f}")
+ratio = _guard(lambda v: f"{v:.2f}x")
 
 
 @_guard
