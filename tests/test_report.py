@@ -50,7 +50,7 @@ class Filled:
 
     def tpbench(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [TPBENCH, *args], cwd=self.path, env=self.env(), capture_output=True, text=True, timeout=300
+            [TPBENCH, *args], cwd=self.path, env=self.env(), capture_output=True, text=True, timeout=900
         )
 
     def query(self, sql: str, *params: object) -> list[tuple]:

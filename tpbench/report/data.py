@@ -230,6 +230,8 @@ def recompute(data: ReportData) -> pd.DataFrame:
     (measured, predicted) and the latest throughput run's step time, each also as a ratio to the
     same mode with recompute none. Only configs measured with more than one recompute setting."""
     keys = ["base_setting", "layers", "mode", "recompute"]
+    if "recompute" not in data.runs:  # runs built by hand, without configs
+        return pd.DataFrame()
     memory = latest(data, "memory")
     speed = latest(data, "throughput")
     if memory.empty and speed.empty:
