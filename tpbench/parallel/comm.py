@@ -248,8 +248,8 @@ class _CopyToTP(torch.autograd.Function):
         return x
 
     @staticmethod
-    def backward(ctx, grad):  # the incoming gradient is this node's own: reduced in place
-        return all_reduce(grad, ctx.group, "activation"), None
+    def backward(ctx, grad):  # a copy: autograd may hand the same gradient to other nodes too
+        return all_reduce(grad.clone(), ctx.group, "activation"), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
