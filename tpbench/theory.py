@@ -424,6 +424,8 @@ def moments(d: Dims) -> list[Moment]:
     if d.recompute == "full":
         out += [recomputed_block(d, acts, P, O, buckets, G > 0, i) for i in sorted({d.L - 1, 0})]
     if not d.flash:
+        if d.recompute != "full":
+            out.append(attention_forward(d, acts, P, O, buckets))
         out.append(attention_backward(d, acts, P, O, buckets, G > 0))
 
     if d.tied:  # the LM head's gradient waits for the embedding's; the two are summed into a third
@@ -491,6 +493,22 @@ def recomputed_block(
     temps = 3 * ffn + d.p * d.Ns * d.H + tied_head
     grads = buckets + (grads * d.w if own_grads else 0)
     return Moment(f"recomputed block {layer}", P, grads, optim, activations, temps)
+
+
+def attention_forward(d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int) -> Moment:
+    """The top block's manual-attention forward, at its softmax: the scores [B, Nq, S, S] (p, a local
+    of the forward until it returns), their fp32 sum with the causal mask, the fp32 softmax output
+    (saved) and the mask [S, S] itself. Under SP with the re-gather the gathered region input is alive
+    too (only its shard stays saved). The top block's MLP, o_proj and final norm have not run yet."""
+    layer = layer_activations(d)
+    scores = d.B * d.Nq_l * d.S * d.S
+    later = layer["post_attention_layernorm"] + layer["mlp input"] + layer["swiglu"] + layer["attention core"]
+    if d.mixed:  # o_proj's and the MLP's weight casts are not made yet
+        later += d.p * sum(n for name, n in layer_params(d) if name.startswith(("mlp.", "self_attn.o_proj")))
+    gathered = d.p * d.N * d.H if d.sp and d.block_regather else 0
+    temps = d.p * scores + FP32 * scores + FP32 * d.S * d.S + gathered
+    activations = after_head(acts) - later + FP32 * scores
+    return Moment("attention forward", P, buckets, optim, activations + temps, 0)
 
 
 def attention_backward(
