@@ -6,9 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 from torchrun_checks import TINY, run_config, torchrun
 
 from tpbench import theory
+from tpbench.models.minimind import swiglu
 
 MODES = {
     "ddp": ["parallel.engine=ddp", "parallel.tp=1", "parallel.dp=2"],
@@ -62,3 +65,20 @@ def test_recompute_adds_the_predicted_flops(checked, name):
     extra = checked[name]["flops"] - checked[f"{mode}/none"]["flops"]
     assert extra == theory.recompute_flops_per_step(run_config(overrides(name)))
     assert (extra > 0) == name.endswith("/full")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_swiglu_keeps_gate_and_up_only_and_changes_no_bit(dtype):
+    """The model's silu-mul remakes silu(gate) in backward instead of keeping it (none's saving)."""
+    gen = torch.Generator().manual_seed(0)
+    gate, up, grad = (torch.randn(64, 96, generator=gen, dtype=dtype) for _ in range(3))
+    gate.requires_grad_(), up.requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fused = swiglu(gate, up)
+    assert len(saved) == 2 and saved[0] is gate and saved[1] is up
+    plain = F.silu(gate) * up
+    assert torch.equal(fused, plain)
+    fused_grads = torch.autograd.grad(fused, (gate, up), grad)
+    plain_grads = torch.autograd.grad(plain, (gate, up), grad)
+    assert all(torch.equal(a, b) for a, b in zip(fused_grads, plain_grads, strict=True))

@@ -170,7 +170,7 @@ FEW_ELEMENTS = 2048
 KNOWN_GAPS = {
     "odd_0": "-4,856 B: tp 4, SP, fp32, manual attention, untied",
     "odd_5": "-5,704 B: dp 2 x tp 2, SP, VP, fp32, manual attention, tied",
-    "dp2_tp_sp_vp_mixed_full": "-8,184 B: mixed precision with full recompute, at the bottom block's backward",
+    "dp2_tp_sp_vp_mixed_full": "-8,184 B: mixed precision, full recompute, the bottom block's backward",
 }
 
 
@@ -204,13 +204,13 @@ def test_the_peak_moments_are_the_ones_measured(measured):
 
 
 def test_layer_coefficient_of_the_docstring():
-    """bf16, SDPA, T = 1: N H (36 + 8 Nkv/Nq + 8 I/H) plus the small [N]-sized and table terms."""
+    """bf16, SDPA, T = 1: N H (36 + 8 Nkv/Nq + 6 I/H) plus the small [N]-sized and table terms."""
     cfg = run_config(["model.hidden_size=768", "parallel.tp=1", "train.dtype=bfloat16"])
     d = theory.dims(cfg)
     small = 2 * 4 * d.N + 4 * d.N * (d.Nq + d.Nkv) + 4 * d.S * d.D * 2 + 4 * d.B * d.Nq * d.S
-    expected = d.N * d.H * (36 + 8 * d.Nkv / d.Nq + 8 * d.I / d.H) + small
+    expected = d.N * d.H * (36 + 8 * d.Nkv / d.Nq + 6 * d.I / d.H) + small
     assert sum(theory.layer_activations(d).values()) == expected
-    assert math.isclose((expected - small) / (d.N * d.H), 65.3, abs_tol=0.05)
+    assert math.isclose((expected - small) / (d.N * d.H), 59.0, abs_tol=0.05)
 
 
 @pytest.mark.parametrize("flash", [False, True])

@@ -29,8 +29,9 @@ Saved activations per layer, bf16 (p = 2), bytes, T = 1, SDPA, GQA (Nkv < Nq):
   q, k, v for SDPA  3 * 2 N H               rope(q); k and v copied by repeat_kv (expand + reshape)
                                             (a view when a rank holds a single KV head)
   SDPA out          2 N H + 4 B Nq S        viewed, not copied, as o_proj's input; + logsumexp
-  SwiGLU            4 * 2 N I               gate out (silu), silu out and up out (mul), product (down)
-= N H (36 + 8 Nkv/Nq + 8 I/H) bytes: 65.3 N H at heads 8/4 and I = 3.17 H, where the paper's GPT
+  SwiGLU            3 * 2 N I               gate and up (the fused silu-mul remakes silu(gate) in
+                                            backward), their product (down)
+= N H (36 + 8 Nkv/Nq + 6 I/H) bytes: 59.0 N H at heads 8/4 and I = 3.17 H, where the paper's GPT
 layer (dropout, GeLU, 4H MLP) has 34 N H. RoPE saves only its cos/sin tables cast to p (they need
 no grad; the fp32 tables are built once per device and kept: `model_activations`), the residual adds
 save nothing. Manual attention adds the fp32 softmax and its cast: (4 + 2) B Nq S^2, the
@@ -46,7 +47,7 @@ before its collective, so that q, k, v (gate, up) share it and SP's re-gather ke
 the dense model (T = 1) lets each linear cast its own copy (3 for attention, 2 for the MLP).
 
 Activation recompute (train.recompute, tpbench.parallel.recompute) changes the per-layer terms:
-selective keeps each RMSNorm's input instead of its fp32 internals and gate, up instead of the four
+selective keeps each RMSNorm's input instead of its fp32 internals and gate, up instead of the three
 SwiGLU tensors; full keeps each block's input only, and its backward holds one block's activations of
 `none` (without the re-gather) at a time. Full adds, per block, the collectives of the forward up to
 down_proj's input (SP: both entry all-gathers and the attention's reduce-scatter; TP: the attention's
@@ -273,11 +274,12 @@ def layer_activations(d: Dims) -> dict[str, int]:
 
     p is the activation dtype: train.dtype, or the autocast dtype under mixed precision, where the
     stream and the norms stay fp32 (d.s) and every autocast op saves its own bf16 casts: the linears'
-    weights are cast once per forward (and kept, saved, until their backward); with T > 1 each region entry casts its input once for all its linears, while the dense
-    model's (T = 1) q, k, v (gate, up) each cast it.
+    weights are cast once per forward (and kept, saved, until their backward); with T > 1 each region
+    entry casts its input once for all its linears, while the dense model's (T = 1) q, k, v (gate,
+    up) each cast it.
 
-    selective keeps each RMSNorm's input instead of its fp32 copy, rsqrt and fp32 result, and gate and up
-    instead of the four SwiGLU tensors (down_proj's weight cast, made inside, is remade too); full
+    selective keeps each RMSNorm's input instead of its fp32 copy, rsqrt and fp32 result, and gate
+    and up instead of the three SwiGLU tensors (down_proj's weight cast, made inside, is remade too); full
     keeps the block's input only (under mixed precision the casts it remakes are still held, by
     autocast's cache, until the forward ends: `forward_only_casts`)."""
     N, Ns, S, B, H, p = d.N, d.Ns, d.S, d.B, d.H, d.p
@@ -309,7 +311,7 @@ def layer_activations(d: Dims) -> dict[str, int]:
         "attention core": core,
         "post_attention_layernorm": rmsnorm,
         "mlp input": mlp_input,
-        "swiglu": (2 if selective else 4) * p * N * d.I_l,
+        "swiglu": (2 if selective else 3) * p * N * d.I_l,  # gate, up; the product (down_proj)
     }
     if d.mixed:
         terms["weight casts"] = p * block_linears(d) - forward_only_casts(d) // d.L
@@ -476,9 +478,10 @@ def after_head(acts: dict[str, int]) -> int:
 def recomputed_block(
     d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool, layer: int
 ) -> Moment:
-    """Full recompute: block `layer`'s backward, at the SwiGLU's mul. Its forward has run again (to
+    """Full recompute: block `layer`'s backward, in the SwiGLU's. Its forward has run again (to
     down_proj's input) and down_proj's backward is done: its input is freed, its weight gradient made;
-    the gradient of silu(gate) * up and the two the mul makes are alive, with the stream's gradient.
+    three tensors of the SwiGLU's size are alive (the gradient of silu(gate) * up and, one after the
+    other, two of grad * up, gate's gradient and up's), with the stream's gradient.
     The blocks above have finished: their inputs are freed, their gradients made, as are the head's
     and the final norm's (a tied head's waits, as a temporary, for the embedding's share). The top
     block holds the most activations, the bottom one the most gradients."""

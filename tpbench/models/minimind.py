@@ -141,7 +141,28 @@ class FeedForward(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, keeping gate and up only for backward: silu(gate) is made again there (one
+    elementwise op) instead of being kept, as Megatron's fused SwiGLU keeps its input alone. The
+    gradients are those autograd makes of the two ops, bit for bit."""
+    return _SwiGLU.apply(gate, up)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
+        grad_up = F.silu(gate).mul_(grad)  # in its own buffer: 3 tensors of the size live at once
+        return grad_gate, grad_up
 
 
 class MiniMindBlock(nn.Module):

@@ -11,11 +11,11 @@ Selective follows Korthikanti et al. (2022) section 5: recompute what is large t
 make again. Their choice, the attention core's [S, S] softmax, is already recomputed by the fused SDPA
 kernel (it keeps the output and the logsumexp only), so here the large and cheap parts are the
 elementwise ones: each RMSNorm keeps an fp32 copy of its input and its normalised result (6 bytes per
-element in bf16), the SwiGLU keeps silu(gate) and silu(gate) * up beside gate and up (the largest
-per-token term of the block, 4 x I). Selective keeps only the inputs they are made from (the norm's
-input, gate and up) and remakes the rest from them at their first use in backward: no matmul is run
-again, so the FLOPs a counter sees do not change. The autograd graph is the one of `none`: the
-gradients are bit-identical.
+element in bf16), the SwiGLU keeps silu(gate) * up beside gate and up (the largest per-token term of
+the block, 3 x I; the fused silu-mul, tpbench.models.minimind.swiglu, keeps no silu(gate)).
+Selective keeps only the inputs they are made from (the norm's input, gate and up) and remakes the
+rest from them at their first use in backward: no matmul is run again, so the FLOPs a counter sees
+do not change. The autograd graph is the one of `none`: the gradients are bit-identical.
 
 Full wraps each block in torch.utils.checkpoint (non-reentrant). Its recomputation stops early, at
 the block's last saved tensor (down_proj's input), so it issues the block's forward collectives up
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tpbench.models.minimind import FeedForward, MiniMindForCausalLM, RMSNorm
+from tpbench.models.minimind import FeedForward, MiniMindForCausalLM, RMSNorm, swiglu
 from tpbench.parallel import comm
 from tpbench.parallel.layers import RowParallelLinear
 
@@ -99,7 +99,7 @@ def _recompute_swiglu(mlp: FeedForward) -> None:
         row = isinstance(down, RowParallelLinear)
 
         def swiglu_down(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-            return F.linear(F.silu(gate) * up, down.weight, None if row else down.bias)
+            return F.linear(swiglu(gate, up), down.weight, None if row else down.bias)
 
         gate, up = self.gate_proj(x), self.up_proj(x)  # [S, B, I/T] each
         y = checkpoint(swiglu_down, gate, up, use_reentrant=False, preserve_rng_state=False)
