@@ -39,7 +39,6 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tpbench.config import RunConfig, world_size
-from tpbench.parallel.plan import padded_vocab
 from tpbench.results import RankResult
 
 FLAVOURS = ("none", "real", "fake")
@@ -51,14 +50,10 @@ def emulated(cfg: RunConfig) -> bool:
 
 
 def busiest_rank(cfg: RunConfig) -> int:
-    """The rank whose memory is the largest. Every rank of a mode holds the same shapes (TP shards are
-    equal, DP replicas are equal, a replicated KV head is one head on every rank) except under VP with
-    a padded vocabulary: the ranks holding padded rows (the last one always) mask their padded logits
-    into one more fp32 [S, B, V/T] copy in the loss. So the last TP rank of the first DP group there,
-    rank 0 everywhere else."""
-    p, m = cfg.parallel, cfg.model
-    if p.vp and p.tp > 1 and padded_vocab(m.vocab_size, p.tp, p.vocab_pad_multiple) > m.vocab_size:
-        return p.tp - 1
+    """The rank whose memory is the largest: rank 0, since every rank of a mode holds the same shapes
+    (TP shards are equal, DP replicas are equal, a replicated KV head is one head on every rank, and
+    under VP with a padded vocabulary the ranks holding padded rows mask them in the loss's one fp32
+    buffer, in place)."""
     return 0
 
 
