@@ -103,6 +103,10 @@ BAD_INPUT = {
     "odd head dim": (["hidden=72"], "odd head dim"),
     "dp hang without dp": (["+fault=hang_in_dp_group"], "fault=hang_in_dp_group needs parallel.dp >= 2"),
     "kv hang without replicas": (["+fault=hang_in_kv_group"], "needs parallel.tp > model.num_key_value"),
+    "eager swiglu recomputed": (
+        ["model.fused_swiglu=false", "recompute=full"],
+        "model.fused_swiglu=false with train.recompute=full: ",
+    ),
 }
 
 

@@ -50,6 +50,7 @@ CHECKS = {
     "t4_tp_vp": ["parallel.tp=4", VP],
     "t4_tp_sp_vp": ["parallel.tp=4", SP, VP],
     "t4_tp_sp_vp_fp32": ["parallel.tp=4", SP, VP, "train.dtype=float32"],
+    "t4_tp_sp_vp_unfused_swiglu": ["parallel.tp=4", SP, VP, "model.fused_swiglu=false"],
     "t4_kv1_manual": ["parallel.tp=4", "model.num_key_value_heads=1", "model.flash_attn=false"],
     "t1_dp4_s4": ["parallel.tp=1", "parallel.dp=4", "train.seq_len=4"],
     "ddp_dp4": [*DDP, "parallel.dp=4"],

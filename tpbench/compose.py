@@ -170,6 +170,11 @@ def check(cfg: RunConfig) -> None:
         if _get(cfg, key) is not None and _get(cfg, key) < 1:
             raise ConfigError(f"{key}={_get(cfg, key)}: accepted are integers >= 1")
     _check_precision(cfg)
+    if not cfg.model.fused_swiglu and cfg.train.recompute != "none":
+        raise ConfigError(
+            f"model.fused_swiglu=false with train.recompute={cfg.train.recompute}: MiniMind's unfused "
+            "SwiGLU is there to measure its own step, without recompute; accepted is train.recompute=none"
+        )
     for name in cfg.debug.skip_grad_sum:
         if name not in SKIPPABLE_GRAD_SUMS:
             accepted = ", ".join(SKIPPABLE_GRAD_SUMS)

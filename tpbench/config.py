@@ -36,6 +36,9 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = True
     flash_attn: bool = True  # SDPA; False: manual attention with an fp32 softmax
+    # True: SwiGLU keeps gate and up only (silu(gate) made again in backward, as Megatron's fused
+    # SwiGLU); False: MiniMind's own two ops, which keep silu(gate) too: the seed's benchmark model
+    fused_swiglu: bool = True
 
 
 @dataclass

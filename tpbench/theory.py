@@ -87,6 +87,7 @@ class Dims:
     vp: bool
     regather: bool
     flash: bool
+    fused_swiglu: bool
     tied: bool
     p: int  # bytes of an activation element
     w: int  # bytes of a parameter, gradient or optimizer-state element
@@ -180,6 +181,7 @@ def dims(cfg: RunConfig) -> Dims:
         vp=vp,
         regather=par.sp_regather,
         flash=m.flash_attn,
+        fused_swiglu=m.fused_swiglu,
         tied=m.tie_word_embeddings,
         p=BYTES[t.dtype],
         w=FP32 if mixed else BYTES[t.dtype],
@@ -311,7 +313,8 @@ def layer_activations(d: Dims) -> dict[str, int]:
         "attention core": core,
         "post_attention_layernorm": rmsnorm,
         "mlp input": mlp_input,
-        "swiglu": (2 if selective else 3) * p * N * d.I_l,  # gate, up; the product (down_proj)
+        # gate, up; the product (down_proj's input); MiniMind's unfused ops keep silu(gate) too
+        "swiglu": (2 if selective else 3 if d.fused_swiglu else 4) * p * N * d.I_l,
     }
     if d.mixed:
         terms["weight casts"] = p * block_linears(d) - forward_only_casts(d) // d.L

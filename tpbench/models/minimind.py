@@ -35,6 +35,7 @@ class MiniMindConfig:
     hidden_act: str = "silu"
     tie_word_embeddings: bool = True
     flash_attn: bool = True
+    fused_swiglu: bool = True  # keep gate and up only; False: MiniMind's silu and mul, as autograd saves
 
     def __post_init__(self) -> None:
         if self.intermediate_size is None:
@@ -136,12 +137,14 @@ class FeedForward(nn.Module):
 
     def __init__(self, cfg: MiniMindConfig):
         super().__init__()
+        self.fused = cfg.fused_swiglu
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(swiglu(gate, up) if self.fused else F.silu(gate) * up)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
