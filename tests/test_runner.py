@@ -167,9 +167,10 @@ def test_runs_lists_with_filters(swept):
 # -- faults (issue 8) ----------------------------------------------------------------------------------
 
 FAULTS = "raise_on_rank1,kill_on_rank1,hang_on_rank1,oom_on_rank1,print_flood,big_result"
-# Every run of the fault sweeps gets it: a hang waits it out. The ranks' init_process_group has it too, so
-# it leaves room for one rank to reach it a few seconds after the other on a loaded machine.
-COLLECTIVE_TIMEOUT_S = 5
+# Every run of the fault sweeps gets it: a hang waits it out (beside other tests). It bounds every other
+# collective of those runs too, so it leaves room for one rank to reach init_process_group, or big_result's
+# gather, seconds after the other on a loaded machine.
+COLLECTIVE_TIMEOUT_S = 8
 
 
 @beside
