@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from beside import BESIDE
 from slurm_cluster import OneNodeCluster, why_not
 from typer.testing import CliRunner, Result
 
@@ -88,6 +89,19 @@ class Workdir:
     def query(self, sql: str, *params: object) -> list[tuple]:
         with sqlite3.connect(self.db) as conn:
             return conn.execute(sql, params).fetchall()
+
+
+# -- Jobs beside the tests (tests/beside.py) ----------------------------------------------------------
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    BESIDE.tmp = session.config._tmp_path_factory  # the tmp_path_factory fixture's own
+    if not session.config.option.collectonly:
+        BESIDE.start_for(session.items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    BESIDE.pool.shutdown(cancel_futures=True)  # the job under way ends first
 
 
 # -- PostgreSQL: one real server for the session, a fresh database per test ---------------------------

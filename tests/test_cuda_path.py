@@ -10,13 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from beside import beside
 
 CHECKS = Path(__file__).with_name("fake_cuda_checks.py")
 
 
-@pytest.fixture(scope="module")
-def fake_cuda(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("fake_cuda") / "out.json"
+@beside
+def fake_cuda(folder: Path) -> dict:
+    out = folder / "out.json"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(CHECKS), str(out)], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from beside import beside
 from torchrun_checks import TINY, TOL_FWD, TOL_GRAD, TOL_PARAM, B, H, L, S, run_config, torchrun
 
 from tpbench.experiments.validate import CHECKS as VALIDATE_CHECKS
@@ -86,9 +87,9 @@ def _main(out: str) -> None:
 # --- the assertions ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory) -> dict:
-    return torchrun(Path(__file__), 2, tmp_path_factory.mktemp("dtensor") / "dtensor.json")
+@beside
+def measured(folder: Path) -> dict:
+    return torchrun(Path(__file__), 2, folder / "dtensor.json")
 
 
 @pytest.mark.parametrize("mode", MODES)

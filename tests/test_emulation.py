@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from beside import beside
 from torchrun_checks import run_config, torchrun
 
 from tpbench import allocator, emulation, theory
@@ -44,12 +45,13 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module")
-def real_job(tmp_path_factory) -> dict:
+@beside
+def real_job(folder: Path) -> dict:
     """Every rank's peak and collectives in real torchrun jobs (gloo, 4 processes)."""
     checks = {name: SMALL + overrides for name, overrides in MODES.items()}
-    out = tmp_path_factory.mktemp("emulation") / "real.json"
-    return torchrun(Path(__file__).parent / "torchrun_checks.py", 4, out, "memory", checks=checks)
+    return torchrun(
+        Path(__file__).parent / "torchrun_checks.py", 4, folder / "real.json", "memory", checks=checks
+    )
 
 
 def emulate(name: str, flavour: str, rank: int | None) -> dict:

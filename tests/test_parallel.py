@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from beside import beside
 from torchrun_checks import TINY, TOL_FWD, TOL_GRAD, TOL_PARAM, B, D, H, L, S, torchrun
 
 from tpbench.experiments.validate import CHECKS as VALIDATE_CHECKS
@@ -95,19 +96,18 @@ VALIDATE_W4 = {
 }
 
 
-@pytest.fixture(scope="module")
-def units(tmp_path_factory):
-    return torchrun(CHECKS, 2, tmp_path_factory.mktemp("units") / "units.json", "units")
+@beside
+def units(folder: Path) -> dict:
+    return torchrun(CHECKS, 2, folder / "units.json", "units")
 
 
-@pytest.fixture(scope="module")
-def validated(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("validate")
+@beside
+def validated(folder: Path) -> dict:
     t2 = torchrun(
-        CHECKS, 2, tmp / "t2.json", "validate", checks={k: TINY + v for k, v in VALIDATE_T2.items()}
+        CHECKS, 2, folder / "t2.json", "validate", checks={k: TINY + v for k, v in VALIDATE_T2.items()}
     )
     w4 = torchrun(
-        CHECKS, 4, tmp / "w4.json", "validate", checks={k: TINY + v for k, v in VALIDATE_W4.items()}
+        CHECKS, 4, folder / "w4.json", "validate", checks={k: TINY + v for k, v in VALIDATE_W4.items()}
     )
     return t2 | w4
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from beside import beside
 from browser import chromium
 from matplotlib.figure import Figure
 from typer.testing import CliRunner
@@ -61,10 +62,10 @@ class Filled:
         return runner.invoke(app, ["report", "--db", self.url, *args])
 
 
-@pytest.fixture(scope="module")
-def filled(tmp_path_factory) -> Filled:
+@beside
+def filled(folder: Path) -> Filled:
     """Two chains of real runs side by side (SQLite in WAL mode takes both writers)."""
-    work = Filled(tmp_path_factory.mktemp("report"))
+    work = Filled(folder)
     chains = [
         [
             ["sweep", "kind=memory", "mode=ddp,tp", *QUICK],

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from beside import beside
 from torch.utils.flop_counter import FlopCounterMode
 from torchrun_checks import run_config, torchrun
 from typer.testing import CliRunner
@@ -137,12 +138,11 @@ def odd_shapes(n: int, seed: int = 12) -> dict[str, list[str]]:
 CHECKS |= odd_shapes(8)
 
 
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("theory")
+@beside
+def measured(folder: Path) -> dict:
     checks = {name: SMALL + overrides for name, overrides in CHECKS.items()}
     return torchrun(
-        Path(__file__).parent / "torchrun_checks.py", 4, tmp / "theory.json", "memory", checks=checks
+        Path(__file__).parent / "torchrun_checks.py", 4, folder / "theory.json", "memory", checks=checks
     )
 
 
@@ -242,10 +242,11 @@ FLOP_CHECKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def flops(tmp_path_factory):
-    out = tmp_path_factory.mktemp("flops") / "flops.json"
-    return torchrun(Path(__file__).parent / "torchrun_checks.py", 2, out, "flops", checks=FLOP_CHECKS)
+@beside
+def flops(folder: Path) -> dict:
+    return torchrun(
+        Path(__file__).parent / "torchrun_checks.py", 2, folder / "flops.json", "flops", checks=FLOP_CHECKS
+    )
 
 
 def test_every_engine_counts_the_flops_of_its_ranks_alike(flops):

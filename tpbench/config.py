@@ -11,10 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
 
 # conf/ sits next to the package: the groups Hydra composes into a RunConfig.
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -155,6 +152,8 @@ class RunConfig:
 
 def register_schema() -> None:
     """Put RunConfig in Hydra's ConfigStore; conf/config.yaml starts its defaults list with it."""
+    from hydra.core.config_store import ConfigStore  # here: a worker composes nothing, loads no hydra
+
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
 
 
@@ -167,6 +166,9 @@ def save_run_config(cfg: RunConfig, path: Path) -> None:
 
 def hide_password(url: str) -> str:
     """The URL as it may be shown and stored: a password becomes ***."""
+    from sqlalchemy.engine import make_url  # here: a worker never loads sqlalchemy
+    from sqlalchemy.exc import ArgumentError
+
     try:
         return make_url(url).render_as_string(hide_password=True)
     except (ArgumentError, ValueError):  # not a URL at all: nothing in it to hide that we could find

@@ -11,7 +11,7 @@ switch at their own cluster to see how a crash, a hang or an OOM is reported the
 | hang_in_*_group| rank 1     | the same in its TP, DP or KV-replica group          | TIMEOUT                |
 | oom_on_rank1   | rank 1     | allocates twice launch.memory_cap_mb                | OOM                    |
 | print_flood    | every rank | writes 32 MiB to stdout and to stderr, then runs    | OK                     |
-| big_result     | rank 1     | adds 200 000 curve points to its result             | OK; FAILED if too big  |
+| big_result     | rank 1     | adds 30 000 curve points to its result              | OK; FAILED if too big  |
 
 "Too big" is a result file over launch.max_result_mb: the parent refuses it without reading it.
 """
@@ -41,7 +41,7 @@ FAULTS = (
 )
 
 FLOOD_BYTES = 32 << 20
-BIG_RESULT_POINTS = 200_000
+BIG_RESULT_POINTS = 30_000
 
 
 def before_experiment(cfg: RunConfig, rank: int, device: torch.device) -> None:
