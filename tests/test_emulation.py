@@ -7,7 +7,9 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 from beside import beside
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torchrun_checks import run_config, torchrun
 
 from tpbench import allocator, emulation, theory
@@ -136,3 +138,37 @@ def test_allocator_rounds_splits_and_keeps_whole_blocks():
     assert a.allocated == 0 and a.reserved == (22 << 20)  # segments are kept
     peaks = replay([("alloc", 0, 5 << 20), ("window",), ("free", 0), ("alloc", 1, 1 << 20)], "A100")
     assert peaks.allocated == 5 << 20  # the window starts from what is held
+
+
+def _ops(x: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
+    """Ops whose cached outputs depend on each fact of their arguments: views (the offset they
+    start at), in-place ops (which argument they return), dtypes, strides, requires_grad."""
+    a, b = x[1:], x[:-1]  # same shape and strides, other offsets
+    outs = [a.view(-1), b.view(-1), a @ w, x.t() @ x, x.to(torch.bfloat16), x.t().contiguous()]
+    outs += [x.clone().add_(1.0), torch.empty(3, 4, requires_grad=True) * 2, x.sum(0), x.sum(1)]
+    return outs
+
+
+def _facts(t: torch.Tensor) -> tuple:
+    return (t.shape, t.stride(), t.storage_offset(), t.dtype, t.untyped_storage().nbytes(), t.requires_grad)
+
+
+def test_fake_rank_makes_what_fake_tensor_mode_makes_and_caches_by_quick_key(monkeypatch):
+    with FakeTensorMode():
+        x, w = torch.empty(5, 5), torch.empty(5, 2)
+        expected = [_facts(t) for t in _ops(x, w)]
+    rank = emulation.FakeRank()
+    seen: list = []
+    with rank, rank.observed_by(lambda func, out: seen.append(func)):
+        x, w = torch.empty(5, 5), torch.empty(5, 2)
+        start = len(seen)
+        first = [_facts(t) for t in _ops(x, w)]
+        middle = len(seen)
+
+        def no_full_keys(*args, **kwargs):
+            raise AssertionError("FakeTensorMode's own key was built again")
+
+        monkeypatch.setattr(rank, "_cache_key", no_full_keys)
+        second = [_facts(t) for t in _ops(x, w)]
+    assert first == expected and second == expected
+    assert seen[start:middle] == seen[middle:] and torch.ops.aten.mm.default in seen  # the ops, once each

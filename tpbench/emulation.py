@@ -29,12 +29,20 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses._fake_tensor_utils import _CacheKeyState
+from torch._subclasses.fake_tensor import (
+    FakeTensor,
+    FakeTensorMode,
+    _BypassDispatchCache,
+    _device_handler,
+    _DispatchCacheKey,
+    _DispatchCacheValidEntry,
+)
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -69,9 +77,139 @@ def init_process_group(cfg: RunConfig) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=emulated_rank(cfg), world_size=world_size(cfg))
 
 
-def tensor_mode(cfg: RunConfig) -> contextlib.AbstractContextManager:
-    """Where the rank's tensors are made: FakeTensorMode for the fake flavour."""
-    return FakeTensorMode() if cfg.launch.emulate == "fake" else contextlib.nullcontext()
+Observer = Callable[[torch._ops.OpOverload, object], None]
+_DEVICE = torch.ops.prim.device.default
+_PLAIN = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
+
+
+class FakeRank(FakeTensorMode):
+    """FakeTensorMode made fast enough for a 64-layer model, with the same tensors out of every op.
+
+    Observers: it shows the outputs of every op to its observers (the allocation trace, the memory
+    tracker) itself. As dispatch modes of their own above it, each observer cost every op a trip
+    through Python, and most ops are autograd asking a fake tensor for its device (prim.device, 700 a
+    layer and step): here they see the same ops in the same order, when each returns. Ops that
+    FakeTensorMode runs inside an op (decompositions) are not shown, as no mode above it saw them.
+
+    Cache: FakeTensorMode caches each op's output metadata under a key it builds from every field of
+    every argument's metadata, which costs more than the rest of the op. Here a cheaper key made of
+    the same facts (the op; the default dtype and device, inference mode, tracing; each argument's
+    dtype, shape, strides, device, storage offset and size, requires_grad, conj/neg/inference/quantized
+    bits, or its type and value) leads to the key FakeTensorMode built the first time and its entry,
+    which FakeTensorMode then turns into the output as it does on its own cache hits. Arguments it does
+    not describe (constants, other modes' or symbolic tensors, anything not plain) go the whole way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._observers: list[Observer] = []
+        self._depth = 0  # FakeTensorMode re-enters itself for decompositions
+        self._entries: dict[tuple, tuple[_DispatchCacheKey, _DispatchCacheValidEntry]] = {}
+
+    @contextlib.contextmanager
+    def observed_by(self, observer: Observer) -> Iterator[None]:
+        self._observers.append(observer)
+        try:
+            yield
+        finally:
+            self._observers.remove(observer)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:  # answered as FakeTensorMode answers it, without its per-op set-up
+            out = _device_handler(args)
+        else:
+            self._depth += 1
+            try:
+                out = self._cached(func, types, args, kwargs or {})
+            finally:
+                self._depth -= 1
+        if self._depth == 0:
+            for observe in self._observers:
+                observe(func, out)
+        return out
+
+    def _cached(self, func, types, args, kwargs):
+        key = self._quick_key(func, args, kwargs)
+        found = self._entries.get(key) if key is not None else None
+        if found is not None:
+            FakeTensorMode.cache_hits += 1
+            return self._output_from_cache_entry(
+                _CacheKeyState(self.shape_env), found[1], found[0], func, args
+            )
+        if key is not None:  # FakeTensorMode's key, made before the op can change its arguments
+            try:
+                full_key = self._cache_key(_CacheKeyState(self.shape_env), func, args, kwargs)
+            except _BypassDispatchCache:
+                key = None
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if key is not None and isinstance(
+            entry := FakeTensorMode.cache.get(full_key), _DispatchCacheValidEntry
+        ):
+            self._entries[key] = (full_key, entry)
+        return out
+
+    def _quick_key(self, func, args, kwargs) -> tuple | None:
+        if self.in_kernel_invocation or not self.cache_enabled or self.shape_env is not None:
+            return None
+        facts = [
+            func,
+            torch.get_default_dtype(),
+            torch._C._get_default_device(),
+            torch.is_inference_mode_enabled(),
+            get_proxy_mode() is not None,
+        ]
+        if not (
+            self._describe(facts, args)
+            and self._describe(facts, tuple(kwargs))
+            and self._describe(facts, tuple(kwargs.values()))
+        ):
+            return None
+        return tuple(facts)
+
+    def _describe(self, facts: list, values: Iterable) -> bool:
+        for v in values:
+            if type(v) is FakeTensor:
+                if v.fake_mode is not self or v.constant is not None or v.layout is not torch.strided:
+                    return False
+                facts.append(
+                    (
+                        v.dtype,
+                        v.shape,
+                        v.stride(),
+                        v.device,
+                        v.storage_offset(),
+                        v.untyped_storage().nbytes(),
+                        v.requires_grad,
+                        v.is_conj(),
+                        v.is_neg(),
+                        v.is_inference(),
+                        v.is_quantized,
+                    )
+                )
+            elif type(v) in (list, tuple, torch.Size):
+                facts.append((type(v), len(v)))
+                if not self._describe(facts, v):
+                    return False
+            elif type(v) in _PLAIN:
+                facts.append((type(v), v))
+            else:
+                return False
+        return True
+
+
+def tensor_mode(cfg: RunConfig) -> FakeRank | contextlib.AbstractContextManager:
+    """Where the rank's tensors are made: FakeRank (a FakeTensorMode) for the fake flavour."""
+    return FakeRank() if cfg.launch.emulate == "fake" else contextlib.nullcontext()
 
 
 def gpu_emulated(cfg: RunConfig) -> bool:
@@ -79,12 +217,12 @@ def gpu_emulated(cfg: RunConfig) -> bool:
     return cfg.launch.device == "cuda" and cfg.launch.emulate == "fake"
 
 
-class AllocationTrace(TorchDispatchMode):
-    """Every tensor storage made beneath it, in order, and when it is freed: the trace the allocator
-    model replays. Events: ("alloc", token, bytes), ("free", token), and the markers `mark` adds."""
+class AllocationTrace:
+    """Every tensor storage made while it observes a FakeRank, in order, and when it is freed: the
+    trace the allocator model replays. Events: ("alloc", token, bytes), ("free", token), and the
+    markers `mark` adds."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.events: list[tuple] = []
         self._tokens: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._excluded: set[int] = set()
@@ -107,12 +245,10 @@ class AllocationTrace(TorchDispatchMode):
     def replayable(self) -> list[tuple]:
         return [e for e in self.events if len(e) == 1 or e[1] not in self._excluded]
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
+    def observe(self, func: torch._ops.OpOverload, out: object) -> None:
+        for t in tree_leaves(out) if not isinstance(out, torch.Tensor) else (out,):
             if isinstance(t, torch.Tensor):
                 self._note(t)
-        return out
 
     def _note(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from tpbench import allocator, emulation, theory
 from tpbench.config import RunConfig
@@ -35,7 +38,10 @@ CATEGORIES = {
 
 class PeakTracker(MemTracker):
     """MemTracker keeping the device's peak and its split by category, not each module's: its
-    per-module peaks cost time quadratic in depth (135 s a step at L 32), and tpbench reads none."""
+    per-module peaks cost time quadratic in depth (135 s a step at L 32), and tpbench reads none.
+    Its module hooks keep only what moves bytes between categories (a module's parameters, buffers
+    and gradient hooks, tracked at its first call of the step; activation checkpointing's region),
+    not the per-module snapshots they would copy at every call."""
 
     def _update_peak_stats(self, peak_state) -> None:
         for device, snapshot in self._curr_mem_snap.items():
@@ -43,25 +49,81 @@ class PeakTracker(MemTracker):
                 self._peak_mem[device] = snapshot["Total"]
                 self._peak_mem_snap[device] = dict(snapshot)
 
+    def _pre_fw_hook(self, module: torch.nn.Module, inputs) -> None:
+        if module not in self.memory_tracking:
+            self._track_module_params_and_buffers(module, install_grad_hooks=True)
+            self.memory_tracking[module] = True
+        elif self._mod_tracker.is_bw and self._ac_mod is None:  # recomputed under checkpointing
+            self._ac_mod, self._in_ac = weakref.ref(module), True
+
+    def _post_fw_hook(self, module: torch.nn.Module, inputs, outputs) -> None:
+        if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
+            self._ac_mod, self._in_ac = None, False
+
+    def _pre_bw_hook(self, module: torch.nn.Module, args) -> None:
+        return None
+
+    def _post_bw_hook(self, module: torch.nn.Module, args) -> None:
+        return None
+
+
+class _Unpushed(TorchDispatchMode):
+    """A dispatch mode never pushed on the stack: what MemTracker sets up on entry (its module,
+    gradient and optimizer hooks), without it seeing each op itself."""
+
+    def __enter__(self) -> _Unpushed:
+        return self
+
+    def __exit__(self, *args) -> None:
+        return None
+
+
+class ObservingPeakTracker(PeakTracker, _Unpushed):
+    """PeakTracker fed by a FakeRank (tpbench.emulation) rather than a dispatch mode above it: `observe`
+    does, after each op, what MemTracker.__torch_dispatch__ does after running it. (Its one special
+    case, DTensor's wait_tensor under fake tensors, is for functional collectives, which only the
+    dtensor engine issues: that engine keeps PeakTracker as a mode.)"""
+
+    def observe(self, func: torch._ops.OpOverload, out: object) -> None:
+        backward = self._mod_tracker.is_bw
+        if self._in_opt:
+            reftype = _MemRefType.OPT
+        elif backward and not self._in_ac:
+            reftype = _MemRefType.TEMP
+        else:
+            reftype = _MemRefType.ACT
+        for t in tree_leaves(out) if not isinstance(out, torch.Tensor) else (out,):
+            if isinstance(t, torch.Tensor):
+                self._track(reftype, t)
+        self._update_peak_stats(_ModState.PEAK_BW if backward else _ModState.PEAK_FW)
+
 
 def run(cfg: RunConfig) -> RankResult:
     ctx = context(cfg)  # the mesh reads the store: made before any fake tensor
     trace = emulation.AllocationTrace() if emulation.gpu_emulated(cfg) else None
     with contextlib.ExitStack() as stack:
-        stack.enter_context(emulation.tensor_mode(cfg))
+        mode = stack.enter_context(emulation.tensor_mode(cfg))
 
         def on_device(module: torch.nn.Module) -> None:  # as if just moved to the GPU, in order
             if trace is not None:
                 trace.adopt(module.parameters())
-                stack.enter_context(trace)
+                stack.enter_context(mode.observed_by(trace.observe))
 
         trainer = Trainer(cfg, ctx, on_device)
         if trace is not None:
             trace.mark("gemm_workspaces")  # the first GEMMs (forward, backward) allocate them
-        return _measure(cfg, trainer, trace)
+        return _measure(cfg, trainer, trace, mode)
 
 
-def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace | None) -> RankResult:
+def _tracker(cfg: RunConfig, mode) -> tuple[PeakTracker, contextlib.AbstractContextManager]:
+    """The memory tracker of the measured steps, and what feeds it ops."""
+    if isinstance(mode, emulation.FakeRank) and cfg.parallel.engine != "dtensor":
+        tracker = ObservingPeakTracker()
+        return tracker, mode.observed_by(tracker.observe)
+    return PeakTracker(), contextlib.nullcontext()
+
+
+def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace | None, mode) -> RankResult:
     result = RankResult(rank=trainer.ctx.rank)
     for _ in range(cfg.train.warmup):
         trainer.step()
@@ -76,7 +138,7 @@ def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace 
     if trace is not None:
         trace.exclude(host_counters)
         trace.mark("window")
-    tracker = PeakTracker()
+    tracker, feed = _tracker(cfg, mode)
     tracker.track_external(trainer.module, trainer.optimizer, *trainer.ddp_buckets())
     # Python's cycle collector, run at a moment of its choosing inside the step, made MemTracker's
     # peak 31 KB higher on a random rank (tp 4, SP + VP, fp32): the steps start with no garbage and
@@ -84,7 +146,7 @@ def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace 
     gc.collect()
     gc.disable()
     try:
-        with tracker:
+        with tracker, feed:
             for _ in range(cfg.train.steps):
                 trainer.step()
                 tracker.reset_mod_stats()  # per-module stats are per iteration; the peak is kept

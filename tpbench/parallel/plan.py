@@ -54,7 +54,11 @@ class Layout:
         if self.padded_rows is not None and self.padded_rows > dense.shape[0]:
             pad = dense.new_zeros(self.padded_rows - dense.shape[0], *dense.shape[1:])
             dense = torch.cat([dense.detach(), pad])
-        return dense.detach().chunk(self.num_shards, dim=self.dim)[tp_rank // (tp // self.num_shards)].clone()
+        # chunk(num_shards)[i] as one narrow view: the other shards are not made (at T 64 under fake
+        # tensors, making all of them was most of the model's set-up)
+        i, length = tp_rank // (tp // self.num_shards), dense.shape[self.dim]
+        size = -(-length // self.num_shards)
+        return dense.detach().narrow(self.dim, i * size, min(size, length - i * size)).clone()
 
     def unshard(self, shards: list[torch.Tensor], real_rows: int | None = None) -> torch.Tensor:
         """Inverse of shard, from the shards of all TP ranks in rank order; drops padded rows."""
