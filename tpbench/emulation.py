@@ -33,20 +33,25 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch._subclasses._fake_tensor_utils import _CacheKeyState
-from torch._subclasses.fake_tensor import (
-    FakeTensor,
-    FakeTensorMode,
-    _BypassDispatchCache,
-    _device_handler,
-    _DispatchCacheKey,
-    _DispatchCacheValidEntry,
-)
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tpbench.config import RunConfig, world_size
+
+try:  # FakeTensorMode's private cache and device internals (torch 2.13), behind FakeRank's quick key
+    from torch._subclasses._fake_tensor_utils import _CacheKeyState
+    from torch._subclasses.fake_tensor import (
+        _BypassDispatchCache,
+        _device_handler,
+        _DispatchCacheKey,
+        _DispatchCacheValidEntry,
+    )
+
+    QUICK = True
+except ImportError:  # another torch: FakeRank takes FakeTensorMode's own path, slower, same tensors
+    QUICK = False
 from tpbench.results import RankResult
 
 FLAVOURS = ("none", "real", "fake")
@@ -125,7 +130,7 @@ class FakeRank(FakeTensorMode):
             self._observers.remove(observer)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _DEVICE:  # answered as FakeTensorMode answers it, without its per-op set-up
+        if QUICK and func is _DEVICE:  # answered as FakeTensorMode answers it, without its set-up
             out = _device_handler(args)
         else:
             self._depth += 1
@@ -139,6 +144,8 @@ class FakeRank(FakeTensorMode):
         return out
 
     def _cached(self, func, types, args, kwargs):
+        if not QUICK:
+            return super().__torch_dispatch__(func, types, args, kwargs)
         key = self._quick_key(func, args, kwargs)
         found = self._entries.get(key) if key is not None else None
         if found is not None:
