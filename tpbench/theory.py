@@ -5,6 +5,8 @@ Memory is what torch's MemTracker sees on one rank: the bytes of live tensor sto
 so the peak is the largest of a few moments (`Prediction.moments`):
   loss          the cross entropy, every activation of the forward still saved for backward;
   head backward the LM head's backward: the logits' and the head weight's gradients;
+  final norm backward  the final RMSNorm's backward: five fp32 [Ns, H] at once;
+  mlp backward  the top layer's SwiGLU backward, at gate_proj's weight gradient;
   attention     the top layer's manual-attention backward, with its fp32 [B, N, S, S] gradients;
   backward end  a tied embedding's two gradients and their sum, beside all the others;
   gradient sums megatron with DP: every gradient and a flat copy of them all being all-reduced;
@@ -284,10 +286,11 @@ def layer_activations(d: Dims) -> dict[str, int]:
 def kv_widths(d: Dims) -> tuple[int, int]:
     """Widths of the k and v that attention saves. repeat_kv's expand + reshape copies them out to the
     query heads, unless this rank has one KV head: then the expanded size-1 dim merges into a
-    stride-0 view and nothing is copied. SDPA saves that view; manual attention's matmuls copy it
-    (batched matmul reshapes it to [B Nq, S, D]) and save the copy."""
+    stride-0 view and nothing is copied. SDPA saves that view; manual attention's matmuls reshape it
+    to [B Nq, S, D], which copies it (and saves the copy) unless B is 1 (a size-1 batch dim merges
+    with the stride-0 head dim)."""
     n_rep = d.Nq_l > d.Nkv_l
-    v_width = d.Hq if n_rep and (d.Nkv_l > 1 or not d.flash) else d.Hkv
+    v_width = d.Hq if n_rep and (d.Nkv_l > 1 or not d.flash and d.B > 1) else d.Hkv
     return v_width, v_width
 
 
@@ -322,19 +325,23 @@ def loss_extra(d: Dims) -> tuple[int, int]:
     """(activation, temporary) bytes of the loss at its peak, beyond the logits.
 
     Dense loss (F.cross_entropy on logits.float()): the peak is log_softmax's backward, holding its
-    fp32 output (saved), the fp32 gradient from nll_loss and the fp32 gradient it makes: 3 x 4 N V.
-    Vocab-parallel loss: the peak is its forward, holding the fp32 logits (a copy unless p is 4 and
-    no padded column is masked), logits - max and their exp: up to 3 x 4 N V/T.
+    fp32 output (saved), the fp32 gradient from nll_loss and the fp32 gradient it makes: 3 x 4 N V,
+    and the loss and its gradient (4 B each).
+    Vocab-parallel loss: the peak is its forward's log(sum exp) - target logit, holding the fp32 logits
+    (a copy unless p is 4 and no padded column is masked), logits - max and their exp: up to
+    3 x 4 N V/T, and [N] bookkeeping.
     The seed's logits.float().mean(): the fp32 copy of the logits (unless they are fp32), freed once
     the mean is taken; its backward is the logits' gradient of the head's backward."""
     nv = d.N * d.V_l
     if d.logits_mean:
         return (FP32 * nv if d.p != FP32 else 0), 0
     if not d.vp:
-        return FP32 * nv, 2 * FP32 * nv
+        return FP32 * nv + 2 * FP32, 2 * FP32 * nv
     padded = d.Vp > d.V  # the last rank masks its padded columns into a new tensor
-    # [S, B] bookkeeping: targets and local ids (int64), row max and target logit (fp32), two masks
-    small = (2 * INT64 + 2 * FP32 + 2) * d.N + d.V_l
+    # [S, B] bookkeeping: targets and local ids (int64); row max, target logit, sum of exp, its log
+    # and log - target (fp32); two masks (bool); the count of valid targets (an int64 scalar); on the
+    # rank with padded columns, their mask [V/T] (bool)
+    small = (2 * INT64 + 5 * FP32 + 2) * d.N + INT64 + (d.V_l if padded else 0)
     forward = (FP32 if d.p != FP32 or padded else 0) * nv + 2 * FP32 * nv + small
     backward_temp = FP32 * nv + (d.p * nv if d.p != FP32 else 0)  # softmax grad, its cast
     return (forward, 0) if forward >= FP32 * nv + backward_temp else (FP32 * nv, backward_temp)
@@ -369,7 +376,9 @@ def moments(d: Dims) -> list[Moment]:
     G = P if not (d.ddp and d.bucket_view) else 0  # gradients made in backward
     acts = model_activations(d)
     A = sum(acts.values())
-    kept = acts["logits"] + acts["batch"]  # what outlives the backward
+    # what outlives the backward: the logits, the batch, the rope tables and the loss the step returns
+    kept = acts["logits"] + acts["batch"] + acts["rope tables"] + FP32
+    during = A + 2 * FP32  # in backward: every activation, the loss and its gradient (ones)
 
     loss_act, loss_temp = loss_extra(d)
     out = [Moment("loss", P, buckets, O, A + loss_act, loss_temp)]
@@ -379,14 +388,16 @@ def moments(d: Dims) -> list[Moment]:
     temp = d.p * d.N * d.V_l + d.V_l * d.H * d.w + d.p * d.N * d.H
     if d.sp and d.vp and d.regather and not d.mixed:  # the head's input, all-gathered again
         temp += d.p * d.N * d.H
-    out.append(Moment("head backward", P, buckets, O, A, temp))
+    out.append(Moment("head backward", P, buckets, O, during, temp))
+    out.append(final_norm_backward(d, acts, during, P, O, buckets, G > 0))
+    out.append(mlp_backward(d, acts, during, P, O, buckets, G > 0))
     if not d.flash:
-        out.append(attention_backward(d, acts, P, O, buckets, G > 0))
+        out.append(attention_backward(d, acts, during, P, O, buckets, G > 0))
 
     if d.tied:  # the LM head's gradient waits for the embedding's; the two are summed into a third
         E = d.V_l * d.H * d.w
         own = G - E if G else 0
-        out.append(Moment("backward end", P, buckets + own, O, kept, 3 * E))
+        out.append(Moment("backward end", P, buckets + own, O, kept + FP32, 3 * E))
     if d.dp > 1 and not d.ddp:  # megatron's DP sum concatenates every gradient into one flat copy
         out.append(Moment("gradient sums", P, buckets + G, O, kept, P))
     # AdamW on the CPU runs one tensor at a time: sqrt(exp_avg_sq) and its quotient by the bias
@@ -396,8 +407,48 @@ def moments(d: Dims) -> list[Moment]:
     return out
 
 
+def final_norm_backward(
+    d: Dims, acts: dict[str, int], alive: int, P: int, optim: int, buckets: int, own_grads: bool
+) -> Moment:
+    """The final RMSNorm's backward, at pow's backward: the gradient through rsqrt (x * rsqrt's share),
+    mean's expanded gradient, x^1, 2 x^1 and their product, 5 fp32 [Ns, H] at once. By then the head
+    has run its backward and the norm's rsqrt and normed output are freed; its fp32 input stays
+    (pow saved it). A tied LM head's gradient waits, as a temporary, for the embedding's share."""
+    fp32_input = FP32 * d.Ns * d.H
+    freed = acts["final norm"] - fp32_input
+    grads = d.H + (0 if d.tied else d.V_l * d.H)
+    grads = buckets + (grads * d.w if own_grads else 0)
+    tied_head = d.V_l * d.H * d.w if d.tied else 0
+    temp = 5 * FP32 * d.Ns * d.H + tied_head
+    return Moment("final norm backward", P, grads, optim, alive - freed, temp)
+
+
+def mlp_backward(
+    d: Dims, acts: dict[str, int], alive: int, P: int, optim: int, buckets: int, own_grads: bool
+) -> Moment:
+    """The top block's SwiGLU backward, at gate_proj's weight gradient: the stream's gradient, silu's
+    gradient [N, I/T], the input gradients of up and gate [N, H] each (summed once gate's backward
+    ends) and the weight gradient being made; SP's re-gather of the saved input shard for gate. By
+    then the head, the final norm (its input too), down and up have run their backward: their saved
+    tensors (SwiGLU's four) are freed, down's and up's gradients made. A tied LM head's gradient
+    waits, as a temporary. (Mixed precision: the casts that up's and down's backward free are taken
+    off; no config measured here peaks at this moment under autocast.)"""
+    layer = layer_activations(d)
+    freed = acts["final norm"] + layer["swiglu"]
+    if d.mixed:  # down's and up's weight casts, up's cast of the input
+        freed += d.p * 2 * d.I_l * d.H + d.p * d.N * d.H
+    done = ("mlp.down_proj", "mlp.up_proj")
+    grads = d.H + sum(n for name, n in layer_params(d) if name in done) + (0 if d.tied else d.V_l * d.H)
+    grads = buckets + (grads * d.w if own_grads else 0)
+    temp = d.s * d.Ns * d.H + d.p * d.N * (d.I_l + 2 * d.H) + d.p * d.I_l * d.H
+    if d.sp and d.regather and not d.mixed:
+        temp += d.p * d.N * d.H
+    temp += d.V_l * d.H * d.w if d.tied else 0
+    return Moment("mlp backward", P, grads, optim, alive - freed, temp)
+
+
 def attention_backward(
-    d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool
+    d: Dims, acts: dict[str, int], alive: int, P: int, optim: int, buckets: int, own_grads: bool
 ) -> Moment:
     """The top block's manual-attention backward, at softmax's backward: the fp32 softmax output
     (saved), the fp32 gradient of the probabilities and the fp32 result, 3 x 4 B Nq S^2 at once.
@@ -415,7 +466,7 @@ def attention_backward(
     tied_head = d.V_l * d.H * d.w if d.tied else 0
     flowing = d.p * (d.Ns * d.H + d.N * v_width)
     grads = buckets + (grads * d.w if own_grads else 0)
-    activations = sum(acts.values()) - freed
+    activations = alive - freed
     return Moment("attention", P, grads, optim, activations, 2 * FP32 * scores + tied_head + flowing)
 
 
