@@ -6,8 +6,10 @@ launched and nothing written (the database is not even created).
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import yaml
@@ -198,6 +200,89 @@ def test_bad_flags_are_one_line_and_exit_2_before_any_database(workdir, args, sa
     done = runner.invoke(app, args)
     assert done.exit_code == (0 if "no database" in says else 2), done.output
     assert len(done.stderr.splitlines()) == 1 and says in done.stderr
+    assert nothing_written(workdir)
+
+
+def typer_usage_errors() -> dict[str, tuple[list[str], str]]:
+    """typer's own usage errors, for every command and every option of it (read off the command tree,
+    so a new option is covered): a flag given a value, an option without its value, an unknown option;
+    then an unknown command, a missing, malformed or extra argument."""
+    from typer.main import get_command
+
+    cases = {}
+    root = get_command(app)
+    commands = [([], root)]
+    while commands:
+        path, command = commands.pop(0)
+        name = " ".join(["tpbench", *path])
+        subcommands = getattr(command, "commands", {})
+        commands += [([*path, sub], cmd) for sub, cmd in subcommands.items()]
+        options = [p for p in command.params if p.param_type_name == "option"]
+        for option in options:
+            flag = option.opts[0]
+            if option.is_flag:
+                cases[f"{name} {flag}=1"] = ([*path, f"{flag}=1"], f"{flag} is a flag: given alone")
+            else:
+                cases[f"{name} {flag}"] = (
+                    [*path, flag],
+                    f"Option '{flag}' requires an argument; accepted for",
+                )
+        accepted = ", ".join([*(o for p in options for o in p.opts), "--help"])
+        cases[f"{name} --bogus"] = (
+            [*path, "--bogus"],
+            f"{name}: No such option: --bogus; accepted options are {accepted}",
+        )
+        if subcommands:
+            cases[f"{name} frob"] = (
+                [*path, "frob"],
+                f"{name}: No such command 'frob'; accepted commands are",
+            )
+    cases |= {
+        "show without id": (
+            ["runs", "show"],
+            "tpbench runs show: Missing argument 'run_id'; accepted for run_id",
+        ),
+        "show bad id": (["runs", "show", "abc"], "run id abc: accepted is a number"),
+        "show extra id": (["runs", "show", "1", "2"], "extra argument(s) (2); usage: tpbench runs show"),
+        "run typo": (["run", "--josn"], "No such option: --josn; accepted options are --cfg, --json, --help"),
+    }
+    return cases
+
+
+TYPER_USAGE = typer_usage_errors()
+
+
+@pytest.mark.parametrize("args, says", TYPER_USAGE.values(), ids=TYPER_USAGE.keys())
+def test_typer_usage_errors_are_one_line_and_exit_2_before_anything(workdir, args, says):
+    done = runner.invoke(app, args, prog_name="tpbench")
+    assert done.exit_code == 2, done.output
+    assert done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1 and says in done.stderr, done.stderr
+    assert nothing_written(workdir)
+
+
+def test_every_command_and_option_is_covered():
+    """The tree walk above reaches every command `tpbench --help` lists, and each option of theirs."""
+    listed = runner.invoke(app, ["--help"]).stdout
+    commands = {args[0] for args, _ in TYPER_USAGE.values() if args and not args[0].startswith("-")}
+    assert {"run", "sweep", "runs", "report", "plan", "diagram"} <= commands
+    assert all(c in listed for c in commands - {"frob"})
+    assert "tpbench report --format" in TYPER_USAGE and "tpbench runs show --db" in TYPER_USAGE
+
+
+def test_a_usage_error_is_one_line_from_the_installed_command_too(workdir):
+    """The real entry point, in its own process: no box, one line, exit 2, no database."""
+    done = subprocess.run(
+        [Path(sys.executable).with_name("tpbench"), "report", "--format"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == "" and done.stderr.splitlines() == [
+        "tpbench report: Option '--format' requires an argument; "
+        "accepted for --format: html, md, csv or json."
+    ]
     assert nothing_written(workdir)
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import pandas as pd
@@ -28,6 +29,15 @@ from rich.progress import (
 )
 from rich.table import Column, Table
 from sqlalchemy.exc import SQLAlchemyError
+from typer._click.core import Command  # typer 0.29 vendors click (not installed by itself)
+from typer._click.exceptions import (
+    BadOptionUsage,
+    BadParameter,
+    NoArgsIsHelpError,
+    NoSuchOption,
+    UsageError,
+)
+from typer.core import TyperCommand, TyperGroup, TyperOption
 
 from tpbench.config import (
     DbConfig,
@@ -43,13 +53,72 @@ from tpbench.db import DatabaseRefused, NoDatabase, ResultsDB, parse_since
 if TYPE_CHECKING:
     from tpbench.theory import Prediction
 
+
+class _OneLineUsage:
+    """typer's own usage errors (an unknown command or option, a missing or malformed value, an extra
+    argument) as one line naming the bad input and what is accepted, exit code 2, like tpbench's
+    checks of the config, instead of a box of several lines. They are raised while a command parses
+    its arguments, before anything runs. `tpbench` alone still prints the help."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        with _in_one_line(ctx):
+            return super().parse_args(ctx, args)  # type: ignore[misc]
+
+
+class OneLineGroup(_OneLineUsage, TyperGroup):
+    def resolve_command(
+        self, ctx: typer.Context, args: list[str]
+    ) -> tuple[str | None, Command | None, list[str]]:
+        with _in_one_line(ctx):  # an unknown command
+            return super().resolve_command(ctx, args)
+
+
+class OneLineCommand(_OneLineUsage, TyperCommand):
+    pass
+
+
+@contextmanager
+def _in_one_line(ctx: typer.Context) -> Iterator[None]:
+    try:
+        yield
+    except NoArgsIsHelpError:
+        raise
+    except UsageError as e:
+        _usage(_usage_error_line(e, ctx))
+
+
+def _usage_error_line(e: UsageError, ctx: typer.Context) -> str:
+    """`tpbench report: Option '--format' requires an argument; accepted for --format: html, md, ...`."""
+    command = ctx.command
+    said = (e.message if isinstance(e, NoSuchOption) else e.format_message()).rstrip(".")  # no guesses
+    params = command.get_params(ctx)
+    param = e.param if isinstance(e, BadParameter) else None
+    if isinstance(e, BadOptionUsage):
+        param = next((p for p in params if e.option_name in p.opts), None)
+    if isinstance(e, NoSuchOption):
+        names = [name for p in params if isinstance(p, TyperOption) for name in p.opts]
+        accepted = "accepted options are " + ", ".join(names)
+    elif isinstance(param, TyperOption) and param.is_flag:
+        accepted = f"{param.opts[0]} is a flag: given alone, it takes no value"
+    elif param is not None:
+        accepted = f"accepted for {param.opts[0]}: {getattr(param, 'help', None) or param.type.name}"
+    elif isinstance(command, TyperGroup):
+        accepted = "accepted commands are " + ", ".join(command.list_commands(ctx))
+    else:
+        accepted = "usage: " + ctx.get_usage().removeprefix("Usage: ")
+    return f"{ctx.command_path}: {said}; {accepted}"
+
+
 app = typer.Typer(
+    cls=OneLineGroup,
     help="Tensor, sequence and vocab parallelism on MiniMind: run, sweep and list experiments.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-runs_app = typer.Typer(help="List the runs of the database, or show one.", add_completion=False)
+runs_app = typer.Typer(
+    cls=OneLineGroup, help="List the runs of the database, or show one.", add_completion=False
+)
 app.add_typer(runs_app, name="runs")
 
 # Whatever a run stored is shown verbatim: no rich markup in cells ("[x]" stays "[x]").
@@ -78,11 +147,12 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print each run as one JSON
 
 
 @app.command(
+    cls=OneLineCommand,
     epilog="Examples:\n\n"
     "tpbench run  (the tiny MiniMind, tp=2, validate, memory and throughput)\n\n"
     "tpbench run tp=2 sp=true vp=true layers=64\n\n"
     "tpbench run mode=tp_sp_vp model=minimind kind=memory batch=fixed_global dtype=bfloat16\n\n"
-    "tpbench run kind=validate +fault=kill_on_rank1 --json"
+    "tpbench run kind=validate +fault=kill_on_rank1 --json",
 )
 def run(overrides: Overrides = None, cfg: ShowCfg = False, as_json: AsJson = False) -> None:
     """Run one config (one run per kind; kind=all, the default, is all three) and record it."""
@@ -111,10 +181,11 @@ def run(overrides: Overrides = None, cfg: ShowCfg = False, as_json: AsJson = Fal
 
 
 @app.command(
+    cls=OneLineCommand,
     epilog="Examples:\n\n"
     "tpbench sweep layers=8,16,32,64 mode=ddp,tp,tp_sp,tp_vp,tp_sp_vp kind=memory\n\n"
     "tpbench sweep +preset=seed_tp_memory\n\n"
-    "tpbench sweep +preset=seed_check --force"
+    "tpbench sweep +preset=seed_check --force",
 )
 def sweep(
     overrides: Overrides = None,
@@ -243,23 +314,28 @@ def runs(
     out.print(table)
 
 
-@runs_app.command("show", epilog="Examples:\n\ntpbench runs show 12\n\ntpbench runs show 12 --json")
+@runs_app.command(
+    "show", cls=OneLineCommand, epilog="Examples:\n\ntpbench runs show 12\n\ntpbench runs show 12 --json"
+)
 def show(
     ctx: typer.Context,
-    run_id: Annotated[int, typer.Argument(help="The run id.")],
+    run_id: Annotated[str, typer.Argument(help="The run id, a number as `tpbench runs` lists it.")],
     as_json: AsJson = False,
     db: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the database.")] = None,
 ) -> None:
     """Show one run: status, environment, every headline metric; --json adds the resolved config."""
-    _report_run(_read_db(db or ctx.obj), run_id, as_json, full=True)
+    if not run_id.isdecimal():  # read here, not by typer, so that the message names the value
+        _usage(f"run id {run_id}: accepted is a number, a run's id as `tpbench runs` lists it")
+    _report_run(_read_db(db or ctx.obj), int(run_id), as_json, full=True)
 
 
 @app.command(
+    cls=OneLineCommand,
     epilog="Examples:\n\n"
     "tpbench report  (every run, into runs/report.html)\n\n"
     "tpbench report --kind memory --sweep seed_tp_memory --out memory.html\n\n"
     "tpbench report --format md --since 12h --where layers=8 --where model.name=tiny\n\n"
-    "tpbench report --format csv --out runs.csv"
+    "tpbench report --format csv --out runs.csv",
 )
 def report(
     fmt: Annotated[str, typer.Option("--format", help="html, md, csv or json.")] = "html",
@@ -295,10 +371,11 @@ def report(
 
 
 @app.command(
+    cls=OneLineCommand,
     epilog="Examples:\n\n"
     "tpbench plan tp=8 sp=true vp=true model=minimind layers=64\n\n"
     "tpbench plan +preset=seed_tp_memory  (every config of the sweep)\n\n"
-    "tpbench plan mode=ddp,tp_sp_vp model=seed_memory precision=mixed"
+    "tpbench plan mode=ddp,tp_sp_vp model=seed_memory precision=mixed",
 )
 def plan(
     overrides: Overrides = None,
@@ -379,10 +456,11 @@ def _print_measured(cfg: RunConfig, prediction: Prediction) -> None:
 
 
 @app.command(
+    cls=OneLineCommand,
     epilog="Examples:\n\n"
     "tpbench diagram tp=4 sp=true  (runs/diagram.svg)\n\n"
     "tpbench diagram tp=4 kv_heads=2 --compare  (TP and TP+SP side by side)\n\n"
-    "tpbench diagram tp=4 sp=true vp=true --format png --out block.png"
+    "tpbench diagram tp=4 sp=true vp=true --format png --out block.png",
 )
 def diagram(
     overrides: Overrides = None,
