@@ -129,6 +129,14 @@ def test_a_step_neither_syncs_the_host_nor_rebuilds_rope_tables(units):
     assert units["step_ops"] == {"host_syncs": 0, "rope_builds": 0}
 
 
+def test_a_settled_collective_returns_with_its_tensors_let_go(units):
+    """Under comm.settling (memory runs) gloo's worker holds no tensor of a collective once it returns,
+    so a tensor dropped after it is freed at the same op on every rank; without, some are held."""
+    assert units["settling"]["settled"] == 0
+    if units["settling"]["unsettled"] == 0:  # 77 of 300 held here: a run without the race shows nothing
+        pytest.skip("gloo's worker let go of every tensor in time: the race did not occur in this run")
+
+
 def test_checkpoint_round_trip_is_bit_exact(units):
     ck = units["checkpoints"]
     for case in ("tp", "kv_replicated", "vp_padded_untied"):

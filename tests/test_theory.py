@@ -165,10 +165,9 @@ def test_ddp_counts_one_all_reduce_per_bucket(measured):
 
 
 # What the model leaves out: tensors of a few elements (the loss and its gradient, 8 B; VP's per-row
-# bookkeeping beyond loss_extra, 1,288 B at dp 2 x tp 2 and 1,416 B at tp 4 on SMALL), and a jitter
-# not yet explained: at tp 4 with SP and VP a rank measured 2,560 B (five fp32 [S, B]) more than the
-# model in one of three whole-suite runs (t4_tp_sp_vp_fp32; the same configs were exact in the others).
-FEW_ELEMENTS = 3072
+# bookkeeping beyond loss_extra, 1,288 B at dp 2 x tp 2 and 1,416 B at tp 4 on SMALL). (A jitter of
+# a few KB on a random rank was gloo's worker freeing collectives' tensors late: comm.settling.)
+FEW_ELEMENTS = 2048
 # Seeded odd shapes the model does not reach yet (issue 12 leaves them open): measured - predicted.
 KNOWN_GAPS = {
     "odd_0": "-4,856 B: tp 4, SP, fp32, manual attention, untied",

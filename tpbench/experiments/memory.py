@@ -21,6 +21,7 @@ from tpbench import allocator, emulation, theory
 from tpbench.config import RunConfig
 from tpbench.experiments.setup import context
 from tpbench.experiments.training import Trainer
+from tpbench.parallel import comm
 from tpbench.results import RankResult
 
 # MemTracker's categories -> tpbench's measurement names
@@ -127,7 +128,7 @@ def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace 
     gc.collect()
     gc.disable()
     try:
-        with tracker, feed:
+        with tracker, feed, comm.settling():
             for _ in range(cfg.train.steps):
                 trainer.step()
                 tracker.reset_mod_stats()  # per-module stats are per iteration; the peak is kept
