@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 
 from tpbench import allocator, emulation, theory
 from tpbench.config import RunConfig
-from tpbench.experiments.setup import context
+from tpbench.experiments.setup import context, counting
 from tpbench.experiments.training import Trainer
 from tpbench.parallel import comm
 from tpbench.results import RankResult
@@ -109,8 +109,6 @@ def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace 
     result = RankResult(rank=trainer.ctx.rank)
     for _ in range(cfg.train.warmup):
         trainer.step()
-    result.comm = trainer.counted_step()
-    result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")
 
     on_gpu = trainer.ctx.device.type == "cuda"
     if on_gpu:
@@ -127,13 +125,17 @@ def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace 
     # run without it, so every rank measures the same step (a cycle left alive could only add)
     gc.collect()
     gc.disable()
+    counter = comm.CommCounter()  # the first measured step's collectives: counting allocates nothing
     try:
         with tracker, feed, comm.settling():
-            for _ in range(cfg.train.steps):
-                trainer.step()
+            for step in range(cfg.train.steps):
+                with counting(cfg, counter) if step == 0 else contextlib.nullcontext():
+                    trainer.step()
                 tracker.reset_mod_stats()  # per-module stats are per iteration; the peak is kept
     finally:
         gc.enable()
+    result.comm = counter.rows()
+    result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")
     peak = tracker.get_tracker_snapshot("peak")[trainer.ctx.device]
     # an emulated GPU keeps AdamW's step counters on the host, where the CPU stand-in cannot
     counters = sum(t.untyped_storage().nbytes() for t in host_counters)

@@ -21,7 +21,6 @@ from tpbench.experiments.setup import (
     build_dense,
     build_parallel,
     context,
-    counting,
     param_dtype,
     place,
     precision,
@@ -102,13 +101,6 @@ class Trainer:
         self.finish_grads()
         self.optimizer.step()
         return loss.detach()
-
-    def counted_step(self) -> list:
-        """One step with its collectives counted: CommRows per step."""
-        counter = comm.CommCounter()
-        with counting(self.cfg, counter):
-            self.step()
-        return counter.rows()
 
     def sync(self) -> None:
         if self.ctx.device.type == "cuda":
