@@ -66,7 +66,7 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     steps: int = 5  # measured steps (memory, throughput)
-    warmup: int = 2
+    warmup: int = 2  # steps before measuring; memory takes at least the steady state (1, DDP 2)
     seed: int = 0
 
 
