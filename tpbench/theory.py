@@ -7,6 +7,7 @@ so the peak is the largest of a few moments (`Prediction.moments`):
                 logits live only while the loss runs: the training step does not keep them);
   head backward the LM head's backward: the logits' and the head weight's gradients;
   final norm backward  the final RMSNorm's fp32 backward temporaries;
+  mlp backward  the top block's SwiGLU backward, at gate_proj's weight gradient;
   recomputed block     full recompute: the top and the bottom block's backward, their forward run
                 again (the top one beside every block input, the bottom one beside most gradients);
   attention     the top layer's manual-attention backward, with its fp32 [B, N, S, S] gradients;
@@ -66,6 +67,9 @@ from tpbench.results import CommRow
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FP32, INT64 = 4, 8
+# the loss [] and its gradient [] (ones, made by backward()), alive from backward's start to its end;
+# the loss alone outlives it (the step returns it)
+LOSS_AND_GRAD = 2 * FP32
 
 
 @dataclass(frozen=True)
@@ -339,10 +343,11 @@ def forward_only_casts(d: Dims) -> int:
 def kv_widths(d: Dims) -> tuple[int, int]:
     """Widths of the k and v that attention saves. repeat_kv's expand + reshape copies them out to the
     query heads, unless this rank has one KV head: then the expanded size-1 dim merges into a
-    stride-0 view and nothing is copied. SDPA saves that view; manual attention's matmuls copy it
-    (batched matmul reshapes it to [B Nq, S, D]) and save the copy."""
+    stride-0 view and nothing is copied. SDPA saves that view; manual attention's matmuls reshape it
+    to [B Nq, S, D], which copies it (and saves the copy) unless B is 1: a size-1 batch dim merges
+    with the stride-0 head dim into a view."""
     n_rep = d.Nq_l > d.Nkv_l
-    v_width = d.Hq if n_rep and (d.Nkv_l > 1 or not d.flash) else d.Hkv
+    v_width = d.Hq if n_rep and (d.Nkv_l > 1 or not d.flash and d.B > 1) else d.Hkv
     return v_width, v_width
 
 
@@ -369,7 +374,7 @@ def loss_extra(d: Dims) -> tuple[int, int]:
 
     Dense loss (F.cross_entropy on logits.float()): the peak is log_softmax's backward, holding its
     fp32 output (saved), the fp32 gradient from nll_loss and the fp32 gradient it makes: 3 x 4 N V
-    (the logits themselves are gone by then: nothing saves them).
+    (the logits themselves are gone by then: nothing saves them), and the loss and its gradient.
     Vocab-parallel loss: the peak is its forward, holding the logits and one fp32 copy of them that
     becomes the softmax in place, with the [S, B] bookkeeping; its backward holds less (the softmax
     turned into the gradient in place, and that gradient's cast).
@@ -379,9 +384,11 @@ def loss_extra(d: Dims) -> tuple[int, int]:
     if d.logits_mean:
         return d.p * nv + (FP32 * nv if d.p != FP32 else 0), 0
     if not d.vp:
-        return FP32 * nv, 2 * FP32 * nv
-    # targets and local ids (int64), row max, target logit, sum of exp (fp32), valid and owned masks
-    small = (2 * INT64 + 3 * FP32 + 2) * d.N
+        return FP32 * nv + LOSS_AND_GRAD, 2 * FP32 * nv
+    # at log(sum of exp) - target logit: targets and local ids (int64); row max, target logit, sum of
+    # exp, its log and the difference (fp32); valid and owned masks (bool); the count of valid targets
+    # (an int64 scalar)
+    small = (2 * INT64 + 5 * FP32 + 2) * d.N + INT64
     return d.p * nv + FP32 * nv + small, 0
 
 
@@ -414,7 +421,8 @@ def moments(d: Dims) -> list[Moment]:
     G = P if not (d.ddp and d.bucket_view) else 0  # gradients made in backward
     acts = model_activations(d)
     A = sum(acts.values())
-    kept = acts["batch"]  # what outlives the backward
+    # what outlives the backward: the batch, the model's RoPE tables and the loss the step returns
+    kept = acts["batch"] + acts["rope tables"] + FP32
 
     loss_act, loss_temp = loss_extra(d)
     out = [Moment("loss", P, buckets, O, A + forward_only_casts(d) + loss_act, loss_temp)]
@@ -424,10 +432,12 @@ def moments(d: Dims) -> list[Moment]:
     temp = d.p * d.N * d.V_l + d.V_l * d.H * d.w + d.p * d.N * d.H
     if d.sp and d.vp and d.regather:  # the head's input, all-gathered again
         temp += d.p * d.N * d.H
-    out.append(Moment("head backward", P, buckets, O, A, temp))
+    out.append(Moment("head backward", P, buckets, O, A + LOSS_AND_GRAD, temp))
     out.append(final_norm_backward(d, acts, P, O, buckets, G > 0))
     if d.recompute == "full":
         out += [recomputed_block(d, acts, P, O, buckets, G > 0, i) for i in sorted({d.L - 1, 0})]
+    else:
+        out.append(mlp_backward(d, acts, P, O, buckets, G > 0))
     if not d.flash:
         if d.recompute != "full":
             out.append(attention_forward(d, acts, P, O, buckets))
@@ -436,7 +446,7 @@ def moments(d: Dims) -> list[Moment]:
     if d.tied:  # the LM head's gradient waits for the embedding's; the two are summed into a third
         E = d.V_l * d.H * d.w
         own = G - E if G else 0
-        out.append(Moment("backward end", P, buckets + own, O, kept, 3 * E))
+        out.append(Moment("backward end", P, buckets + own, O, kept + LOSS_AND_GRAD - FP32, 3 * E))
     if d.dp > 1 and not d.ddp:  # megatron's DP sum concatenates every gradient into one flat copy
         out.append(Moment("gradient sums", P, buckets + G, O, kept, P))
     # AdamW on the CPU runs one tensor at a time: sqrt(exp_avg_sq) and its quotient by the bias
@@ -459,7 +469,8 @@ def final_norm_backward(
     tied_head = d.V_l * d.H * d.w if d.tied else 0
     temps = 5 * FP32 * d.Ns * d.H + tied_head
     grads = buckets + (grads * d.w if own_grads else 0)
-    return Moment("final norm backward", P, grads, optim, sum(acts.values()) - freed, temps)
+    activations = sum(acts.values()) - freed + LOSS_AND_GRAD
+    return Moment("final norm backward", P, grads, optim, activations, temps)
 
 
 def recomputed(d: Dims) -> dict[str, int]:
@@ -482,9 +493,10 @@ def recomputed_block(
     d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool, layer: int
 ) -> Moment:
     """Full recompute: block `layer`'s backward, in the SwiGLU's. Its forward has run again (to
-    down_proj's input) and down_proj's backward is done: its input is freed, its weight gradient made;
-    three tensors of the SwiGLU's size are alive (the gradient of silu(gate) * up and, one after the
-    other, two of grad * up, gate's gradient and up's), with the stream's gradient.
+    down_proj's input) and down_proj's backward is done: its input (and, mixed, its weight cast) is
+    freed, its weight gradient made; three tensors of the SwiGLU's size are alive (the gradient of
+    silu(gate) * up and, one after the other, two of grad * up, gate's gradient and up's), with the
+    stream's gradient (fp32 under mixed precision, as the stream).
     The blocks above have finished: their inputs are freed, their gradients made, as are the head's
     and the final norm's (a tied head's waits, as a temporary, for the embedding's share). The top
     block holds the most activations, the bottom one the most gradients."""
@@ -492,13 +504,35 @@ def recomputed_block(
     above = d.L - 1 - layer
     block_input = acts["blocks"] // d.L
     activations = after_head(acts) - above * block_input
-    activations += sum(recomputed(d).values()) - ffn
+    activations += sum(recomputed(d).values()) - ffn - (d.p * d.H * d.I_l if d.mixed else 0)
+    activations += LOSS_AND_GRAD
     block = sum(n for _, n in layer_params(d))
     grads = d.H + above * block + d.H * d.I_l + (0 if d.tied else d.V_l * d.H)
     tied_head = d.V_l * d.H * d.w if d.tied else 0
-    temps = 3 * ffn + d.p * d.Ns * d.H + tied_head
+    temps = 3 * ffn + d.s * d.Ns * d.H + tied_head
     grads = buckets + (grads * d.w if own_grads else 0)
     return Moment(f"recomputed block {layer}", P, grads, optim, activations, temps)
+
+
+def mlp_backward(d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool) -> Moment:
+    """The top block's SwiGLU backward, at gate_proj's weight gradient (the MLP's last matmul in
+    backward: up_proj's runs first). Down's and up's backward are done: the SwiGLU's saved tensors are
+    freed (mixed: down's and up's weight casts too, and up's own cast of the input where each linear
+    casts its own), their weight gradients made. Alive: gate's gradient [N, I/T], up's and gate's
+    input gradients [N, H] (summed once gate's backward ends), gate's weight gradient being made, the
+    stream's gradient, SP's re-gathered MLP input, and a tied head's gradient, waiting (a temporary)
+    for the embedding's share. The MLP input itself is still saved: gate's backward reads it."""
+    layer = layer_activations(d)
+    freed = layer["swiglu"]
+    if d.mixed:
+        freed += d.p * d.I_l * d.H * (2 if d.recompute == "none" else 1)  # up's (selective: down's is remade)
+        freed += 0 if d.cast_once else d.p * d.N * d.H
+    done = ("mlp.down_proj", "mlp.up_proj")
+    grads = d.H + sum(n for name, n in layer_params(d) if name in done) + (0 if d.tied else d.V_l * d.H)
+    temps = d.p * d.N * d.I_l + 2 * d.p * d.N * d.H + d.p * d.I_l * d.H + d.s * d.Ns * d.H
+    temps += (d.V_l * d.H * d.w if d.tied else 0) + (d.p * d.N * d.H if d.sp and d.block_regather else 0)
+    grads = buckets + (grads * d.w if own_grads else 0)
+    return Moment("mlp backward", P, grads, optim, after_head(acts) - freed + LOSS_AND_GRAD, temps)
 
 
 def attention_forward(d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int) -> Moment:
@@ -523,8 +557,9 @@ def attention_backward(
     """The top block's manual-attention backward, at softmax's backward: the fp32 softmax output
     (saved), the fp32 gradient of the probabilities and the fp32 result, 3 x 4 B Nq S^2 at once.
     By then the head, the final norm, the MLP and o_proj have run their backward: their saved
-    tensors are freed and their gradients made. A tied LM head's gradient waits, as a temporary, for
-    the embedding's share. Also alive: the residual stream's gradient and v's (its node runs later).
+    tensors are freed (mixed: their weight casts too) and their gradients made. A tied LM head's
+    gradient waits, as a temporary, for the embedding's share. Also alive: the residual stream's
+    gradient (fp32 under mixed precision, as the stream) and v's (its node runs later).
     Under full recompute the block's activations are the recomputed ones, beside every block input."""
     full = d.recompute == "full"
     layer = recomputed(d) if full else layer_activations(d)
@@ -533,12 +568,15 @@ def attention_backward(
     freed = layer["post_attention_layernorm"] + layer["mlp input"] + layer["swiglu"]
     freed += (d.p * scores if d.p != FP32 else 0) + d.p * d.N * (d.Hq + v_width)  # probs, o in, v
     done = ["mlp.", "post_attention_layernorm", "self_attn.o_proj"]
+    if d.mixed:  # the weight casts of o_proj and the MLP (selective remakes down's: not kept)
+        freed += d.p * sum(n for name, n in layer_params(d) if name.startswith(("mlp.", "self_attn.o_proj")))
+        freed -= d.p * d.H * d.I_l if d.recompute == "selective" else 0
     grads = d.H + sum(n for name, n in layer_params(d) if name.startswith(tuple(done)))
     grads += 0 if d.tied else d.V_l * d.H
     tied_head = d.V_l * d.H * d.w if d.tied else 0
-    flowing = d.p * (d.Ns * d.H + d.N * v_width)
+    flowing = d.s * d.Ns * d.H + d.p * d.N * v_width
     grads = buckets + (grads * d.w if own_grads else 0)
-    activations = after_head(acts) + (sum(layer.values()) if full else 0) - freed
+    activations = after_head(acts) + (sum(layer.values()) if full else 0) - freed + LOSS_AND_GRAD
     return Moment("attention", P, grads, optim, activations, 2 * FP32 * scores + tied_head + flowing)
 
 
