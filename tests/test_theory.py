@@ -82,6 +82,16 @@ CHECKS = {
     "dp2_tp_sp_vp_mixed_selective": [*DP2, SP, VP, "train.precision=mixed", "train.recompute=selective"],
     "dp2_tp_sp_vp_mixed_full": [*DP2, SP, VP, "train.precision=mixed", "train.recompute=full"],
     "t4_tp_full": ["parallel.tp=4", "train.recompute=full"],
+    # manual attention at S 256, mixed: the bottom block's softmax backward, fp32 gradients beside it
+    "dp2_tp_sp_vp_mixed_manual_full": [
+        *DP2,
+        SP,
+        VP,
+        "train.precision=mixed",
+        "model.flash_attn=false",
+        "train.seq_len=256",
+        "train.recompute=full",
+    ],
     "t4_tp_sp_vp_fp32_selective": [
         "parallel.tp=4",
         SP,
@@ -176,8 +186,8 @@ def test_peak_memory_is_predicted_to_the_byte(measured, name):
 def test_the_peak_moments_are_the_ones_measured(measured):
     """The configs peak at different moments (S 4: the gradients; S 256, manual: the top block's
     softmax in forward; VP in fp32: the head's backward; VP at T 4: the final norm's backward; full
-    recompute: the bottom block's backward; odd_1's wide MLP at B 1, S 16: the top MLP's backward), so
-    the test above checks each moment, not only the loss."""
+    recompute: the bottom block's backward, and its softmax's with manual attention; odd_1's wide MLP
+    at B 1, S 16: the top MLP's backward), so the test above checks each moment, not only the loss."""
     names = {theory.predict(config(n)).peak.name for n in CHECKS}
     assert names == {
         "loss",
@@ -185,6 +195,7 @@ def test_the_peak_moments_are_the_ones_measured(measured):
         "final norm backward",
         "mlp backward",
         "recomputed block 0",
+        "recomputed attention 0",
         "attention forward",
         "backward end",
         "gradient sums",

@@ -438,10 +438,11 @@ def moments(d: Dims) -> list[Moment]:
         out += [recomputed_block(d, acts, P, O, buckets, G > 0, i) for i in sorted({d.L - 1, 0})]
     else:
         out.append(mlp_backward(d, acts, P, O, buckets, G > 0))
-    if not d.flash:
-        if d.recompute != "full":
-            out.append(attention_forward(d, acts, P, O, buckets))
-        out.append(attention_backward(d, acts, P, O, buckets, G > 0))
+    if not d.flash and d.recompute != "full":
+        out.append(attention_forward(d, acts, P, O, buckets))
+        out.append(attention_backward(d, acts, P, O, buckets, G > 0, d.L - 1))
+    elif not d.flash:
+        out += [attention_backward(d, acts, P, O, buckets, G > 0, i) for i in sorted({d.L - 1, 0})]
 
     if d.tied:  # the LM head's gradient waits for the embedding's; the two are summed into a third
         E = d.V_l * d.H * d.w
@@ -552,32 +553,38 @@ def attention_forward(d: Dims, acts: dict[str, int], P: int, optim: int, buckets
 
 
 def attention_backward(
-    d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool
+    d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool, layer: int
 ) -> Moment:
-    """The top block's manual-attention backward, at softmax's backward: the fp32 softmax output
+    """Block `layer`'s manual-attention backward, at softmax's backward: the fp32 softmax output
     (saved), the fp32 gradient of the probabilities and the fp32 result, 3 x 4 B Nq S^2 at once.
     By then the head, the final norm, the MLP and o_proj have run their backward: their saved
     tensors are freed (mixed: their weight casts too) and their gradients made. A tied LM head's
     gradient waits, as a temporary, for the embedding's share. Also alive: the residual stream's
     gradient (fp32 under mixed precision, as the stream) and v's (its node runs later).
-    Under full recompute the block's activations are the recomputed ones, beside every block input."""
+    Without full recompute, `layer` is the top block. Under full recompute its activations are the
+    recomputed ones, and, as for `recomputed_block`, the blocks above have finished (their inputs
+    freed, their gradients made): the top block holds the most activations, the bottom one the most
+    gradients (mixed precision: fp32 gradients beside bf16 activations)."""
     full = d.recompute == "full"
-    layer = recomputed(d) if full else layer_activations(d)
+    saved = recomputed(d) if full else layer_activations(d)
     scores = d.B * d.Nq_l * d.S * d.S
     v_width = kv_widths(d)[1]
-    freed = layer["post_attention_layernorm"] + layer["mlp input"] + layer["swiglu"]
+    freed = saved["post_attention_layernorm"] + saved["mlp input"] + saved["swiglu"]
     freed += (d.p * scores if d.p != FP32 else 0) + d.p * d.N * (d.Hq + v_width)  # probs, o in, v
     done = ["mlp.", "post_attention_layernorm", "self_attn.o_proj"]
     if d.mixed:  # the weight casts of o_proj and the MLP (selective remakes down's: not kept)
         freed += d.p * sum(n for name, n in layer_params(d) if name.startswith(("mlp.", "self_attn.o_proj")))
         freed -= d.p * d.H * d.I_l if d.recompute == "selective" else 0
+    above = d.L - 1 - layer
     grads = d.H + sum(n for name, n in layer_params(d) if name.startswith(tuple(done)))
-    grads += 0 if d.tied else d.V_l * d.H
+    grads += above * sum(n for _, n in layer_params(d)) + (0 if d.tied else d.V_l * d.H)
     tied_head = d.V_l * d.H * d.w if d.tied else 0
     flowing = d.s * d.Ns * d.H + d.p * d.N * v_width
     grads = buckets + (grads * d.w if own_grads else 0)
-    activations = after_head(acts) + (sum(layer.values()) if full else 0) - freed + LOSS_AND_GRAD
-    return Moment("attention", P, grads, optim, activations, 2 * FP32 * scores + tied_head + flowing)
+    activations = after_head(acts) - above * (acts["blocks"] // d.L) - freed + LOSS_AND_GRAD
+    activations += sum(saved.values()) if full else 0
+    name = f"recomputed attention {layer}" if full else "attention"
+    return Moment(name, P, grads, optim, activations, 2 * FP32 * scores + tied_head + flowing)
 
 
 # --- communication ------------------------------------------------------------------------------
