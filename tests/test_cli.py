@@ -105,6 +105,15 @@ BAD_INPUT = {
     "odd head dim": (["hidden=72"], "odd head dim"),
     "dp hang without dp": (["+fault=hang_in_dp_group"], "fault=hang_in_dp_group needs parallel.dp >= 2"),
     "kv hang without replicas": (["+fault=hang_in_kv_group"], "needs parallel.tp > model.num_key_value"),
+    "unknown sp gather": (["parallel.sp_gather=rows"], "parallel.sp_gather='rows': accepted are 'region'"),
+    "sp gather without sp": (
+        ["mode=tp", "parallel.sp_gather=linear"],
+        "parallel.sp_gather=linear with engine=megatron sp=False: ",
+    ),
+    "sp gather on dtensor": (
+        ["mode=dtensor_tp_sp", "parallel.sp_gather=linear"],
+        "parallel.sp_gather=linear with engine=dtensor sp=True: ",
+    ),
     "eager swiglu recomputed": (
         ["model.fused_swiglu=false", "recompute=full"],
         "model.fused_swiglu=false with train.recompute=full: ",

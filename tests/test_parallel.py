@@ -20,6 +20,14 @@ VALIDATE_T2 = {
     "tp": ["parallel.tp=2"],
     "tp_sp": ["parallel.tp=2", "parallel.sp=true"],
     "tp_sp_keep_full": ["parallel.tp=2", "parallel.sp=true", "parallel.sp_regather=false"],
+    # SP gathering in each column linear (minimind-tron's): its own shard re-gathered, or kept whole
+    "tp_sp_linear": ["parallel.tp=2", "parallel.sp=true", "parallel.sp_gather=linear"],
+    "tp_sp_linear_keep_full": [
+        "parallel.tp=2",
+        "parallel.sp=true",
+        "parallel.sp_gather=linear",
+        "parallel.sp_regather=false",
+    ],
     "tp_vp": ["parallel.tp=2", "parallel.vp=true"],
     "tp_sp_vp": ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true"],
     "tp_sp_vp_v255_untied": [
@@ -46,6 +54,7 @@ MODES = {
     "tp_sp": ["parallel.tp=2", "parallel.sp=true"],
     "tp_vp": ["parallel.tp=2", "parallel.vp=true"],
     "tp_sp_vp": ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true"],
+    "tp_sp_linear_vp": ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true", "parallel.sp_gather=linear"],
     "ddp": ["parallel.engine=ddp", "parallel.tp=1", "parallel.dp=2"],
 }
 PRECISIONS = {
@@ -74,6 +83,13 @@ VALIDATE_W4 = {
     "t4_tp_sp": ["parallel.tp=4", "parallel.sp=true"],
     "t4_tp_vp": ["parallel.tp=4", "parallel.vp=true"],
     "t4_tp_sp_vp": ["parallel.tp=4", "parallel.sp=true", "parallel.vp=true"],
+    "t4_tp_sp_linear_keep_full_kv1": [
+        "parallel.tp=4",
+        "parallel.sp=true",
+        "parallel.sp_gather=linear",
+        "parallel.sp_regather=false",
+        "model.num_key_value_heads=1",
+    ],
     "t4_kv1": ["parallel.tp=4", "model.num_key_value_heads=1"],
     "t4_kv2_sp_vp_v250": [
         "parallel.tp=4",
@@ -197,7 +213,9 @@ def test_semantics_cover_every_layout(validated):
 # --- collectives per training step: what the math gives ---------------------------------------
 
 
-def expected_comm(t: int, sp: bool, vp: bool, regather: bool = True, dp: int = 1, params: int = 0) -> dict:
+def expected_comm(
+    t: int, sp: bool, vp: bool, regather: bool = True, dp: int = 1, params: int = 0, per_linear: bool = False
+) -> dict:
     """(op, purpose) -> (count, per-rank ring bytes) for one step of the tiny fp32 model."""
     act = S * B * H * 4  # one [S, B, H] fp32 tensor
     ring_ar, ring_ag = 2 * (t - 1) / t, (t - 1) / t
@@ -206,14 +224,15 @@ def expected_comm(t: int, sp: bool, vp: bool, regather: bool = True, dp: int = 1
         n = 4 * L + (2 if vp else 0)
         out[("all_reduce", "activation")] = (n, round(n * act * ring_ar))
     else:  # per block: g and g-bar forward, their conjugates backward; edges for embedding and head
-        n = 4 * L + 2
+        g = 5 if per_linear else 2  # g at each column linear (q, k, v, gate, up) or at each region
+        n = (g + 2) * L + 2
         out[("all_gather", "activation")] = (n, round(n * act * ring_ag))
         out[("reduce_scatter", "activation")] = (
-            4 * L + (2 if vp else 0),
-            round((4 * L + (2 if vp else 0)) * act * ring_ag),
+            (g + 2) * L + (2 if vp else 0),
+            round(((g + 2) * L + (2 if vp else 0)) * act * ring_ag),
         )
         if regather:
-            n_re = 2 * L + (1 if vp else 0)
+            n_re = g * L + (1 if vp else 0)
             out[("all_gather", "regather")] = (n_re, round(n_re * act * ring_ag))
     if vp:
         out[("all_reduce", "loss")] = (3, round(3 * S * B * 4 * ring_ar))
@@ -223,22 +242,24 @@ def expected_comm(t: int, sp: bool, vp: bool, regather: bool = True, dp: int = 1
 
 
 @pytest.mark.parametrize(
-    "name,t,sp,vp,regather",
+    "name,t,sp,vp,regather,per_linear",
     [
-        ("tp", 2, False, False, True),
-        ("tp_sp", 2, True, False, True),
-        ("tp_sp_keep_full", 2, True, False, False),
-        ("tp_vp", 2, False, True, True),
-        ("tp_sp_vp", 2, True, True, True),
-        ("t4_tp", 4, False, False, True),
-        ("t4_tp_sp", 4, True, False, True),
-        ("t4_tp_vp", 4, False, True, True),
-        ("t4_tp_sp_vp", 4, True, True, True),
+        ("tp", 2, False, False, True, False),
+        ("tp_sp", 2, True, False, True, False),
+        ("tp_sp_keep_full", 2, True, False, False, False),
+        ("tp_sp_linear", 2, True, False, True, True),
+        ("tp_sp_linear_keep_full", 2, True, False, False, True),
+        ("tp_vp", 2, False, True, True, False),
+        ("tp_sp_vp", 2, True, True, True, False),
+        ("t4_tp", 4, False, False, True, False),
+        ("t4_tp_sp", 4, True, False, True, False),
+        ("t4_tp_vp", 4, False, True, True, False),
+        ("t4_tp_sp_vp", 4, True, True, True, False),
     ],
 )
-def test_collectives_per_step_match_the_math(validated, name, t, sp, vp, regather):
+def test_collectives_per_step_match_the_math(validated, name, t, sp, vp, regather, per_linear):
     counted = {(op, purpose): (n, b) for op, purpose, n, b in validated[name]["comm"]}
-    assert counted == expected_comm(t, sp, vp, regather)
+    assert counted == expected_comm(t, sp, vp, regather, per_linear=per_linear)
 
 
 def test_sp_moves_the_same_bytes_as_tp_inside_the_blocks(validated):

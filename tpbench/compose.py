@@ -60,6 +60,7 @@ GROUPS = ("model", "mode", "batch", "kind", "device", "db", "launcher", "+preset
 CHOICES = {
     "kind": KINDS,
     "parallel.engine": ("megatron", "ddp", "dtensor"),
+    "parallel.sp_gather": ("region", "linear"),
     "train.batch": ("fixed_per_rank", "fixed_global"),
     "train.dtype": ("float32", "bfloat16", "float16"),
     "train.precision": ("pure", "mixed"),

@@ -46,6 +46,9 @@ class ParallelConfig:
     vp: bool = False
     engine: str = "megatron"  # megatron (ours) | ddp (torch DDP, tp must be 1) | dtensor
     sp_regather: bool = True  # SP keeps only the local shard for backward and all-gathers again
+    # SP's all-gather granularity: region (one per attention / MLP input, its linears share the
+    # gathered tensor) | linear (each column-parallel linear gathers its own input, as minimind-tron)
+    sp_gather: str = "region"
     vocab_pad_multiple: int = 1  # VP pads V up to a multiple of tp * vocab_pad_multiple
     ddp_bucket_mb: float = 25.0
     ddp_gradient_as_bucket_view: bool = True
@@ -197,10 +200,11 @@ def load_run_config(path: str) -> RunConfig:
 
 
 def mode_label(p: ParallelConfig) -> str:
-    """ddp, tp, tp_sp, tp_vp, tp_sp_vp, or the same with a dtensor_ prefix."""
+    """ddp, tp, tp_sp, tp_sp_linear, tp_vp, tp_sp_vp, tp_sp_linear_vp, or one with a dtensor_ prefix."""
     if p.engine == "ddp":
         return "ddp"
-    label = "tp" + ("_sp" if p.sp else "") + ("_vp" if p.vp else "")
+    sp = "_sp" + ("_linear" if p.sp_gather == "linear" else "") if p.sp else ""
+    label = "tp" + sp + ("_vp" if p.vp else "")
     return f"dtensor_{label}" if p.engine == "dtensor" else label
 
 

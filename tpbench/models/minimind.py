@@ -112,9 +112,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        s, b, _ = x.shape  # [S, B, H]
         d = self.head_dim
-        q = self.q_norm(self.q_proj(x).view(s, b, -1, d))  # [S, B, Nq, D]
+        q = self.q_proj(x)  # [S, B, Nq D]; x may be SP's shard [S/T, B, H] that q_proj all-gathers
+        s, b, _ = q.shape
+        q = self.q_norm(q.view(s, b, -1, d))  # [S, B, Nq, D]
         k = self.k_norm(self.k_proj(x).view(s, b, -1, d))  # [S, B, Nkv, D]
         v = self.v_proj(x).view(s, b, -1, d)  # [S, B, Nkv, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -58,6 +58,11 @@ def check_shardable(cfg: RunConfig) -> None:
         raise ConfigError(
             f"parallel.engine=ddp with tp={p.tp} sp={p.sp} vp={p.vp}: ddp needs tp=1, sp/vp off"
         )
+    if p.sp_gather == "linear" and not (p.sp and p.engine == "megatron"):
+        raise ConfigError(
+            f"parallel.sp_gather=linear with engine={p.engine} sp={p.sp}: it says where SP all-gathers "
+            f"a column linear's input; accepted only with engine=megatron and sp=true"
+        )
     if p.engine == "dtensor" and t.recompute != "none":
         raise ConfigError(
             f"train.recompute={t.recompute} with parallel.engine=dtensor: accepted there is none "

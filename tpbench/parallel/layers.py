@@ -6,6 +6,7 @@ column parallel splits `weight` on dim 0 and row parallel on dim 1.
 The layers do their own local math and, for row/vocab layers, the reduction that ends a region.
 The *entry* of a region (f or g) is applied once per region by the plan (tpbench.parallel.plan),
 not once per layer: q, k and v share one input and so share one f (or one all-gather under SP).
+Under SP with parallel.sp_gather=linear the plan puts g in front of each column linear instead.
 """
 
 from __future__ import annotations

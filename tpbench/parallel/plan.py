@@ -9,6 +9,9 @@ Region entries and exits per block (T = tp):
   tp:      attn/mlp entry f (copy)            exit f-bar (all-reduce)      stream [S, B, H]
   tp+sp:   attn/mlp entry g (all-gather)      exit g-bar (reduce-scatter)  stream [S/T, B, H]
   vp:      embedding exit f-bar / g-bar; LM head entry f / g; loss on sharded logits
+With parallel.sp_gather=linear, g moves from the region's entry into each of its column linears
+(q, k, v; gate, up): 5 all-gathers per block instead of 2, each linear saving its own gathered input
+(or, with the re-gather, its shard), as minimind-tron's ColumnParallelLinear does.
 """
 
 from __future__ import annotations
@@ -179,7 +182,8 @@ def parallelize(
         ctx.setup_kv_replicas(cfg.num_key_value_heads)
     layouts = plan_layouts(cfg, ctx.tp, pcfg)
     if ctx.tp > 1:
-        apply_tp(model, ctx, layouts, pcfg.sp, pcfg.sp_regather and recompute != "full")
+        regather = pcfg.sp_regather and recompute != "full"
+        apply_tp(model, ctx, layouts, pcfg.sp, regather, per_linear=pcfg.sp_gather == "linear")
         if pcfg.vp:
             apply_vp(model, ctx, layouts, pcfg.sp, pcfg.sp_regather)
         elif pcfg.sp:
@@ -190,9 +194,15 @@ def parallelize(
 
 
 def apply_tp(
-    model: MiniMindForCausalLM, ctx: ParallelContext, layouts: dict[str, Layout], sp: bool, regather: bool
+    model: MiniMindForCausalLM,
+    ctx: ParallelContext,
+    layouts: dict[str, Layout],
+    sp: bool,
+    regather: bool,
+    per_linear: bool = False,
 ) -> None:
-    """Attention and MLP: q/k/v/gate/up column parallel, o/down row parallel; heads split."""
+    """Attention and MLP: q/k/v/gate/up column parallel, o/down row parallel; heads split.
+    `per_linear` (SP only): each column linear all-gathers its own input instead of the region."""
     reduce = "reduce_scatter" if sp else "all_reduce"
     for i, block in enumerate(model.model.layers):
         p = f"model.layers.{i}."
@@ -203,8 +213,13 @@ def apply_tp(
         for name in ("gate_proj", "up_proj"):
             setattr(mlp, name, _column(getattr(mlp, name), layouts[p + f"mlp.{name}.weight"], ctx))
         mlp.down_proj = _row(mlp.down_proj, layouts[p + "mlp.down_proj.weight"], ctx, reduce)
-        for region in (attn, mlp):
-            _enter_region(region, ctx.tp_group, sp, regather)
+        for region, columns in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
+            if sp and per_linear:
+                _wrap(region, before=_autocast_input)  # cast once: the linears gather the same shard
+                for name in columns:
+                    _enter_region(getattr(region, name), ctx.tp_group, sp, regather)
+            else:
+                _enter_region(region, ctx.tp_group, sp, regather)
 
 
 def apply_vp(
@@ -249,7 +264,8 @@ def _row(dense: nn.Linear, layout: Layout, ctx: ParallelContext, reduce: str) ->
 
 
 def _enter_region(module: nn.Module, group: comm.Group, sp: bool, regather: bool) -> None:
-    """One entry op per region: f under TP; g under SP, saving only the shard when `regather`."""
+    """One entry op per region (or per column linear): f under TP; g under SP, saving only the shard
+    when `regather`."""
     inner = module.forward
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
