@@ -30,6 +30,7 @@ SMALL = [
     "train.warmup=1",
 ]
 SP, VP = "parallel.sp=true", "parallel.vp=true"
+LINEAR = "parallel.sp_gather=linear"
 DDP = ["parallel.engine=ddp", "parallel.tp=1", "parallel.ddp_bucket_mb=0.05"]  # several buckets
 FP32_MANUAL_UNTIED = [
     "train.dtype=float32",
@@ -107,6 +108,20 @@ CHECKS = {
     ],
     "ddp_dp4_selective": [*DDP, "parallel.dp=4", "train.recompute=selective"],
     "ddp_dp4_full": [*DDP, "parallel.dp=4", "train.recompute=full"],
+    # SP all-gathering in each column linear (minimind-tron's): each keeps its own gathered input, or
+    # the shared shard with the re-gather; cast once under mixed; gathered again under full recompute
+    "dp2_tp_sp_linear_keep_full": [*DP2, SP, LINEAR, "parallel.sp_regather=false"],
+    "t4_tp_sp_linear": ["parallel.tp=4", SP, LINEAR],
+    "dp2_tp_sp_vp_linear_mixed": [*DP2, SP, VP, LINEAR, "train.precision=mixed"],
+    "dp2_tp_sp_linear_full": [*DP2, SP, LINEAR, "train.recompute=full"],
+    "dp2_tp_sp_vp_linear_fp32_manual_untied_padded": [
+        *DP2,
+        SP,
+        VP,
+        LINEAR,
+        *FP32_MANUAL_UNTIED,
+        "train.seq_len=256",
+    ],
 }
 
 

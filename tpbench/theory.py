@@ -39,6 +39,9 @@ save nothing. Manual attention adds the fp32 softmax and its cast: (4 + 2) B Nq 
 paper's 5 a S / H term. TP divides the per-head and per-I terms by T, while the norms and the
 region inputs stay whole on every rank; SP divides those too (the region inputs only with the
 re-gather), so that TP + SP saves 1/T of everything, as in the paper.
+With parallel.sp_gather=linear each column linear all-gathers its own input: without the re-gather
+the 2 region inputs become 5 [S, B, H] tensors (q, k, v; gate, up each save their own), with it the
+shard is saved once as before (every linear keeps the same one) and each linear gathers it again.
 
 Mixed precision (fp32 masters, autocast): the stream and the norms are fp32, and every autocast op
 saves its own bf16 casts: each linear's weight is cast once per forward and kept until its backward,
@@ -101,6 +104,7 @@ class Dims:
     gpu: bool
     logits_mean: bool  # the seed's benchmark loss, logits.float().mean(), instead of cross entropy
     recompute: str = "none"  # none | selective | full (train.recompute)
+    per_linear: bool = False  # SP's all-gather in each column linear (parallel.sp_gather=linear)
 
     @property
     def s(self) -> int:
@@ -158,6 +162,12 @@ class Dims:
         return self.regather and self.recompute != "full"
 
     @property
+    def entries(self) -> int:
+        """SP all-gathers per block entering its regions: one per region, or one per column linear
+        (q, k, v; gate, up) under parallel.sp_gather=linear."""
+        return 5 if self.per_linear else 2
+
+    @property
     def cast_once(self) -> bool:
         """Mixed precision with T > 1: each region entry casts its input to the autocast dtype once,
         so the region's linears share one tensor (the dense model's linears each cast their own)."""
@@ -195,6 +205,7 @@ def dims(cfg: RunConfig) -> Dims:
         gpu=cfg.launch.device == "cuda",
         logits_mean=t.loss == "logits_mean",
         recompute=t.recompute,
+        per_linear=par.sp and T > 1 and par.sp_gather == "linear",
     )
 
 
@@ -294,7 +305,9 @@ def layer_activations(d: Dims) -> dict[str, int]:
     selective = d.recompute == "selective"
     # fp32 input, rsqrt [Ns, 1], fp32 normed (the weight's mul saves it); selective: the input
     rmsnorm = d.s * Ns * H if selective else 2 * FP32 * Ns * H + FP32 * Ns
-    if d.mixed and not d.cast_once:  # q, k, v each save a cast of the fp32 input, gate and up too
+    if (d.mixed and not d.cast_once) or (d.per_linear and not d.block_regather):
+        # q, k, v each save their own copy, gate and up too: a cast of the fp32 input (dense, mixed),
+        # or the [S, B, H] each all-gathered (SP with parallel.sp_gather=linear, no re-gather)
         attn_input, mlp_input = 3 * p * N * H, 2 * p * N * H
     else:  # one tensor q/k/v (gate/up) share: under SP with the re-gather, only this rank's shard
         attn_input = mlp_input = p * d.saved_input_tokens * H
@@ -540,13 +553,14 @@ def attention_forward(d: Dims, acts: dict[str, int], P: int, optim: int, buckets
     """The top block's manual-attention forward, at its softmax: the scores [B, Nq, S, S] (p, a local
     of the forward until it returns), their fp32 sum with the causal mask, the fp32 softmax output
     (saved) and the mask [S, S] itself. Under SP with the re-gather the gathered region input is alive
-    too (only its shard stays saved). The top block's MLP, o_proj and final norm have not run yet."""
+    too (only its shard stays saved; a column linear's own gathered input, parallel.sp_gather=linear,
+    is freed once it returns). The top block's MLP, o_proj and final norm have not run yet."""
     layer = layer_activations(d)
     scores = d.B * d.Nq_l * d.S * d.S
     later = layer["post_attention_layernorm"] + layer["mlp input"] + layer["swiglu"] + layer["attention core"]
     if d.mixed:  # o_proj's and the MLP's weight casts are not made yet
         later += d.p * sum(n for name, n in layer_params(d) if name.startswith(("mlp.", "self_attn.o_proj")))
-    gathered = d.p * d.N * d.H if d.sp and d.block_regather else 0
+    gathered = d.p * d.N * d.H if d.sp and d.block_regather and not d.per_linear else 0
     temps = d.p * scores + FP32 * scores + FP32 * d.S * d.S + gathered
     activations = after_head(acts) - later + FP32 * scores
     return Moment("attention forward", P, buckets, optim, activations + temps, 0)
@@ -619,7 +633,8 @@ def comm_rows(cfg: RunConfig) -> list[CommRow]:
     # dtype under mixed precision, a row-parallel output, their gradients); `e` of the stream at the
     # edges (the embedding's output, the replicated head's input), fp32 under mixed precision.
     a, e = d.p, d.s
-    regions, vp = 2 * L + (1 if d.vp else 0), 1 if d.vp else 0  # entries: 2 per block, the VP head
+    g = d.entries  # entries per block: 2 regions, or SP's 5 column linears (sp_gather=linear)
+    regions, vp = g * L + (1 if d.vp else 0), 1 if d.vp else 0  # entries per block, the VP head
     if not d.sp:  # f-bar forward at 2L exits, f backward at every entry; VP: the embedding's f-bar
         add("all_reduce", "activation", N * H * a, T, 2 * L + regions)
         add("all_reduce", "activation", N * H * e, T, vp)
@@ -630,11 +645,11 @@ def comm_rows(cfg: RunConfig) -> list[CommRow]:
         # all-gather; without VP, the replicated head's all-gather
         add("all_gather", "activation", N * H * e, T, 1 if d.vp else 2)
         add("reduce_scatter", "activation", N * H * e, T, vp)
-        if d.regather:  # backward all-gathers each saved shard again: 2 per block, + the VP head
-            add("all_gather", "regather", N * H * a, T, (2 * L if d.block_regather else 0) + vp)
-    if d.recompute == "full":  # each block's forward again, to down_proj: both entries (SP: g),
+        if d.regather:  # backward all-gathers each saved shard again: g per block, + the VP head
+            add("all_gather", "regather", N * H * a, T, (g * L if d.block_regather else 0) + vp)
+    if d.recompute == "full":  # each block's forward again, to down_proj: every entry (SP: g),
         if d.sp:  # and the attention's exit
-            add("all_gather", "recompute", N * H * a, T, 2 * L)
+            add("all_gather", "recompute", N * H * a, T, g * L)
             add("reduce_scatter", "recompute", N * H * a, T, L)
         else:
             add("all_reduce", "recompute", N * H * a, T, L)
