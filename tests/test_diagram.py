@@ -24,6 +24,7 @@ OPS = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter":
 CONFIGS = {
     "tp_gqa": ["tp=4", "kv_heads=2"],  # each KV head on 2 ranks
     "tp_sp_gqa": ["tp=4", "sp=true", "kv_heads=2"],
+    "tp_sp_linear": ["mode=tp_sp_linear", "tp=4", "kv_heads=2"],  # SP gathering in each column linear
     "tp_sp_vp": ["tp=4", "sp=true", "vp=true"],
     "tp_vp_bf16": ["tp=2", "vp=true", "dtype=bfloat16", "model.tie_word_embeddings=false"],
 }
@@ -94,9 +95,11 @@ def check_picture(tr: Trace, svg: str) -> None:
     forward = [s for s in shown if s.phase == "forward"]
     backward = [s for s in shown if s.phase == "backward"]
     sums = [s for s in shown if s.phase == "gradient sums"]
-    # the forward runs down the page, the backward back up it, the gradient sums come last, at the bottom
-    assert all(a.y < b.y for a, b in zip(forward, forward[1:], strict=False)), [(s.index, s.y) for s in shown]
-    assert all(a.box == b.box or b.y < a.y for a, b in zip(backward, backward[1:], strict=False))
+    # the forward runs down the page, the backward back up it, the gradient sums come last, at the bottom;
+    # parallel branches sit side by side (sp_gather=linear: q, k and v each gather, at one height)
+    heights = [(s.index, s.y) for s in shown]
+    assert all(a.y <= b.y for a, b in zip(forward, forward[1:], strict=False)), heights
+    assert all(a.box == b.box or b.y <= a.y for a, b in zip(backward, backward[1:], strict=False))
     assert all(s.y > max(o.y for o in forward + backward) for s in sums)
 
 
@@ -176,6 +179,20 @@ def test_sp_shrinks_the_stream_to_a_sequence_shard_and_sums_the_norms(drawn):
     assert "in [S, B, H] = [32, 2, 64]" in q  # gathered inside the region
     heads = [texts[0][1] for texts in texts_by_box(svg).values()]
     assert "g: all-gather / reduce-scatter (enter the TP region) at the entry of self_attn" in heads
+
+
+def test_sp_gathering_per_linear_draws_one_g_at_each_column_linear(drawn):
+    """parallel.sp_gather=linear: q, k, v, gate and up each all-gather their own input (and re-gather
+    it in their own backward); the regions' entries issue nothing."""
+    tr, svg = drawn["tp_sp_linear"]
+    heads = [texts[0][1] for texts in texts_by_box(svg).values()]
+    g = "g: all-gather / reduce-scatter (enter the TP region) at the entry of "
+    linears = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"]
+    assert sorted(h.removeprefix(g) for h in heads if h.startswith(g)) == sorted(linears)
+    q = box_text(svg, node_of(tr, "model.layers.0.self_attn.q_proj"))
+    assert "in [S/T, B, H] = [8, 2, 64]" in q  # the shard goes in; the gather is the linear's own
+    regather = [c for c in tr.ranks[0].collectives if c.event.purpose == "regather"]
+    assert sorted(c.module.removeprefix("model.layers.0.") for c in regather) == sorted(linears)
 
 
 # -- the command line ---------------------------------------------------------------------------------

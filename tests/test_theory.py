@@ -114,6 +114,8 @@ CHECKS = {
     "t4_tp_sp_linear": ["parallel.tp=4", SP, LINEAR],
     "dp2_tp_sp_vp_linear_mixed": [*DP2, SP, VP, LINEAR, "train.precision=mixed"],
     "dp2_tp_sp_linear_full": [*DP2, SP, LINEAR, "train.recompute=full"],
+    # the seed's benchmark loss under VP: no vocab-parallel cross entropy, none of its all-reduces
+    "t4_tp_sp_vp_logits_mean": ["parallel.tp=4", SP, VP, "train.loss=logits_mean"],
     "dp2_tp_sp_vp_linear_fp32_manual_untied_padded": [
         *DP2,
         SP,

@@ -653,7 +653,7 @@ def comm_rows(cfg: RunConfig) -> list[CommRow]:
             add("reduce_scatter", "recompute", N * H * a, T, L)
         else:
             add("all_reduce", "recompute", N * H * a, T, L)
-    if d.vp:  # max, target logit, sum of exp: [S, B] fp32 each
+    if d.vp and not d.logits_mean:  # the loss: max, target logit, sum of exp, [S, B] fp32 each
         add("all_reduce", "loss", N * FP32, T, 3)
     if T > 1:
         tp_sums = (2 * L * d.D if "qk_norm" not in skip else 0) + (

@@ -18,7 +18,7 @@ from sqlalchemy.engine import make_url
 from tpbench.config import emulation_label
 from tpbench.db import ResultsDB, Run, parse_since
 
-MODE_ORDER = ("ddp", "tp", "tp_sp", "tp_vp", "tp_sp_vp")
+MODE_ORDER = ("ddp", "tp", "tp_sp", "tp_sp_linear", "tp_vp", "tp_sp_vp")
 RECOMPUTE_ORDER = ("none", "selective", "full")
 # MemTracker's split of the peak, bottom to top of the stacked bars; the last two are often zero.
 MEMORY_PARTS = {
@@ -145,7 +145,7 @@ def setting_label(run: pd.Series) -> str:
 
 
 def mode_rank(mode: str) -> int:
-    """ddp, tp, tp_sp, tp_vp, tp_sp_vp, then the dtensor_ ones in the same order, then the rest."""
+    """ddp, tp, tp_sp, tp_sp_linear, tp_vp, tp_sp_vp, then the dtensor_ ones in that order, then the rest."""
     base = mode.removeprefix("dtensor_")
     offset = len(MODE_ORDER) if mode.startswith("dtensor_") else 0
     return offset + MODE_ORDER.index(base) if base in MODE_ORDER else 2 * len(MODE_ORDER)

@@ -394,7 +394,7 @@ def communication(data: ReportData) -> Section:
 
 # -- diagrams ----------------------------------------------------------------------------------------
 
-DRAWN_MODES = ("tp", "tp_sp", "tp_vp", "tp_sp_vp")
+DRAWN_MODES = ("tp", "tp_sp", "tp_sp_linear", "tp_vp", "tp_sp_vp")
 
 
 def diagrams(data: ReportData) -> Section:
