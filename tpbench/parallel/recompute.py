@@ -19,7 +19,8 @@ do not change. The autograd graph is the one of `none`: the gradients are bit-id
 
 Full wraps each block in torch.utils.checkpoint (non-reentrant). Its recomputation stops early, at
 the block's last saved tensor (down_proj's input), so it issues the block's forward collectives up
-to there again: the entry all-gather (g) of both regions and the attention's exit (f-bar or g-bar),
+to there again: the entry all-gathers (g: of both regions, or of the 5 column linears under
+sp_gather=linear) and the attention's exit (f-bar or g-bar),
 counted under the purpose "recompute". SP's re-gather hooks are not installed under full: the block
 keeps nothing of the gathered input, the recomputed forward gathers it again.
 """
