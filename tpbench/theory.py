@@ -391,11 +391,12 @@ def loss_extra(d: Dims) -> tuple[int, int]:
     Vocab-parallel loss: the peak is its forward, holding the logits and one fp32 copy of them that
     becomes the softmax in place, with the [S, B] bookkeeping; its backward holds less (the softmax
     turned into the gradient in place, and that gradient's cast).
-    The seed's logits.float().mean(): the logits and their fp32 copy (unless they are fp32), freed
-    once the mean is taken; its backward is the logits' gradient of the head's backward."""
+    The seed's logits.float().mean(): the logits and their fp32 copy (unless they are fp32), with the
+    loss and the gradient backward starts from (ones_like): MemTracker sees all four at backward's
+    first op (tp 4, SP + VP); its backward is the logits' gradient of the head's backward."""
     nv = d.N * d.V_l
     if d.logits_mean:
-        return d.p * nv + (FP32 * nv if d.p != FP32 else 0), 0
+        return d.p * nv + (FP32 * nv if d.p != FP32 else 0) + LOSS_AND_GRAD, 0
     if not d.vp:
         return FP32 * nv + LOSS_AND_GRAD, 2 * FP32 * nv
     # at log(sum of exp) - target logit: targets and local ids (int64); row max, target logit, sum of
