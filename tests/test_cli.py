@@ -118,6 +118,10 @@ BAD_INPUT = {
         ["model.fused_swiglu=false", "recompute=full"],
         "model.fused_swiglu=false with train.recompute=full: ",
     ),
+    "eager rmsnorm recomputed": (
+        ["model.lean_rmsnorm=false", "recompute=selective"],
+        "model.lean_rmsnorm=false with train.recompute=selective: ",
+    ),
 }
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torchrun_checks import TINY, run_config, torchrun
 
 from tpbench import theory
-from tpbench.models.minimind import swiglu
+from tpbench.models.minimind import RMSNorm, swiglu
 
 MODES = {
     "ddp": ["parallel.engine=ddp", "parallel.tp=1", "parallel.dp=2"],
@@ -82,3 +82,20 @@ def test_fused_swiglu_keeps_gate_and_up_only_and_changes_no_bit(dtype):
     fused_grads = torch.autograd.grad(fused, (gate, up), grad)
     plain_grads = torch.autograd.grad(plain, (gate, up), grad)
     assert all(torch.equal(a, b) for a, b in zip(fused_grads, plain_grads, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_rmsnorm_changes_no_bit(dtype):
+    """model.lean_rmsnorm remakes the norm's fp32 internals in backward: the same ops, the same bits
+    (its memory is the analytic model's, checked against MemTracker in tests/test_theory.py)."""
+    gen = torch.Generator().manual_seed(0)
+    x, grad = (torch.randn(32, 2, 96, generator=gen, dtype=dtype) for _ in range(2))
+    results = []
+    for lean in (True, False):
+        norm = RMSNorm(96, keep_input_only=lean).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(96, generator=gen.manual_seed(1)))
+        xi = x.clone().requires_grad_()
+        out = norm(xi)
+        results.append([out, *torch.autograd.grad(out, (xi, norm.weight), grad)])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))

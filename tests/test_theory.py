@@ -52,7 +52,9 @@ CHECKS = {
     "t4_tp_vp": ["parallel.tp=4", VP],
     "t4_tp_sp_vp": ["parallel.tp=4", SP, VP],
     "t4_tp_sp_vp_fp32": ["parallel.tp=4", SP, VP, "train.dtype=float32"],
-    "t4_tp_sp_vp_unfused_swiglu": ["parallel.tp=4", SP, VP, "model.fused_swiglu=false"],
+    # the seed's model: MiniMind's own SwiGLU and RMSNorm ops, as autograd saves them
+    "t4_tp_sp_vp_seed_ops": ["parallel.tp=4", SP, VP, "model.fused_swiglu=false", "model.lean_rmsnorm=false"],
+    "dp2_tp_sp_mixed_eager_rmsnorm": [*DP2, SP, "train.precision=mixed", "model.lean_rmsnorm=false"],
     "t4_kv1_manual": ["parallel.tp=4", "model.num_key_value_heads=1", "model.flash_attn=false"],
     "t1_dp4_s4": ["parallel.tp=1", "parallel.dp=4", "train.seq_len=4"],
     "ddp_dp4": [*DDP, "parallel.dp=4"],
@@ -202,12 +204,14 @@ def test_peak_memory_is_predicted_to_the_byte(measured, name):
 
 def test_the_peak_moments_are_the_ones_measured(measured):
     """The configs peak at different moments (S 4: the gradients; S 256, manual: the top block's
-    softmax in forward; VP in fp32: the head's backward; VP at T 4: the final norm's backward; full
-    recompute: the bottom block's backward, and its softmax's with manual attention; odd_1's wide MLP
-    at B 1, S 16: the top MLP's backward), so the test above checks each moment, not only the loss."""
+    softmax in forward; VP in fp32: the head's backward; SP + VP: the vocab-parallel loss's backward; VP
+    at T 4: the final norm's backward; full recompute: the bottom block's backward, and its softmax's
+    with manual attention; odd_1's wide MLP at B 1, S 16: the top MLP's backward), so the test above
+    checks each moment, not only the loss."""
     names = {theory.predict(config(n)).peak.name for n in CHECKS}
     assert names == {
         "loss",
+        "loss backward",
         "head backward",
         "final norm backward",
         "mlp backward",
@@ -219,14 +223,21 @@ def test_the_peak_moments_are_the_ones_measured(measured):
     }
 
 
-def test_layer_coefficient_of_the_docstring():
-    """bf16, SDPA, T = 1: N H (36 + 8 Nkv/Nq + 6 I/H) plus the small [N]-sized and table terms."""
-    cfg = run_config(["model.hidden_size=768", "parallel.tp=1", "train.dtype=bfloat16"])
+@pytest.mark.parametrize("lean", [False, True])
+def test_layer_coefficient_of_the_docstring(lean):
+    """bf16, SDPA, T = 1: N H (36 + 8 Nkv/Nq + 6 I/H) with MiniMind's RMSNorm ops, N H (18 + 2 Nkv/Nq
+    + 6 I/H) with lean norms, plus the small [N]-sized and table terms."""
+    cfg = run_config(
+        ["model.hidden_size=768", "parallel.tp=1", "train.dtype=bfloat16", f"model.lean_rmsnorm={lean}"]
+    )
     d = theory.dims(cfg)
-    small = 2 * 4 * d.N + 4 * d.N * (d.Nq + d.Nkv) + 4 * d.S * d.D * 2 + 4 * d.B * d.Nq * d.S
-    expected = d.N * d.H * (36 + 8 * d.Nkv / d.Nq + 6 * d.I / d.H) + small
+    small = 4 * d.S * d.D * 2 + 4 * d.B * d.Nq * d.S
+    if not lean:  # the norms' fp32 rsqrt per row
+        small += 2 * 4 * d.N + 4 * d.N * (d.Nq + d.Nkv)
+    coefficient = (18 + 2 * d.Nkv / d.Nq) if lean else (36 + 8 * d.Nkv / d.Nq)
+    expected = d.N * d.H * (coefficient + 6 * d.I / d.H) + small
     assert sum(theory.layer_activations(d).values()) == expected
-    assert math.isclose((expected - small) / (d.N * d.H), 59.0, abs_tol=0.05)
+    assert math.isclose((expected - small) / (d.N * d.H), 38.0 if lean else 59.0, abs_tol=0.05)
 
 
 @pytest.mark.parametrize("flash", [False, True])

@@ -171,11 +171,12 @@ def check(cfg: RunConfig) -> None:
         if _get(cfg, key) is not None and _get(cfg, key) < 1:
             raise ConfigError(f"{key}={_get(cfg, key)}: accepted are integers >= 1")
     _check_precision(cfg)
-    if not cfg.model.fused_swiglu and cfg.train.recompute != "none":
-        raise ConfigError(
-            f"model.fused_swiglu=false with train.recompute={cfg.train.recompute}: MiniMind's unfused "
-            "SwiGLU is there to measure its own step, without recompute; accepted is train.recompute=none"
-        )
+    for key, what in (("fused_swiglu", "SwiGLU"), ("lean_rmsnorm", "RMSNorm")):
+        if not getattr(cfg.model, key) and cfg.train.recompute != "none":
+            raise ConfigError(
+                f"model.{key}=false with train.recompute={cfg.train.recompute}: MiniMind's own {what} "
+                "is there to measure its own step, without recompute; accepted is train.recompute=none"
+            )
     for name in cfg.debug.skip_grad_sum:
         if name not in SKIPPABLE_GRAD_SUMS:
             accepted = ", ".join(SKIPPABLE_GRAD_SUMS)

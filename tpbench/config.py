@@ -36,6 +36,10 @@ class ModelConfig:
     # True: SwiGLU keeps gate and up only (silu(gate) made again in backward, as Megatron's fused
     # SwiGLU); False: MiniMind's own two ops, which keep silu(gate) too: the seed's benchmark model
     fused_swiglu: bool = True
+    # True: each RMSNorm keeps its input only and remakes its fp32 internals in backward (the same
+    # ops again: the gradients bit for bit); False: MiniMind's ops as autograd saves them, two fp32
+    # copies of the input's shape per norm: the seed's benchmark model
+    lean_rmsnorm: bool = True
 
 
 @dataclass

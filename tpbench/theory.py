@@ -5,6 +5,7 @@ Memory is what torch's MemTracker sees on one rank: the bytes of live tensor sto
 so the peak is the largest of a few moments (`Prediction.moments`):
   loss          the cross entropy, every activation of the forward still saved for backward (the
                 logits live only while the loss runs: the training step does not keep them);
+  loss backward the vocab-parallel loss's backward: the logits it keeps and their gradient;
   head backward the LM head's backward: the logits' and the head weight's gradients;
   final norm backward  the final RMSNorm's fp32 backward temporaries;
   mlp backward  the top block's SwiGLU backward, at gate_proj's weight gradient;
@@ -21,7 +22,8 @@ Nq / Nkv query / key-value heads, I intermediate, V vocab (padded under VP), L l
 Ns = N/T tokens of the residual stream under SP (N without). p bytes of an activation element,
 w of a parameter element; 4 for the fp32 in which RMSNorm, softmax and the loss compute.
 
-Saved activations per layer, bf16 (p = 2), bytes, T = 1, SDPA, GQA (Nkv < Nq):
+Saved activations per layer, bf16 (p = 2), bytes, T = 1, SDPA, GQA (Nkv < Nq), MiniMind's own
+RMSNorm ops (model.lean_rmsnorm=false, as the seed's presets run them):
   2 RMSNorms        2 (4 + 4) N H           the fp32 copy of the input (pow and mul save it) and the
                                             fp32 normed tensor (the weight's mul saves it: MiniMind
                                             scales in fp32 and casts the product back)
@@ -33,12 +35,15 @@ Saved activations per layer, bf16 (p = 2), bytes, T = 1, SDPA, GQA (Nkv < Nq):
   SwiGLU            3 * 2 N I               gate and up (the fused silu-mul remakes silu(gate) in
                                             backward), their product (down)
 = N H (36 + 8 Nkv/Nq + 6 I/H) bytes: 59.0 N H at heads 8/4 and I = 3.17 H, where the paper's GPT
-layer (dropout, GeLU, 4H MLP) has 34 N H. RoPE saves only its cos/sin tables cast to p (they need
-no grad; the fp32 tables are built once per device and kept: `model_activations`), the residual adds
-save nothing. Manual attention adds the fp32 softmax and its cast: (4 + 2) B Nq S^2, the
-paper's 5 a S / H term. TP divides the per-head and per-I terms by T, while the norms and the
-region inputs stay whole on every rank; SP divides those too (the region inputs only with the
-re-gather), so that TP + SP saves 1/T of everything, as in the paper.
+layer (dropout, GeLU, 4H MLP) has 34 N H. A lean RMSNorm (model.lean_rmsnorm, the default) keeps
+its bf16 input only and makes the rest again in its backward: 2 x 2 N H for the two norms, 2 N
+(H + Hkv) for q/k norms, so N H (18 + 2 Nkv/Nq + 6 I/H), 38.0 N H at that shape.
+RoPE saves only its cos/sin tables cast to p (they need no grad; the fp32 tables are built once per
+device and kept: `model_activations`), the residual adds save nothing. Manual attention adds the
+fp32 softmax and its cast: (4 + 2) B Nq S^2, the paper's 5 a S / H term. TP divides the per-head
+and per-I terms by T, while the norms and the region inputs stay whole on every rank; SP divides
+those too (the region inputs only with the re-gather), so that TP + SP saves 1/T of everything, as
+in the paper.
 With parallel.sp_gather=linear each column linear all-gathers its own input: without the re-gather
 the 2 region inputs become 5 [S, B, H] tensors (q, k, v; gate, up each save their own), with it the
 shard is saved once as before (every linear keeps the same one) and each linear gathers it again.
@@ -60,11 +65,13 @@ all-reduce, purpose "recompute") and that forward's matmuls (`recompute_flops_pe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from tpbench.allocator import CUBLAS_HANDLES, cublas_workspace_bytes
 from tpbench.config import RunConfig, local_batch
 from tpbench.models.minimind import default_intermediate_size
+from tpbench.parallel.cross_entropy import LOSS_CHUNKS
 from tpbench.parallel.plan import padded_vocab
 from tpbench.results import CommRow
 
@@ -95,6 +102,7 @@ class Dims:
     regather: bool
     flash: bool
     fused_swiglu: bool
+    lean_rmsnorm: bool  # each RMSNorm keeps its input only (model.lean_rmsnorm)
     tied: bool
     p: int  # bytes of an activation element
     w: int  # bytes of a parameter, gradient or optimizer-state element
@@ -196,6 +204,7 @@ def dims(cfg: RunConfig) -> Dims:
         regather=par.sp_regather,
         flash=m.flash_attn,
         fused_swiglu=m.fused_swiglu,
+        lean_rmsnorm=m.lean_rmsnorm,
         tied=m.tie_word_embeddings,
         p=BYTES[t.dtype],
         w=FP32 if mixed else BYTES[t.dtype],
@@ -295,16 +304,17 @@ def layer_activations(d: Dims) -> dict[str, int]:
     entry casts its input once for all its linears, while the dense model's (T = 1) q, k, v (gate,
     up) each cast it.
 
-    selective keeps each RMSNorm's input instead of its fp32 copy, rsqrt and fp32 result, and gate
-    and up instead of the three SwiGLU tensors (down_proj's weight cast, made inside, is remade too); full
+    A lean RMSNorm (model.lean_rmsnorm) keeps its input instead of its fp32 copy, rsqrt and fp32
+    result. selective keeps gate and up instead of the three SwiGLU tensors (down_proj's weight cast,
+    made inside, is remade too); full
     keeps the block's input only (under mixed precision the casts it remakes are still held, by
     autocast's cache, until the forward ends: `forward_only_casts`)."""
     N, Ns, S, B, H, p = d.N, d.Ns, d.S, d.B, d.H, d.p
     if d.recompute == "full":  # the stream entering the block, [S(/T), B, H]
         return {"block input": d.s * Ns * H, "weight casts": 0}
-    selective = d.recompute == "selective"
-    # fp32 input, rsqrt [Ns, 1], fp32 normed (the weight's mul saves it); selective: the input
-    rmsnorm = d.s * Ns * H if selective else 2 * FP32 * Ns * H + FP32 * Ns
+    selective, lean = d.recompute == "selective", d.lean_rmsnorm
+    # fp32 input, rsqrt [Ns, 1], fp32 normed (the weight's mul saves it); lean: the input
+    rmsnorm = d.s * Ns * H if lean else 2 * FP32 * Ns * H + FP32 * Ns
     if (d.mixed and not d.cast_once) or (d.per_linear and not d.block_regather):
         # q, k, v each save their own copy, gate and up too: a cast of the fp32 input (dense, mixed),
         # or the [S, B, H] each all-gathered (SP with parallel.sp_gather=linear, no re-gather)
@@ -318,7 +328,7 @@ def layer_activations(d: Dims) -> dict[str, int]:
         core = (FP32 + (p if p != FP32 else 0)) * B * d.Nq_l * S * S + p * N * d.Hq
 
     def head_norm(width: int, heads: int) -> int:  # q_norm / k_norm over [N, heads, D]
-        return p * N * width if selective else 2 * FP32 * N * width + FP32 * N * heads
+        return p * N * width if lean else 2 * FP32 * N * width + FP32 * N * heads
 
     terms = {
         "input_layernorm": rmsnorm,
@@ -375,7 +385,7 @@ def model_activations(d: Dims) -> dict[str, int]:
         "blocks": d.L * sum(layer_activations(d).values()),
         "embedding": (INT64 + 1) * d.N if d.vp else 0,  # VP: masked local ids (int64), out-of-range mask
         "rope tables": 2 * FP32 * d.S * d.D,  # cos, sin [S, D] fp32, built once and kept by the model
-        "final norm": 2 * FP32 * Ns * H + FP32 * Ns,
+        "final norm": d.s * Ns * H if d.lean_rmsnorm else 2 * FP32 * Ns * H + FP32 * Ns,
         "head input": head_input,
         "head weight cast": p * d.V_l * H if d.mixed else 0,
         "batch": 2 * INT64 * d.B * d.dp * d.S,  # ids and labels of the global batch (sliced views)
@@ -388,9 +398,9 @@ def loss_extra(d: Dims) -> tuple[int, int]:
     Dense loss (F.cross_entropy on logits.float()): the peak is log_softmax's backward, holding its
     fp32 output (saved), the fp32 gradient from nll_loss and the fp32 gradient it makes: 3 x 4 N V
     (the logits themselves are gone by then: nothing saves them), and the loss and its gradient.
-    Vocab-parallel loss: the peak is its forward, holding the logits and one fp32 copy of them that
-    becomes the softmax in place, with the [S, B] bookkeeping; its backward holds less (the softmax
-    turned into the gradient in place, and that gradient's cast).
+    Vocab-parallel loss (tpbench.parallel.cross_entropy): its forward holds the logits, the [N]
+    bookkeeping and one fp32 slice of LOSS_CHUNKS of the tokens (`loss_slice`); its backward is
+    `loss_backward`.
     The seed's logits.float().mean(): the logits and their fp32 copy (unless they are fp32), with the
     loss and the gradient backward starts from (ones_like): MemTracker sees all four at backward's
     first op (tp 4, SP + VP); its backward is the logits' gradient of the head's backward."""
@@ -399,11 +409,22 @@ def loss_extra(d: Dims) -> tuple[int, int]:
         return d.p * nv + (FP32 * nv if d.p != FP32 else 0) + LOSS_AND_GRAD, 0
     if not d.vp:
         return FP32 * nv + LOSS_AND_GRAD, 2 * FP32 * nv
-    # at log(sum of exp) - target logit: targets and local ids (int64); row max, target logit, sum of
-    # exp, its log and the difference (fp32); valid and owned masks (bool); the count of valid targets
-    # (an int64 scalar)
-    small = (2 * INT64 + 5 * FP32 + 2) * d.N + INT64
-    return d.p * nv + FP32 * nv + small, 0
+    # at a slice: targets and local ids (int64); row max, target logit, sum of exp (fp32); valid and
+    # owned masks (bool)
+    small = (2 * INT64 + 3 * FP32 + 2) * d.N
+    return d.p * nv + small, loss_slice(d)
+
+
+def loss_slice(d: Dims) -> int:
+    """Bytes of the vocab-parallel loss's fp32 work on one slice of the tokens: [N / LOSS_CHUNKS, V/T]."""
+    return FP32 * math.ceil(d.N / LOSS_CHUNKS) * d.V_l
+
+
+def loss_backward(d: Dims) -> tuple[int, int]:
+    """(activation, temporary) bytes of the vocab-parallel loss's backward at a slice, beyond the saved
+    activations: the logits it keeps, each row's max and sum of exp and the gradient's scale (fp32),
+    the local ids (int64), valid and owned masks; the logits' gradient [S, B, V/T] and the slice."""
+    return d.p * d.N * d.V_l + (INT64 + 3 * FP32 + 2) * d.N, d.p * d.N * d.V_l + loss_slice(d)
 
 
 # --- the peak -----------------------------------------------------------------------------------
@@ -440,10 +461,13 @@ def moments(d: Dims) -> list[Moment]:
 
     loss_act, loss_temp = loss_extra(d)
     out = [Moment("loss", P, buckets, O, A + forward_only_casts(d) + loss_act, loss_temp)]
+    if d.vp and not d.logits_mean:
+        out.append(Moment("loss backward", P, buckets, O, A + loss_backward(d)[0], loss_backward(d)[1]))
 
     # the LM head's backward: the logits' gradient, the head's weight gradient (not yet accumulated
-    # into .grad) and its input gradient, with every activation still saved
-    temp = d.p * d.N * d.V_l + d.V_l * d.H * d.w + d.p * d.N * d.H
+    # into .grad; in the matmul's dtype: under mixed precision the bf16 weight cast's, cast to fp32
+    # once the logits' gradient is freed) and its input gradient, with every activation still saved
+    temp = d.p * d.N * d.V_l + d.V_l * d.H * d.p + d.p * d.N * d.H
     if d.sp and d.vp and d.regather:  # the head's input, all-gathered again
         temp += d.p * d.N * d.H
     out.append(Moment("head backward", P, buckets, O, A + LOSS_AND_GRAD, temp))
@@ -478,8 +502,14 @@ def final_norm_backward(
     mean's and mul's gradients and their sum) holds 5 fp32 [Ns, H] temporaries at once beside its
     saved fp32 input (MemTracker on the norm alone, bf16 and fp32 alike). The loss and the head have
     run their backward: their saved tensors are freed, the head's gradient made (a tied head's waits,
-    as a temporary, for the embedding's share); the norm's weight gradient is made too."""
-    freed = acts["head input"] + acts["head weight cast"] + FP32 * d.Ns * d.H + FP32 * d.Ns  # normed, rsqrt
+    as a temporary, for the embedding's share); the norm's weight gradient is made too.
+    A lean norm has made its fp32 copy of the input again (unless the input is fp32: x.float() is x),
+    and its normed result and rsqrt, which are freed by then as they are without it."""
+    freed = acts["head input"] + acts["head weight cast"]
+    if not d.lean_rmsnorm:
+        freed += FP32 * d.Ns * d.H + FP32 * d.Ns  # normed, rsqrt
+    elif d.s != FP32:
+        freed -= FP32 * d.Ns * d.H  # the fp32 copy, made again
     grads = d.H + (0 if d.tied else d.V_l * d.H)
     tied_head = d.V_l * d.H * d.w if d.tied else 0
     temps = 5 * FP32 * d.Ns * d.H + tied_head
@@ -491,10 +521,11 @@ def final_norm_backward(
 def recomputed(d: Dims) -> dict[str, int]:
     """What a block recomputed under full recompute saves while its backward runs, beyond its input:
     everything of `none`, the whole gathered region inputs included (the re-gather is off inside the
-    blocks). An fp32 stream is its first norm's fp32 input itself (x.float() is x), held already."""
+    blocks). A lean first norm keeps the block input, held already; so does a norm's fp32 copy of an
+    fp32 stream (x.float() is x)."""
     terms = layer_activations(replace(d, recompute="none", regather=False))
-    if d.s == FP32:
-        terms["input_layernorm"] -= FP32 * d.Ns * d.H
+    if d.lean_rmsnorm or d.s == FP32:
+        terms["input_layernorm"] -= d.s * d.Ns * d.H
     return terms
 
 

@@ -5,13 +5,17 @@ logit (owned by one rank, zero elsewhere), SUM of sum(exp(logit - max)). loss = 
 Backward needs no communication: softmax minus one-hot on the owning rank, times grad_output.
 Padded vocab columns (index >= the real V) are kept out of the softmax.
 
-Memory, as Megatron's vocab_parallel_cross_entropy: one fp32 [S, B, V/T] buffer, a copy of the
-logits (never the caller's tensor, which validation reads after the loss), that becomes logits - max,
-then their exp, then the softmax in place; the softmax is what backward keeps, and backward turns it
-into the gradient in place.
+Memory: no fp32 tensor of the logits' size. The fp32 work runs on LOSS_CHUNKS slices of the tokens
+in turn (as Liger's and Megatron's fused cross entropies chunk it), each an fp32 [N/LOSS_CHUNKS, V/T]
+buffer that becomes logits - max, then their exp; backward keeps the logits themselves (the head's
+output, in the activation dtype, never written to: validation reads them) with each row's max and sum
+of exp, and makes the softmax again slice by slice, straight into the gradient's slice. The ops on each
+element are those of the unchunked loss: the same loss and gradient, bit for bit.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -20,45 +24,72 @@ from torch import nn
 from tpbench.models.minimind import IGNORE_INDEX
 from tpbench.parallel import comm
 
+LOSS_CHUNKS = 8  # slices of the tokens the fp32 work runs on, one at a time
+
+
+def _shifted(logits: torch.Tensor, row_max: torch.Tensor, real: int) -> torch.Tensor:
+    """fp32 logits - max of a slice of tokens, padded columns (index >= real) at -inf: [n, V/T]."""
+    x = logits.to(torch.float32, copy=True)  # a copy even of fp32 logits: never the caller's tensor
+    if real < x.shape[-1]:
+        x[:, max(real, 0) :] = float("-inf")
+    x -= row_max.unsqueeze(-1)
+    return x
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, vocab_size, group):
         # logits [S, B, V/T] (this rank's vocab columns), targets [S, B] global ids or IGNORE_INDEX
-        ctx.dtype = logits.dtype
-        x = logits.to(torch.float32, copy=True)  # [S, B, V/T], the only buffer of that size
-        v_local = x.shape[-1]
-        if vocab_start + v_local > vocab_size:  # padded columns: known from the sizes, no host sync
-            x[..., max(vocab_size - vocab_start, 0) :] = float("-inf")
+        flat, flat_targets = logits.view(-1, logits.shape[-1]), targets.reshape(-1)  # [N, V/T], [N]
+        v_local = flat.shape[-1]
+        real = vocab_size - vocab_start  # columns of this rank before the padding (may be <= 0)
+        rows = math.ceil(flat.shape[0] / LOSS_CHUNKS)
 
-        row_max = x.max(dim=-1).values  # [S, B]
+        row_max = flat[:, : max(real, 0)].max(dim=-1).values.float() if real > 0 else None  # [N]
+        if row_max is None:  # a rank holding padding only
+            row_max = flat.new_full((flat.shape[0],), float("-inf"), dtype=torch.float32)
         comm.all_reduce(row_max, group, "loss", op=dist.ReduceOp.MAX)
-        x -= row_max.unsqueeze(-1)  # logits - max
 
-        valid = targets != IGNORE_INDEX
-        local = targets - vocab_start
+        valid = flat_targets != IGNORE_INDEX
+        local = flat_targets - vocab_start
         owned = valid & (local >= 0) & (local < v_local)
         local = local.masked_fill(~owned, 0)
-        target_logit = x.gather(-1, local.unsqueeze(-1)).squeeze(-1) * owned  # [S, B]
+        target_logit = (flat.gather(-1, local.unsqueeze(-1)).squeeze(-1).float() - row_max) * owned  # [N]
         comm.all_reduce(target_logit, group, "loss")
 
-        x.exp_()  # exp(logits - max)
-        sum_exp = x.sum(dim=-1)  # [S, B]
+        sum_exp = torch.empty_like(row_max)  # [N]
+        for i in range(0, flat.shape[0], rows):
+            part = slice(i, i + rows)
+            sum_exp[part] = _shifted(flat[part], row_max[part], real).exp_().sum(dim=-1)
         comm.all_reduce(sum_exp, group, "loss")
 
         n_valid = valid.sum().clamp(min=1)
         loss = ((sum_exp.log() - target_logit) * valid).sum() / n_valid
-
-        x /= sum_exp.unsqueeze(-1)  # softmax over the full vocab, this rank's columns
-        ctx.save_for_backward(x, local, owned, valid, n_valid)
+        ctx.real, ctx.rows = real, rows
+        ctx.save_for_backward(logits, row_max, sum_exp, local, owned, valid, n_valid)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad, local, owned, valid, n_valid = ctx.saved_tensors  # grad: the saved softmax, used once
-        grad.scatter_add_(-1, local.unsqueeze(-1), -owned.unsqueeze(-1).to(grad.dtype))
-        grad *= (valid.to(grad.dtype) * grad_loss / n_valid).unsqueeze(-1)
-        return grad.to(ctx.dtype), None, None, None, None
+        logits, row_max, sum_exp, local, owned, valid, n_valid = ctx.saved_tensors
+        flat = logits.view(-1, logits.shape[-1])  # [N, V/T]
+        grad = torch.empty_like(flat)
+        scale = valid.to(torch.float32) * grad_loss / n_valid  # [N]
+        for i in range(0, flat.shape[0], ctx.rows):
+            part = slice(i, i + ctx.rows)
+            grad[part] = _grad_slice(flat[part], row_max[part], sum_exp[part], local[part], owned[part],
+                                     scale[part], ctx.real)  # fmt: skip
+        return grad.view_as(logits), None, None, None, None
+
+
+def _grad_slice(logits, row_max, sum_exp, local, owned, scale, real: int) -> torch.Tensor:
+    """The loss's gradient on a slice of n tokens, fp32 [n, V/T]: (softmax - one-hot) * scale. Its
+    own function, so that a slice's buffer is freed before the next one is made."""
+    x = _shifted(logits, row_max, real).exp_()
+    x /= sum_exp.unsqueeze(-1)  # the softmax over the full vocab, this rank's columns
+    x.scatter_add_(-1, local.unsqueeze(-1), -owned.unsqueeze(-1).to(x.dtype))
+    x *= scale.unsqueeze(-1)
+    return x
 
 
 class VocabParallelCrossEntropy(nn.Module):

@@ -4,18 +4,20 @@ backward. The names are Megatron's `--recompute-granularity` and torchtitan's `a
 | mode      | what a block keeps for backward                 | recomputed in backward               |
 |-----------|-------------------------------------------------|--------------------------------------|
 | none      | everything its ops save (tpbench.theory)        | nothing                              |
-| selective | all but the elementwise results below           | RMSNorms' fp32 internals, SwiGLU act |
+| selective | all but the SwiGLU's product                    | silu(gate) * up                      |
 | full      | its input only: the [S/T, B, H] shard under SP  | the block, up to its last save       |
 
 Selective follows Korthikanti et al. (2022) section 5: recompute what is large to keep and cheap to
 make again. Their choice, the attention core's [S, S] softmax, is already recomputed by the fused SDPA
 kernel (it keeps the output and the logsumexp only), so here the large and cheap parts are the
-elementwise ones: each RMSNorm keeps an fp32 copy of its input and its normalised result (6 bytes per
-element in bf16), the SwiGLU keeps silu(gate) * up beside gate and up (the largest per-token term of
-the block, 3 x I; the fused silu-mul, tpbench.models.minimind.swiglu, keeps no silu(gate)).
-Selective keeps only the inputs they are made from (the norm's input, gate and up) and remakes the
-rest from them at their first use in backward: no matmul is run again, so the FLOPs a counter sees
-do not change. The autograd graph is the one of `none`: the gradients are bit-identical.
+elementwise ones. The model itself already remakes two of them at no matmul's cost, with or without
+recompute: each RMSNorm keeps its input only (model.lean_rmsnorm) and the fused silu-mul keeps gate
+and up (model.fused_swiglu). What is left is the SwiGLU's product silu(gate) * up, down_proj's input
+(I wide, the largest per-token term of the block): selective keeps gate and up only and makes the
+product again at down_proj's backward. No matmul is run again, so the FLOPs a counter sees do not
+change. The autograd graph is the one of `none`: the gradients are bit-identical. (MiniMind's own
+ops, model.lean_rmsnorm=false or model.fused_swiglu=false, are there to measure the seed's step as it
+is: tpbench.compose refuses recompute with them.)
 
 Full wraps each block in torch.utils.checkpoint (non-reentrant). Its recomputation stops early, at
 the block's last saved tensor (down_proj's input), so it issues the block's forward collectives up
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tpbench.models.minimind import FeedForward, MiniMindForCausalLM, RMSNorm, swiglu
+from tpbench.models.minimind import FeedForward, MiniMindForCausalLM, swiglu
 from tpbench.parallel import comm
 from tpbench.parallel.layers import RowParallelLinear
 
@@ -52,10 +54,6 @@ def apply_recompute(model: MiniMindForCausalLM, mode: str) -> None:
         if mode == "full":
             _checkpoint(block)
         else:
-            for norm in (block.input_layernorm, block.post_attention_layernorm):
-                _recompute_norm(norm)
-            _recompute_norm(block.self_attn.q_norm)
-            _recompute_norm(block.self_attn.k_norm)
             _recompute_swiglu(block.mlp)
 
 
@@ -78,16 +76,6 @@ def _checkpoint(block: nn.Module) -> None:
 
 
 # --- selective ---------------------------------------------------------------------------------
-
-
-def _recompute_norm(norm: RMSNorm) -> None:
-    """Keep the norm's input only; its fp32 copy, rsqrt and normalised result are made again."""
-    inner = norm.forward
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(inner, x, use_reentrant=False, preserve_rng_state=False)
-
-    norm.forward = types.MethodType(forward, norm)
 
 
 def _recompute_swiglu(mlp: FeedForward) -> None:
