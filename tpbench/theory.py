@@ -421,10 +421,14 @@ def loss_slice(d: Dims) -> int:
 
 
 def loss_backward(d: Dims) -> tuple[int, int]:
-    """(activation, temporary) bytes of the vocab-parallel loss's backward at a slice, beyond the saved
-    activations: the logits it keeps, each row's max and sum of exp and the gradient's scale (fp32),
-    the local ids (int64), valid and owned masks; the logits' gradient [S, B, V/T] and the slice."""
-    return d.p * d.N * d.V_l + (INT64 + 3 * FP32 + 2) * d.N, d.p * d.N * d.V_l + loss_slice(d)
+    """(activation, temporary) bytes of the vocab-parallel loss's backward at a slice's one-hot, beyond
+    the saved activations: the logits it keeps, each row's max and sum of exp and the gradient's scale
+    (fp32), the local ids and the count of valid targets (int64), valid and owned masks, the loss and
+    its gradient; the logits' gradient [S, B, V/T], the slice, and the slice's owned mask in fp32 and
+    negated (scatter_add_'s source)."""
+    rows = math.ceil(d.N / LOSS_CHUNKS)
+    act = d.p * d.N * d.V_l + (INT64 + 3 * FP32 + 2) * d.N + INT64 + LOSS_AND_GRAD
+    return act, d.p * d.N * d.V_l + loss_slice(d) + 2 * FP32 * rows
 
 
 # --- the peak -----------------------------------------------------------------------------------
@@ -475,6 +479,9 @@ def moments(d: Dims) -> list[Moment]:
     if d.recompute == "full":
         out += [recomputed_block(d, acts, P, O, buckets, G > 0, i) for i in sorted({d.L - 1, 0})]
     else:
+        out.append(swiglu_backward(d, acts, P, O, buckets, G > 0))
+        out.append(post_attention_norm_backward(d, acts, P, O, buckets, G > 0))
+        out += [head_norm_backward(d, acts, P, O, buckets, G > 0, name) for name in ("k_norm", "q_norm")]
         out.append(mlp_backward(d, acts, P, O, buckets, G > 0))
     if not d.flash and d.recompute != "full":
         out.append(attention_forward(d, acts, P, O, buckets))
@@ -558,6 +565,92 @@ def recomputed_block(
     temps = 3 * ffn + d.s * d.Ns * d.H + tied_head
     grads = buckets + (grads * d.w if own_grads else 0)
     return Moment(f"recomputed block {layer}", P, grads, optim, activations, temps)
+
+
+def swiglu_backward(
+    d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool
+) -> Moment:
+    """The top block's SwiGLU backward, at silu's backward: down_proj's backward is done (its input,
+    the SwiGLU's product, is freed, as is its weight cast under mixed precision; selective recompute
+    made both again and freed them there), its weight gradient made. Alive: three tensors of the
+    SwiGLU's size (the product's gradient, its product with up, silu's backward being made; MiniMind's
+    unfused ops: the two products and silu's backward), the stream's gradient, and a tied head's
+    gradient, waiting (a temporary) for the embedding's share. The fused SwiGLU still keeps gate and
+    up, MiniMind's ops gate alone (mul's saved silu(gate) and up are freed once its backward ran)."""
+    ffn = d.p * d.N * d.I_l
+    freed = layer_activations(d)["swiglu"] - (2 if d.fused_swiglu else 1) * ffn
+    if d.mixed and d.recompute == "none":
+        freed += d.p * d.I_l * d.H  # down's weight cast
+    done = ("mlp.down_proj",)
+    grads = d.H + sum(n for name, n in layer_params(d) if name in done) + (0 if d.tied else d.V_l * d.H)
+    temps = 3 * ffn + d.s * d.Ns * d.H + (d.V_l * d.H * d.w if d.tied else 0)
+    grads = buckets + (grads * d.w if own_grads else 0)
+    return Moment("swiglu backward", P, grads, optim, after_head(acts) - freed + LOSS_AND_GRAD, temps)
+
+
+def post_attention_norm_backward(
+    d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool
+) -> Moment:
+    """The top block's post-attention RMSNorm backward, at pow's backward: 5 fp32 temporaries of the
+    stream's shape, the stream's gradient among them (as the final norm's), and a sixth where a lean
+    norm has made its fp32 input again (unless the stream is fp32). The MLP has run its backward: its
+    input, the SwiGLU's tensors (and, mixed, its weight casts) are freed, its weight gradients made."""
+    layer = layer_activations(d)
+    freed = layer["mlp input"] + layer["swiglu"]
+    if d.mixed:
+        freed += d.p * sum(n for name, n in layer_params(d) if name.startswith("mlp."))
+        freed -= forward_only_casts(d) // d.L  # selective: down's cast was never kept
+    if not d.lean_rmsnorm:  # its normed result and rsqrt
+        freed += FP32 * d.Ns * d.H + FP32 * d.Ns
+    temps = (6 if d.lean_rmsnorm and d.s != FP32 else 5) * FP32 * d.Ns * d.H
+    temps += d.V_l * d.H * d.w if d.tied else 0
+    done = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "post_attention_layernorm"]
+    grads = d.H + sum(n for name, n in layer_params(d) if name in done) + (0 if d.tied else d.V_l * d.H)
+    grads = buckets + (grads * d.w if own_grads else 0)
+    activations = after_head(acts) - freed + LOSS_AND_GRAD
+    return Moment("post-attention norm backward", P, grads, optim, activations, temps)
+
+
+def head_norm_backward(
+    d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool, norm: str
+) -> Moment:
+    """The top block's k_norm or q_norm backward, at pow's backward (as the final norm's, 5 fp32
+    temporaries of its input's shape beside its fp32 input, which a lean norm has made again: a sixth
+    unless the input is fp32). Autograd runs the attention's branches latest-made first: both RoPEs,
+    v_proj (its input gradient waits, [N, H], beside SP's re-gathered input), then k_norm and k_proj,
+    then q_norm and q_proj. The block's MLP, post-attention norm, o_proj, attention core, RoPE tables
+    and v_proj have run their backward and freed what they saved; the norms keep their inputs until
+    theirs. At k_norm's, q_norm's incoming gradient waits; at q_norm's, k's input gradient has been
+    summed into v's."""
+    layer = layer_activations(d)
+    width = d.Hkv if norm == "k_norm" else d.Hq
+    freed = sum(layer[k] for k in ("post_attention_layernorm", "mlp input", "swiglu", "attention core"))
+    freed += layer["q, k, v"] + layer["rope tables"]
+    done = ["self_attn.o_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    done += ["post_attention_layernorm", f"self_attn.{norm}"]  # its weight's gradient precedes pow's
+    if norm == "q_norm":  # k_norm and k_proj have run theirs
+        freed += layer["k_norm"]
+        done += ["self_attn.k_norm", "self_attn.k_proj"]
+    if d.mixed:  # the weight casts of the linears that ran their backward
+        pending = ("self_attn.q_proj", "self_attn.k_proj")
+        freed += layer["weight casts"] - d.p * sum(
+            n for name, n in layer_params(d) if name in pending and name not in done
+        )
+    own_input = (d.mixed and not d.cast_once) or (d.per_linear and not d.block_regather)
+    if own_input:  # each linear's own copy of the input: v's (and k's) freed
+        freed += (1 if norm == "k_norm" else 2) * d.p * d.N * d.H
+    if not d.lean_rmsnorm:  # the running norm's normed result and rsqrt are freed
+        freed += FP32 * d.N * width + FP32 * d.N * width // d.D
+    norm_temps = (6 if d.lean_rmsnorm and d.p != FP32 else 5) * FP32 * d.N * width
+    temps = norm_temps + d.s * d.Ns * d.H + d.p * d.N * d.H  # stream's and the attention input's gradients
+    if norm == "k_norm":
+        temps += d.p * d.N * d.Hq  # q_norm's incoming gradient
+    if d.sp and d.block_regather and not d.per_linear:
+        temps += d.p * d.N * d.H  # the re-gathered attention input
+    temps += d.V_l * d.H * d.w if d.tied else 0
+    grads = d.H + sum(n for name, n in layer_params(d) if name in done) + (0 if d.tied else d.V_l * d.H)
+    grads = buckets + (grads * d.w if own_grads else 0)
+    return Moment(f"{norm} backward", P, grads, optim, after_head(acts) - freed + LOSS_AND_GRAD, temps)
 
 
 def mlp_backward(d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool) -> Moment:
