@@ -5,7 +5,7 @@ Memory is what torch's MemTracker sees on one rank: the bytes of live tensor sto
 so the peak is the largest of a few moments (`Prediction.moments`):
   loss          the cross entropy, every activation of the forward still saved for backward (the
                 logits live only while the loss runs: the training step does not keep them);
-  loss backward the vocab-parallel loss's backward: the logits it keeps and their gradient;
+  loss backward the vocab-parallel loss's backward: the logits it keeps, becoming their gradient;
   head backward the LM head's backward: the logits' and the head weight's gradients;
   final norm backward  the final RMSNorm's fp32 backward temporaries;
   mlp backward  the top block's SwiGLU backward, at gate_proj's weight gradient;
@@ -422,13 +422,13 @@ def loss_slice(d: Dims) -> int:
 
 def loss_backward(d: Dims) -> tuple[int, int]:
     """(activation, temporary) bytes of the vocab-parallel loss's backward at a slice's one-hot, beyond
-    the saved activations: the logits it keeps, each row's max and sum of exp and the gradient's scale
-    (fp32), the local ids and the count of valid targets (int64), valid and owned masks, the loss and
-    its gradient; the logits' gradient [S, B, V/T], the slice, and the slice's owned mask in fp32 and
-    negated (scatter_add_'s source)."""
+    the saved activations: the logits it keeps (becoming their own gradient, slice by slice), each
+    row's max and sum of exp and the gradient's scale (fp32), the local ids and the count of valid
+    targets (int64), valid and owned masks, the loss and its gradient; the slice, and the slice's
+    owned mask in fp32 and negated (scatter_add_'s source)."""
     rows = math.ceil(d.N / LOSS_CHUNKS)
     act = d.p * d.N * d.V_l + (INT64 + 3 * FP32 + 2) * d.N + INT64 + LOSS_AND_GRAD
-    return act, d.p * d.N * d.V_l + loss_slice(d) + 2 * FP32 * rows
+    return act, loss_slice(d) + 2 * FP32 * rows
 
 
 # --- the peak -----------------------------------------------------------------------------------

@@ -90,6 +90,7 @@ def run(cfg: RunConfig) -> RankResult:
     with counting(cfg, counter):
         with precision(cfg, ctx.device):
             logits, loss = pm(batches.local_slice(ids), batches.local_slice(labels))
+            logits = logits.detach().clone()  # the vocab-parallel loss's backward writes over the logits
         loss.backward()
         pm.finish_grads()
     result.comm = counter.rows()

@@ -8,9 +8,11 @@ Padded vocab columns (index >= the real V) are kept out of the softmax.
 Memory: no fp32 tensor of the logits' size. The fp32 work runs on LOSS_CHUNKS slices of the tokens
 in turn (as Liger's and Megatron's fused cross entropies chunk it), each an fp32 [N/LOSS_CHUNKS, V/T]
 buffer that becomes logits - max, then their exp; backward keeps the logits themselves (the head's
-output, in the activation dtype, never written to: validation reads them) with each row's max and sum
-of exp, and makes the softmax again slice by slice, straight into the gradient's slice. The ops on each
-element are those of the unchunked loss: the same loss and gradient, bit for bit.
+output, in the activation dtype) with each row's max and sum of exp, and makes the softmax again slice
+by slice. The gradient takes the logits' place, as Megatron's works in place: each slice is read before
+its gradient is written over it, so the logits a model returns hold their gradient once backward has
+run (read them before; a leaf, a caller's own tensor, is left alone and gets a new gradient). The ops
+on each element are those of the unchunked loss: the same loss and gradient, bit for bit.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         n_valid = valid.sum().clamp(min=1)
         loss = ((sum_exp.log() - target_logit) * valid).sum() / n_valid
-        ctx.real, ctx.rows = real, rows
+        ctx.real, ctx.rows, ctx.in_place = real, rows, not logits.is_leaf
         ctx.save_for_backward(logits, row_max, sum_exp, local, owned, valid, n_valid)
         return loss
 
@@ -73,7 +75,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         logits, row_max, sum_exp, local, owned, valid, n_valid = ctx.saved_tensors
         flat = logits.view(-1, logits.shape[-1])  # [N, V/T]
-        grad = torch.empty_like(flat)
+        grad = flat if ctx.in_place else torch.empty_like(flat)  # each slice read, then written over
         scale = valid.to(torch.float32) * grad_loss / n_valid  # [N]
         for i in range(0, flat.shape[0], ctx.rows):
             part = slice(i, i + ctx.rows)
