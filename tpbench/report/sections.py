@@ -277,8 +277,8 @@ def recompute_section(data: ReportData) -> Section:
     section = Section(
         "recompute",
         "Activation recompute",
-        intro="train.recompute = none, selective (RMSNorm internals and the SwiGLU activation made again "
-        "in backward), full (each block run again from its input): per-rank peak (memory runs) and "
+        intro="train.recompute = none, selective (the SwiGLU's product made again in backward), full "
+        "(each block run again from its input): per-rank peak (memory runs) and "
         "median step time (throughput runs) of each setting, against the same mode without recompute.",
     )
     frame = recompute(data)
