@@ -204,12 +204,12 @@ def test_peak_memory_is_predicted_to_the_byte(measured, name):
 
 def test_the_peak_moments_are_the_ones_measured(measured):
     """The configs peak at different moments (S 4: the gradients; S 256, manual: the top block's
-    softmax in forward; VP: the head's backward; VP
-    at T 4: the final norm's backward; full recompute: the bottom block's backward, and its softmax's
-    with manual attention; mixed precision with selective recompute: the top SwiGLU's backward; odd
-    shapes with a narrow MLP: the top block's post-attention norm's and k_norm's backward), so the test
-    above checks each moment, not only the loss. (The vocab-parallel loss's backward, the top MLP's at gate_proj and q_norm's are
-    derived the same way; no config here peaks there.)"""
+    softmax in forward; VP: the head's backward; VP at T 4: the final norm's backward; full
+    recompute: the bottom block's backward, and its softmax's with manual attention; mixed precision
+    with selective recompute: the top SwiGLU's backward; odd shapes with a narrow MLP: the top block's
+    post-attention norm's and k_norm's backward), so the test above checks each moment, not only the
+    loss. (The vocab-parallel loss's backward, the top MLP's at gate_proj and q_norm's are derived the
+    same way; no config here peaks there.)"""
     names = {theory.predict(config(n)).peak.name for n in CHECKS}
     assert names == {
         "loss",
