@@ -54,6 +54,7 @@ SHORT_NAMES = {
     "dtype": "train.dtype",
     "precision": "train.precision",
     "recompute": "train.recompute",
+    "overlap": "parallel.overlap",
 }
 GROUPS = ("model", "mode", "batch", "kind", "device", "db", "launcher", "+preset", "+fault")
 
@@ -74,6 +75,7 @@ CHOICES = {
     "fault": ("", *FAULTS),
     "launch.emulate": FLAVOURS,
     "launch.emulate_gpu": tuple(GPUS),
+    "debug.overlap_fault": ("", "no_wait", "early_bucket"),
 }
 SKIPPABLE_GRAD_SUMS = ("qk_norm", "kv_replicas", "sp_norms", "dp")
 AT_LEAST_ONE = (
@@ -177,6 +179,16 @@ def check(cfg: RunConfig) -> None:
                 f"model.{key}=false with train.recompute={cfg.train.recompute}: MiniMind's own {what} "
                 "is there to measure its own step, without recompute; accepted is train.recompute=none"
             )
+    if cfg.parallel.overlap and cfg.parallel.engine != "megatron":
+        raise ConfigError(
+            f"parallel.overlap=true with parallel.engine={cfg.parallel.engine}: accepted with engine "
+            "megatron only (DDP always overlaps its gradient buckets; DTensor's TP has no async switch here)"
+        )
+    if cfg.debug.overlap_fault and not cfg.parallel.overlap:
+        raise ConfigError(
+            f"debug.overlap_fault={cfg.debug.overlap_fault}: breaks parallel.overlap, "
+            "accepted with parallel.overlap=true"
+        )
     for name in cfg.debug.skip_grad_sum:
         if name not in SKIPPABLE_GRAD_SUMS:
             accepted = ", ".join(SKIPPABLE_GRAD_SUMS)

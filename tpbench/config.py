@@ -54,7 +54,10 @@ class ParallelConfig:
     # gathered tensor) | linear (each column-parallel linear gathers its own input, as minimind-tron)
     sp_gather: str = "region"
     vocab_pad_multiple: int = 1  # VP pads V up to a multiple of tp * vocab_pad_multiple
-    ddp_bucket_mb: float = 25.0
+    # Megatron's async TP: backward collectives run while compute goes on (tpbench.parallel.overlap);
+    # engine megatron only (DDP always overlaps its buckets, DTensor has no such switch)
+    overlap: bool = False
+    ddp_bucket_mb: float = 25.0  # DDP's bucket cap, and the DP buckets of megatron with overlap=true
     ddp_gradient_as_bucket_view: bool = True
 
 
@@ -141,6 +144,9 @@ class DebugConfig:
     # Gradient sums to switch off, to prove each one is needed:
     # qk_norm, kv_replicas, sp_norms, dp
     skip_grad_sum: list[str] = field(default_factory=list)
+    # Break parallel.overlap, to prove validation catches it: no_wait (an entry gradient is returned
+    # without its collective's result) | early_bucket (a DP bucket is sent at its first gradient)
+    overlap_fault: str = ""
 
 
 @dataclass

@@ -50,8 +50,8 @@ from tpbench.results import RANK_AGGREGATION
 if TYPE_CHECKING:
     from tpbench.launch import Outcome
 
-# 2: runs.slurm_job_id and runs.nodes
-SCHEMA_VERSION = 2
+# 2: runs.slurm_job_id and runs.nodes; 3: comm.exposed_s
+SCHEMA_VERSION = 3
 APP = "tpbench"
 BUSY_TIMEOUT_S = 60
 SQLITE_HEADER = b"SQLite format 3\x00"
@@ -160,6 +160,7 @@ class CommRow(Base):
     count: Mapped[int]
     bytes: Mapped[int] = mapped_column(BigInteger)
     time_s: Mapped[float | None]
+    exposed_s: Mapped[float | None]  # the part of time_s the rank waited (parallel.overlap hides the rest)
 
 
 class ResultsDB:

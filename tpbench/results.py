@@ -52,7 +52,8 @@ class CommRow:
     purpose: str  # what it moves: activation, grad_sum, dp_grad, loss, ...
     count: int
     bytes: int  # per-rank bytes on the wire of a ring: all-reduce 2(T-1)/T N, gather/scatter (T-1)/T N
-    time_s: float | None = None
+    time_s: float | None = None  # timed runs: launch to completion, summed
+    exposed_s: float | None = None  # of which the rank waited on it (a blocking collective: all of it)
 
 
 @dataclass

@@ -93,7 +93,9 @@ def build_parallel(
         pm = parallelize_dtensor(model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum))
         pm.module.to(device=ctx.device, dtype=param_dtype(cfg))
         return pm
-    pm = parallelize(model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum), cfg.train.recompute)
+    pm = parallelize(
+        model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum), cfg.train.recompute, cfg.debug.overlap_fault
+    )
     place(pm.module, ctx.device, param_dtype(cfg))
     return pm
 

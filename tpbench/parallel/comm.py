@@ -12,9 +12,12 @@
 The last two pair a replicated region with the sequence-sharded stream (replicated embedding into SP,
 SP into a replicated LM head). Every op is the identity for a group of one.
 
-Every collective goes through `all_reduce`, `all_gather` or `reduce_scatter` below, which report to
-the active `CommCounter`: count and per-rank ring bytes on the wire, by op and purpose; with
-`log=True` it also keeps each one, in the order issued, as a `CommEvent` (what `tpbench diagram` draws).
+Every collective goes through `all_reduce`, `all_gather` or `reduce_scatter` below (or their
+`*_async` twins, which return a `Pending` to wait on), which report to the active `CommCounter`: count
+and per-rank ring bytes on the wire, by op and purpose, an async one the same as its blocking twin;
+timed, also its total time and the part of it the caller spent waiting (exposed: a blocking collective
+is all exposed). With `log=True` it keeps each one, in the order issued, as a `CommEvent` (what
+`tpbench diagram` draws).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -52,7 +56,8 @@ class CommCounter:
 
     def __init__(self, timed: bool = False, log: bool = False):
         self.timed = timed
-        self.stats: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
+        # (op, purpose) -> [count, bytes, seconds, exposed seconds]
+        self.stats: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
         self.events: list[CommEvent] | None = [] if log else None
 
     def record(
@@ -65,20 +70,34 @@ class CommCounter:
         shape: tuple[int, ...] = (),
         dtype: str = "",
         ranks: tuple[int, ...] = (),
+        exposed: float | None = None,
     ) -> None:
+        """One collective issued. `exposed`: the seconds the caller waited on it (None: all of them)."""
         factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
         wire = round(full_bytes * factor)
         entry = self.stats[(op, purpose)]
         entry[0] += 1
         entry[1] += wire
-        entry[2] += seconds
+        self.add_time(op, purpose, seconds, seconds if exposed is None else exposed)
         if self.events is not None:
             self.events.append(CommEvent(op, purpose, shape, dtype, ranks, wire))
 
+    def add_time(self, op: str, purpose: str, seconds: float, exposed: float) -> None:
+        entry = self.stats[(op, purpose)]
+        entry[2] += seconds
+        entry[3] += exposed
+
     def rows(self, steps: int = 1) -> list[CommRow]:
         return [
-            CommRow(op, purpose, int(n // steps), int(b // steps), t / steps if self.timed else None)
-            for (op, purpose), (n, b, t) in sorted(self.stats.items())
+            CommRow(
+                op,
+                purpose,
+                int(n // steps),
+                int(b // steps),
+                t / steps if self.timed else None,
+                e / steps if self.timed else None,
+            )
+            for (op, purpose), (n, b, t, e) in sorted(self.stats.items())
         ]
 
     def reset(self) -> None:
@@ -126,8 +145,9 @@ def settling() -> Iterator[None]:
     then drops its own references to the input and output a moment later. When the caller's were the
     other references, the tensor is freed at a moment the thread scheduler chooses: measured here, a
     gathered [S, B, H] freed after the LM head's next op made MemTracker's peak 12.5-14 KB higher on one
-    random rank in a few percent of steps (tp 4, SP + VP). Inside, `_run` waits for the worker to drop
-    them (microseconds), so every rank frees at the same op."""
+    random rank in a few percent of steps (tp 4, SP + VP). Inside, waiting on a collective (a blocking
+    one, or `Pending.wait()`) also waits for the worker to drop them (microseconds), so every rank
+    frees at the same op."""
     global _settling
     previous, _settling = _settling, True
     try:
@@ -148,29 +168,67 @@ def _size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _run(
-    op: str, purpose: str, x: torch.Tensor, full_bytes: int, group: Group, fn, out: torch.Tensor | None = None
-) -> None:
-    timed = _counter is not None and _counter.timed
+class Pending:
+    """A collective in flight. `wait()` returns its result once the backend is done with it; the
+    time spent in `wait()` is the collective's exposed time, launch to completion its total time."""
+
+    def __init__(self, result: torch.Tensor, work, finish) -> None:
+        self.result, self._work, self._finish = result, work, finish
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._finish(self._work)
+            self._work = None
+        return self.result
+
+
+def _launch(
+    op: str,
+    purpose: str,
+    x: torch.Tensor,
+    full_bytes: int,
+    group: Group,
+    fn,
+    out: torch.Tensor | None,
+    blocking: bool,
+) -> Pending:
+    """Issue `fn` (a torch.distributed call with async_op=True, returning its Work) and count it
+    now, in issue order; its times are added when it is waited on."""
+    counter = _counter
+    timed = counter is not None and counter.timed
     if timed and x.is_cuda:
         torch.cuda.synchronize(x.device)
     held = (x,) if out is None else (x, out)
     settle = _settling and dist.get_backend(group) == "gloo"
     before = tuple(t._use_count() for t in held) if settle else ()
     start = time.perf_counter()
-    fn()
-    if timed and x.is_cuda:
-        torch.cuda.synchronize(x.device)
-    if settle:
-        _settle(held, before)
-    if _counter is not None:
-        seconds = time.perf_counter() - start
-        purpose = "recompute" if _recomputing else purpose
-        if _counter.events is None:
-            _counter.record(op, purpose, full_bytes, _size(group), seconds)
+    work = fn()
+    done: list[float] = []
+    if timed and not blocking:  # when the backend finished, were it before the wait
+        work.get_future().add_done_callback(lambda _: done.append(time.perf_counter()))
+    purpose = "recompute" if _recomputing else purpose
+    if counter is not None:
+        if counter.events is None:
+            counter.record(op, purpose, full_bytes, _size(group), 0.0, exposed=0.0)
         else:
             ranks = tuple(dist.get_process_group_ranks(group))
-            _counter.record(op, purpose, full_bytes, len(ranks), seconds, tuple(x.shape), str(x.dtype), ranks)
+            counter.record(
+                op, purpose, full_bytes, len(ranks), 0.0, tuple(x.shape), str(x.dtype), ranks, exposed=0.0
+            )
+
+    def finish(work) -> None:
+        waiting = time.perf_counter()
+        work.wait()
+        if timed and x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        if settle:
+            _settle(held, before)
+        if counter is not None:
+            end = time.perf_counter()
+            total = end - start if blocking or not done else min(done[0], end) - start
+            counter.add_time(op, purpose, total, end - waiting if not blocking else total)
+
+    return Pending(x if out is None else out, work, finish)
 
 
 def record_async(op: str, purpose: str, x: torch.Tensor, group: Group) -> None:
@@ -186,46 +244,60 @@ def all_reduce(x: torch.Tensor, group: Group, purpose: str, op=dist.ReduceOp.SUM
     """In place."""
     if _size(group) == 1:
         return x
-    _run("all_reduce", purpose, x, x.numel() * x.element_size(), group, lambda: dist.all_reduce(x, op, group))
-    return x
+    fn = _all_reduce_fn(x, op, group)
+    return _launch("all_reduce", purpose, x, x.numel() * x.element_size(), group, fn, None, True).wait()
+
+
+def all_reduce_async(x: torch.Tensor, group: Group, purpose: str, op=dist.ReduceOp.SUM) -> Pending:
+    """In place, without waiting: `.wait()` before reading x."""
+    if _size(group) == 1:
+        return Pending(x, None, None)
+    fn = _all_reduce_fn(x, op, group)
+    return _launch("all_reduce", purpose, x, x.numel() * x.element_size(), group, fn, None, False)
+
+
+def _all_reduce_fn(x: torch.Tensor, op, group: Group):
+    return lambda: dist.all_reduce(x, op, group, async_op=True)
 
 
 def all_gather(x: torch.Tensor, group: Group, purpose: str) -> torch.Tensor:
     """Concatenate the ranks' shards along dim 0."""
+    return _all_gather(x, group, purpose, blocking=True).wait()
+
+
+def all_gather_async(x: torch.Tensor, group: Group, purpose: str) -> Pending:
+    """all_gather without waiting: `.wait()` returns the gathered tensor."""
+    return _all_gather(x, group, purpose, blocking=False)
+
+
+def _all_gather(x: torch.Tensor, group: Group, purpose: str, blocking: bool) -> Pending:
     world = _size(group)
     if world == 1:
-        return x
+        return Pending(x, None, None)
     x = x.contiguous()
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _run(
-        "all_gather",
-        purpose,
-        x,
-        out.numel() * out.element_size(),
-        group,
-        lambda: dist.all_gather_into_tensor(out, x, group),
-        out,
-    )
-    return out
+    fn = lambda: dist.all_gather_into_tensor(out, x, group, async_op=True)  # noqa: E731
+    return _launch("all_gather", purpose, x, out.numel() * out.element_size(), group, fn, out, blocking)
 
 
 def reduce_scatter(x: torch.Tensor, group: Group, purpose: str) -> torch.Tensor:
     """Sum over ranks and keep this rank's shard of dim 0."""
+    return _reduce_scatter(x, group, purpose, blocking=True).wait()
+
+
+def reduce_scatter_async(x: torch.Tensor, group: Group, purpose: str) -> Pending:
+    """reduce_scatter without waiting: `.wait()` returns this rank's shard."""
+    return _reduce_scatter(x, group, purpose, blocking=False)
+
+
+def _reduce_scatter(x: torch.Tensor, group: Group, purpose: str, blocking: bool) -> Pending:
     world = _size(group)
     if world == 1:
-        return x
+        return Pending(x, None, None)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _run(
-        "reduce_scatter",
-        purpose,
-        x,
-        x.numel() * x.element_size(),
-        group,
-        lambda: dist.reduce_scatter_tensor(out, x, group=group),
-        out,
-    )
-    return out
+    fn = lambda: dist.reduce_scatter_tensor(out, x, group=group, async_op=True)  # noqa: E731
+    return _launch("reduce_scatter", purpose, x, x.numel() * x.element_size(), group, fn, out, blocking)
 
 
 def all_reduce_coalesced(
@@ -278,15 +350,34 @@ def split(x: torch.Tensor, group: Group) -> torch.Tensor:
 # --- conjugate autograd pairs ------------------------------------------------------------------
 
 
+class Meanwhile(Protocol):
+    """Compute a region's entry backward runs while its collective is in flight (parallel.overlap):
+    tpbench.parallel.overlap.DeferredWeightGrads."""
+
+    wait: bool  # False only to show that validation catches a gradient read before its sum lands
+
+    def run(self) -> None: ...
+
+
+def _overlapped(pending: Pending, unreduced: torch.Tensor | None, meanwhile: Meanwhile) -> torch.Tensor:
+    meanwhile.run()
+    result = pending.wait()
+    return result if meanwhile.wait else unreduced
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, meanwhile):
+        ctx.group, ctx.meanwhile = group, meanwhile
         return x
 
     @staticmethod
     def backward(ctx, grad):  # a copy: autograd may hand the same gradient to other nodes too
-        return all_reduce(grad.clone(), ctx.group, "activation"), None
+        if ctx.meanwhile is None:
+            return all_reduce(grad.clone(), ctx.group, "activation"), None, None
+        unreduced = None if ctx.meanwhile.wait else grad.clone()
+        pending = all_reduce_async(grad.clone(), ctx.group, "activation")
+        return _overlapped(pending, unreduced, ctx.meanwhile), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -303,13 +394,17 @@ class _ReduceFromTP(torch.autograd.Function):
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, meanwhile):
+        ctx.group, ctx.meanwhile = group, meanwhile
         return all_gather(x, group, "activation")
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.group, "activation"), None
+        if ctx.meanwhile is None:
+            return reduce_scatter(grad, ctx.group, "activation"), None, None
+        unreduced = None if ctx.meanwhile.wait else split(grad, ctx.group)
+        pending = reduce_scatter_async(grad, ctx.group, "activation")
+        return _overlapped(pending, unreduced, ctx.meanwhile), None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
@@ -345,9 +440,10 @@ class _GatherFromSPReplicated(torch.autograd.Function):
         return split(grad, ctx.group), None
 
 
-def copy_to_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """f: identity forward, all-reduce backward. Entering a column-parallel region."""
-    return x if _size(group) == 1 else _CopyToTP.apply(x, group)
+def copy_to_tp_region(x: torch.Tensor, group: Group, meanwhile: Meanwhile | None = None) -> torch.Tensor:
+    """f: identity forward, all-reduce backward. Entering a column-parallel region. With `meanwhile`,
+    backward launches the all-reduce, runs `meanwhile` and only then waits for it."""
+    return x if _size(group) == 1 else _CopyToTP.apply(x, group, meanwhile)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -355,9 +451,10 @@ def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
-def gather_from_sp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """g: all-gather dim 0 forward, reduce-scatter backward. SP shard [S/T] -> TP region [S]."""
-    return x if _size(group) == 1 else _GatherFromSP.apply(x, group)
+def gather_from_sp_region(x: torch.Tensor, group: Group, meanwhile: Meanwhile | None = None) -> torch.Tensor:
+    """g: all-gather dim 0 forward, reduce-scatter backward. SP shard [S/T] -> TP region [S]. With
+    `meanwhile`, backward launches the reduce-scatter, runs `meanwhile` and only then waits for it."""
+    return x if _size(group) == 1 else _GatherFromSP.apply(x, group, meanwhile)
 
 
 def reduce_scatter_to_sp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -378,7 +475,7 @@ def gather_from_sp_region_replicated(x: torch.Tensor, group: Group) -> torch.Ten
 # --- SP: keep the shard, gather again in backward ----------------------------------------------
 
 
-class _Regather:
+class Regather:
     """Stands in, in the autograd graph, for a gathered [S, B, H] input saved for backward. Holds
     only the local shard; the first backward use all-gathers it again and the rest share that copy."""
 
@@ -386,23 +483,31 @@ class _Regather:
         self.shard = shard.detach()
         self.group = group
         self.full: torch.Tensor | None = None
+        self.pending: Pending | None = None
+
+    def prefetch(self) -> None:
+        """Launch the all-gather now; the first use waits for it (parallel.overlap)."""
+        if self.full is None and self.pending is None:
+            self.pending = all_gather_async(self.shard, self.group, "regather")
 
     def get(self) -> torch.Tensor:
         if self.full is None:
-            self.full = all_gather(self.shard, self.group, "regather")
+            self.full = (self.pending or _all_gather(self.shard, self.group, "regather", True)).wait()
+            self.pending = None
         return self.full
 
 
 @contextlib.contextmanager
-def saving_only_shard(full: torch.Tensor, shard: torch.Tensor, group: Group) -> Iterator[None]:
+def saving_only_shard(full: torch.Tensor, shard: torch.Tensor, group: Group) -> Iterator[Regather | None]:
     """Inside, any tensor saved for backward that is (a view of) `full` is saved as the `shard`
-    and re-gathered in backward: the paper's TP+SP activation memory (Korthikanti et al. 4.2.2)."""
+    and re-gathered in backward: the paper's TP+SP activation memory (Korthikanti et al. 4.2.2).
+    Yields the re-gather, whose `prefetch()` starts it early."""
     if _size(group) == 1:
-        yield
+        yield None
         return
     # the hooks live as long as the graph: they must not hold `full` itself, or nothing is saved
     storage, dtype = full.untyped_storage()._cdata, full.dtype  # a fake tensor has no data_ptr
-    token = _Regather(shard, group)
+    token = Regather(shard, group)
 
     def pack(t: torch.Tensor):
         if t.untyped_storage()._cdata == storage and t.dtype == dtype:
@@ -416,4 +521,4 @@ def saving_only_shard(full: torch.Tensor, shard: torch.Tensor, group: Group) -> 
         return tok.get().as_strided(shape, stride, offset)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
+        yield token

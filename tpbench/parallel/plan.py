@@ -5,6 +5,10 @@ layers in (slicing the dense weights, so every tp starts from the same model) an
 each region with its communication op. Each dense parameter gets a `Layout` that says how it is
 sharded, how the shards are put back together, and whether its gradient must be summed.
 
+With `parallel.overlap` (tpbench.parallel.overlap) each region's entry backward overlaps its collective
+with the region's column-parallel weight gradients, SP's re-gather is started early, and the DP
+gradient average goes bucket by bucket during backward.
+
 Region entries and exits per block (T = tp):
   tp:      attn/mlp entry f (copy)            exit f-bar (all-reduce)      stream [S, B, H]
   tp+sp:   attn/mlp entry g (all-gather)      exit g-bar (reduce-scatter)  stream [S/T, B, H]
@@ -16,6 +20,7 @@ With parallel.sp_gather=linear, g moves from the region's entry into each of its
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +35,7 @@ from tpbench.parallel import comm
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.cross_entropy import VocabParallelCrossEntropy
 from tpbench.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tpbench.parallel.overlap import DeferredWeightGrads, DPGradBuckets, defer_weight_grads
 from tpbench.parallel.recompute import apply_recompute
 
 GRAD_SUMS = ("qk_norm", "kv_replicas", "sp_norms", "dp")
@@ -126,19 +132,48 @@ class ParallelModel:
     ctx: ParallelContext
     config: ParallelConfig
     layouts: dict[str, Layout]
+    fault: str = ""  # debug.overlap_fault
     grad_sums: list[GradSum] = field(default_factory=list)
+    deferred: list[DeferredWeightGrads] = field(default_factory=list)  # overlap: one per region
+    dp_buckets: DPGradBuckets | None = None  # overlap with dp > 1: made at the first call
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        if self.config.overlap and self.dp_buckets is None:
+            self.dp_buckets = self._dp_buckets()
         return self.module(input_ids, labels)
 
     def finish_grads(self) -> None:
         """The gradient sums the shards need before an optimizer step (and the DP average)."""
         params = dict(self.module.named_parameters())
         for gs in self.grad_sums:
+            if gs.name == "dp" and self.dp_buckets is not None:
+                self.dp_buckets.finish()  # after the TP sums, which its last bucket must see
+                continue
             grads = [params[name].grad for name in gs.params if params[name].grad is not None]
             comm.all_reduce_coalesced(
                 grads, gs.group, "dp_grad" if gs.name == "dp" else "grad_sum", gs.average
             )
+
+    def _dp_buckets(self) -> DPGradBuckets | None:
+        """Made once the parameters are final (placed on their device and dtype): its hooks sit on them.
+        None without a DP gradient sum."""
+        dp = next((gs for gs in self.grad_sums if gs.name == "dp"), None)
+        if dp is None:
+            return None
+        params = dict(self.module.named_parameters())
+        late = {n for n in params if self.layouts[n].grad_sum}
+        model = self.module
+        if model.lm_head.weight is model.model.embed_tokens.weight:
+            late.add(next(n for n, p in params.items() if p is model.lm_head.weight))
+        buckets = DPGradBuckets(
+            params, late, dp.group, self.config.ddp_bucket_mb * 2**20, self.fault == "early_bucket"
+        )
+        names = {id(p): n for n, p in params.items()}
+        for name, p in params.items():  # a deferred weight is not in autograd's graph: its hook stays quiet
+            p.register_post_accumulate_grad_hook(lambda p, name=name: buckets.ready(name))
+        for deferred in self.deferred:
+            deferred.on_ready = lambda p: buckets.ready(names[id(p)])
+        return buckets
 
     def semantics(self, name: str) -> str:
         return self.layouts[name].semantics
@@ -169,10 +204,12 @@ def parallelize(
     pcfg: ParallelConfig,
     skip_grad_sum: tuple[str, ...] = (),
     recompute: str = "none",
+    overlap_fault: str = "",
 ) -> ParallelModel:
     """Shard `model` in place for ctx.tp ranks and return it with its layouts and gradient sums.
 
-    skip_grad_sum names entries of GRAD_SUMS to leave out: only to prove that each one is needed.
+    skip_grad_sum names entries of GRAD_SUMS to leave out: only to prove that each one is needed;
+    overlap_fault (debug.overlap_fault) breaks parallel.overlap for the same reason.
     recompute (train.recompute) is applied first; under `full` the blocks keep no gathered input, so
     SP's re-gather applies to the LM head only.
     """
@@ -181,14 +218,17 @@ def parallelize(
     if ctx.tp > 1:
         ctx.setup_kv_replicas(cfg.num_key_value_heads)
     layouts = plan_layouts(cfg, ctx.tp, pcfg)
+    deferred: list[DeferredWeightGrads] = []
     if ctx.tp > 1:
-        regather = pcfg.sp_regather and recompute != "full"
-        apply_tp(model, ctx, layouts, pcfg.sp, regather, per_linear=pcfg.sp_gather == "linear")
+        wait = overlap_fault != "no_wait"
+        per_linear = pcfg.sp and pcfg.sp_gather == "linear"
+        entry = _Entry(ctx.tp_group, pcfg.sp, pcfg.sp_regather, pcfg.overlap, wait, deferred)
+        apply_tp(model, ctx, layouts, entry.but(regather=entry.regather and recompute != "full"), per_linear)
         if pcfg.vp:
-            apply_vp(model, ctx, layouts, pcfg.sp, pcfg.sp_regather)
+            apply_vp(model, ctx, layouts, entry)
         elif pcfg.sp:
             apply_sp_edges(model, ctx)
-    pm = ParallelModel(model, ctx, pcfg, layouts)
+    pm = ParallelModel(model, ctx, pcfg, layouts, overlap_fault, deferred=deferred)
     pm.grad_sums = _grad_sums(model, ctx, layouts, skip_grad_sum)
     return pm
 
@@ -197,13 +237,12 @@ def apply_tp(
     model: MiniMindForCausalLM,
     ctx: ParallelContext,
     layouts: dict[str, Layout],
-    sp: bool,
-    regather: bool,
+    entry: _Entry,
     per_linear: bool = False,
 ) -> None:
     """Attention and MLP: q/k/v/gate/up column parallel, o/down row parallel; heads split.
     `per_linear` (SP only): each column linear all-gathers its own input instead of the region."""
-    reduce = "reduce_scatter" if sp else "all_reduce"
+    reduce = "reduce_scatter" if entry.sp else "all_reduce"
     for i, block in enumerate(model.model.layers):
         p = f"model.layers.{i}."
         attn, mlp = block.self_attn, block.mlp
@@ -214,16 +253,14 @@ def apply_tp(
             setattr(mlp, name, _column(getattr(mlp, name), layouts[p + f"mlp.{name}.weight"], ctx))
         mlp.down_proj = _row(mlp.down_proj, layouts[p + "mlp.down_proj.weight"], ctx, reduce)
         for region, columns in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
-            if sp and per_linear:
-                _wrap(region, before=_autocast_input)  # cast once: the linears gather the same shard
-                for name in columns:
-                    _enter_region(getattr(region, name), ctx.tp_group, sp, regather)
+            if per_linear:
+                entry.apply_per_linear(region, columns)
             else:
-                _enter_region(region, ctx.tp_group, sp, regather)
+                entry.apply(region)
 
 
 def apply_vp(
-    model: MiniMindForCausalLM, ctx: ParallelContext, layouts: dict[str, Layout], sp: bool, regather: bool
+    model: MiniMindForCausalLM, ctx: ParallelContext, layouts: dict[str, Layout], entry: _Entry
 ) -> None:
     """Embedding, LM head and loss split over the vocab; logits stay [S, B, V/T]."""
     layout = layouts["model.embed_tokens.weight"]
@@ -232,13 +269,13 @@ def apply_vp(
         layout.shard(emb.weight, ctx.tp, ctx.tp_rank),
         ctx.tp_rank,
         ctx.tp_group,
-        reduce="reduce_scatter" if sp else "all_reduce",
+        reduce="reduce_scatter" if entry.sp else "all_reduce",
     )
     if model.config.tie_word_embeddings:
         model.lm_head = ColumnParallelLinear(model.model.embed_tokens.weight)
     else:
         model.lm_head = _column(model.lm_head, layouts["lm_head.weight"], ctx)
-    _enter_region(model.lm_head, ctx.tp_group, sp, regather)
+    entry.apply(model.lm_head)
     model.loss_fn = VocabParallelCrossEntropy(model.config.vocab_size, ctx.tp_rank, ctx.tp_group)
 
 
@@ -263,22 +300,77 @@ def _row(dense: nn.Linear, layout: Layout, ctx: ParallelContext, reduce: str) ->
     return RowParallelLinear(layout.shard(dense.weight, ctx.tp, ctx.tp_rank), ctx.tp_group, reduce, bias)
 
 
-def _enter_region(module: nn.Module, group: comm.Group, sp: bool, regather: bool) -> None:
-    """One entry op per region (or per column linear): f under TP; g under SP, saving only the shard
-    when `regather`."""
-    inner = module.forward
+@dataclass(frozen=True)
+class _Entry:
+    """How a region (or, under sp_gather=linear, a column linear) is entered: f under TP; g under SP,
+    saving only the shard when `regather`. With `overlap`, its column layers defer their weight
+    gradients to its entry backward (one queue per entry, kept in `deferred`) and SP's re-gather
+    starts at the region's exit backward."""
 
-    def forward(self, x: torch.Tensor, *args, **kwargs):
-        x = _autocast_input(x)
-        if not sp:
-            return inner(comm.copy_to_tp_region(x, group), *args, **kwargs)
-        full = comm.gather_from_sp_region(x, group)  # [S/T, B, H] -> [S, B, H]
-        if not regather:
-            return inner(full, *args, **kwargs)
-        with comm.saving_only_shard(full, x, group):
-            return inner(full, *args, **kwargs)
+    group: comm.Group
+    sp: bool
+    regather: bool
+    overlap: bool
+    wait: bool  # False: debug.overlap_fault=no_wait
+    deferred: list[DeferredWeightGrads]
 
-    module.forward = types.MethodType(forward, module)
+    def but(self, regather: bool) -> _Entry:
+        return dataclasses.replace(self, regather=regather)
+
+    def apply(self, module: nn.Module, regathers: list[comm.Regather] | None = None) -> None:
+        """Wrap `module`'s forward in its entry op. `regathers` (a column linear of a per-linear
+        region): each forward's re-gather is appended there, for the region to prefetch."""
+        inner, group, sp, regather = module.forward, self.group, self.sp, self.regather
+        meanwhile = None
+        if self.overlap:
+            meanwhile = defer_weight_grads(module, self.wait)
+            self.deferred.append(meanwhile)
+            inner = module.forward  # a column linear (the LM head): its own forward, now deferring
+
+        def forward(self, x: torch.Tensor, *args, **kwargs):
+            x = _autocast_input(x)
+            if not sp:
+                return inner(comm.copy_to_tp_region(x, group, meanwhile), *args, **kwargs)
+            full = comm.gather_from_sp_region(x, group, meanwhile)  # [S/T, B, H] -> [S, B, H]
+            if not regather:
+                return inner(full, *args, **kwargs)
+            with comm.saving_only_shard(full, x, group) as regathered:
+                y = inner(full, *args, **kwargs)
+            if meanwhile is None:
+                return y
+            if regathers is not None:
+                regathers.append(regathered)
+            elif not isinstance(module, ColumnParallelLinear):
+                _prefetch_after_backward(y, [regathered])
+            # the LM head has no exit: its first backward op needs the input
+            return y
+
+        module.forward = types.MethodType(forward, module)
+
+    def apply_per_linear(self, region: nn.Module, columns: tuple[str, ...]) -> None:
+        """SP gathering per column linear: the region casts its input once (its linears gather the
+        same shard) and each linear gets its own entry; with overlap and the re-gather, the region
+        starts all its linears' re-gathers at its exit backward."""
+        regathers: list[comm.Regather] = []
+        for name in columns:
+            self.apply(getattr(region, name), regathers if self.overlap and self.regather else None)
+        inner = region.forward
+
+        def forward(self, x: torch.Tensor, *args, **kwargs):
+            regathers.clear()
+            y = inner(_autocast_input(x), *args, **kwargs)
+            if regathers:
+                _prefetch_after_backward(y, list(regathers))
+            return y
+
+        region.forward = types.MethodType(forward, region)
+
+
+def _prefetch_after_backward(y: torch.Tensor, regathers: list[comm.Regather]) -> None:
+    """Start the re-gathers once y's grad_fn has run: a block region's exit backward (g-bar's
+    all-gather of the output gradient), before the row layer's and the core's backward."""
+    if y.grad_fn is not None:
+        y.grad_fn.register_hook(lambda *_: [r.prefetch() for r in regathers])
 
 
 def _autocast_input(x: torch.Tensor) -> torch.Tensor:
