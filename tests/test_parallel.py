@@ -66,6 +66,16 @@ VALIDATE_T2 |= {
     for mode, overrides in MODES.items()
     for precision in PRECISIONS
 }
+# parallel.overlap in every mode (and under autocast), each against the same mode without it
+OVERLAP = ["parallel.overlap=true"]
+VALIDATE_T2 |= {
+    f"{mode}_overlap": [*MODES[mode], *OVERLAP] for mode in ("tp", "tp_sp", "tp_vp", "tp_sp_vp")
+}
+VALIDATE_T2 |= {
+    "tp_sp_keep_full_overlap": [*VALIDATE_T2["tp_sp_keep_full"], *OVERLAP],
+    "tp_sp_vp_overlap_mixed": [*MODES["tp_sp_vp"], *PRECISIONS["mixed"], *OVERLAP],
+    "broken_overlap_no_wait": [*MODES["tp_sp"], *OVERLAP, "debug.overlap_fault=no_wait"],
+}
 VALIDATE_T2 |= {
     "broken_qk_norm_bf16": ["parallel.tp=2", "train.dtype=bfloat16", "debug.skip_grad_sum=[qk_norm]"],
     "broken_sp_norms_mixed": [
@@ -101,6 +111,24 @@ VALIDATE_W4 = {
     "dp2_tp2": ["parallel.tp=2", "parallel.dp=2"],
     "dp2_tp2_sp_vp": ["parallel.tp=2", "parallel.dp=2", "parallel.sp=true", "parallel.vp=true"],
     "dp4_t1": ["parallel.tp=1", "parallel.dp=4"],
+    # 0.05 MB buckets: the tiny model's DP gradient sum goes in 8 of them, launched during backward
+    "dp2_tp2_overlap": ["parallel.tp=2", "parallel.dp=2", *OVERLAP, "parallel.ddp_bucket_mb=0.05"],
+    "dp2_tp2_sp_vp_overlap": [
+        "parallel.tp=2",
+        "parallel.dp=2",
+        "parallel.sp=true",
+        "parallel.vp=true",
+        *OVERLAP,
+        "parallel.ddp_bucket_mb=0.05",
+    ],
+    "t4_tp_sp_vp_overlap": ["parallel.tp=4", "parallel.sp=true", "parallel.vp=true", *OVERLAP],
+    "broken_overlap_early_bucket": [
+        "parallel.tp=2",
+        "parallel.dp=2",
+        *OVERLAP,
+        "parallel.ddp_bucket_mb=0.05",
+        "debug.overlap_fault=early_bucket",
+    ],
     "broken_qk_norm": ["parallel.tp=4", "debug.skip_grad_sum=[qk_norm]"],
     "broken_kv_replicas": [
         "parallel.tp=4",
@@ -149,8 +177,17 @@ def test_a_settled_collective_returns_with_its_tensors_let_go(units):
     """Under comm.settling (memory runs) gloo's worker holds no tensor of a collective once it returns,
     so a tensor dropped after it is freed at the same op on every rank; without, some are held."""
     assert units["settling"]["settled"] == 0
+    assert units["settling"]["settled_async"] == 0  # parallel.overlap's collectives settle at wait()
     if units["settling"]["unsettled"] == 0:  # 77 of 300 held here: a run without the race shows nothing
         pytest.skip("gloo's worker let go of every tensor in time: the race did not occur in this run")
+
+
+def test_an_async_collective_counts_as_blocking_and_times_its_wait_as_exposed(units):
+    t = units["async_timing"]
+    assert (t["async_count"], t["async_bytes"]) == (t["blocking_count"], t["blocking_bytes"]) == (1, 2**18)
+    assert t["blocking_exposed_s"] == t["blocking_time_s"] > 0
+    assert t["async_exposed_s"] < 0.25  # done during the 0.5 s of other work: hardly waited on
+    assert 0 < t["async_time_s"] < 0.25  # launch to completion, not to the wait
 
 
 def test_checkpoint_round_trip_is_bit_exact(units):
@@ -277,3 +314,40 @@ def test_dp_all_reduces_every_gradient_once(validated):
     counted = {(op, purpose): (n, b) for op, purpose, n, b in validated["dp4_t1"]["comm"]}
     assert set(counted) == {("all_reduce", "dp_grad")}
     assert counted[("all_reduce", "dp_grad")][0] == 1
+
+
+# --- parallel.overlap: the same numbers, the same collectives -----------------------------------
+
+OVERLAPPED = {  # overlap config -> the same config without overlap
+    "tp_overlap": "tp",
+    "tp_sp_overlap": "tp_sp",
+    "tp_vp_overlap": "tp_vp",
+    "tp_sp_vp_overlap": "tp_sp_vp",
+    "tp_sp_keep_full_overlap": "tp_sp_keep_full",
+    "tp_sp_vp_overlap_mixed": "tp_sp_vp_mixed",
+    "t4_tp_sp_vp_overlap": "t4_tp_sp_vp",
+    "dp2_tp2_overlap": "dp2_tp2",
+    "dp2_tp2_sp_vp_overlap": "dp2_tp2_sp_vp",
+}
+
+
+@pytest.mark.parametrize("name", OVERLAPPED)
+def test_overlap_changes_no_number(validated, name):
+    """Every sum is made in the same order with overlap on (the deferred weight gradients are the
+    same matmuls; the DP buckets sum each element over the same two ranks): bit-identical gradients,
+    AdamW runs and logits, so every check's value is the same float."""
+    on, off = validated[name], validated[OVERLAPPED[name]]
+    assert on["metrics"] == off["metrics"]
+    assert on["drift"] == off["drift"]
+    assert on["failed"] == []
+
+
+@pytest.mark.parametrize("name", OVERLAPPED)
+def test_overlap_issues_the_same_collectives(validated, name):
+    """Async collectives are counted as the blocking ones: the same count and bytes per op and
+    purpose; only the DP gradient sum is cut in buckets (the same bytes, 8 all-reduces)."""
+    on = {(op, purpose): (n, b) for op, purpose, n, b in validated[name]["comm"]}
+    off = {(op, purpose): (n, b) for op, purpose, n, b in validated[OVERLAPPED[name]]["comm"]}
+    if name.startswith("dp2"):
+        assert on.pop(("all_reduce", "dp_grad")) == (8, off.pop(("all_reduce", "dp_grad"))[1])
+    assert on == off

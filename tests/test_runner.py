@@ -402,7 +402,7 @@ def test_the_default_run_is_the_tiny_model_with_every_kind(tmp_path):
     expected = {
         "validate": VALIDATE_METRICS,
         "memory": {"peak_bytes", "predicted_peak_bytes", *every},
-        "throughput": {"step_time_s", "tokens_per_s", *every},
+        "throughput": {"step_time_s", "tokens_per_s", "first_step_s", "comm_hidden_fraction", *every},
     }
     for p in printed:
         assert (p["status"], p["mode"], p["tp"], p["dp"], p["backend"]) == ("OK", "tp", 2, 1, "gloo")

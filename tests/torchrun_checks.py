@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -216,18 +217,40 @@ def check_settling(ctx: ParallelContext) -> dict[str, int]:
     """How often a collective's tensors are still held by gloo's worker thread when the call returns,
     in 300 all-gathers and all-reduces of fresh tensors, without and with comm.settling."""
 
-    def held() -> int:
+    def held(overlapped: bool = False) -> int:
         n = 0
         for _ in range(300):
             x = torch.randn(8, 64)
-            out = comm.all_gather(x, ctx.tp_group, "test")
-            y = comm.all_reduce(torch.randn(8), ctx.tp_group, "test")
+            if overlapped:  # launched, something done meanwhile, then waited on
+                gathering = comm.all_gather_async(x, ctx.tp_group, "test")
+                y = comm.all_reduce_async(torch.randn(8), ctx.tp_group, "test").wait()
+                out = gathering.wait()
+            else:
+                out = comm.all_gather(x, ctx.tp_group, "test")
+                y = comm.all_reduce(torch.randn(8), ctx.tp_group, "test")
             n += max(out._use_count(), x._use_count(), y._use_count()) > 1
         return n
 
     unsettled = held()
     with comm.settling():
-        return {"unsettled": unsettled, "settled": held()}
+        return {"unsettled": unsettled, "settled": held(), "settled_async": held(overlapped=True)}
+
+
+def check_async_timing(ctx: ParallelContext) -> dict[str, float]:
+    """An async all-reduce with 0.5 s of other work before its wait, and the same one blocking: counted
+    alike; the async one's exposed time is its wait, the blocking one's all of its time."""
+    counter = comm.CommCounter(timed=True)
+    dist.barrier()
+    with comm.counting(counter):
+        pending = comm.all_reduce_async(torch.randn(1 << 16), ctx.tp_group, "async")
+        time.sleep(0.5)
+        pending.wait()
+        comm.all_reduce(torch.randn(1 << 16), ctx.tp_group, "blocking")
+    return {
+        f"{r.purpose}_{field}": getattr(r, field)
+        for r in counter.rows()
+        for field in ("count", "bytes", "time_s", "exposed_s")
+    }
 
 
 def suite_units() -> dict:
@@ -238,6 +261,7 @@ def suite_units() -> dict:
         "checkpoints": check_checkpoints(ctx),
         "step_ops": check_step_ops(ctx),
         "settling": check_settling(ctx),
+        "async_timing": check_async_timing(ctx),
     }
 
 

@@ -75,6 +75,9 @@ class TrainConfig:
     recompute: str = "none"  # none | selective | full: activation recompute (tpbench.parallel.recompute)
     lr: float = 1e-3
     weight_decay: float = 0.0
+    # AdamW's fused kernel (one kernel per dtype and device for all parameters; CPU and CUDA in torch
+    # >= 2.4) instead of the foreach (CUDA) or per-parameter (CPU) default
+    fused_optimizer: bool = False
     steps: int = 5  # measured steps (memory, throughput)
     warmup: int = 2  # steps before measuring; memory takes at least the steady state (1, DDP 2)
     seed: int = 0

@@ -89,4 +89,4 @@ class RankResult:
 
 
 # How the headline value of a metric is taken over ranks; anything not named here takes the max.
-RANK_AGGREGATION = {"passed": "min"}
+RANK_AGGREGATION = {"passed": "min", "comm_hidden_fraction": "min"}

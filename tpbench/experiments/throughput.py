@@ -1,8 +1,13 @@
 """Step time and tokens/s of training steps after warm-up; FLOPs counted and MFU on GPUs.
 
 Each step starts and ends on a barrier (and a CUDA synchronize), so its time is that of the slowest
-rank. Model FLOPs come from the analytic model; the FLOPs every rank really executes are counted on
-one step and summed over ranks (replicated work under TP counts on every rank), by `LocalFlopCounter`:
+rank. The first warm-up step is reported apart (`first_step_s`: it includes torch.compile's
+compiling); the step time is the median over train.steps after train.warmup steps. One step of its
+own times every collective of our engine: its total time and the part waited on (exposed), so
+`comm_hidden_fraction` is how much of it parallel.overlap hid behind compute.
+
+Model FLOPs come from the analytic model; the FLOPs every rank really executes are counted on one
+step and summed over ranks (replicated work under TP counts on every rank), by `LocalFlopCounter`:
 torch's FlopCounterMode with the formula of the CPU SDPA kernel added (torch has none, so attention
 counted zero on CPU), counting what runs on each rank's local tensors, so that a DTensor op counts its
 local shards as our engine's ops do, not the global shape on every rank.
@@ -47,24 +52,29 @@ PEAK_FLOPS: tuple[tuple[str, tuple[float, float, float]], ...] = (
 def run(cfg: RunConfig) -> RankResult:
     trainer = Trainer(cfg)
     result = RankResult(rank=trainer.ctx.rank)
-    for _ in range(cfg.train.warmup):
-        trainer.step()
+    for i in range(cfg.train.warmup):
+        if i == 0:  # with train.compile: compiling, apart from the step times below
+            result.add("first_step_s", _timed_step(trainer), "s")
+        else:
+            trainer.step()
 
-    counter = comm.CommCounter(timed=True)
-    flops = LocalFlopCounter()
-    with counting(cfg, counter), flops:
+    counter = comm.CommCounter(timed=True)  # on a step of its own: the FLOP counter slows compute
+    with counting(cfg, counter):
         trainer.step()
     result.comm = counter.rows()
+    if cfg.parallel.engine == "megatron":  # DDP's and DTensor's own collectives are counted, not timed
+        total, exposed = (sum(getattr(r, f) for r in result.comm) for f in ("time_s", "exposed_s"))
+        result.add("comm_time_s", total, "s")
+        result.add("comm_exposed_s", exposed, "s")
+        if total > 0:
+            result.add("comm_hidden_fraction", 1 - exposed / total)
+    flops = LocalFlopCounter()
+    with flops:
+        trainer.step()
     result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")
     result.add("flops_per_step", _summed_over_ranks(flops.get_total_flops()), "FLOP")
 
-    times = []
-    for _ in range(cfg.train.steps):
-        trainer.sync()
-        start = time.perf_counter()
-        trainer.step()
-        trainer.sync()
-        times.append(time.perf_counter() - start)
+    times = [_timed_step(trainer) for _ in range(cfg.train.steps)]
     median = statistics.median(times)
     world = cfg.parallel.dp * cfg.parallel.tp
     tokens = local_batch(cfg) * cfg.parallel.dp * cfg.train.seq_len
@@ -84,6 +94,15 @@ def run(cfg: RunConfig) -> RankResult:
     if peak:
         result.add("mfu", model_flops / median / (world * peak))
     return result
+
+
+def _timed_step(trainer: Trainer) -> float:
+    """One step from barrier to barrier: the slowest rank's time."""
+    trainer.sync()
+    start = time.perf_counter()
+    trainer.step()
+    trainer.sync()
+    return time.perf_counter() - start
 
 
 def _summed_over_ranks(value: float) -> float:

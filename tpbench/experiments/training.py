@@ -52,13 +52,7 @@ class Trainer:
             pm = build_parallel(cfg, self.ctx)
             on_device(pm.module)
             self.model, self.module, self.finish_grads = pm, pm.module, pm.finish_grads
-        # foreach is AdamW's default for CUDA tensors; said here for an emulated GPU rank
-        self.optimizer = torch.optim.AdamW(
-            self.module.parameters(),
-            lr=cfg.train.lr,
-            weight_decay=cfg.train.weight_decay,
-            foreach=True if cfg.launch.device == "cuda" else None,
-        )
+        self.optimizer = adamw(cfg, self.module.parameters(), cfg.train.lr)
 
     def ddp_buckets(self) -> list[torch.Tensor]:
         """DDP's gradient buckets that no module or optimizer holds: all of them, unless the
@@ -106,6 +100,15 @@ class Trainer:
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
         dist.barrier()
+
+
+def adamw(cfg: RunConfig, params, lr: float) -> torch.optim.AdamW:
+    """The run's AdamW: fused under train.fused_optimizer; else foreach, AdamW's default for CUDA
+    tensors, said here for an emulated GPU rank."""
+    if cfg.train.fused_optimizer:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.train.weight_decay, fused=True)
+    foreach = True if cfg.launch.device == "cuda" else None
+    return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.train.weight_decay, foreach=foreach)
 
 
 class _KeepBuckets:

@@ -39,6 +39,7 @@ from tpbench.experiments.setup import (
     place,
     precision,
 )
+from tpbench.experiments.training import adamw
 from tpbench.models.minimind import IGNORE_INDEX, shift_labels
 from tpbench.parallel import comm
 from tpbench.parallel.plan import ParallelModel
@@ -207,10 +208,10 @@ def _adamw(
 ) -> list[tuple[int, float]]:
     v = cfg.validate
     models = [m for m in (dense, reference) if m is not None]
-    opt_p, *dense_opts = (
-        torch.optim.AdamW(m.parameters(), lr=v.lr, weight_decay=cfg.train.weight_decay)
-        for m in (pm.module, *models)
-    )
+    opt_p = adamw(cfg, pm.module.parameters(), v.lr)  # fused under train.fused_optimizer
+    dense_opts = [
+        torch.optim.AdamW(m.parameters(), lr=v.lr, weight_decay=cfg.train.weight_decay) for m in models
+    ]
     device = batches.device
     eval_ids, _ = batches.next_global()
     drift = []

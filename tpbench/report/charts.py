@@ -149,8 +149,10 @@ def measured_vs_predicted(
 
 def throughput(runs: pd.DataFrame, title: str) -> bytes:
     """tokens/s and step time (median, p10-p90 whiskers) per mode; MFU beside them when measured."""
-    runs = runs.sort_values(["layers", "mode_rank"])
+    runs = runs.sort_values(["layers", "mode_rank", *(["switches"] if "switches" in runs else [])])
     labels = (runs["mode"] + " L" + runs["layers"].astype(str)).tolist()
+    if "switches" in runs:
+        labels = [f"{a} {b}".strip() for a, b in zip(labels, runs["switches"], strict=True)]
     colors = [mode_color(m) for m in runs["mode"]]
     has_mfu = "mfu" in runs and runs["mfu"].notna().any()
     with _style():

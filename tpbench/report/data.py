@@ -92,7 +92,7 @@ class ReportData:
     runs: pd.DataFrame  # one row per run, every status, + setting label + headline metrics
     curves: pd.DataFrame  # run_id, name, step, value: max over ranks
     per_rank: pd.DataFrame  # run_id, rank, name, value: per-run figures of every rank
-    comm: pd.DataFrame  # run_id, rank, op, purpose, count, bytes, time_s
+    comm: pd.DataFrame  # run_id, rank, op, purpose, count, bytes, time_s, exposed_s
     configs: dict[int, dict] = field(default_factory=dict)  # run id -> flat config ("model.name": ...)
     generated_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
@@ -119,6 +119,8 @@ def load(db: ResultsDB, selection: Selection) -> ReportData:
     # emulated runs (tpbench.emulation) are a setting of their own: never drawn beside measured jobs
     runs["emulated"] = [emulation_label(configs[i]) for i in runs["id"]]
     runs["recompute"] = [configs.get(i, {}).get("train.recompute", "none") for i in runs["id"]]
+    # the step's speed switches (the throughput section's axes), "" when none is on
+    runs["switches"] = [switches(configs.get(i, {})) for i in runs["id"]]
     runs["base_setting"] = runs.apply(setting_label, axis=1) if len(runs) else pd.Series(dtype=str)
     # runs with activation recompute are their own setting in every section but the recompute one
     suffix = runs["recompute"].map(lambda r: "" if r == "none" else f" · recompute {r}")
@@ -144,6 +146,14 @@ def setting_label(run: pd.Series) -> str:
     )
 
 
+SWITCHES = {"parallel.overlap": "overlap", "train.fused_optimizer": "fused AdamW", "train.compile": "compile"}
+
+
+def switches(flat: dict) -> str:
+    """The speed switches a run had on (a flat config), e.g. "overlap · fused AdamW"; "" for none."""
+    return " · ".join(label for key, label in SWITCHES.items() if flat.get(key))
+
+
 def mode_rank(mode: str) -> int:
     """ddp, tp, tp_sp, tp_sp_linear, tp_vp, tp_sp_vp, then the dtensor_ ones in that order, then the rest."""
     base = mode.removeprefix("dtensor_")
@@ -155,7 +165,8 @@ def latest(data: ReportData, kind: str) -> pd.DataFrame:
     """The OK runs of a kind, the latest one of each config, in mode order."""
     runs = data.ok[data.ok["kind"] == kind]
     runs = runs.sort_values("id").drop_duplicates("config_hash", keep="last")
-    return runs.sort_values(["setting", "layers", "mode_rank", "id"]).reset_index(drop=True)
+    order = ["setting", "layers", "mode_rank", *(["switches"] if "switches" in runs else []), "id"]
+    return runs.sort_values(order).reset_index(drop=True)
 
 
 # -- memory ------------------------------------------------------------------------------------------
@@ -279,14 +290,18 @@ def collectives(data: ReportData) -> pd.DataFrame:
         lambda k: COMM_KIND_PREFERENCE.index(k) if k in COMM_KIND_PREFERENCE else 99
     )
     runs = runs.sort_values(["preference", "id"], ascending=[True, False])
-    chosen = runs.drop_duplicates(["setting", "layers", "mode"]).sort_values(
-        ["setting", "layers", "mode_rank"]
+    switched = ["switches"] if "switches" in runs else []
+    chosen = runs.drop_duplicates(["setting", "layers", "mode", *switched]).sort_values(
+        ["setting", "layers", "mode_rank", *switched]
     )
     comm = data.comm[data.comm["run_id"].isin(chosen["id"])]
     per_op = comm.groupby(["run_id", "op", "purpose"], as_index=False).agg(
-        count=("count", "max"), bytes=("bytes", "max"), time_s=("time_s", "max")
+        count=("count", "max"),
+        bytes=("bytes", "max"),
+        time_s=("time_s", "max"),
+        exposed_s=("exposed_s", "max"),
     )
-    keep = ["id", "kind", "setting", "layers", "mode", "mode_rank"]
+    keep = ["id", "kind", "setting", "layers", "mode", "mode_rank", *switched]
     frame = chosen[keep].rename(columns={"id": "run_id"}).merge(per_op, on="run_id")
     return frame.sort_values(["setting", "layers", "mode_rank", "op", "purpose"]).reset_index(drop=True)
 

@@ -317,7 +317,11 @@ def throughput_section(data: ReportData) -> Section:
         "throughput",
         "Throughput",
         intro="Training steps after warm-up: median step time with its p10-p90 spread, and tokens/s. "
-        "Compare modes within one setting: under fixed_global every mode trains the same global batch.",
+        "Compare modes within one setting: under fixed_global every mode trains the same global batch. "
+        "Switches: parallel.overlap (backward collectives behind compute), train.fused_optimizer. "
+        "Communication: the time of one step's collectives, the part the ranks waited on (exposed, "
+        "the busiest rank) and the fraction hidden behind compute (the least-hidden rank). The first "
+        "step (compiling included under train.compile) is apart from the median.",
     )
     runs = throughput(data)
     if runs.empty:
@@ -330,12 +334,17 @@ def throughput_section(data: ReportData) -> Section:
         columns = {
             "layers": ("layers", None),
             "mode": ("mode", None),
+            "switches": ("switches", None),
             "run": ("id", None),
             "tokens/s": ("tokens_per_s", units.tokens_per_s),
             "tokens/s per device": ("tokens_per_s_per_device", units.tokens_per_s),
             "step time": ("step_time_s", units.ms),
             "p10": ("step_time_p10_s", units.ms),
             "p90": ("step_time_p90_s", units.ms),
+            "first step": ("first_step_s", units.ms),
+            "comm time": ("comm_time_s", units.ms),
+            "comm exposed": ("comm_exposed_s", units.ms),
+            "comm hidden": ("comm_hidden_fraction", units.percent),
             "executed FLOPs / step": ("flops_per_step", units.flops),
             "MFU": ("mfu", units.percent),
         }
@@ -366,6 +375,7 @@ def communication(data: ReportData) -> Section:
             {
                 "layers": group["layers"],
                 "mode": group["mode"],
+                "switches": group["switches"] if "switches" in group else "",
                 "run": group["run_id"],
                 "kind": group["kind"],
                 "op": group["op"],
@@ -373,9 +383,15 @@ def communication(data: ReportData) -> Section:
                 "calls / step": group["count"],
                 "bytes / step": group["bytes"],
                 "time / step": group["time_s"],
+                "exposed / step": group["exposed_s"],
             }
         )
-        formats = {"calls / step": units.count, "bytes / step": units.size, "time / step": units.ms}
+        formats = {
+            "calls / step": units.count,
+            "bytes / step": units.size,
+            "time / step": units.ms,
+            "exposed / step": units.ms,
+        }
         section.blocks.append(Table(f"Collectives per step: {setting}", table, formats))
     predicted = comm_predicted(data)
     if not predicted.empty:
