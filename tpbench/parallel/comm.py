@@ -172,13 +172,13 @@ class Pending:
     """A collective in flight. `wait()` returns its result once the backend is done with it; the
     time spent in `wait()` is the collective's exposed time, launch to completion its total time."""
 
-    def __init__(self, result: torch.Tensor, work, finish) -> None:
-        self.result, self._work, self._finish = result, work, finish
+    def __init__(self, result: torch.Tensor, finish=None) -> None:
+        self.result, self._finish = result, finish
 
     def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            self._finish(self._work)
-            self._work = None
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
         return self.result
 
 
@@ -202,10 +202,11 @@ def _launch(
     settle = _settling and dist.get_backend(group) == "gloo"
     before = tuple(t._use_count() for t in held) if settle else ()
     start = time.perf_counter()
-    work = fn()
+    # the only reference to the Work, which holds the tensors too: dropped at the wait, before settling
+    work = [fn()]
     done: list[float] = []
     if timed and not blocking:  # when the backend finished, were it before the wait
-        work.get_future().add_done_callback(lambda _: done.append(time.perf_counter()))
+        work[0].get_future().add_done_callback(lambda _: done.append(time.perf_counter()))
     purpose = "recompute" if _recomputing else purpose
     if counter is not None:
         if counter.events is None:
@@ -216,9 +217,9 @@ def _launch(
                 op, purpose, full_bytes, len(ranks), 0.0, tuple(x.shape), str(x.dtype), ranks, exposed=0.0
             )
 
-    def finish(work) -> None:
+    def finish() -> None:
         waiting = time.perf_counter()
-        work.wait()
+        work.pop().wait()
         if timed and x.is_cuda:
             torch.cuda.synchronize(x.device)
         if settle:
@@ -228,7 +229,7 @@ def _launch(
             total = end - start if blocking or not done else min(done[0], end) - start
             counter.add_time(op, purpose, total, end - waiting if not blocking else total)
 
-    return Pending(x if out is None else out, work, finish)
+    return Pending(x if out is None else out, finish)
 
 
 def record_async(op: str, purpose: str, x: torch.Tensor, group: Group) -> None:
@@ -251,7 +252,7 @@ def all_reduce(x: torch.Tensor, group: Group, purpose: str, op=dist.ReduceOp.SUM
 def all_reduce_async(x: torch.Tensor, group: Group, purpose: str, op=dist.ReduceOp.SUM) -> Pending:
     """In place, without waiting: `.wait()` before reading x."""
     if _size(group) == 1:
-        return Pending(x, None, None)
+        return Pending(x)
     fn = _all_reduce_fn(x, op, group)
     return _launch("all_reduce", purpose, x, x.numel() * x.element_size(), group, fn, None, False)
 
@@ -273,7 +274,7 @@ def all_gather_async(x: torch.Tensor, group: Group, purpose: str) -> Pending:
 def _all_gather(x: torch.Tensor, group: Group, purpose: str, blocking: bool) -> Pending:
     world = _size(group)
     if world == 1:
-        return Pending(x, None, None)
+        return Pending(x)
     x = x.contiguous()
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     fn = lambda: dist.all_gather_into_tensor(out, x, group, async_op=True)  # noqa: E731
@@ -293,7 +294,7 @@ def reduce_scatter_async(x: torch.Tensor, group: Group, purpose: str) -> Pending
 def _reduce_scatter(x: torch.Tensor, group: Group, purpose: str, blocking: bool) -> Pending:
     world = _size(group)
     if world == 1:
-        return Pending(x, None, None)
+        return Pending(x)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
     fn = lambda: dist.reduce_scatter_tensor(out, x, group=group, async_op=True)  # noqa: E731
