@@ -68,9 +68,7 @@ VALIDATE_T2 |= {
 }
 # parallel.overlap in every mode (and under autocast), each against the same mode without it
 OVERLAP = ["parallel.overlap=true"]
-VALIDATE_T2 |= {
-    f"{mode}_overlap": [*MODES[mode], *OVERLAP] for mode in ("tp", "tp_sp", "tp_vp", "tp_sp_vp")
-}
+VALIDATE_T2 |= {f"{mode}_overlap": [*MODES[mode], *OVERLAP] for mode in ("tp", "tp_sp", "tp_vp", "tp_sp_vp")}
 VALIDATE_T2 |= {
     "tp_sp_keep_full_overlap": [*VALIDATE_T2["tp_sp_keep_full"], *OVERLAP],
     "tp_sp_vp_overlap_mixed": [*MODES["tp_sp_vp"], *PRECISIONS["mixed"], *OVERLAP],
