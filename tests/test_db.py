@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, inspect, text
 
+from tpbench import db as tpdb
 from tpbench.config import RunConfig
 from tpbench.db import SCHEMA_VERSION, DatabaseRefused, NoDatabase, ResultsDB, _driver_url
 from tpbench.launch import Environment, Outcome, Status
@@ -135,10 +136,7 @@ def _tpbench_of_version(version: int):
 
 REFUSED = {
     "foreign tables": (_foreign, "not a tpbench database (its tables: photos)"),
-    "older schema": (
-        _tpbench_of_version(SCHEMA_VERSION - 1),
-        f"schema version {SCHEMA_VERSION - 1}, written by an older",
-    ),
+    "older schema without an upgrade": (_tpbench_of_version(1), "schema version 1, written by an older"),
     "newer schema": (
         _tpbench_of_version(SCHEMA_VERSION + 1),
         f"schema version {SCHEMA_VERSION + 1}, written by a newer",
@@ -156,6 +154,65 @@ def test_a_database_that_is_not_ours_is_refused_untouched(db_url, case):
     with pytest.raises(DatabaseRefused, match=re.escape(says)):
         ResultsDB(db_url)
     assert _snapshot(db_url) == before
+
+
+def _version_2(url: str) -> None:
+    """A version-2 database with one run (two comm rows): on SQLite the file tpbench f89ba7b wrote
+    (its dump, tests/data/schema_v2.sql); on PostgreSQL the same tables made by this tpbench, less the
+    column version 3 added."""
+    if url.startswith("sqlite"):
+        path = Path(url.removeprefix("sqlite:///"))
+        path.parent.mkdir()
+        with sqlite3.connect(path) as conn:
+            conn.executescript((Path(__file__).parent / "data" / "schema_v2.sql").read_text())
+        conn.close()
+        return
+    db = ResultsDB(url)
+    db.record(config(), outcome())
+    db.engine.dispose()
+    engine = create_engine(_driver_url(url))
+    with engine.begin() as conn:
+        conn.execute(text("ALTER TABLE comm DROP COLUMN exposed_s"))
+        conn.execute(text("UPDATE meta SET value = '2' WHERE key = 'schema_version'"))
+    engine.dispose()
+
+
+def _columns(url: str, table: str) -> list[str]:
+    engine = create_engine(_driver_url(url))
+    try:
+        with engine.connect() as conn:
+            return [c["name"] for c in inspect(conn).get_columns(table)]
+    finally:
+        engine.dispose()
+
+
+def test_a_version_2_database_is_upgraded_in_place_keeping_its_rows(db_url):
+    _version_2(db_url)
+    assert "exposed_s" not in _columns(db_url, "comm")
+    db = ResultsDB(db_url, create=False)
+    assert _tables(db_url)["meta"] == [("app", "tpbench"), ("schema_version", str(SCHEMA_VERSION))]
+    assert db.runs()["status"].tolist() == ["OK"]
+    comm = db.comm()
+    assert comm["bytes"].tolist() == [4096, 8192] and comm["exposed_s"].isna().all()
+    run_id = db.record(config(7), outcome())  # and it takes version 3's rows
+    assert db.comm([run_id])["bytes"].tolist() == [4096, 8192]
+    assert len(db.runs()) == 2
+
+
+def test_a_failed_upgrade_leaves_the_database_as_it_was(db_url, monkeypatch):
+    """The second column of the upgrade fails (a column that exists): the first is rolled back with it."""
+    _version_2(db_url)
+    if db_url.startswith("sqlite"):
+        with sqlite3.connect(db_url.removeprefix("sqlite:///")) as conn:
+            conn.execute("PRAGMA journal_mode = DELETE")  # one file, so that its digest says it all
+        conn.close()
+    before = _snapshot(db_url)
+    comm = tpdb.CommRow.__table__.c
+    monkeypatch.setitem(tpdb.UPGRADES, 2, (comm.exposed_s, comm.count))
+    with pytest.raises(DatabaseRefused, match="upgrading schema version 2 to 3 failed .*; left as it was"):
+        ResultsDB(db_url)
+    assert _snapshot(db_url) == before
+    assert "exposed_s" not in _columns(db_url, "comm")
 
 
 def test_a_file_that_is_not_sqlite_is_refused_untouched(tmp_path):

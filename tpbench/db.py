@@ -4,8 +4,10 @@ SQLAlchemy 2.0 over SQLite (runs/tpbench.db by default) or PostgreSQL (psycopg 3
 Only the parent process writes, one transaction per run. SQLite runs in WAL mode with a busy timeout and
 takes its write lock up front (BEGIN IMMEDIATE), so several sweeps can share one file; on PostgreSQL the
 schema is created under an advisory lock, so several sweeps can start on one blank database. A `meta`
-table names the schema version: a database of another version, or a file that is not a tpbench
-database, is refused untouched. A password in a URL is never shown or stored (`hide_password`).
+table names the schema version: an older version with an upgrade (`UPGRADES`) is upgraded in place, in
+the one transaction that checks it (a failure leaves it as it was); a newer one, an older one without an
+upgrade, or a file that is not a tpbench database is refused untouched. A password in a URL is never
+shown or stored (`hide_password`).
 
 Reading returns pandas DataFrames: `runs()`, `measurements()`, `metrics()` (one headline value per
 run and metric), `param_errors()`, `comm()`; `run_record()` is one run as a JSON-ready dict.
@@ -27,6 +29,7 @@ import pandas as pd
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Connection,
     Engine,
     ForeignKey,
     Select,
@@ -163,6 +166,11 @@ class CommRow(Base):
     exposed_s: Mapped[float | None]  # the part of time_s the rank waited (parallel.overlap hides the rest)
 
 
+# version -> the columns its upgrade to version + 1 adds, as declared above (an upgrade only adds
+# nullable columns: the rows kept read as NULL there)
+UPGRADES = {2: (CommRow.__table__.c.exposed_s,)}
+
+
 class ResultsDB:
     """One results database. `create=False` opens only what exists (NoDatabase otherwise)."""
 
@@ -197,7 +205,8 @@ class ResultsDB:
         self._open(create)
 
     def _open(self, create: bool) -> None:
-        """Check (and on a blank database create) the schema, in one write transaction."""
+        """Check (and on a blank database create, on an older one upgrade) the schema, in one write
+        transaction: whatever is refused or fails leaves the database as it was."""
         where = self.url
         try:
             with self._writer.begin() as conn:
@@ -217,6 +226,11 @@ class ResultsDB:
                     )
                 else:
                     meta = dict(conn.execute(select(Meta.key, Meta.value)).all())
+                    if meta.get("app") != APP:
+                        raise DatabaseRefused(
+                            f"{where} has a meta table but was not written by tpbench; left untouched"
+                        )
+                    self._upgrade(conn, int(meta.get("schema_version", 0)))
         except OperationalError as e:
             if self.sqlite:
                 raise
@@ -225,18 +239,36 @@ class ResultsDB:
             raise DatabaseRefused(
                 f"{where} is not a database tpbench reads ({str(e.orig).strip()}); left untouched"
             ) from None
-        if meta.get("app") != APP:
-            raise DatabaseRefused(f"{where} has a meta table but was not written by tpbench; left untouched")
-        version = int(meta.get("schema_version", 0))
-        if version != SCHEMA_VERSION:
+        if self.sqlite:  # outside any transaction, and only once the file is known to be ours
+            self._use_wal()
+
+    def _upgrade(self, conn: Connection, version: int) -> None:
+        """Bring a tpbench database of `version` to SCHEMA_VERSION inside the caller's transaction
+        (DDL is transactional in SQLite and PostgreSQL: a failure rolls every step back)."""
+        if version > SCHEMA_VERSION or any(v not in UPGRADES for v in range(version, SCHEMA_VERSION)):
             newer = "a newer tpbench" if version > SCHEMA_VERSION else "an older tpbench"
             raise DatabaseRefused(
-                f"{where} has schema version {version}, written by {newer}; this tpbench reads version "
+                f"{self.url} has schema version {version}, written by {newer}; this tpbench reads version "
                 f"{SCHEMA_VERSION} and has no upgrade from it: keep it with the tpbench that wrote it, or "
                 f"give another db.url"
             )
-        if self.sqlite:  # outside any transaction, and only once the file is known to be ours
-            self._use_wal()
+        quote = conn.dialect.identifier_preparer.quote
+        try:
+            for v in range(version, SCHEMA_VERSION):
+                for column in UPGRADES[v]:
+                    kind = column.type.compile(dialect=conn.dialect)
+                    conn.execute(
+                        text(f"ALTER TABLE {quote(column.table.name)} ADD COLUMN {quote(column.name)} {kind}")
+                    )
+            meta = Meta.__table__
+            conn.execute(
+                meta.update().where(meta.c.key == "schema_version").values(value=str(SCHEMA_VERSION))
+            )
+        except DatabaseError as e:
+            raise DatabaseRefused(
+                f"{self.url}: upgrading schema version {version} to {SCHEMA_VERSION} failed "
+                f"({str(e.orig).strip()}); left as it was"
+            ) from None
 
     def _use_wal(self) -> None:
         """WAL, so that readers and one writer share the file. Switching to it needs the file alone for
