@@ -71,6 +71,8 @@ OVERLAP = ["parallel.overlap=true"]
 VALIDATE_T2 |= {f"{mode}_overlap": [*MODES[mode], *OVERLAP] for mode in ("tp", "tp_sp", "tp_vp", "tp_sp_vp")}
 VALIDATE_T2 |= {
     "tp_sp_keep_full_overlap": [*VALIDATE_T2["tp_sp_keep_full"], *OVERLAP],
+    "tp_sp_linear_overlap": [*VALIDATE_T2["tp_sp_linear"], *OVERLAP],
+    "tp_sp_linear_keep_full_overlap": [*VALIDATE_T2["tp_sp_linear_keep_full"], *OVERLAP],
     "tp_sp_vp_overlap_mixed": [*MODES["tp_sp_vp"], *PRECISIONS["mixed"], *OVERLAP],
     "broken_overlap_no_wait": [*MODES["tp_sp"], *OVERLAP, "debug.overlap_fault=no_wait"],
 }
@@ -322,6 +324,8 @@ OVERLAPPED = {  # overlap config -> the same config without overlap
     "tp_vp_overlap": "tp_vp",
     "tp_sp_vp_overlap": "tp_sp_vp",
     "tp_sp_keep_full_overlap": "tp_sp_keep_full",
+    "tp_sp_linear_overlap": "tp_sp_linear",
+    "tp_sp_linear_keep_full_overlap": "tp_sp_linear_keep_full",
     "tp_sp_vp_overlap_mixed": "tp_sp_vp_mixed",
     "t4_tp_sp_vp_overlap": "t4_tp_sp_vp",
     "dp2_tp2_overlap": "dp2_tp2",

@@ -369,8 +369,12 @@ class _Entry:
 def _prefetch_after_backward(y: torch.Tensor, regathers: list[comm.Regather]) -> None:
     """Start the re-gathers once y's grad_fn has run: a block region's exit backward (g-bar's
     all-gather of the output gradient), before the row layer's and the core's backward."""
+    def prefetch(*_) -> None:
+        for regathered in regathers:
+            regathered.prefetch()
+
     if y.grad_fn is not None:
-        y.grad_fn.register_hook(lambda *_: [r.prefetch() for r in regathers])
+        y.grad_fn.register_hook(prefetch)
 
 
 def _autocast_input(x: torch.Tensor) -> torch.Tensor:
