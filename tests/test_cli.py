@@ -114,6 +114,7 @@ BAD_INPUT = {
         ["mode=dtensor_tp_sp", "parallel.sp_gather=linear"],
         "parallel.sp_gather=linear with engine=dtensor sp=True: ",
     ),
+    "overlap in a memory run": (["kind=memory", "overlap=true"], "parallel.overlap=true with kind=memory: "),
     "eager swiglu recomputed": (
         ["model.fused_swiglu=false", "recompute=full"],
         "model.fused_swiglu=false with train.recompute=full: ",

@@ -306,6 +306,15 @@ def test_plan_prints_the_prediction_of_a_config_too_large_to_run():
     assert f"{theory.predict(cfg).peak_bytes / 2**20:,.1f}" in result.output
 
 
+def test_plan_refuses_overlap_whose_memory_it_does_not_model():
+    from tpbench.cli import app
+
+    result = CliRunner().invoke(app, ["plan", "tp=2", "overlap=true"])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1
+    assert "parallel.overlap=true with kind=memory: " in result.stderr
+
+
 @pytest.mark.parametrize(
     "name, dtype, tf32, peak",
     [

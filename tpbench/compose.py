@@ -184,6 +184,12 @@ def check(cfg: RunConfig) -> None:
             f"parallel.overlap=true with parallel.engine={cfg.parallel.engine}: accepted with engine "
             "megatron only (DDP always overlaps its gradient buckets; DTensor's TP has no async switch here)"
         )
+    if cfg.parallel.overlap and cfg.kind == "memory":
+        raise ConfigError(
+            "parallel.overlap=true with kind=memory: tpbench.theory does not model what overlap keeps "
+            "alive (deferred weight gradients, prefetched re-gathers, DP buckets); accepted is "
+            "parallel.overlap=false"
+        )
     if cfg.debug.overlap_fault and not cfg.parallel.overlap:
         raise ConfigError(
             f"debug.overlap_fault={cfg.debug.overlap_fault}: breaks parallel.overlap, "
