@@ -116,6 +116,14 @@ CHECKS = {
     "t4_tp_sp_linear": ["parallel.tp=4", SP, LINEAR],
     "dp2_tp_sp_vp_linear_mixed": [*DP2, SP, VP, LINEAR, "train.precision=mixed"],
     "dp2_tp_sp_linear_full": [*DP2, SP, LINEAR, "train.recompute=full"],
+    # train.fused_optimizer: AdamW's fused kernel makes no temporaries
+    "dp2_tp_sp_vp_fused": [*DP2, SP, VP, "train.fused_optimizer=true"],
+    "t4_tp_untied_s4_fused": [  # the optimizer's moment the peak: its temporaries are none
+        "parallel.tp=4",
+        "train.seq_len=4",
+        "model.tie_word_embeddings=false",
+        "train.fused_optimizer=true",
+    ],
     # the seed's benchmark loss under VP: no vocab-parallel cross entropy, none of its all-reduces
     "t4_tp_sp_vp_logits_mean": ["parallel.tp=4", SP, VP, "train.loss=logits_mean"],
     "dp2_tp_sp_vp_linear_fp32_manual_untied_padded": [
@@ -207,7 +215,8 @@ def test_the_peak_moments_are_the_ones_measured(measured):
     softmax in forward; VP: the head's backward; VP at T 4: the final norm's backward; full
     recompute: the bottom block's backward, and its softmax's with manual attention; mixed precision
     with selective recompute: the top SwiGLU's backward; odd shapes with a narrow MLP: the top block's
-    post-attention norm's and k_norm's backward), so the test above checks each moment, not only the
+    post-attention norm's and k_norm's backward; an untied embedding under the fused AdamW, which makes
+    no temporaries: the embedding's backward), so the test above checks each moment, not only the
     loss. (The vocab-parallel loss's backward, the top MLP's at gate_proj and q_norm's are derived the
     same way; no config here peaks there.)"""
     names = {theory.predict(config(n)).peak.name for n in CHECKS}
@@ -222,6 +231,7 @@ def test_the_peak_moments_are_the_ones_measured(measured):
         "recomputed attention 0",
         "attention forward",
         "backward end",
+        "embedding backward",
         "gradient sums",
     }
 

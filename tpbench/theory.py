@@ -13,8 +13,9 @@ so the peak is the largest of a few moments (`Prediction.moments`):
                 again (the top one beside every block input, the bottom one beside most gradients);
   attention     the top layer's manual-attention backward, with its fp32 [B, N, S, S] gradients;
   backward end  a tied embedding's two gradients and their sum, beside all the others;
+  embedding backward  an untied one's: its gradient made from the stream's, beside all the others;
   gradient sums megatron with DP: every gradient and a flat copy of them all being all-reduced;
-  optimizer     AdamW: parameters, gradients, both moments and its temporaries.
+  optimizer     AdamW: parameters, gradients, both moments and its temporaries (none when fused).
 Communication is what tpbench.parallel.comm.CommCounter counts: per-rank ring bytes per step.
 
 Notation (per rank, T = tp): S sequence, B sequences per DP rank, N = S*B tokens, H hidden, D head dim,
@@ -113,6 +114,7 @@ class Dims:
     logits_mean: bool  # the seed's benchmark loss, logits.float().mean(), instead of cross entropy
     recompute: str = "none"  # none | selective | full (train.recompute)
     per_linear: bool = False  # SP's all-gather in each column linear (parallel.sp_gather=linear)
+    fused_adam: bool = False  # train.fused_optimizer: AdamW's fused kernel
 
     @property
     def s(self) -> int:
@@ -215,6 +217,7 @@ def dims(cfg: RunConfig) -> Dims:
         logits_mean=t.loss == "logits_mean",
         recompute=t.recompute,
         per_linear=par.sp and T > 1 and par.sp_gather == "linear",
+        fused_adam=t.fused_optimizer,
     )
 
 
@@ -453,8 +456,9 @@ class Moment:
 def moments(d: Dims) -> list[Moment]:
     sizes = [n for _, n in params(d)]
     P = sum(sizes) * d.w
-    # AdamW: exp_avg and exp_avg_sq like the parameters, plus a 4-byte `step` per tensor (on the CPU)
-    O = 2 * P + (0 if d.gpu else FP32 * len(sizes))  # noqa: E741
+    # AdamW: exp_avg and exp_avg_sq like the parameters, plus a 4-byte `step` per tensor on the
+    # parameters' device (a GPU's non-fused AdamW keeps it on the host)
+    O = 2 * P + (0 if d.gpu and not d.fused_adam else FP32 * len(sizes))  # noqa: E741
     # DDP's buckets live from construction; gradient_as_bucket_view makes the gradients views of them
     buckets = P if d.ddp else 0
     G = P if not (d.ddp and d.bucket_view) else 0  # gradients made in backward
@@ -493,11 +497,18 @@ def moments(d: Dims) -> list[Moment]:
         E = d.V_l * d.H * d.w
         own = G - E if G else 0
         out.append(Moment("backward end", P, buckets + own, O, kept + LOSS_AND_GRAD - FP32, 3 * E))
+    else:  # the embedding's backward: its gradient being made from the stream's [S, B, H] gradient
+        # (gathered whole under SP), every other gradient made; the fused AdamW's moment is below it
+        E = d.V_l * d.H * d.w
+        own = G - E if G else 0
+        temps = E + d.s * d.N * d.H
+        out.append(Moment("embedding backward", P, buckets + own, O, kept + LOSS_AND_GRAD - FP32, temps))
     if d.dp > 1 and not d.ddp:  # megatron's DP sum concatenates every gradient into one flat copy
         out.append(Moment("gradient sums", P, buckets + G, O, kept, P))
     # AdamW on the CPU runs one tensor at a time: sqrt(exp_avg_sq) and its quotient by the bias
-    # correction live together for the largest tensor; foreach (GPU) makes them for all at once
-    adam_temp = P if d.gpu else 2 * max(sizes) * d.w
+    # correction live together for the largest tensor; foreach (GPU) makes them for all at once; the
+    # fused kernel updates each element in place and makes none
+    adam_temp = 0 if d.fused_adam else P if d.gpu else 2 * max(sizes) * d.w
     out.append(Moment("optimizer", P, buckets + G, O, kept, adam_temp))
     return out
 
