@@ -9,6 +9,10 @@ cd "$(dirname "$0")/.."
 if ! command -v dot >/dev/null 2>&1 || ! fc-list 2>/dev/null | grep -q "DejaVu Sans"; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz fonts-dejavu-core >/dev/null
 fi
+# A C++ compiler: inductor (train.compile) builds its CPU kernels with it.
+if ! command -v g++ >/dev/null 2>&1; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null
+fi
 tests=0
 for arg in "$@"; do
   case "$arg" in

@@ -115,6 +115,16 @@ BAD_INPUT = {
         "parallel.sp_gather=linear with engine=dtensor sp=True: ",
     ),
     "overlap in a memory run": (["kind=memory", "overlap=true"], "parallel.overlap=true with kind=memory: "),
+    "compile with the re-gather": (
+        ["mode=tp_sp", "compile=true"],
+        "train.compile=true with parallel.sp_regather",
+    ),
+    "compile with overlap": (
+        ["compile=true", "overlap=true"],
+        "train.compile=true with parallel.overlap=true",
+    ),
+    "compile in a memory run": (["kind=memory", "compile=true"], "train.compile=true with kind=memory"),
+    "compile on ddp": (["mode=ddp", "compile=true"], "train.compile=true with parallel.engine=ddp"),
     "eager swiglu recomputed": (
         ["model.fused_swiglu=false", "recompute=full"],
         "model.fused_swiglu=false with train.recompute=full: ",

@@ -76,6 +76,21 @@ VALIDATE_T2 |= {
     "tp_sp_vp_overlap_mixed": [*MODES["tp_sp_vp"], *PRECISIONS["mixed"], *OVERLAP],
     "broken_overlap_no_wait": [*MODES["tp_sp"], *OVERLAP, "debug.overlap_fault=no_wait"],
 }
+# train.fused_optimizer: the sharded model's AdamW fused (the dense reference's is not)
+FUSED = ["train.fused_optimizer=true"]
+VALIDATE_T2 |= {
+    "tp_fused": [*MODES["tp"], *FUSED],
+    "tp_sp_linear_vp_fused_mixed": [*MODES["tp_sp_linear_vp"], *PRECISIONS["mixed"], *FUSED],
+}
+# train.compile: each block compiled by inductor, its collectives custom ops in the graph
+COMPILE = ["train.compile=true"]
+COMPILED = {  # compiled config -> the same config eager
+    "tp_compile": "tp",
+    "tp_sp_keep_full_compile": "tp_sp_keep_full",
+    "tp_sp_linear_keep_full_compile": "tp_sp_linear_keep_full",
+    "tp_vp_compile_mixed": "tp_vp_mixed",
+}
+VALIDATE_T2 |= {name: [*VALIDATE_T2[off], *COMPILE] for name, off in COMPILED.items()}
 VALIDATE_T2 |= {
     "broken_qk_norm_bf16": ["parallel.tp=2", "train.dtype=bfloat16", "debug.skip_grad_sum=[qk_norm]"],
     "broken_sp_norms_mixed": [
@@ -353,3 +368,63 @@ def test_overlap_issues_the_same_collectives(validated, name):
     if name.startswith("dp2"):
         assert on.pop(("all_reduce", "dp_grad")) == (8, off.pop(("all_reduce", "dp_grad"))[1])
     assert on == off
+
+
+# --- train.fused_optimizer ------------------------------------------------------------------------
+
+
+def test_the_fused_optimizer_runs_adamws_fused_kernel():
+    """On every device tpbench accepts (cpu, cuda) torch has the fused AdamW; the switch takes it."""
+    import torch
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tpbench.config import RunConfig
+    from tpbench.experiments.training import adamw
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.name())
+            return func(*args, **(kwargs or {}))
+
+    assert {"cpu", "cuda"} <= set(_get_fused_kernels_supported_devices())
+    for fused in (False, True):
+        cfg = RunConfig()
+        cfg.train.fused_optimizer = fused
+        layer = torch.nn.Linear(8, 8)
+        layer(torch.randn(2, 8)).sum().backward()
+        optimizer = adamw(cfg, layer.parameters(), 1e-3)
+        with Ops() as ops:
+            optimizer.step()
+        assert ("aten::_fused_adamw_" in ops.names) is fused
+
+
+@pytest.mark.parametrize(
+    "name, off", [("tp_fused", "tp"), ("tp_sp_linear_vp_fused_mixed", "tp_sp_linear_vp_mixed")]
+)
+def test_the_fused_optimizer_validates_as_the_unfused_one(validated, name, off):
+    """Equal to dense after its AdamW steps, as the same mode unfused; not bit-exact (the fused kernel
+    rounds its update in another order): the drift stays within 2x of the unfused run's."""
+    on, ref = validated[name], validated[off]
+    assert on["failed"] == [] and on["metrics"]["passed"] == 1.0
+    assert on["metrics"]["grad_max_abs"] == ref["metrics"]["grad_max_abs"]  # before any step
+    for (step, value), (_, value_off) in zip(on["drift"], ref["drift"], strict=True):
+        assert value <= 2 * value_off + 1e-7, step
+
+
+# --- train.compile ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_compiled_blocks_validate_and_issue_the_same_collectives(validated, name):
+    """Compiled whole (fullgraph: a graph break would fail the run), equal to dense, every collective
+    counted as eager: the custom ops run the same counted collectives. Not bit-exact against eager
+    (inductor fuses the elementwise ops and reorders their sums): within the same bounds."""
+    on, off = validated[name], validated[COMPILED[name]]
+    assert on["failed"] == [] and on["metrics"]["passed"] == 1.0
+    assert on["metrics"]["compile_graphs"] >= 1 and on["metrics"]["compile_graph_breaks"] == 0
+    assert on["comm"] == off["comm"]

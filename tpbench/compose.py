@@ -54,6 +54,7 @@ SHORT_NAMES = {
     "dtype": "train.dtype",
     "precision": "train.precision",
     "recompute": "train.recompute",
+    "compile": "train.compile",
     "overlap": "parallel.overlap",
 }
 GROUPS = ("model", "mode", "batch", "kind", "device", "db", "launcher", "+preset", "+fault")
@@ -190,6 +191,7 @@ def check(cfg: RunConfig) -> None:
             "alive (deferred weight gradients, prefetched re-gathers, DP buckets); accepted is "
             "parallel.overlap=false"
         )
+    _check_compile(cfg)
     if cfg.debug.overlap_fault and not cfg.parallel.overlap:
         raise ConfigError(
             f"debug.overlap_fault={cfg.debug.overlap_fault}: breaks parallel.overlap, "
@@ -215,6 +217,40 @@ def check(cfg: RunConfig) -> None:
             f"kind={cfg.kind}: not implemented in this tpbench yet (no tpbench/experiments/{cfg.kind}.py); "
             f"available are {', '.join(available) or 'none'}"
         )
+
+
+def _check_compile(cfg: RunConfig) -> None:
+    """train.compile: what a compiled block cannot hold, refused with why."""
+    if not cfg.train.compile:
+        return
+    p, t = cfg.parallel, cfg.train
+    blocked = [
+        (p.engine != "megatron", f"parallel.engine={p.engine}", "parallel.engine=megatron"),
+        (
+            cfg.kind == "memory",
+            "kind=memory (tpbench.theory does not model inductor's buffers)",
+            "kind=validate, throughput",
+        ),
+        (
+            p.overlap,
+            "parallel.overlap=true (its deferred weight gradients run Python in backward)",
+            "parallel.overlap=false",
+        ),
+        (
+            t.recompute != "none",
+            f"train.recompute={t.recompute} (recompute's checkpoints are not compiled here)",
+            "train.recompute=none",
+        ),
+        (
+            p.sp and p.tp > 1 and p.sp_regather,
+            "parallel.sp_regather=true (SP's re-gather saves through saved_tensors_hooks, a graph break)",
+            "parallel.sp_regather=false",
+        ),
+        (cfg.launch.emulate != "none", f"launch.emulate={cfg.launch.emulate}", "launch.emulate=none"),
+    ]
+    for bad, what, accepted in blocked:
+        if bad:
+            raise ConfigError(f"train.compile=true with {what}: accepted is {accepted}")
 
 
 def resolve_device(cfg: RunConfig) -> None:

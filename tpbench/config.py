@@ -78,6 +78,9 @@ class TrainConfig:
     # AdamW's fused kernel (one kernel per dtype and device for all parameters; CPU and CUDA in torch
     # >= 2.4) instead of the foreach (CUDA) or per-parameter (CPU) default
     fused_optimizer: bool = False
+    # torch.compile of each transformer block (inductor; fullgraph: a graph break is an error), as
+    # torchtitan; the collectives run as registered custom ops (tpbench.parallel.comm); megatron only
+    compile: bool = False
     steps: int = 5  # measured steps (memory, throughput)
     warmup: int = 2  # steps before measuring; memory takes at least the steady state (1, DDP 2)
     seed: int = 0

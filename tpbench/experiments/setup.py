@@ -17,7 +17,7 @@ from tpbench.config import RunConfig, local_batch
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, MiniMindForCausalLM, build_model
 from tpbench.parallel import comm
 from tpbench.parallel.context import ParallelContext
-from tpbench.parallel.plan import ParallelModel, parallelize
+from tpbench.parallel.plan import ParallelModel, apply_compile, parallelize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -97,6 +97,8 @@ def build_parallel(
         model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum), cfg.train.recompute, cfg.debug.overlap_fault
     )
     place(pm.module, ctx.device, param_dtype(cfg))
+    if cfg.train.compile:
+        apply_compile(pm.module)
     return pm
 
 

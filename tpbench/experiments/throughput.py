@@ -69,7 +69,9 @@ def run(cfg: RunConfig) -> RankResult:
         if total > 0:
             result.add("comm_hidden_fraction", 1 - exposed / total)
     flops = LocalFlopCounter()
-    with flops:
+    # eager under train.compile: a dispatch mode cannot run inside a compiled graph (its matmuls are
+    # the same)
+    with torch.compiler.set_stance("force_eager"), flops:
         trainer.step()
     result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")
     result.add("flops_per_step", _summed_over_ranks(flops.get_total_flops()), "FLOP")

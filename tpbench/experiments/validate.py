@@ -97,6 +97,11 @@ def run(cfg: RunConfig) -> RankResult:
     result.comm = counter.rows()
     result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")
     result.add("predicted_comm_bytes_per_step", theory.predict(cfg).comm_bytes_per_step, "B")
+    if cfg.train.compile:  # what Dynamo made of this model's blocks (fullgraph: no breaks)
+        from torch._dynamo.utils import counters
+
+        result.add("compile_graphs", counters["stats"]["unique_graphs"])
+        result.add("compile_graph_breaks", sum(counters["graph_break"].values()))
 
     fwd = _max_abs(pm.full_logits(logits), batches.local_slice(dense_logits))
     mean_loss = comm.all_reduce(loss.detach().float().clone(), ctx.dp_group, "check") / ctx.dp

@@ -242,9 +242,11 @@ def record_async(op: str, purpose: str, x: torch.Tensor, group: Group) -> None:
 
 
 def all_reduce(x: torch.Tensor, group: Group, purpose: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In place."""
+    """In place (out of place while torch.compile traces: use the result)."""
     if _size(group) == 1:
         return x
+    if torch.compiler.is_compiling() and op == dist.ReduceOp.SUM:
+        return torch.ops.tpbench.all_reduce(x, group.group_name, purpose)
     fn = _all_reduce_fn(x, op, group)
     return _launch("all_reduce", purpose, x, x.numel() * x.element_size(), group, fn, None, True).wait()
 
@@ -261,8 +263,12 @@ def _all_reduce_fn(x: torch.Tensor, op, group: Group):
     return lambda: dist.all_reduce(x, op, group, async_op=True)
 
 
-def all_gather(x: torch.Tensor, group: Group, purpose: str) -> torch.Tensor:
-    """Concatenate the ranks' shards along dim 0."""
+def all_gather(x: torch.Tensor, group: Group, purpose: str, site: str = "") -> torch.Tensor:
+    """Concatenate the ranks' shards along dim 0. `site` (compiled only) names the caller: inductor
+    merges identical ops, so the column linears' gathers of one shard (sp_gather=linear) would become
+    one without it."""
+    if _size(group) > 1 and torch.compiler.is_compiling():
+        return torch.ops.tpbench.all_gather(x, group.group_name, purpose, site)
     return _all_gather(x, group, purpose, blocking=True).wait()
 
 
@@ -283,6 +289,8 @@ def _all_gather(x: torch.Tensor, group: Group, purpose: str, blocking: bool) -> 
 
 def reduce_scatter(x: torch.Tensor, group: Group, purpose: str) -> torch.Tensor:
     """Sum over ranks and keep this rank's shard of dim 0."""
+    if _size(group) > 1 and torch.compiler.is_compiling():
+        return torch.ops.tpbench.reduce_scatter(x, group.group_name, purpose)
     return _reduce_scatter(x, group, purpose, blocking=True).wait()
 
 
@@ -299,6 +307,46 @@ def _reduce_scatter(x: torch.Tensor, group: Group, purpose: str, blocking: bool)
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
     fn = lambda: dist.reduce_scatter_tensor(out, x, group=group, async_op=True)  # noqa: E731
     return _launch("reduce_scatter", purpose, x, x.numel() * x.element_size(), group, fn, out, blocking)
+
+
+# --- the same collectives as registered custom ops, for torch.compile (train.compile) --------------
+# A compiled graph calls each as an opaque op, with no graph break: the op runs the eager collective
+# above, so it is counted, timed and settled exactly as without compile. Out of place: a graph's op
+# must not mutate its input.
+
+
+@torch.library.custom_op("tpbench::all_reduce", mutates_args=())
+def _all_reduce_op(x: torch.Tensor, group_name: str, purpose: str) -> torch.Tensor:
+    return all_reduce(x.clone(), _group(group_name), purpose)
+
+
+@_all_reduce_op.register_fake
+def _(x: torch.Tensor, group_name: str, purpose: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("tpbench::all_gather", mutates_args=())
+def _all_gather_op(x: torch.Tensor, group_name: str, purpose: str, site: str) -> torch.Tensor:
+    return all_gather(x, _group(group_name), purpose)
+
+
+@_all_gather_op.register_fake
+def _(x: torch.Tensor, group_name: str, purpose: str, site: str) -> torch.Tensor:
+    return x.new_empty((_size(_group(group_name)) * x.shape[0], *x.shape[1:]))
+
+
+@torch.library.custom_op("tpbench::reduce_scatter", mutates_args=())
+def _reduce_scatter_op(x: torch.Tensor, group_name: str, purpose: str) -> torch.Tensor:
+    return reduce_scatter(x, _group(group_name), purpose)
+
+
+@_reduce_scatter_op.register_fake
+def _(x: torch.Tensor, group_name: str, purpose: str) -> torch.Tensor:
+    return x.new_empty((x.shape[0] // _size(_group(group_name)), *x.shape[1:]))
+
+
+def _group(name: str) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(name)
 
 
 def all_reduce_coalesced(
@@ -395,17 +443,17 @@ class _ReduceFromTP(torch.autograd.Function):
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, meanwhile):
+    def forward(ctx, x, group, meanwhile, site):
         ctx.group, ctx.meanwhile = group, meanwhile
-        return all_gather(x, group, "activation")
+        return all_gather(x, group, "activation", site)
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.meanwhile is None:
-            return reduce_scatter(grad, ctx.group, "activation"), None, None
+            return reduce_scatter(grad, ctx.group, "activation"), None, None, None
         unreduced = None if ctx.meanwhile.wait else split(grad, ctx.group)
         pending = reduce_scatter_async(grad, ctx.group, "activation")
-        return _overlapped(pending, unreduced, ctx.meanwhile), None, None
+        return _overlapped(pending, unreduced, ctx.meanwhile), None, None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
@@ -452,10 +500,13 @@ def reduce_from_tp_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if _size(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
-def gather_from_sp_region(x: torch.Tensor, group: Group, meanwhile: Meanwhile | None = None) -> torch.Tensor:
+def gather_from_sp_region(
+    x: torch.Tensor, group: Group, meanwhile: Meanwhile | None = None, site: str = ""
+) -> torch.Tensor:
     """g: all-gather dim 0 forward, reduce-scatter backward. SP shard [S/T] -> TP region [S]. With
-    `meanwhile`, backward launches the reduce-scatter, runs `meanwhile` and only then waits for it."""
-    return x if _size(group) == 1 else _GatherFromSP.apply(x, group, meanwhile)
+    `meanwhile`, backward launches the reduce-scatter, runs `meanwhile` and only then waits for it.
+    `site` tells apart entries that gather the same shard (see `all_gather`)."""
+    return x if _size(group) == 1 else _GatherFromSP.apply(x, group, meanwhile, site)
 
 
 def reduce_scatter_to_sp_region(x: torch.Tensor, group: Group) -> torch.Tensor:

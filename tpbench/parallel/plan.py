@@ -287,6 +287,20 @@ def apply_sp_edges(model: MiniMindForCausalLM, ctx: ParallelContext) -> None:
     _wrap(model.lm_head, before=lambda x: comm.gather_from_sp_region_replicated(x, group))
 
 
+def apply_compile(model: MiniMindForCausalLM) -> None:
+    """train.compile: each block compiled on its own, in place, as torchtitan does (the names of the
+    parameters stay). fullgraph: a graph break is an error, not a silent fallback to eager. The blocks'
+    collectives go into the graph as tpbench's registered custom ops (tpbench.parallel.comm), so they
+    are counted as without compile. The blocks share one compiled graph (their parameters are its
+    inputs). Graphs compiled earlier in this process, for another model, are dropped first (a test
+    launch builds many), so that each model compiles within Dynamo's recompile limit, and Dynamo's
+    counters restart (validate reports its graphs and graph breaks)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for block in model.model.layers:
+        block.compile(fullgraph=True)
+
+
 # --- pieces ------------------------------------------------------------------------------------
 
 
@@ -317,9 +331,10 @@ class _Entry:
     def but(self, regather: bool) -> _Entry:
         return dataclasses.replace(self, regather=regather)
 
-    def apply(self, module: nn.Module, regathers: list[comm.Regather] | None = None) -> None:
+    def apply(self, module: nn.Module, regathers: list[comm.Regather] | None = None, site: str = "") -> None:
         """Wrap `module`'s forward in its entry op. `regathers` (a column linear of a per-linear
-        region): each forward's re-gather is appended there, for the region to prefetch."""
+        region): each forward's re-gather is appended there, for the region to prefetch; `site`
+        (its name) keeps its all-gather apart from its siblings' under torch.compile."""
         inner, group, sp, regather = module.forward, self.group, self.sp, self.regather
         meanwhile = None
         if self.overlap:
@@ -331,7 +346,7 @@ class _Entry:
             x = _autocast_input(x)
             if not sp:
                 return inner(comm.copy_to_tp_region(x, group, meanwhile), *args, **kwargs)
-            full = comm.gather_from_sp_region(x, group, meanwhile)  # [S/T, B, H] -> [S, B, H]
+            full = comm.gather_from_sp_region(x, group, meanwhile, site)  # [S/T, B, H] -> [S, B, H]
             if not regather:
                 return inner(full, *args, **kwargs)
             with comm.saving_only_shard(full, x, group) as regathered:
@@ -353,7 +368,7 @@ class _Entry:
         starts all its linears' re-gathers at its exit backward."""
         regathers: list[comm.Regather] = []
         for name in columns:
-            self.apply(getattr(region, name), regathers if self.overlap and self.regather else None)
+            self.apply(getattr(region, name), regathers if self.overlap and self.regather else None, name)
         inner = region.forward
 
         def forward(self, x: torch.Tensor, *args, **kwargs):
@@ -369,6 +384,7 @@ class _Entry:
 def _prefetch_after_backward(y: torch.Tensor, regathers: list[comm.Regather]) -> None:
     """Start the re-gathers once y's grad_fn has run: a block region's exit backward (g-bar's
     all-gather of the output gradient), before the row layer's and the core's backward."""
+
     def prefetch(*_) -> None:
         for regathered in regathers:
             regathered.prefetch()
