@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Annotated, NoReturn
 
-import pandas as pd
 import typer
 from omegaconf import OmegaConf
 from rich.console import Console
@@ -28,7 +27,6 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Column, Table
-from sqlalchemy.exc import SQLAlchemyError
 from typer._click.core import Command  # typer 0.29 vendors click (not installed by itself)
 from typer._click.exceptions import (
     BadOptionUsage,
@@ -48,9 +46,11 @@ from tpbench.config import (
     public_config,
     run_label,
 )
-from tpbench.db import DatabaseRefused, NoDatabase, ResultsDB, parse_since
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # pandas and the database (sqlalchemy) are imported where a command needs them:
+    import pandas as pd  # `tpbench plan` starts without them
+
+    from tpbench.db import ResultsDB
     from tpbench.theory import Prediction
 
 
@@ -279,6 +279,10 @@ def runs(
     if ctx.invoked_subcommand is not None:
         ctx.obj = db
         return
+    import pandas as pd
+
+    from tpbench.db import parse_since
+
     _check_filters(status=status, kind=kind, mode=mode)
     try:
         start = parse_since(since) if since else None
@@ -523,6 +527,8 @@ def _check_filters(**given: str | None) -> None:
 
 
 def _databases(configs: list[RunConfig]) -> dict[str, ResultsDB]:
+    from tpbench.db import DatabaseRefused, ResultsDB
+
     try:
         return {url: ResultsDB(url) for url in dict.fromkeys(c.db.url for c in configs)}
     except DatabaseRefused as e:
@@ -530,6 +536,8 @@ def _databases(configs: list[RunConfig]) -> dict[str, ResultsDB]:
 
 
 def _read_db(url: str) -> ResultsDB:
+    from tpbench.db import DatabaseRefused, NoDatabase, ResultsDB
+
     try:
         return ResultsDB(url, create=False)
     except NoDatabase as e:
@@ -544,6 +552,8 @@ def _run_one(
 ) -> tuple[int | None, str]:
     """Launch one config and record it; returns (run id, status). The id is None on a node other than
     the one of rank 0 in a multi-node job, which leaves recording to that node."""
+    from sqlalchemy.exc import SQLAlchemyError
+
     from tpbench.launch import run_job
 
     try:
@@ -646,6 +656,8 @@ def _print_sweep(
             if run_id is not None:
                 print(json.dumps(dbs[c.db.url].run_record(run_id), default=str))
         return
+    import pandas as pd
+
     flat = pd.json_normalize([public_config(c) for _, c, _ in ran])
     varying = [key for key in flat.columns if key != "sweep" and flat[key].astype(str).nunique() > 1]
     table = Table(title=f"sweep {ran[0][1].sweep}" if ran else "sweep: nothing to run")
@@ -661,6 +673,8 @@ def _print_configs(configs: list[RunConfig]) -> None:
 
 
 def _headline(row, metrics: pd.DataFrame) -> str:
+    import pandas as pd
+
     if row.status != "OK":
         return row.error.splitlines()[0][:80] if row.error else ""
     name, fmt = HEADLINE[row.kind]

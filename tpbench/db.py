@@ -25,7 +25,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pandas as pd
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -51,6 +50,8 @@ from tpbench.config import RunConfig, config_hash, hide_password, mode_label, pu
 from tpbench.results import RANK_AGGREGATION
 
 if TYPE_CHECKING:
+    import pandas as pd  # imported by the queries that make frames: `tpbench plan` never loads it
+
     from tpbench.launch import Outcome
 
 # 2: runs.slurm_job_id and runs.nodes; 3: comm.exposed_s
@@ -397,6 +398,8 @@ class ResultsDB:
     def metrics(self, run_ids: Sequence[int] | None = None) -> pd.DataFrame:
         """Wide form: one row per run, one column per metric, the headline over ranks
         (max, or the aggregation named in tpbench.results.RANK_AGGREGATION). Curves are left out."""
+        import pandas as pd
+
         long = self.measurements(run_ids)
         long = long[long["step"].isna()]
         how = long["name"].map(lambda name: RANK_AGGREGATION.get(name, "max"))
@@ -429,6 +432,8 @@ class ResultsDB:
         return self._frame(query)
 
     def _frame(self, query: Select) -> pd.DataFrame:
+        import pandas as pd
+
         with self.engine.connect() as conn:
             return pd.read_sql(query, conn)
 

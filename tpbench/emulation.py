@@ -45,6 +45,7 @@ try:  # FakeTensorMode's private cache and device internals (torch 2.13), behind
     from torch._subclasses.fake_tensor import (
         _BypassDispatchCache,
         _device_handler,
+        _DispatchCacheBypassEntry,
         _DispatchCacheKey,
         _DispatchCacheValidEntry,
     )
@@ -83,6 +84,7 @@ def init_process_group(cfg: RunConfig) -> None:
 
 
 Observer = Callable[[torch._ops.OpOverload, object], None]
+_UNCACHED = object()  # FakeRank's entry for an op whose output FakeTensorMode does not cache
 _DEVICE = torch.ops.prim.device.default
 _PLAIN = (
     type(None),
@@ -112,14 +114,22 @@ class FakeRank(FakeTensorMode):
     the same facts (the op; the default dtype and device, inference mode, tracing; each argument's
     dtype, shape, strides, device, storage offset and size, requires_grad, conj/neg/inference/quantized
     bits, or its type and value) leads to the key FakeTensorMode built the first time and its entry,
-    which FakeTensorMode then turns into the output as it does on its own cache hits. Arguments it does
-    not describe (constants, other modes' or symbolic tensors, anything not plain) go the whole way."""
+    which FakeTensorMode then turns into the output as it does on its own cache hits. Ops with a list of
+    tensors out (the foreach ops of AdamW, split, unbind), which FakeTensorMode does not cache, get an
+    entry made here by FakeTensorMode's own rules for a tuple out; ops it will not cache go straight to
+    its dispatch, without building its key to find that out again. Arguments the key does not describe
+    (constants, other modes' or symbolic tensors, anything not plain) go the whole way."""
 
     def __init__(self) -> None:
         super().__init__()
         self._observers: list[Observer] = []
         self._depth = 0  # FakeTensorMode re-enters itself for decompositions
-        self._entries: dict[tuple, tuple[_DispatchCacheKey, _DispatchCacheValidEntry]] = {}
+        self._entries: dict[tuple, tuple[_DispatchCacheKey, _DispatchCacheValidEntry, bool] | object] = {}
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No Dynamo guard around every op: nothing here is compiled (torch's documented opt-out)."""
+        return False
 
     @contextlib.contextmanager
     def observed_by(self, observer: Observer) -> Iterator[None]:
@@ -144,26 +154,43 @@ class FakeRank(FakeTensorMode):
         return out
 
     def _cached(self, func, types, args, kwargs):
-        if not QUICK:
+        key = self._quick_key(func, args, kwargs) if QUICK else None
+        if key is None:
             return super().__torch_dispatch__(func, types, args, kwargs)
-        key = self._quick_key(func, args, kwargs)
-        found = self._entries.get(key) if key is not None else None
+        found = self._entries.get(key)
+        if found is _UNCACHED:  # FakeTensorMode would build its key only to find it bypasses
+            return self._dispatch_impl(func, types, args, kwargs)
         if found is not None:
+            full_key, entry, as_list = found
             FakeTensorMode.cache_hits += 1
-            return self._output_from_cache_entry(
-                _CacheKeyState(self.shape_env), found[1], found[0], func, args
-            )
-        if key is not None:  # FakeTensorMode's key, made before the op can change its arguments
-            try:
-                full_key = self._cache_key(_CacheKeyState(self.shape_env), func, args, kwargs)
-            except _BypassDispatchCache:
-                key = None
+            out = self._output_from_cache_entry(_CacheKeyState(self.shape_env), entry, full_key, func, args)
+            return list(out) if as_list else out
+        try:  # FakeTensorMode's key, made before the op can change its arguments
+            full_key = self._cache_key(_CacheKeyState(self.shape_env), func, args, kwargs)
+        except _BypassDispatchCache:
+            return super().__torch_dispatch__(func, types, args, kwargs)
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if key is not None and isinstance(
-            entry := FakeTensorMode.cache.get(full_key), _DispatchCacheValidEntry
-        ):
-            self._entries[key] = (full_key, entry)
+        entry = FakeTensorMode.cache.get(full_key)
+        if isinstance(entry, _DispatchCacheValidEntry):
+            self._entries[key] = (full_key, entry, False)
+        elif isinstance(entry, _DispatchCacheBypassEntry):
+            self._entries[key] = self._list_entry(full_key, func, args, kwargs, out)
         return out
+
+    def _list_entry(self, full_key, func, args, kwargs, out) -> tuple | object:
+        """A list of tensors out (the foreach ops, split, unbind): FakeTensorMode caches tuples only,
+        so the entry is made here as FakeTensorMode makes a tuple's, each tensor checked by its rules."""
+        if type(out) is not list or not all(type(t) is FakeTensor for t in out):
+            return _UNCACHED
+        given = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        if any(id(t) in given for t in out):  # an argument handed back: the entry would copy it
+            return _UNCACHED
+        try:
+            state = _CacheKeyState(self.shape_env)
+            entry = self._make_cache_entry(state, full_key, func, args, kwargs, tuple(out))
+        except _BypassDispatchCache:
+            return _UNCACHED
+        return (full_key, entry, True)
 
     def _quick_key(self, func, args, kwargs) -> tuple | None:
         if self.in_kernel_invocation or not self.cache_enabled or self.shape_env is not None:

@@ -355,13 +355,13 @@ def all_reduce_coalesced(
     """Sum (or average) many tensors over the group in one all-reduce of their concatenation, in place."""
     if not tensors or _size(group) == 1:
         return
-    flat = all_reduce(torch.cat([t.reshape(-1) for t in tensors]), group, purpose)
+    # 1-D tensors (the norms' gradients) as they are: one op fewer each on an emulated rank
+    flat = all_reduce(torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in tensors]), group, purpose)
     if average:
         flat /= _size(group)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat.narrow(0, offset, t.numel()).view_as(t))
-        offset += t.numel()
+    pieces = flat.split([t.numel() for t in tensors])  # views of flat, one per tensor
+    shaped = [p if t.dim() == 1 else p.view_as(t) for p, t in zip(pieces, tensors, strict=True)]
+    torch._foreach_copy_(tensors, shaped)
 
 
 def world_device() -> torch.device:
