@@ -72,6 +72,10 @@ class TrainConfig:
     # what memory and throughput train on: cross_entropy (the model's loss) | logits_mean (the seed
     # chapter's memory benchmark: logits.float().mean(), no labels)
     loss: str = "cross_entropy"
+    # keep the model's output (the logits and the LM head's input, the final hidden states) alive
+    # through backward and the optimizer step, as the seed's and minimind-tron's benchmark steps do
+    # (`output = model(...)` lives until the step returns); false: the step drops it after the loss
+    keep_output: bool = False
     recompute: str = "none"  # none | selective | full: activation recompute (tpbench.parallel.recompute)
     lr: float = 1e-3
     weight_decay: float = 0.0

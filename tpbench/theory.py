@@ -115,6 +115,7 @@ class Dims:
     recompute: str = "none"  # none | selective | full (train.recompute)
     per_linear: bool = False  # SP's all-gather in each column linear (parallel.sp_gather=linear)
     fused_adam: bool = False  # train.fused_optimizer: AdamW's fused kernel
+    keep_output: bool = False  # the logits and the final hidden states live to the step's end
 
     @property
     def s(self) -> int:
@@ -218,6 +219,7 @@ def dims(cfg: RunConfig) -> Dims:
         recompute=t.recompute,
         per_linear=par.sp and T > 1 and par.sp_gather == "linear",
         fused_adam=t.fused_optimizer,
+        keep_output=t.keep_output,
     )
 
 
@@ -510,7 +512,34 @@ def moments(d: Dims) -> list[Moment]:
     # fused kernel updates each element in place and makes none
     adam_temp = 0 if d.fused_adam else P if d.gpu else 2 * max(sizes) * d.w
     out.append(Moment("optimizer", P, buckets + G, O, kept, adam_temp))
-    return out
+    return kept_output(d, acts, out) if d.keep_output else out
+
+
+def kept_output(d: Dims, acts: dict[str, int], out: list[Moment]) -> list[Moment]:
+    """train.keep_output: the step holds the model's output to its end, as the seed's and
+    minimind-tron's benchmarks hold `output`: the logits [S, B, V/T] (p) and the final hidden states
+    (the decoder's output: whole, or this rank's shard under SP with VP, whose head gathers itself; in
+    the stream's dtype, fp32 under mixed precision). Where the LM head saves that very tensor (pure
+    precision; under SP with VP, with the re-gather) it is held from the head's backward on, which would
+    free it; otherwise (the head saves its own cast, or its own gathered copy) from the forward on.
+    The logits are held at every moment after the forward. At the loss: the dense loss's peak is its
+    backward, where the logits would be gone (cross entropy), or the mean's gradient in fp32 and its
+    cast (logits_mean): held beside them. The vocab-parallel loss peaks in its forward, where they are
+    counted already, unless they are held through its backward: at the cast (p) of the gradient, which
+    is the softmax it saved (fp32), beside what else it saved (local ids int64, owned and valid masks,
+    the count of valid targets) and the loss and its gradient."""
+    logits = d.p * d.N * d.V_l
+    hidden = d.s * (d.Ns if d.sp and d.vp else d.N) * d.H
+    early = hidden if d.mixed or (d.sp and d.vp and not d.regather) else 0
+    held = {"attention forward": 0, "head backward": logits + early}
+    held["loss"] = (0 if d.vp and not d.logits_mean else logits) + early
+    kept = [replace(m, activations=m.activations + held.get(m.name, logits + hidden)) for m in out]
+    if d.vp and not d.logits_mean:
+        saved = FP32 * d.N * d.V_l + (INT64 + 2) * d.N + INT64
+        cast = d.p * d.N * d.V_l if d.p != FP32 else 0
+        activations = sum(acts.values()) + logits + early + saved + LOSS_AND_GRAD
+        kept.insert(1, replace(out[0], name="loss backward", activations=activations, temporaries=cast))
+    return kept
 
 
 def final_norm_backward(

@@ -52,6 +52,9 @@ class Trainer:
             pm = build_parallel(cfg, self.ctx)
             on_device(pm.module)
             self.model, self.module, self.finish_grads = pm, pm.module, pm.finish_grads
+        self._hidden: list[torch.Tensor] = []
+        if cfg.train.keep_output:
+            self.module.model.register_forward_hook(self._keep_hidden)
         self.optimizer = adamw(cfg, self.module.parameters(), cfg.train.lr)
 
     def ddp_buckets(self) -> list[torch.Tensor]:
@@ -88,13 +91,23 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         with precision(self.cfg, self.ctx.device):
             if self.cfg.train.loss == "logits_mean":  # the seed's memory benchmark
-                loss = self.model(ids)[0].float().mean()
-            else:  # the logits are dropped here, not kept through backward
-                loss = self.model(ids, labels)[1]
+                output = self.model(ids)
+                loss = output[0].float().mean()
+            else:
+                output = self.model(ids, labels)
+                loss = output[1]
+        if not self.cfg.train.keep_output:  # the logits are dropped here, not kept through backward
+            del output
         loss.backward()
         self.finish_grads()
         self.optimizer.step()
+        self._hidden.clear()  # train.keep_output: the final hidden states live as long as the output
         return loss.detach()
+
+    def _keep_hidden(self, module: torch.nn.Module, args: tuple, hidden: torch.Tensor) -> None:
+        """The final hidden states the LM head takes ([S, B, H]; this rank's [S/T, B, H] under SP with
+        VP, whose head gathers them itself), kept as the benchmarks' `output.hidden_states` keeps them."""
+        self._hidden.append(hidden)
 
     def sync(self) -> None:
         if self.ctx.device.type == "cuda":
