@@ -139,17 +139,19 @@ def test_allocator_rounds_splits_and_keeps_whole_blocks():
     assert peaks.allocated == 5 << 20  # the window starts from what is held
 
 
-def _ops(x: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
+def _ops(x: torch.Tensor, w: torch.Tensor, rate: float = 0.5) -> list[torch.Tensor]:
     """Ops whose cached outputs depend on each fact of their arguments: views (the offset they
     start at), in-place ops (which argument they return), dtypes, strides, requires_grad; and ops with
-    lists of tensors in or out (AdamW's foreach ops, split: FakeTensorMode caches none of those out)."""
+    lists of tensors in or out (AdamW's foreach ops, split: FakeTensorMode caches none of those out);
+    an in-place foreach op with a list of floats (AdamW's bias corrections: other numbers each step)."""
     a, b = x[1:], x[:-1]  # same shape and strides, other offsets
     outs = [a.view(-1), b.view(-1), a @ w, x.t() @ x, x.to(torch.bfloat16), x.t().contiguous()]
     outs += [x.clone().add_(1.0), torch.empty(3, 4, requires_grad=True) * 2, x.sum(0), x.sum(1)]
-    outs = outs + torch._foreach_sqrt([a, w.t()]) + torch._foreach_mul([b, x], 2.0)  # lists, not tuples
+    outs += [*torch._foreach_sqrt([a, w.t()]), *torch._foreach_mul([b, x], 2.0)]
     outs += [torch.cat([a, b[:2]]), *a.split([1, 3]), *b.split([1, 3]), *x.t().unbind(0)]  # views
     kept = [x.clone(), w.clone()]
     torch._foreach_addcmul_(kept, [x, w], [x, w], value=0.5)  # in place: returns nothing
+    torch._foreach_addcdiv_(kept, [x, w], [x, w], [rate, rate / 2])
     return outs + kept
 
 
@@ -177,6 +179,6 @@ def test_fake_rank_makes_what_fake_tensor_mode_makes_and_caches_by_quick_key(mon
 
         monkeypatch.setattr(rank, "_cache_key", no_full_keys)
         monkeypatch.setattr(rank, "_dispatch_impl", no_dispatch)
-        second = [_facts(t) for t in _ops(x, w)]
+        second = [_facts(t) for t in _ops(x, w, rate=0.25)]
     assert first == expected and second == expected
     assert seen[start:middle] == seen[middle:] and torch.ops.aten.mm.default in seen  # the ops, once each

@@ -43,6 +43,8 @@ from tpbench.config import RunConfig, world_size
 try:  # FakeTensorMode's private cache and device internals (torch 2.13), behind FakeRank's quick key
     from torch._subclasses._fake_tensor_utils import _CacheKeyState
     from torch._subclasses.fake_tensor import (
+        _DISPATCH_HANDLE_DIRECTLY,
+        _DISPATCH_META_HANDLERS,
         _BypassDispatchCache,
         _device_handler,
         _DispatchCacheBypassEntry,
@@ -85,6 +87,7 @@ def init_process_group(cfg: RunConfig) -> None:
 
 Observer = Callable[[torch._ops.OpOverload, object], None]
 _UNCACHED = object()  # FakeRank's entry for an op whose output FakeTensorMode does not cache
+_SCALAR_VALUES: dict = {}  # op -> whether its key holds the values of a list of floats (see _describe)
 _DEVICE = torch.ops.prim.device.default
 _PLAIN = (
     type(None),
@@ -117,7 +120,10 @@ class FakeRank(FakeTensorMode):
     which FakeTensorMode then turns into the output as it does on its own cache hits. Ops with a list of
     tensors out (the foreach ops of AdamW, split, unbind), which FakeTensorMode does not cache, get an
     entry made here by FakeTensorMode's own rules for a tuple out; ops it will not cache go straight to
-    its dispatch, without building its key to find that out again. Arguments the key does not describe
+    its dispatch, without building its key to find that out again; on a miss FakeTensorMode's key is
+    built once (its own look-up is done here). The in-place foreach ops' lists of floats (AdamW's bias
+    corrections, new every step) enter the quick key by their length: such an op returns nothing and
+    changes no tensor's metadata, whatever the numbers. Arguments the key does not describe
     (constants, other modes' or symbolic tensors, anything not plain) go the whole way."""
 
     def __init__(self) -> None:
@@ -160,20 +166,33 @@ class FakeRank(FakeTensorMode):
         found = self._entries.get(key)
         if found is _UNCACHED:  # FakeTensorMode would build its key only to find it bypasses
             return self._dispatch_impl(func, types, args, kwargs)
+        state = _CacheKeyState(self.shape_env)
         if found is not None:
             full_key, entry, as_list = found
             FakeTensorMode.cache_hits += 1
-            out = self._output_from_cache_entry(_CacheKeyState(self.shape_env), entry, full_key, func, args)
+            out = self._output_from_cache_entry(state, entry, full_key, func, args)
             return list(out) if as_list else out
         try:  # FakeTensorMode's key, made before the op can change its arguments
-            full_key = self._cache_key(_CacheKeyState(self.shape_env), func, args, kwargs)
+            full_key = self._cache_key(state, func, args, kwargs)
         except _BypassDispatchCache:
             return super().__torch_dispatch__(func, types, args, kwargs)
-        out = super().__torch_dispatch__(func, types, args, kwargs)
+        # FakeTensorMode's own look-up (_cached_dispatch_impl), with the key built once
         entry = FakeTensorMode.cache.get(full_key)
         if isinstance(entry, _DispatchCacheValidEntry):
+            FakeTensorMode.cache_hits += 1
             self._entries[key] = (full_key, entry, False)
-        elif isinstance(entry, _DispatchCacheBypassEntry):
+            return self._output_from_cache_entry(state, entry, full_key, func, args)
+        out = self._dispatch_impl(func, types, args, kwargs)
+        if entry is None:
+            try:
+                entry = self._make_cache_entry(state, full_key, func, args, kwargs, out)
+                FakeTensorMode.cache_misses += 1
+            except _BypassDispatchCache as e:
+                entry = _DispatchCacheBypassEntry(e.reason)
+            FakeTensorMode.cache[full_key] = entry
+        if isinstance(entry, _DispatchCacheValidEntry):
+            self._entries[key] = (full_key, entry, False)
+        else:
             self._entries[key] = self._list_entry(full_key, func, args, kwargs, out)
         return out
 
@@ -195,6 +214,11 @@ class FakeRank(FakeTensorMode):
     def _quick_key(self, func, args, kwargs) -> tuple | None:
         if self.in_kernel_invocation or not self.cache_enabled or self.shape_env is not None:
             return None
+        if func in _DISPATCH_META_HANDLERS or func in _DISPATCH_HANDLE_DIRECTLY:  # never cached
+            return None
+        if (values := _SCALAR_VALUES.get(func)) is None:
+            name = func._schema.name if isinstance(func, torch._ops.OpOverload) else ""
+            values = _SCALAR_VALUES[func] = not (name.startswith("aten::_foreach_") and name.endswith("_"))
         facts = [
             func,
             torch.get_default_dtype(),
@@ -203,14 +227,17 @@ class FakeRank(FakeTensorMode):
             get_proxy_mode() is not None,
         ]
         if not (
-            self._describe(facts, args)
+            self._describe(facts, args, values)
             and self._describe(facts, tuple(kwargs))
-            and self._describe(facts, tuple(kwargs.values()))
+            and self._describe(facts, tuple(kwargs.values()), values)
         ):
             return None
         return tuple(facts)
 
-    def _describe(self, facts: list, values: Iterable) -> bool:
+    def _describe(self, facts: list, values: Iterable, scalar_values: bool = True) -> bool:
+        """Append each value's facts; False for one it cannot describe. Without `scalar_values` (an
+        in-place foreach op: it returns nothing and changes no tensor's metadata, whatever the
+        numbers), a list of Python floats (AdamW's bias corrections, new every step) is its length."""
         for v in values:
             if type(v) is FakeTensor:
                 if v.fake_mode is not self or v.constant is not None or v.layout is not torch.strided:
@@ -230,6 +257,8 @@ class FakeRank(FakeTensorMode):
                         v.is_quantized,
                     )
                 )
+            elif not scalar_values and type(v) is list and v and all(type(x) is float for x in v):
+                facts.append((list, float, len(v)))
             elif type(v) in (list, tuple, torch.Size):
                 facts.append((type(v), len(v)))
                 if not self._describe(facts, v):
