@@ -31,7 +31,7 @@ SMALL = [
 ]
 SP, VP = "parallel.sp=true", "parallel.vp=true"
 LINEAR = "parallel.sp_gather=linear"
-KEEP = "train.keep_output=true"
+KEEP, MEAN = "train.keep_output=true", "train.loss=logits_mean"
 DDP = ["parallel.engine=ddp", "parallel.tp=1", "parallel.ddp_bucket_mb=0.05"]  # several buckets
 FP32_MANUAL_UNTIED = [
     "train.dtype=float32",
@@ -128,19 +128,20 @@ CHECKS = {
     # the seed's benchmark loss under VP: no vocab-parallel cross entropy, none of its all-reduces
     "t4_tp_sp_vp_logits_mean": ["parallel.tp=4", SP, VP, "train.loss=logits_mean"],
     # train.keep_output (the benchmarks' `output` held to the step's end): minimind-tron's re-gather
-    # row; the vocab-parallel loss's backward beside the logits; the final hidden states held after the
-    # head's backward (S 4: the gradients peak), or from the forward on where the head saves its own
-    # cast (mixed) or its own gathered copy (no re-gather)
-    "dp2_tp_sp_linear_logits_mean_keep_output": [*DP2, SP, LINEAR, "train.loss=logits_mean", KEEP],
-    "t4_tp_sp_vp_keep_output": ["parallel.tp=4", SP, VP, KEEP],
+    # row; the logits beside the loss's backward; the final hidden states held after the head's
+    # backward (S 4: the gradients peak), or from the forward on where the head saves its own cast
+    # (mixed) or its own gathered copy (no re-gather)
+    "dp2_tp_sp_linear_logits_mean_keep_output": [*DP2, SP, LINEAR, MEAN, KEEP],
+    "t4_tp_keep_output": ["parallel.tp=4", KEEP],
     "ddp_dp4_s4_keep_output": [*DDP, "parallel.dp=4", "train.seq_len=4", KEEP],
-    "dp2_tp_sp_vp_mixed_keep_output": [*DP2, SP, VP, "train.precision=mixed", KEEP],
-    "t4_tp_sp_vp_no_regather_s8_keep_output": [
+    "dp2_tp_sp_vp_mixed_logits_mean_keep_output": [*DP2, SP, VP, "train.precision=mixed", MEAN, KEEP],
+    "t4_tp_sp_vp_no_regather_s8_logits_mean_keep_output": [
         "parallel.tp=4",
         SP,
         VP,
         "parallel.sp_regather=false",
         "train.seq_len=8",
+        MEAN,
         KEEP,
     ],
     "dp2_tp_sp_vp_linear_fp32_manual_untied_padded": [

@@ -202,6 +202,7 @@ def check(cfg: RunConfig) -> None:
             accepted = ", ".join(SKIPPABLE_GRAD_SUMS)
             raise ConfigError(f"debug.skip_grad_sum has {name!r}: accepted are {accepted}")
     _check_db_url(cfg.db.url)
+    _check_keep_output(cfg)
     _check_emulation(cfg)
     _check_nodes(cfg)
     if cfg.launch.launcher == "slurm":
@@ -402,6 +403,16 @@ def _check_nodes(cfg: RunConfig) -> None:
     if nnodes > 1 and not launch.rdzv_endpoint and launch.launcher != "slurm":  # Slurm: the first node
         raise ConfigError(
             f"launch.nnodes={nnodes} needs launch.rdzv_endpoint=HOST:PORT (reached by all nodes)"
+        )
+
+
+def _check_keep_output(cfg: RunConfig) -> None:
+    t, p = cfg.train, cfg.parallel
+    if t.keep_output and p.vp and p.tp > 1 and t.loss == "cross_entropy":
+        raise ConfigError(
+            "train.keep_output=true with parallel.vp=true and train.loss=cross_entropy: the vocab-parallel "
+            "loss turns the logits into their gradient in place, so there is no output to keep; accepted "
+            "are train.loss=logits_mean, parallel.vp=false or train.keep_output=false"
         )
 
 

@@ -522,24 +522,15 @@ def kept_output(d: Dims, acts: dict[str, int], out: list[Moment]) -> list[Moment
     the stream's dtype, fp32 under mixed precision). Where the LM head saves that very tensor (pure
     precision; under SP with VP, with the re-gather) it is held from the head's backward on, which would
     free it; otherwise (the head saves its own cast, or its own gathered copy) from the forward on.
-    The logits are held at every moment after the forward. At the loss: the dense loss's peak is its
+    The logits are held at every moment after the forward; at the loss, the dense loss's peak is its
     backward, where the logits would be gone (cross entropy), or the mean's gradient in fp32 and its
-    cast (logits_mean): held beside them. The vocab-parallel loss peaks in its forward, where they are
-    counted already, unless they are held through its backward: at the cast (p) of the gradient, which
-    is the softmax it saved (fp32), beside what else it saved (local ids int64, owned and valid masks,
-    the count of valid targets) and the loss and its gradient."""
+    cast (logits_mean): held beside them. (The vocab-parallel cross entropy turns the logits into their
+    gradient in place: compose refuses keep_output with it.)"""
     logits = d.p * d.N * d.V_l
     hidden = d.s * (d.Ns if d.sp and d.vp else d.N) * d.H
     early = hidden if d.mixed or (d.sp and d.vp and not d.regather) else 0
-    held = {"attention forward": 0, "head backward": logits + early}
-    held["loss"] = (0 if d.vp and not d.logits_mean else logits) + early
-    kept = [replace(m, activations=m.activations + held.get(m.name, logits + hidden)) for m in out]
-    if d.vp and not d.logits_mean:
-        saved = FP32 * d.N * d.V_l + (INT64 + 2) * d.N + INT64
-        cast = d.p * d.N * d.V_l if d.p != FP32 else 0
-        activations = sum(acts.values()) + logits + early + saved + LOSS_AND_GRAD
-        kept.insert(1, replace(out[0], name="loss backward", activations=activations, temporaries=cast))
-    return kept
+    held = {"attention forward": 0, "loss": logits + early, "head backward": logits + early}
+    return [replace(m, activations=m.activations + held.get(m.name, logits + hidden)) for m in out]
 
 
 def final_norm_backward(
