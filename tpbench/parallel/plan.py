@@ -281,11 +281,11 @@ def apply_vp(
 
 def apply_sp_edges(model: MiniMindForCausalLM, ctx: ParallelContext) -> None:
     """SP with a replicated vocab: the embedding output is split into the SP layout (backward:
-    all-gather), and the final norm's shard is gathered for the full LM head (backward: split), as
-    the decoder's output: its final hidden states are whole, as minimind-tron's model gathers them."""
+    all-gather), and the final norm's shard is gathered for the full LM head (backward: split) as the
+    norm's output: the decoder's final hidden states are whole, as minimind-tron's model gathers them."""
     group = ctx.tp_group
     _wrap(model.model.embed_tokens, after=lambda y: comm.scatter_to_sp_region(y, group))
-    _wrap(model.model, after=lambda x: comm.gather_from_sp_region_replicated(x, group))
+    _wrap(model.model.norm, after=lambda x: comm.gather_from_sp_region_replicated(x, group))
 
 
 def apply_compile(model: MiniMindForCausalLM) -> None:
