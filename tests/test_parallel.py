@@ -203,6 +203,7 @@ def test_an_async_collective_counts_as_blocking_and_times_its_wait_as_exposed(un
     assert t["blocking_exposed_s"] == t["blocking_time_s"] > 0
     assert t["async_exposed_s"] < 0.25  # done during the 0.5 s of other work: hardly waited on
     assert 0 < t["async_time_s"] < 0.25  # launch to completion, not to the wait
+    assert t["no_future_count"] == 1 and t["no_future_time_s"] == t["no_future_exposed_s"] < 0.1
 
 
 def test_checkpoint_round_trip_is_bit_exact(units):

@@ -238,7 +238,8 @@ def check_settling(ctx: ParallelContext) -> dict[str, int]:
 
 def check_async_timing(ctx: ParallelContext) -> dict[str, float]:
     """An async all-reduce with 0.5 s of other work before its wait, and the same one blocking: counted
-    alike; the async one's exposed time is its wait, the blocking one's all of its time."""
+    alike; the async one's exposed time is its wait, the blocking one's all of its time. An async
+    collective whose Work has no future is timed from its wait: all exposed, none hidden."""
     counter = comm.CommCounter(timed=True)
     dist.barrier()
     with comm.counting(counter):
@@ -246,6 +247,10 @@ def check_async_timing(ctx: ParallelContext) -> dict[str, float]:
         time.sleep(0.5)
         pending.wait()
         comm.all_reduce(torch.randn(1 << 16), ctx.tp_group, "blocking")
+        # gloo's reduce_scatter_tensor (an all-reduce inside) has no future to say when it finished
+        shard = comm.reduce_scatter_async(torch.randn(1 << 16), ctx.tp_group, "no_future")
+        time.sleep(0.1)
+        shard.wait()
     return {
         f"{r.purpose}_{field}": getattr(r, field)
         for r in counter.rows()

@@ -23,6 +23,7 @@ is all exposed). With `log=True` it keeps each one, in the order issued, as a `C
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -206,7 +207,14 @@ def _launch(
     work = [fn()]
     done: list[float] = []
     if timed and not blocking:  # when the backend finished, were it before the wait
-        work[0].get_future().add_done_callback(lambda _: done.append(time.perf_counter()))
+        try:
+            future = work[0].get_future()
+        except RuntimeError:  # gloo's reduce_scatter_tensor (an all-reduce inside) has no future
+            future = None
+        if future is not None:
+            future.add_done_callback(lambda _: done.append(time.perf_counter()))
+        else:  # no finishing time: counted as all exposed, never as hidden
+            done.append(math.inf)
     purpose = "recompute" if _recomputing else purpose
     if counter is not None:
         if counter.events is None:
@@ -226,7 +234,10 @@ def _launch(
             _settle(held, before)
         if counter is not None:
             end = time.perf_counter()
-            total = end - start if blocking or not done else min(done[0], end) - start
+            if done and done[0] == math.inf:
+                total = end - waiting
+            else:
+                total = end - start if blocking or not done else min(done[0], end) - start
             counter.add_time(op, purpose, total, end - waiting if not blocking else total)
 
     return Pending(x if out is None else out, finish)
