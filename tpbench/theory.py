@@ -598,6 +598,14 @@ def recomputed_block(
     return Moment(f"recomputed block {layer}", P, grads, optim, activations, temps)
 
 
+def top_block_grads(d: Dims, done: tuple[str, ...] | list[str], buckets: int, own_grads: bool) -> int:
+    """Gradient bytes once the top block's `done` parameters have run their backward: theirs, the final
+    norm's and an untied head's (a tied head's waits, as a temporary, for the embedding's share),
+    beside DDP's buckets."""
+    grads = d.H + sum(n for name, n in layer_params(d) if name in done) + (0 if d.tied else d.V_l * d.H)
+    return buckets + (grads * d.w if own_grads else 0)
+
+
 def swiglu_backward(
     d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool
 ) -> Moment:
@@ -613,9 +621,8 @@ def swiglu_backward(
     if d.mixed and d.recompute == "none":
         freed += d.p * d.I_l * d.H  # down's weight cast
     done = ("mlp.down_proj",)
-    grads = d.H + sum(n for name, n in layer_params(d) if name in done) + (0 if d.tied else d.V_l * d.H)
     temps = 3 * ffn + d.s * d.Ns * d.H + (d.V_l * d.H * d.w if d.tied else 0)
-    grads = buckets + (grads * d.w if own_grads else 0)
+    grads = top_block_grads(d, done, buckets, own_grads)
     return Moment("swiglu backward", P, grads, optim, after_head(acts) - freed + LOSS_AND_GRAD, temps)
 
 
@@ -636,8 +643,7 @@ def post_attention_norm_backward(
     temps = (6 if d.lean_rmsnorm and d.s != FP32 else 5) * FP32 * d.Ns * d.H
     temps += d.V_l * d.H * d.w if d.tied else 0
     done = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "post_attention_layernorm"]
-    grads = d.H + sum(n for name, n in layer_params(d) if name in done) + (0 if d.tied else d.V_l * d.H)
-    grads = buckets + (grads * d.w if own_grads else 0)
+    grads = top_block_grads(d, done, buckets, own_grads)
     activations = after_head(acts) - freed + LOSS_AND_GRAD
     return Moment("post-attention norm backward", P, grads, optim, activations, temps)
 
@@ -679,8 +685,7 @@ def head_norm_backward(
     if d.sp and d.block_regather and not d.per_linear:
         temps += d.p * d.N * d.H  # the re-gathered attention input
     temps += d.V_l * d.H * d.w if d.tied else 0
-    grads = d.H + sum(n for name, n in layer_params(d) if name in done) + (0 if d.tied else d.V_l * d.H)
-    grads = buckets + (grads * d.w if own_grads else 0)
+    grads = top_block_grads(d, done, buckets, own_grads)
     return Moment(f"{norm} backward", P, grads, optim, after_head(acts) - freed + LOSS_AND_GRAD, temps)
 
 
@@ -698,10 +703,9 @@ def mlp_backward(d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int
         freed += d.p * d.I_l * d.H * (2 if d.recompute == "none" else 1)  # up's (selective: down's is remade)
         freed += 0 if d.cast_once else d.p * d.N * d.H
     done = ("mlp.down_proj", "mlp.up_proj")
-    grads = d.H + sum(n for name, n in layer_params(d) if name in done) + (0 if d.tied else d.V_l * d.H)
     temps = d.p * d.N * d.I_l + 2 * d.p * d.N * d.H + d.p * d.I_l * d.H + d.s * d.Ns * d.H
     temps += (d.V_l * d.H * d.w if d.tied else 0) + (d.p * d.N * d.H if d.sp and d.block_regather else 0)
-    grads = buckets + (grads * d.w if own_grads else 0)
+    grads = top_block_grads(d, done, buckets, own_grads)
     return Moment("mlp backward", P, grads, optim, after_head(acts) - freed + LOSS_AND_GRAD, temps)
 
 
