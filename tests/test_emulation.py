@@ -156,7 +156,9 @@ def _ops(x: torch.Tensor, w: torch.Tensor, rate: float = 0.5) -> list[torch.Tens
 
 
 def _facts(t: torch.Tensor) -> tuple:
-    return (t.shape, t.stride(), t.storage_offset(), t.dtype, t.untyped_storage().nbytes(), t.requires_grad)
+    state = {k: v for k, v in vars(t).items() if k != "fake_mode"}  # FakeTensor.__new__'s attributes
+    return (t.shape, t.stride(), t.storage_offset(), t.dtype, t.untyped_storage().nbytes(), t.requires_grad,
+            type(t), t.device, t._is_view(), state)  # fmt: skip
 
 
 def test_fake_rank_makes_what_fake_tensor_mode_makes_and_caches_by_quick_key(monkeypatch):
@@ -169,6 +171,7 @@ def test_fake_rank_makes_what_fake_tensor_mode_makes_and_caches_by_quick_key(mon
         x, w = torch.empty(5, 5), torch.empty(5, 2)
         start = len(seen)
         first = [_facts(t) for t in _ops(x, w)]
+        step = torch.tensor(3.0)  # a constant, as AdamW's step counters are: FakeTensorMode keeps its value
         middle = len(seen)
 
         def no_full_keys(*args, **kwargs):
@@ -177,8 +180,21 @@ def test_fake_rank_makes_what_fake_tensor_mode_makes_and_caches_by_quick_key(mon
         def no_dispatch(*args, **kwargs):
             raise AssertionError("an op ran again rather than coming from the cache")
 
+        handed_back: list = []  # ops that FakeTensorMode's entry turns into an output on a hit
+
+        def from_entry(state, entry, key, func, args):
+            handed_back.append(func)
+            return FakeTensorMode._output_from_cache_entry(rank, state, entry, key, func, args)
+
         monkeypatch.setattr(rank, "_cache_key", no_full_keys)
         monkeypatch.setattr(rank, "_dispatch_impl", no_dispatch)
+        monkeypatch.setattr(rank, "_output_from_cache_entry", from_entry)
         second = [_facts(t) for t in _ops(x, w, rate=0.25)]
+        end = len(seen)
+        assert step.item() == 3.0  # answered from the constant, without FakeTensorMode's dispatch
     assert first == expected and second == expected
-    assert seen[start:middle] == seen[middle:] and torch.ops.aten.mm.default in seen  # the ops, once each
+    assert seen[start : middle - 1] == seen[middle:end] and torch.ops.aten.mm.default in seen  # once each
+    assert seen[end:] == [torch.ops.aten._local_scalar_dense.default]  # observers see item() too
+    # new tensors and views are made by FakeRank's recipes; only ops that return an argument are not
+    in_place = {"add_.Tensor", "_foreach_addcmul_.Scalar", "_foreach_addcdiv_.ScalarList"}
+    assert {f.__name__ for f in handed_back} == in_place

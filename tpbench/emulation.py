@@ -36,7 +36,6 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
 from tpbench.config import RunConfig, world_size
 
@@ -45,10 +44,10 @@ try:  # FakeTensorMode's private cache and device internals (torch 2.13), behind
     from torch._subclasses.fake_tensor import (
         _DISPATCH_HANDLE_DIRECTLY,
         _DISPATCH_META_HANDLERS,
+        FakeTensorConfig,
         _BypassDispatchCache,
         _device_handler,
         _DispatchCacheBypassEntry,
-        _DispatchCacheKey,
         _DispatchCacheValidEntry,
     )
 
@@ -89,6 +88,7 @@ Observer = Callable[[torch._ops.OpOverload, object], None]
 _UNCACHED = object()  # FakeRank's entry for an op whose output FakeTensorMode does not cache
 _SCALAR_VALUES: dict = {}  # op -> whether its key holds the values of a list of floats (see _describe)
 _DEVICE = torch.ops.prim.device.default
+_ITEM = torch.ops.aten._local_scalar_dense.default
 _PLAIN = (
     type(None),
     bool,
@@ -109,7 +109,9 @@ class FakeRank(FakeTensorMode):
     Observers: it shows the outputs of every op to its observers (the allocation trace, the memory
     tracker) itself. As dispatch modes of their own above it, each observer cost every op a trip
     through Python, and most ops are autograd asking a fake tensor for its device (prim.device, 700 a
-    layer and step): here they see the same ops in the same order, when each returns. Ops that
+    layer and step; answered here without FakeTensorMode's set-up, as is AdamW's `item()` of its step
+    counters, 7 a parameter and step, constants whose value FakeTensorMode keeps): here they see
+    the same ops in the same order, when each returns. Ops that
     FakeTensorMode runs inside an op (decompositions) are not shown, as no mode above it saw them.
 
     Cache: FakeTensorMode caches each op's output metadata under a key it builds from every field of
@@ -130,7 +132,9 @@ class FakeRank(FakeTensorMode):
         super().__init__()
         self._observers: list[Observer] = []
         self._depth = 0  # FakeTensorMode re-enters itself for decompositions
-        self._entries: dict[tuple, tuple[_DispatchCacheKey, _DispatchCacheValidEntry, bool] | object] = {}
+        # quick key -> (FakeTensorMode's key, its entry, whether a list out, recipes) or _UNCACHED
+        self._entries: dict[tuple, tuple | object] = {}
+        self._fresh_state: dict | None = None  # what FakeTensor.__new__ sets on a fresh fake tensor
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -148,6 +152,8 @@ class FakeRank(FakeTensorMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if QUICK and func is _DEVICE:  # answered as FakeTensorMode answers it, without its set-up
             out = _device_handler(args)
+        elif func is _ITEM and type(args[0]) is FakeTensor and args[0].constant is not None:
+            out = args[0].constant.item()  # as FakeTensorMode answers it: from the constant it keeps
         else:
             self._depth += 1
             try:
@@ -168,8 +174,11 @@ class FakeRank(FakeTensorMode):
             return self._dispatch_impl(func, types, args, kwargs)
         state = _CacheKeyState(self.shape_env)
         if found is not None:
-            full_key, entry, as_list = found
+            full_key, entry, as_list, recipes = found
             FakeTensorMode.cache_hits += 1
+            if recipes is not None:  # new tensors only
+                fresh = [self._fresh(args, *recipe) for recipe in recipes]
+                return fresh if as_list else tuple(fresh) if entry.is_output_tuple else fresh[0]
             out = self._output_from_cache_entry(state, entry, full_key, func, args)
             return list(out) if as_list else out
         try:  # FakeTensorMode's key, made before the op can change its arguments
@@ -180,7 +189,7 @@ class FakeRank(FakeTensorMode):
         entry = FakeTensorMode.cache.get(full_key)
         if isinstance(entry, _DispatchCacheValidEntry):
             FakeTensorMode.cache_hits += 1
-            self._entries[key] = (full_key, entry, False)
+            self._entries[key] = (full_key, entry, False, self._recipes(func, entry))
             return self._output_from_cache_entry(state, entry, full_key, func, args)
         out = self._dispatch_impl(func, types, args, kwargs)
         if entry is None:
@@ -191,7 +200,7 @@ class FakeRank(FakeTensorMode):
                 entry = _DispatchCacheBypassEntry(e.reason)
             FakeTensorMode.cache[full_key] = entry
         if isinstance(entry, _DispatchCacheValidEntry):
-            self._entries[key] = (full_key, entry, False)
+            self._entries[key] = (full_key, entry, False, self._recipes(func, entry))
         else:
             self._entries[key] = self._list_entry(full_key, func, args, kwargs, out)
         return out
@@ -209,7 +218,54 @@ class FakeRank(FakeTensorMode):
             entry = self._make_cache_entry(state, full_key, func, args, kwargs, tuple(out))
         except _BypassDispatchCache:
             return _UNCACHED
-        return (full_key, entry, True)
+        return (full_key, entry, True, self._recipes(func, entry))
+
+    def _recipes(self, func, entry: _DispatchCacheValidEntry) -> tuple | None:
+        """How `_fresh` makes each output on a hit as FakeTensorMode would (its
+        `_get_output_tensor_from_cache_entry`, then `FakeTensor.__new__`), without the checks both
+        repeat on every hit (they took 30% of a 64-layer step): for outputs of plain metadata on the
+        CPU, new or a view op's (on its argument's storage). None for anything else (an argument
+        handed back, symbolic sizes, a conj/neg bit, another device): FakeTensorMode's own way."""
+        if FakeTensorConfig.debug:
+            return None
+        view = isinstance(func, torch._ops.OpOverload) and func.is_view
+        recipes = []
+        for info in entry.output_infos:
+            m = info.metadata
+            if info.inplace_idx is not None or m is None or (view and info.view_idx is None):
+                return None
+            if m.layout is not torch.strided or m.is_conj or m.is_neg or m.device.type != "cpu":
+                return None
+            if not all(type(v) is int for v in (*m.shape, *m.stride, m.storage_offset)):
+                return None
+            state = {**self._fresh_attributes(), "_fake_device": m.device}
+            on = (info.view_idx, m.storage_offset) if view else None
+            recipes.append((tuple(m.shape), tuple(m.stride), m.dtype, m.requires_grad, state, on))
+        return tuple(recipes)
+
+    def _fresh_attributes(self) -> dict:
+        """The attributes FakeTensor.__new__ gives a new fake tensor of this mode, read off one it made."""
+        if self._fresh_state is None:
+            self._fresh_state = vars(FakeTensor(self, torch.empty(0, device="meta"), torch.device("cpu")))
+        return self._fresh_state
+
+    def _fresh(self, args, shape, stride, dtype, requires_grad, state, on) -> FakeTensor:
+        """A fake tensor as FakeTensor.__new__ makes it: a meta tensor (on the storage of argument
+        `on[0]` at offset `on[1]` for a view op), wrapped with the fake device's dispatch keys, its
+        mutable data pointer guarded as the mode says, the attributes of `_fresh_attributes`."""
+        with torch._C._DisableTorchDispatch():
+            meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta", requires_grad=requires_grad)
+            if on is not None:
+                meta.set_(args[on[0]].untyped_storage(), on[1], shape, stride)
+        device = state["_fake_device"]
+        t = torch.Tensor._make_subclass(FakeTensor, meta, requires_grad, dispatch_device=True,
+                                        device_for_backend_keys=device)  # fmt: skip
+        if self._allow_unsafe_data_ptr_access:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(t)
+        else:
+            torch._C._set_throw_on_mutable_data_ptr(t)
+        t.__dict__.update(state)
+        return t
 
     def _quick_key(self, func, args, kwargs) -> tuple | None:
         if self.in_kernel_invocation or not self.cache_enabled or self.shape_env is not None:
@@ -287,7 +343,9 @@ class AllocationTrace:
 
     def __init__(self) -> None:
         self.events: list[tuple] = []
-        self._tokens: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # id(storage) -> (token, weak reference whose callback records the free), while it lives: a
+        # storage's Python object is one for its life, and its id is released only after the callback
+        self._live: dict[int, tuple[int, weakref.ref]] = {}
         self._excluded: set[int] = set()
 
     def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -298,9 +356,9 @@ class AllocationTrace:
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Tensors that live elsewhere on the emulated device (AdamW's step counters: on the host)."""
         for t in tensors:
-            token = self._tokens.get(t.untyped_storage())
-            if token is not None:
-                self._excluded.add(token)
+            live = self._live.get(id(t.untyped_storage()))
+            if live is not None:
+                self._excluded.add(live[0])
 
     def mark(self, name: str) -> None:
         self.events.append((name,))
@@ -315,12 +373,17 @@ class AllocationTrace:
 
     def _note(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
-        if storage in self._tokens or storage.nbytes() == 0:
+        key = id(storage)
+        if key in self._live or (size := storage.nbytes()) == 0:
             return
         token = len(self.events)
-        self._tokens[storage] = token
-        self.events.append(("alloc", token, storage.nbytes()))
-        weakref.finalize(storage, self.events.append, ("free", token))
+        self.events.append(("alloc", token, size))
+
+        def freed(_: weakref.ref) -> None:
+            self.events.append(("free", token))
+            del self._live[key]
+
+        self._live[key] = (token, weakref.ref(storage, freed))
 
 
 def measure_in_process(cfg: RunConfig) -> RankResult:
