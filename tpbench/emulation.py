@@ -118,15 +118,17 @@ class FakeRank(FakeTensorMode):
     every argument's metadata, which costs more than the rest of the op. Here a cheaper key made of
     the same facts (the op; the default dtype and device, inference mode, tracing; each argument's
     dtype, shape, strides, device, storage offset and size, requires_grad, conj/neg/inference/quantized
-    bits, or its type and value) leads to the key FakeTensorMode built the first time and its entry,
-    which FakeTensorMode then turns into the output as it does on its own cache hits. Ops with a list of
-    tensors out (the foreach ops of AdamW, split, unbind), which FakeTensorMode does not cache, get an
-    entry made here by FakeTensorMode's own rules for a tuple out; ops it will not cache go straight to
-    its dispatch, without building its key to find that out again; on a miss FakeTensorMode's key is
-    built once (its own look-up is done here). The in-place foreach ops' lists of floats (AdamW's bias
-    corrections, new every step) enter the quick key by their length: such an op returns nothing and
-    changes no tensor's metadata, whatever the numbers. Arguments the key does not describe
-    (constants, other modes' or symbolic tensors, anything not plain) go the whole way."""
+    bits, or its type and value) leads to the key FakeTensorMode built the first time and its entry.
+    On a hit, outputs that are new tensors or a view op's are made from recipes read off that entry
+    once (`_recipes`), as FakeTensorMode would make them from it; any other output (an argument
+    handed back) FakeTensorMode makes from its entry as on its own hits. Ops with a list of tensors
+    out (the foreach ops of AdamW, split, unbind), which FakeTensorMode does not cache, get an entry
+    made here by FakeTensorMode's own rules for a tuple out; ops it will not cache go straight to its
+    dispatch, without building its key to find that out again; on a miss FakeTensorMode's key is
+    built once (its own look-up is done here). The in-place foreach ops' lists of floats (AdamW's
+    bias corrections, new every step) enter the quick key by their length: such an op returns
+    nothing and changes no tensor's metadata, whatever the numbers. Arguments the key does not
+    describe (constants, other modes' or symbolic tensors, anything not plain) go the whole way."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -176,7 +178,7 @@ class FakeRank(FakeTensorMode):
         if found is not None:
             full_key, entry, as_list, recipes = found
             FakeTensorMode.cache_hits += 1
-            if recipes is not None:  # new tensors only
+            if recipes is not None:  # new tensors and views' outputs, made from the entry's recipes
                 fresh = [self._fresh(args, *recipe) for recipe in recipes]
                 return fresh if as_list else tuple(fresh) if entry.is_output_tuple else fresh[0]
             out = self._output_from_cache_entry(state, entry, full_key, func, args)
