@@ -206,6 +206,24 @@ def test_an_async_collective_counts_as_blocking_and_times_its_wait_as_exposed(un
     assert t["no_future_count"] == 1 and t["no_future_time_s"] == t["no_future_exposed_s"] < 0.1
 
 
+def test_overlap_hides_each_collective_behind_compute(units):
+    """parallel.overlap launches each backward collective as soon as its input exists and waits where
+    its result is first needed, with matmuls between: the entry's all-reduce (TP) or reduce-scatter
+    (SP) behind the deferred weight gradients, every SP re-gather prefetched behind the exit's and the
+    core's backward, every one of them async (2 layers: 2 regions each, or 5 column linears each);
+    the DP buckets behind the rest of backward, all but those it completes last."""
+    order = units["overlap_order"]
+    assert {p: len(h) for p, h in order["tp"].items()} == {"activation": 4}
+    assert {p: len(h) for p, h in order["tp_sp"].items()} == {"activation": 4, "regather": 4}
+    assert {p: len(h) for p, h in order["tp_sp_linear"].items()} == {"activation": 10, "regather": 10}
+    for name in ("tp", "tp_sp", "tp_sp_linear"):
+        for purpose, hidden in order[name].items():
+            assert min(hidden) >= 1, (name, purpose, hidden)
+    buckets = order["dp2"]["dp_grad"]  # launch order: the first filled first, the late one last
+    assert set(order["dp2"]) == {"dp_grad"} and len(buckets) > 4
+    assert sum(h >= 1 for h in buckets) > len(buckets) // 2 and buckets == sorted(buckets, reverse=True)
+
+
 def test_checkpoint_round_trip_is_bit_exact(units):
     ck = units["checkpoints"]
     for case in ("tp", "kv_replicated", "vp_padded_untied"):

@@ -258,6 +258,66 @@ def check_async_timing(ctx: ParallelContext) -> dict[str, float]:
     }
 
 
+# parallel.overlap at world 2: TP, SP gathering per region and per linear (each re-gathered), DP buckets
+OVERLAP_ORDER = {
+    "tp": ["parallel.tp=2"],
+    "tp_sp": ["parallel.tp=2", "parallel.sp=true"],
+    "tp_sp_linear": ["parallel.tp=2", "parallel.sp=true", "parallel.sp_gather=linear"],
+    "dp2": ["parallel.tp=1", "parallel.dp=2", "parallel.ddp_bucket_mb=0.05"],
+}
+
+
+def check_overlap_order(ctx: ParallelContext) -> dict[str, dict[str, list[int]]]:
+    """Per config of OVERLAP_ORDER with parallel.overlap=true, each async collective of a training step
+    (after a first one), by purpose, in launch order: how many matmuls ran between its launch and its
+    wait, the compute it was hidden behind. A collective launched when first needed counts 0."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    matmuls = {aten.mm.default, aten.addmm.default, aten.bmm.default}
+    log: list = []
+
+    class Matmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in matmuls:
+                log.append("mm")
+            return func(*args, **(kwargs or {}))
+
+    launch = comm._launch
+
+    def logged(op, purpose, x, full_bytes, group, fn, out, blocking):
+        pending = launch(op, purpose, x, full_bytes, group, fn, out, blocking)
+        if not blocking:
+            start, finish = len(log), pending._finish
+            log.append(("launch", purpose))
+
+            def wait() -> None:
+                log.append(("wait", start))
+                finish()
+
+            pending._finish = wait
+        return pending
+
+    results = {}
+    for name, overrides in OVERLAP_ORDER.items():
+        trainer = Trainer(run_config([*TINY, *overrides, "parallel.overlap=true"]))
+        trainer.step()
+        log.clear()
+        comm._launch = logged
+        try:
+            with Matmuls():
+                trainer.step()
+        finally:
+            comm._launch = launch
+        hidden: dict[str, list[int]] = {}
+        for i, event in enumerate(log):
+            if isinstance(event, tuple) and event[0] == "launch":
+                end = log.index(("wait", i))
+                hidden.setdefault(event[1], []).append(log[i:end].count("mm"))
+        results[name] = hidden
+    return results
+
+
 def suite_units() -> dict:
     ctx = ParallelContext.from_world(dist.get_world_size(), 1, torch.device("cpu"))
     return {
@@ -267,6 +327,7 @@ def suite_units() -> dict:
         "step_ops": check_step_ops(ctx),
         "settling": check_settling(ctx),
         "async_timing": check_async_timing(ctx),
+        "overlap_order": check_overlap_order(ctx),
     }
 
 
