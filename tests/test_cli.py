@@ -119,10 +119,6 @@ BAD_INPUT = {
         ["mode=tp_sp", "compile=true"],
         "train.compile=true with parallel.sp_regather",
     ),
-    "compile with overlap": (
-        ["compile=true", "overlap=true"],
-        "train.compile=true with parallel.overlap=true",
-    ),
     "compile in a memory run": (["kind=memory", "compile=true"], "train.compile=true with kind=memory"),
     "compile on ddp": (["mode=ddp", "compile=true"], "train.compile=true with parallel.engine=ddp"),
     "eager swiglu recomputed": (

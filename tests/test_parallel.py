@@ -89,6 +89,8 @@ COMPILED = {  # compiled config -> the same config eager
     "tp_sp_keep_full_compile": "tp_sp_keep_full",
     "tp_sp_linear_keep_full_compile": "tp_sp_linear_keep_full",
     "tp_vp_compile_mixed": "tp_vp_mixed",
+    # with overlap: the pieces between the linears compiled, SP's re-gather kept
+    "tp_sp_vp_overlap_compile_mixed": "tp_sp_vp_overlap_mixed",
 }
 VALIDATE_T2 |= {name: [*VALIDATE_T2[off], *COMPILE] for name, off in COMPILED.items()}
 VALIDATE_T2 |= {
@@ -216,7 +218,9 @@ def test_overlap_hides_each_collective_behind_compute(units):
     assert {p: len(h) for p, h in order["tp"].items()} == {"activation": 4}
     assert {p: len(h) for p, h in order["tp_sp"].items()} == {"activation": 4, "regather": 4}
     assert {p: len(h) for p, h in order["tp_sp_linear"].items()} == {"activation": 10, "regather": 10}
-    for name in ("tp", "tp_sp", "tp_sp_linear"):
+    # train.compile with overlap: the pieces between the linears compiled, the same launches and waits
+    assert {p: len(h) for p, h in order["tp_sp_compile"].items()} == {"activation": 4, "regather": 4}
+    for name in ("tp", "tp_sp", "tp_sp_linear", "tp_sp_compile"):
         for purpose, hidden in order[name].items():
             assert min(hidden) >= 1, (name, purpose, hidden)
     buckets = order["dp2"]["dp_grad"]  # launch order: the first filled first, the late one last
@@ -440,9 +444,10 @@ def test_the_fused_optimizer_validates_as_the_unfused_one(validated, name, off):
 
 @pytest.mark.parametrize("name", COMPILED)
 def test_compiled_blocks_validate_and_issue_the_same_collectives(validated, name):
-    """Compiled whole (fullgraph: a graph break would fail the run), equal to dense, every collective
-    counted as eager: the custom ops run the same counted collectives. Not bit-exact against eager
-    (inductor fuses the elementwise ops and reorders their sums): within the same bounds."""
+    """Compiled whole (fullgraph: a graph break would fail the run), or with overlap between the
+    linears, equal to dense, every collective counted as eager: the custom ops run the same counted
+    collectives. Not bit-exact against eager (inductor fuses the elementwise ops and reorders their
+    sums): within the same bounds."""
     on, off = validated[name], validated[COMPILED[name]]
     assert on["failed"] == [] and on["metrics"]["passed"] == 1.0
     assert on["metrics"]["compile_graphs"] >= 1 and on["metrics"]["compile_graph_breaks"] == 0

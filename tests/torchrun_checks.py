@@ -264,6 +264,7 @@ OVERLAP_ORDER = {
     "tp_sp": ["parallel.tp=2", "parallel.sp=true"],
     "tp_sp_linear": ["parallel.tp=2", "parallel.sp=true", "parallel.sp_gather=linear"],
     "dp2": ["parallel.tp=1", "parallel.dp=2", "parallel.ddp_bucket_mb=0.05"],
+    "tp_sp_compile": ["parallel.tp=2", "parallel.sp=true", "train.compile=true"],
 }
 
 
@@ -283,7 +284,11 @@ def check_overlap_order(ctx: ParallelContext) -> dict[str, dict[str, list[int]]]
                 log.append("mm")
             return func(*args, **(kwargs or {}))
 
-    launch = comm._launch
+    launch, backward = comm._launch, torch.Tensor.backward
+
+    def counted_backward(*args, **kwargs):
+        with Matmuls():
+            return backward(*args, **kwargs)
 
     def logged(op, purpose, x, full_bytes, group, fn, out, blocking):
         pending = launch(op, purpose, x, full_bytes, group, fn, out, blocking)
@@ -304,11 +309,13 @@ def check_overlap_order(ctx: ParallelContext) -> dict[str, dict[str, list[int]]]
         trainer.step()
         log.clear()
         comm._launch = logged
+        # counted in backward only, where every async collective is launched (a compiled forward would
+        # not run under a dispatch mode; a DP bucket is waited in finish_grads, with no matmul)
+        torch.Tensor.backward = counted_backward
         try:
-            with Matmuls():
-                trainer.step()
+            trainer.step()
         finally:
-            comm._launch = launch
+            comm._launch, torch.Tensor.backward = launch, backward
         hidden: dict[str, list[int]] = {}
         for i, event in enumerate(log):
             if isinstance(event, tuple) and event[0] == "launch":

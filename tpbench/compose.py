@@ -233,19 +233,15 @@ def _check_compile(cfg: RunConfig) -> None:
             "kind=validate, throughput",
         ),
         (
-            p.overlap,
-            "parallel.overlap=true (its deferred weight gradients run Python in backward)",
-            "parallel.overlap=false",
-        ),
-        (
             t.recompute != "none",
             f"train.recompute={t.recompute} (recompute's checkpoints are not compiled here)",
             "train.recompute=none",
         ),
         (
-            p.sp and p.tp > 1 and p.sp_regather,
-            "parallel.sp_regather=true (SP's re-gather saves through saved_tensors_hooks, a graph break)",
-            "parallel.sp_regather=false",
+            p.sp and p.tp > 1 and p.sp_regather and not p.overlap,
+            "parallel.sp_regather=true (SP's re-gather saves through saved_tensors_hooks, a graph break)"
+            " and parallel.overlap=false",
+            "parallel.sp_regather=false, or parallel.overlap=true",
         ),
         (cfg.launch.emulate != "none", f"launch.emulate={cfg.launch.emulate}", "launch.emulate=none"),
     ]

@@ -98,7 +98,7 @@ def build_parallel(
     )
     place(pm.module, ctx.device, param_dtype(cfg))
     if cfg.train.compile:
-        apply_compile(pm.module)
+        apply_compile(pm.module, between_linears=cfg.parallel.overlap)
     return pm
 
 

@@ -288,18 +288,31 @@ def apply_sp_edges(model: MiniMindForCausalLM, ctx: ParallelContext) -> None:
     _wrap(model.model.norm, after=lambda x: comm.gather_from_sp_region_replicated(x, group))
 
 
-def apply_compile(model: MiniMindForCausalLM) -> None:
+def apply_compile(model: MiniMindForCausalLM, between_linears: bool = False) -> None:
     """train.compile: each block compiled on its own, in place, as torchtitan does (the names of the
     parameters stay). fullgraph: a graph break is an error, not a silent fallback to eager. The blocks'
     collectives go into the graph as tpbench's registered custom ops (tpbench.parallel.comm), so they
     are counted as without compile. The blocks share one compiled graph (their parameters are its
     inputs). Graphs compiled earlier in this process, for another model, are dropped first (a test
     launch builds many), so that each model compiles within Dynamo's recompile limit, and Dynamo's
-    counters restart (validate reports its graphs and graph breaks)."""
+    counters restart (validate reports its graphs and graph breaks).
+
+    between_linears (parallel.overlap): what lies between each block's linears is compiled instead,
+    its norms, the attention core (rope, GQA's repeat, SDPA) and SwiGLU, and the linears and their
+    collectives stay eager: overlap's backward launches a collective, runs the deferred weight
+    gradients (Python) and waits, an order a compiled backward graph would not keep. SP's re-gather
+    saves through saved_tensors_hooks outside these pieces, so it needs no sp_regather=false."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     for block in model.model.layers:
-        block.compile(fullgraph=True)
+        if not between_linears:
+            block.compile(fullgraph=True)
+            continue
+        attn, mlp = block.self_attn, block.mlp
+        for norm in (block.input_layernorm, block.post_attention_layernorm, attn.q_norm, attn.k_norm):
+            norm.compile(fullgraph=True)
+        attn.core = torch.compile(attn.core, fullgraph=True)
+        mlp.act = torch.compile(mlp.act, fullgraph=True)
 
 
 # --- pieces ------------------------------------------------------------------------------------
