@@ -133,15 +133,6 @@ class Attention(nn.Module):
         q = self.q_norm(q.view(s, b, -1, d))  # [S, B, Nq, D]
         k = self.k_norm(self.k_proj(x).view(s, b, -1, d))  # [S, B, Nkv, D]
         v = self.v_proj(x).view(s, b, -1, d)  # [S, B, Nkv, D]
-        return self.o_proj(self.core(q, k, v, cos, sin))  # [S, B, H]
-
-    def core(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        """Rope, GQA's repeat and causal attention, between the projections: q [S, B, Nq, D], k and v
-        [S, B, Nkv, D] -> [S, B, Nq*D]. No weights and no collectives (under train.compile with
-        parallel.overlap, a compiled region of its own)."""
-        s, b, _, d = q.shape
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         n_rep = q.shape[2] // k.shape[2]
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
@@ -150,10 +141,11 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(d)  # [B, N, S, S]
-            causal = torch.full((s, s), float("-inf"), device=q.device).triu(1)
+            causal = torch.full((s, s), float("-inf"), device=x.device).triu(1)
             probs = F.softmax(scores.float() + causal, dim=-1).type_as(q)
             out = probs @ v  # [B, N, S, D]
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [S, B, N*D]
+        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [S, B, N*D]
+        return self.o_proj(out)  # [S, B, H]
 
 
 class FeedForward(nn.Module):

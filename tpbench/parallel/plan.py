@@ -297,11 +297,12 @@ def apply_compile(model: MiniMindForCausalLM, between_linears: bool = False) -> 
     launch builds many), so that each model compiles within Dynamo's recompile limit, and Dynamo's
     counters restart (validate reports its graphs and graph breaks).
 
-    between_linears (parallel.overlap): what lies between each block's linears is compiled instead,
-    its norms, the attention core (rope, GQA's repeat, SDPA) and SwiGLU, and the linears and their
-    collectives stay eager: overlap's backward launches a collective, runs the deferred weight
-    gradients (Python) and waits, an order a compiled backward graph would not keep. SP's re-gather
-    saves through saved_tensors_hooks outside these pieces, so it needs no sp_regather=false."""
+    between_linears (parallel.overlap): each block's norms and SwiGLU are compiled instead, and the
+    linears and their collectives stay eager: overlap's backward launches a collective, runs the
+    deferred weight gradients (Python) and waits, an order a compiled backward graph would not keep.
+    The attention core (RoPE, SDPA) stays eager too: cut out of Attention.forward as a function of
+    its own, its tensors would live otherwise than tpbench.theory counts them. SP's re-gather saves
+    through saved_tensors_hooks outside these pieces, so it needs no sp_regather=false."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     for block in model.model.layers:
@@ -311,7 +312,6 @@ def apply_compile(model: MiniMindForCausalLM, between_linears: bool = False) -> 
         attn, mlp = block.self_attn, block.mlp
         for norm in (block.input_layernorm, block.post_attention_layernorm, attn.q_norm, attn.k_norm):
             norm.compile(fullgraph=True)
-        attn.core = torch.compile(attn.core, fullgraph=True)
         mlp.act = torch.compile(mlp.act, fullgraph=True)
 
 
