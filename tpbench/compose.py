@@ -32,8 +32,7 @@ from tpbench.db import driver_missing
 from tpbench.emulation import EMULATED_KINDS, FLAVOURS
 from tpbench.experiments import KINDS
 from tpbench.faults import FAULTS
-from tpbench.parallel.checks import ConfigError, check_shardable
-from tpbench.parallel.dtensor import check_dtensor_shardable
+from tpbench.parallel.checks import ConfigError, check_dtensor_shardable, check_shardable
 
 # Short names for the keys people type most; any full key of `tpbench run --cfg` works as well.
 SHORT_NAMES = {

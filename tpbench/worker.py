@@ -9,6 +9,7 @@ through torch elastic's error file (`@record`).
 from __future__ import annotations
 
 import ctypes
+import gc
 import math
 import os
 import resource
@@ -46,7 +47,11 @@ def main(job_dir: Path) -> None:
         )
     _cap_memory(cfg, device)
     faults.before_experiment(cfg, rank, device)
-    result = experiment(cfg.kind)(cfg)
+    run = experiment(cfg.kind)
+    # what the imports made lives as long as the process: moved out of the cycle collector's way, a
+    # collection (memory.run's before its measured steps) scans only what the run made, in ms not 0.2 s
+    gc.freeze()
+    result = run(cfg)
     faults.after_experiment(cfg, result)
     if emulation.emulated(cfg):
         (job_dir / "results").mkdir(exist_ok=True)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tpbench.config import RunConfig
-from tpbench.models.minimind import default_intermediate_size
+from tpbench.config import ModelConfig, ParallelConfig, RunConfig
+from tpbench.models.minimind import MiniMindConfig, default_intermediate_size
 
 
 class ConfigError(ValueError):
@@ -71,4 +71,21 @@ def check_shardable(cfg: RunConfig) -> None:
     if t.batch == "fixed_global" and t.global_batch % p.dp:
         raise ConfigError(
             f"train.global_batch={t.global_batch} is not divisible by parallel.dp={p.dp} under fixed_global"
+        )
+
+
+def check_dtensor_shardable(model: ModelConfig | MiniMindConfig, pcfg: ParallelConfig) -> None:
+    """Raise ConfigError (one line) for what this engine cannot express; callable before launch."""
+    tp, kv = pcfg.tp, model.num_key_value_heads
+    if pcfg.engine != "dtensor" or tp == 1:
+        return
+    if kv % tp:
+        raise ConfigError(
+            f"parallel.engine=dtensor with model.num_key_value_heads={kv}, parallel.tp={tp}: accepted are "
+            f"tp dividing the KV heads (ColwiseParallel cannot replicate them)"
+        )
+    if pcfg.vp and model.vocab_size % tp:
+        raise ConfigError(
+            f"parallel.engine=dtensor vp=true with model.vocab_size={model.vocab_size}: accepted are vocab "
+            f"sizes divisible by parallel.tp={tp} (this engine does not pad the vocab)"
         )

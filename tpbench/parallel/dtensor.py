@@ -58,31 +58,14 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from tpbench.config import ModelConfig, ParallelConfig
-from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, MiniMindForCausalLM
+from tpbench.config import ParallelConfig
+from tpbench.models.minimind import IGNORE_INDEX, MiniMindForCausalLM
 from tpbench.parallel import comm
-from tpbench.parallel.checks import ConfigError
+from tpbench.parallel.checks import check_dtensor_shardable
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.plan import Layout, plan_layouts
 
 GRAD_SUMS = ("qk_norm", "sp_norms", "dp")  # what `skip_grad_sum` may switch off, to prove it is needed
-
-
-def check_dtensor_shardable(model: ModelConfig | MiniMindConfig, pcfg: ParallelConfig) -> None:
-    """Raise ConfigError (one line) for what this engine cannot express; callable before launch."""
-    tp, kv = pcfg.tp, model.num_key_value_heads
-    if pcfg.engine != "dtensor" or tp == 1:
-        return
-    if kv % tp:
-        raise ConfigError(
-            f"parallel.engine=dtensor with model.num_key_value_heads={kv}, parallel.tp={tp}: accepted are "
-            f"tp dividing the KV heads (ColwiseParallel cannot replicate them)"
-        )
-    if pcfg.vp and model.vocab_size % tp:
-        raise ConfigError(
-            f"parallel.engine=dtensor vp=true with model.vocab_size={model.vocab_size}: accepted are vocab "
-            f"sizes divisible by parallel.tp={tp} (this engine does not pad the vocab)"
-        )
 
 
 # --- the plan ----------------------------------------------------------------------------------
