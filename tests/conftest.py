@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import os
 import pwd
@@ -98,6 +99,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     BESIDE.tmp = session.config._tmp_path_factory  # the tmp_path_factory fixture's own
     if not session.config.option.collectonly:
         BESIDE.start_for(session.items)
+    # What the imports and the collection made lives for the session: out of the cycle collector's way,
+    # memory.run's gc.collect (the in-process emulated ranks) scans only what the tests made (0.3 s -> ms)
+    gc.freeze()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

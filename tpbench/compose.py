@@ -135,11 +135,16 @@ def expand(overrides: Sequence[str], single: bool = False) -> list[RunConfig]:
     _check_added_keys(user)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         fixed = [_as_string(o) for o in user if not o.is_sweep_override()]
-        params = _compose(fixed, typed, hydra=True).hydra.sweeper.params or {}
+        params = {}
+        if any(o.key_or_group.split(".")[0] in ("preset", "hydra") for o in user):
+            # a preset's sweep is in its hydra.sweeper.params: composed once more, with Hydra's own
+            # config (0.3 s, only when there is one to read)
+            params = _compose(fixed, typed, hydra=True).hydra.sweeper.params or {}
         preset = _parse(parser, [f"{key}={value}" for key, value in params.items()])
         _check_booleans(preset + user)
         (combos,) = BasicSweeper.split_arguments(preset + user, None)
         if single and len(combos) > 1:
+            _compose(fixed, typed)  # a bad fixed value is named before the sweep is refused
             raise ConfigError(
                 f"{' '.join(overrides)}: a sweep of {len(combos)} configs, `tpbench run` runs one: "
                 f"use `tpbench sweep` with the same overrides"
