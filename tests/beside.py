@@ -4,10 +4,14 @@
     def validated(folder: Path) -> dict:  # the module fixture `validated`: job(a fresh folder)
         return torchrun(...)
 
-Every such job runs in one thread beside the tests, one after another, in the order the session's tests
-first need them (conftest.py starts them once the session has collected). A torchrun job then computes
-on both cores while a test in this process uses one, and a fault's timeout is waited out while other
-tests run. A job no selected test needs never starts; a test that needs one before it started starts it.
+    @beside(waits=True)
+    def faulted(folder: Path) -> ...:  # a job that spends most of its time waiting out timeouts
+
+Every such job runs in a thread beside the tests, one after another in its lane, in the order the
+session's tests first need them (conftest.py starts them once the session has collected). A torchrun
+job then computes on both cores while a test in this process uses one. Jobs that mostly wait (a hang
+waiting out its collective timeout) have a lane of their own, so that their waiting leaves no core idle.
+A job no selected test needs never starts; a test that needs one before it started starts it.
 """
 
 from __future__ import annotations
@@ -21,14 +25,19 @@ import pytest
 
 class Beside:
     def __init__(self) -> None:
-        self.jobs: dict[str, Callable[[Path], object]] = {}  # "module::fixture name" -> job
+        self.jobs: dict[str, tuple[Callable[[Path], object], str]] = {}  # "module::fixture" -> job, lane
         self.futures: dict[str, Future] = {}
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="beside")
+        self.lanes = {
+            lane: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"beside-{lane}")
+            for lane in ("computes", "waits")
+        }
         self.tmp: pytest.TempPathFactory  # pytest's own, set once the session has collected
 
-    def fixture(self, job: Callable[[Path], object]):
+    def fixture(self, job: Callable[[Path], object] | None = None, *, waits: bool = False):
+        if job is None:  # @beside(waits=True)
+            return lambda job: self.fixture(job, waits=waits)
         key = f"{job.__module__}::{job.__name__}"
-        self.jobs[key] = job
+        self.jobs[key] = job, "waits" if waits else "computes"
 
         @pytest.fixture(scope="module", name=job.__name__)
         def value():
@@ -38,7 +47,8 @@ class Beside:
 
     def start(self, key: str) -> None:
         if key not in self.futures:
-            self.futures[key] = self.pool.submit(self.jobs[key], self.tmp.mktemp(key.split("::")[1]))
+            job, lane = self.jobs[key]
+            self.futures[key] = self.lanes[lane].submit(job, self.tmp.mktemp(key.split("::")[1]))
 
     def result(self, key: str) -> object:
         self.start(key)
@@ -51,6 +61,10 @@ class Beside:
             for name in getattr(item, "fixturenames", ()):
                 if f"{module}::{name}" in self.jobs:
                     self.start(f"{module}::{name}")
+
+    def shutdown(self) -> None:
+        for lane in self.lanes.values():
+            lane.shutdown(cancel_futures=True)  # the job under way ends first
 
 
 BESIDE = Beside()

@@ -105,7 +105,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    BESIDE.pool.shutdown(cancel_futures=True)  # the job under way ends first
+    BESIDE.shutdown()
 
 
 # -- PostgreSQL: one real server for the session, a fresh database per test ---------------------------

@@ -173,7 +173,7 @@ FAULTS = "raise_on_rank1,kill_on_rank1,hang_on_rank1,oom_on_rank1,print_flood,bi
 COLLECTIVE_TIMEOUT_S = 8
 
 
-@beside
+@beside(waits=True)
 def faulted(folder: Path) -> tuple[Workdir, subprocess.CompletedProcess]:
     """One sweep over every fault: it must go on past each failure."""
     work = Workdir(folder)
@@ -245,7 +245,7 @@ def test_faults_leave_no_worker_and_a_sound_database(faulted):
 SUBGROUP_HANGS = "hang_in_tp_group,hang_in_dp_group,hang_in_kv_group"
 
 
-@beside
+@beside(waits=True)
 def hung_in_subgroups(folder: Path) -> tuple[Workdir, subprocess.CompletedProcess]:
     work = Workdir(folder)
     done = work.run(
