@@ -197,7 +197,12 @@ CHECKS |= odd_shapes(8)
 def measured(folder: Path) -> dict:
     checks = {name: SMALL + overrides for name, overrides in CHECKS.items()}
     return torchrun(
-        Path(__file__).parent / "torchrun_checks.py", 4, folder / "theory.json", "memory", checks=checks
+        Path(__file__).parent / "torchrun_checks.py",
+        4,
+        folder / "theory.json",
+        "memory",
+        "remeasure_unequal",
+        checks=checks,
     )
 
 
@@ -223,9 +228,15 @@ def test_ddp_counts_one_all_reduce_per_bucket(measured):
 def test_peak_memory_is_predicted_to_the_byte(measured, name):
     """The model counts tensors, as MemTracker does: every rank's peak, to the byte (the loss scalar
     and the VP loss's [S, B] bookkeeping included). (A jitter of a few KB on a random rank was gloo's
-    worker freeing collectives' tensors late: comm.settling.)"""
+    worker freeing collectives' tensors late: comm.settling. What is left of it, rarely, on a loaded
+    machine is measured once more: tests/torchrun_checks.py suite_memory.)"""
     predicted = theory.predict(config(name)).peak_bytes
     assert [rank["peak"] for rank in measured[name]] == [predicted] * len(measured[name])
+
+
+def test_few_configs_measure_unequal_ranks_at_first(measured):
+    """A late free is rare and random; a config measured again for it is listed, and there are few."""
+    assert len(measured["_remeasured"]) <= len(CHECKS) // 8, measured["_remeasured"]
 
 
 def test_the_peak_moments_are_the_ones_measured(measured):

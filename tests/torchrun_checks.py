@@ -359,19 +359,32 @@ def suite_validate() -> dict:
     return results
 
 
-def suite_memory() -> dict:
-    """The memory experiment per config: every rank's measured peak and counted collectives."""
-    results = {}
+def suite_memory(*flags: str) -> dict:
+    """The memory experiment per config: every rank's measured peak and counted collectives.
+
+    With the flag `remeasure_unequal` (the theory launch, where every rank of every config must measure
+    the model's peak): a config whose ranks measured unequal peaks is measured once more, and listed
+    under "_remeasured" for the test to bound. On a loaded machine a tensor is now and then freed a
+    moment late, behind an op that should have seen it free: a few KB more on one random rank (seen
+    in 1 of 30 configs at tp 4 with the two cores oversubscribed, 0 of 30 without). A wrong
+    prediction measures the same again, and still fails."""
+    results, remeasured = {}, []
     for name, overrides in json.loads(os.environ["TPBENCH_CHECKS"]).items():
-        r = memory.run(run_config(overrides))
-        mine = {
-            "peak": next(m.value for m in r.measurements if m.name == "peak_bytes"),
-            "breakdown": {m.name: m.value for m in r.measurements if m.name.startswith("mem_")},
-            "comm": sorted([c.op, c.purpose, c.count, c.bytes] for c in r.comm),
-        }
-        ranks = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, mine)
+        for attempt in (0, 1):
+            r = memory.run(run_config(overrides))
+            mine = {
+                "peak": next(m.value for m in r.measurements if m.name == "peak_bytes"),
+                "breakdown": {m.name: m.value for m in r.measurements if m.name.startswith("mem_")},
+                "comm": sorted([c.op, c.purpose, c.count, c.bytes] for c in r.comm),
+            }
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+            if attempt or "remeasure_unequal" not in flags or len({rank["peak"] for rank in ranks}) == 1:
+                break
+            remeasured.append({"name": name, "peaks": [rank["peak"] for rank in ranks]})
         results[name] = ranks
+    if "remeasure_unequal" in flags:
+        results["_remeasured"] = remeasured
     return results
 
 
@@ -433,11 +446,11 @@ SUITES = {
 
 
 def main() -> None:
-    out_path, suite = sys.argv[1], sys.argv[2]
+    out_path, suite, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     gc.freeze()  # as tpbench.worker does: memory.run's gc.collect() then scans only what the run made
-    results = SUITES[suite]()
+    results = SUITES[suite](*flags)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

@@ -6,6 +6,12 @@ the job folder. The job folder holds the resolved config, the workers' pid files
 error files, and the rank results. A job ends OK, FAILED, OOM, TIMEOUT (a collective past
 launch.collective_timeout_s, or a worker past launch.job_timeout_s) or INTERRUPTED (Ctrl-C), with the
 first failing rank and its message. The parent alone writes the database, from the `Outcome`.
+
+Workers are fresh processes (torch elastic's subprocess context), each importing torch (2.4 s of CPU
+here). Forking them from a preloaded forkserver (a function entrypoint) would save that, but torch
+elastic's multiprocessing context reports one failed process only, the first that
+torch.multiprocessing's join finds ended, while naming the first failing rank needs every rank's exit
+code: a rank killed by a signal leaves no error file, and its peers fail after it with theirs.
 """
 
 from __future__ import annotations
