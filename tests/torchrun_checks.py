@@ -362,8 +362,8 @@ def suite_validate() -> dict:
 def suite_memory(*flags: str) -> dict:
     """The memory experiment per config: every rank's measured peak and counted collectives.
 
-    With the flag `remeasure_unequal` (the theory launch, where every rank of every config must measure
-    the model's peak): a config whose ranks measured unequal peaks is measured once more, and listed
+    With the flag `remeasure_unequal` (the theory and emulation launches, where ranks are compared
+    byte for byte): a config whose ranks measured unequal peaks is measured once more, and listed
     under "_remeasured" for the test to bound. On a loaded machine a tensor is now and then freed a
     moment late, behind an op that should have seen it free: a few KB more on one random rank (seen
     in 1 of 30 configs at tp 4 with the two cores oversubscribed, 0 of 30 without). A wrong

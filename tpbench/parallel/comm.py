@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from tpbench.results import CommRow
 
@@ -148,7 +151,14 @@ def settling() -> Iterator[None]:
     gathered [S, B, H] freed after the LM head's next op made MemTracker's peak 12.5-14 KB higher on one
     random rank in a few percent of steps (tp 4, SP + VP). Inside, waiting on a collective (a blocking
     one, or `Pending.wait()`) also waits for the worker to drop them (microseconds), so every rank
-    frees at the same op."""
+    frees at the same op.
+
+    gloo's reduce-scatter also makes a tensor of its own: it all-reduces a clone of the input, and its
+    wait(), on the caller's thread, copies this rank's chunk out of it (the chunk is the op a memory
+    tracker sees). The worker drops its reference to the clone a moment after the all-reduce, so the
+    clone too outlived the wait now and then: a [S, B, H] 16 KB more at the final norm's backward on
+    one random rank, in 7 of 10 steps on a faster CPU (dp 2 x tp 2, SP + VP). Every storage the wait
+    makes visible is waited on as well, until it is freed or is the result's."""
     global _settling
     previous, _settling = _settling, True
     try:
@@ -157,9 +167,32 @@ def settling() -> Iterator[None]:
         _settling = previous
 
 
-def _settle(tensors: tuple[torch.Tensor, ...], before: tuple[int, ...]) -> None:
+class _Made(TorchDispatchMode):
+    """Weak references to the storages of what ops return while it is on (a backend's wait())."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.storages.append(weakref.ref(t.untyped_storage()))
+        return out
+
+
+def _settle(tensors: tuple[torch.Tensor, ...], before: tuple[int, ...], made: list[weakref.ref]) -> None:
+    """Until the backend holds no more references to `tensors` than before the collective, and the
+    storages its wait made (`made`) are freed, bar the result's."""
     deadline = time.perf_counter() + 1.0  # never hangs: a backend that keeps them longer is let be
-    held = lambda: any(t._use_count() > n for t, n in zip(tensors, before, strict=True))  # noqa: E731
+    kept = {t.untyped_storage()._cdata for t in tensors}
+
+    def held() -> bool:
+        if any(t._use_count() > n for t, n in zip(tensors, before, strict=True)):
+            return True
+        return any((s := ref()) is not None and s._cdata not in kept for ref in made)
+
     while held() and time.perf_counter() < deadline:
         time.sleep(0)
 
@@ -227,11 +260,13 @@ def _launch(
 
     def finish() -> None:
         waiting = time.perf_counter()
-        work.pop().wait()
+        made = _Made() if settle else contextlib.nullcontext()
+        with made:
+            work.pop().wait()
         if timed and x.is_cuda:
             torch.cuda.synchronize(x.device)
         if settle:
-            _settle(held, before)
+            _settle(held, before, made.storages)
         if counter is not None:
             end = time.perf_counter()
             if done and done[0] == math.inf:
