@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -24,6 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from tpbench.config import ParallelConfig, RunConfig
@@ -222,7 +225,9 @@ def check_step_ops(ctx: ParallelContext) -> dict[str, float]:
 
 def check_settling(ctx: ParallelContext) -> dict[str, int]:
     """How often a collective's tensors are still held by gloo's worker thread when the call returns,
-    in 300 all-gathers and all-reduces of fresh tensors, without and with comm.settling."""
+    in 300 all-gathers and all-reduces of fresh tensors, without and with comm.settling; and how often
+    the clone a reduce-scatter all-reduces, which its wait copies this rank's chunk out of, is still
+    alive then, in 300 reduce-scatters."""
 
     def held(overlapped: bool = False) -> int:
         n = 0
@@ -238,9 +243,40 @@ def check_settling(ctx: ParallelContext) -> dict[str, int]:
             n += max(out._use_count(), x._use_count(), y._use_count()) > 1
         return n
 
-    unsettled = held()
+    def clones_alive() -> int:  # gloo's reduce-scatter all-reduces a clone of its input
+        n = 0
+        for _ in range(300):
+            x = torch.randn(8 * ctx.tp, 64)
+            with _Made() as made:
+                out = comm.reduce_scatter(x, ctx.tp_group, "test")
+            mine = {x.untyped_storage()._cdata, out.untyped_storage()._cdata}
+            n += any((st := ref()) is not None and st._cdata not in mine for ref in made.storages)
+        return n
+
+    unsettled, clones = held(), clones_alive()
     with comm.settling():
-        return {"unsettled": unsettled, "settled": held(), "settled_async": held(overlapped=True)}
+        return {
+            "unsettled": unsettled,
+            "settled": held(),
+            "settled_async": held(overlapped=True),
+            "unsettled_clones": clones,
+            "settled_clones": clones_alive(),
+        }
+
+
+class _Made(TorchDispatchMode):
+    """Weak references to the storages of every tensor an op returns while on."""
+
+    def __enter__(self) -> _Made:
+        self.storages = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.storages.append(weakref.ref(t.untyped_storage()))
+        return out
 
 
 def check_async_timing(ctx: ParallelContext) -> dict[str, float]:
