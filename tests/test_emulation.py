@@ -49,13 +49,11 @@ MODES = {
 
 @beside
 def real_job(folder: Path) -> dict:
-    """Every rank's peak and collectives in real torchrun jobs (gloo, 4 processes). A config whose ranks
-    measured unequal peaks is measured once more: the dtensor engine's functional collectives are not
-    tpbench's, which wait for gloo's worker to let go of their tensors (comm.settling), and one of its
-    SP shards is now and then freed late (4 KB more on one rank, in 2 to 3 of 30 steps)."""
+    """Every rank's peak and collectives in real torchrun jobs (gloo, 4 processes)."""
     checks = {name: SMALL + overrides for name, overrides in MODES.items()}
-    script = Path(__file__).parent / "torchrun_checks.py"
-    return torchrun(script, 4, folder / "real.json", "memory", "remeasure_unequal", checks=checks)
+    return torchrun(
+        Path(__file__).parent / "torchrun_checks.py", 4, folder / "real.json", "memory", checks=checks
+    )
 
 
 def emulate(name: str, flavour: str, rank: int | None) -> dict:

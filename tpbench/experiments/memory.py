@@ -13,6 +13,7 @@ import contextlib
 import gc
 
 import torch
+import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -36,11 +37,40 @@ CATEGORIES = {
 }
 
 
+# functional ops that issue no collective
+_NOT_ISSUING = {
+    torch.ops._c10d_functional.wait_tensor.default,
+    torch.ops._c10d_functional._wrap_tensor_autograd.default,
+}
+
+
 class PeakTracker(MemTracker):
     """MemTracker keeping the device's peak and its split by category, not each module's: its
     per-module peaks cost time quadratic in depth (135 s a step at L 32), and tpbench reads none.
     Its module hooks stay MemTracker's own: hooks that skipped its per-module snapshots measured
     2.5-12.5 KB more on some ranks (tp 4, SP + VP) than MemTracker does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._settle = dist.is_initialized() and dist.get_backend() == "gloo"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """As MemTracker; over gloo, a functional collective (the dtensor engine's) is waited on as it
+        is issued, and returns once gloo's worker has let go of its inputs, as tpbench's own blocking
+        collectives do inside comm.settling (see there). Its input, often dropped by the caller right
+        after (the final norm's output shard, gathered for the LM head), was otherwise freed whenever
+        that thread next ran: 4 KB more on one rank in 2-3 of 30 steps (tp 4, SP). Its later wait
+        finds it done. Waited at first use instead, with its inputs held to then, the peak moved."""
+        if not self._settle or func.namespace != "_c10d_functional" or func in _NOT_ISSUING:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        inputs = tuple(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        before = tuple(t._use_count() for t in inputs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                torch.ops._c10d_functional.wait_tensor(t)
+        comm.settle_released(inputs, before)
+        return out
 
     def _update_peak_stats(self, peak_state) -> None:
         for device, snapshot in self._curr_mem_snap.items():

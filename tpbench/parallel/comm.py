@@ -27,7 +27,7 @@ import math
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -182,7 +182,9 @@ class _Made(TorchDispatchMode):
         return out
 
 
-def _settle(tensors: tuple[torch.Tensor, ...], before: tuple[int, ...], made: list[weakref.ref]) -> None:
+def settle_released(
+    tensors: tuple[torch.Tensor, ...], before: tuple[int, ...], made: Sequence[weakref.ref] = ()
+) -> None:
     """Until the backend holds no more references to `tensors` than before the collective, and the
     storages its wait made (`made`) are freed, bar the result's."""
     deadline = time.perf_counter() + 1.0  # never hangs: a backend that keeps them longer is let be
@@ -266,7 +268,7 @@ def _launch(
         if timed and x.is_cuda:
             torch.cuda.synchronize(x.device)
         if settle:
-            _settle(held, before, made.storages)
+            settle_released(held, before, made.storages)
         if counter is not None:
             end = time.perf_counter()
             if done and done[0] == math.inf:
