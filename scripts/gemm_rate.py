@@ -1,13 +1,21 @@
-"""Single-core fp32 GEMM rate at the TP step's shapes (H 768, heads 8/4, I 2048, V 6400, T 2, N = S*B = 1024):
-the rate behind the README's GEMM limit. Run: OMP_NUM_THREADS=1 python scripts/gemm_rate.py"""
+"""Single-core GEMM rate at the TP step's shapes (H 768, heads 8/4, I 2432 as MiniMind makes it from H,
+V 6400, T 2, N = S*B = 1024): in fp32, the rate behind the README's GEMM limit.
+Run: OMP_NUM_THREADS=1 python scripts/gemm_rate.py [--dtype bfloat16]"""
 
+import argparse
 import statistics
 import time
 
 import torch
 
+from tpbench.models.minimind import default_intermediate_size
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+dtype = getattr(torch, parser.parse_args().dtype)
 torch.set_num_threads(1)
-N, H, I, V, T = 1024, 768, 2048, 6400, 2  # noqa: E741
+N, H, V, T = 1024, 768, 6400, 2
+I = default_intermediate_size(H)  # noqa: E741
 shapes = {
     "qkv (q)": (N, H, H // T),
     "o": (N, H // T, H),
@@ -17,7 +25,7 @@ shapes = {
 }
 rates = {}
 for name, (m, k, n) in shapes.items():
-    a, b = torch.randn(m, k), torch.randn(k, n)
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     for _ in range(3):
         a @ b
     ts = []

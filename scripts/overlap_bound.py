@@ -1,5 +1,6 @@
 """What pipelining a collective with its GEMM (Megatron's userbuffers, PyTorch's async TP) can hide on
-this machine: gloo, two ranks, one core each, at the TP step's shapes (H 768, I 2048, T 2, N = S*B = 1024).
+this machine: gloo, two ranks, one core each, at the TP step's shapes (H 768, I 2432 as MiniMind makes it
+from H, T 2, N = S*B = 1024).
 
 - TP's row-parallel exit: down's GEMM [N, I/T] x [I/T, H], then the all-reduce of its output; pipelined,
   the GEMM runs in row chunks and each chunk's all-reduce is launched as soon as the chunk is made.
@@ -23,7 +24,10 @@ import time
 import torch
 import torch.distributed as dist
 
-N, H, I, T = 1024, 768, 2048, 2  # noqa: E741
+from tpbench.models.minimind import default_intermediate_size
+
+N, H, T = 1024, 768, 2
+I = default_intermediate_size(H)  # noqa: E741
 
 
 def row_exit_blocking(x, w):
