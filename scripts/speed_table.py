@@ -67,7 +67,9 @@ def main(log_path: str, db_path: str) -> None:
     rates = [float(t) for k, t in events if k == "RATE"]
     print(f"GEMM rate, {len(rates)} measurements: {min(rates):.1f}-{max(rates):.1f} GFLOP/s, ", end="")
     print(f"median {st.median(rates):.1f}")
-    print("| mode | setting | step (s), median | the runs | of GEMM limit | of tron's TP step |", end="")
+    reps = len(rows[("tp", "fused AdamW")])
+    print(f"| mode | setting | step (s), median of {reps} | the {reps} runs | of GEMM limit |", end="")
+    print(" of tron's TP step |", end="")
     print(" comm / step | comm hidden |\n|---|---|---|---|---|---|---|---|")
     for (mode, setting), rs in rows.items():
         rs.sort(key=lambda r: r["rep"])
