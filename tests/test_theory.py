@@ -125,6 +125,26 @@ CHECKS = {
         "model.tie_word_embeddings=false",
         "train.fused_optimizer=true",
     ],
+    # few tokens beside the weights (small S): the weight gradients' moments. AdamW's CPU loop holds
+    # the previous tensor's denominator beside the next one's two temporaries (equal MLP shards in a
+    # row); down_proj's backward, the top block's first, with its H x I weight gradient; under mixed
+    # precision the fp32 cast of that gradient, or of the LM head's, beside the bf16 one
+    "t4_tp_vp_v128_s4": ["parallel.tp=4", VP, "model.vocab_size=128", "train.seq_len=4"],
+    "ddp_dp4_s16_fp32_v256": [
+        *DDP,
+        "parallel.dp=4",
+        "train.dtype=float32",
+        "train.seq_len=16",
+        "model.vocab_size=256",
+    ],
+    "ddp_dp4_s4_mixed": [*DDP, "parallel.dp=4", "train.seq_len=4", "train.precision=mixed"],
+    "ddp_dp4_s4_mixed_v256": [
+        *DDP,
+        "parallel.dp=4",
+        "train.seq_len=4",
+        "train.precision=mixed",
+        "model.vocab_size=256",
+    ],
     # the seed's benchmark loss under VP: no vocab-parallel cross entropy, none of its all-reduces
     "t4_tp_sp_vp_logits_mean": ["parallel.tp=4", SP, VP, "train.loss=logits_mean"],
     # train.keep_output (the benchmarks' `output` held to the step's end): minimind-tron's re-gather
@@ -245,9 +265,10 @@ def test_the_peak_moments_are_the_ones_measured(measured):
     recompute: the bottom block's backward, and its softmax's with manual attention; mixed precision
     with selective recompute: the top SwiGLU's backward; odd shapes with a narrow MLP: the top block's
     post-attention norm's and k_norm's backward; an untied embedding under the fused AdamW, which makes
-    no temporaries: the embedding's backward), so the test above checks each moment, not only the
-    loss. (The vocab-parallel loss's backward, the top MLP's at gate_proj and q_norm's are derived the
-    same way; no config here peaks there.)"""
+    no temporaries: the embedding's backward; few tokens: AdamW's loop, down_proj's backward and, mixed,
+    its weight gradient's or the head's cast to fp32), so the test above checks each moment, not only
+    the loss. (The vocab-parallel loss's backward, the top MLP's at gate_proj and q_norm's are derived
+    the same way; no config here peaks there, nor at down_proj's moments under TP.)"""
     names = {theory.predict(config(n)).peak.name for n in CHECKS}
     assert names == {
         "loss",
@@ -262,6 +283,10 @@ def test_the_peak_moments_are_the_ones_measured(measured):
         "backward end",
         "embedding backward",
         "gradient sums",
+        "optimizer",
+        "down_proj backward",
+        "down_proj weight cast's backward",
+        "head weight cast's backward",
     }
 
 

@@ -7,7 +7,11 @@ so the peak is the largest of a few moments (`Prediction.moments`):
                 logits live only while the loss runs: the training step does not keep them);
   loss backward the vocab-parallel loss's backward: the logits it keeps, becoming their gradient;
   head backward the LM head's backward: the logits' and the head weight's gradients;
+  head weight cast's backward  mixed precision: that gradient cast to fp32 beside the bf16 one;
   final norm backward  the final RMSNorm's fp32 backward temporaries;
+  down_proj backward   the top block's first matmul backward, its H x I weight gradient made (mixed:
+                then cast to fp32, beside the bf16 one): the peak where few tokens meet the weights;
+  swiglu backward      the top block's SwiGLU backward, at silu's;
   mlp backward  the top block's SwiGLU backward, at gate_proj's weight gradient;
   recomputed block     full recompute: the top and the bottom block's backward, their forward run
                 again (the top one beside every block input, the bottom one beside most gradients);
@@ -15,7 +19,8 @@ so the peak is the largest of a few moments (`Prediction.moments`):
   backward end  a tied embedding's two gradients and their sum, beside all the others;
   embedding backward  an untied one's: its gradient made from the stream's, beside all the others;
   gradient sums megatron with DP: every gradient and a flat copy of them all being all-reduced;
-  optimizer     AdamW: parameters, gradients, both moments and its temporaries (none when fused).
+  optimizer     AdamW: parameters, gradients, both moments and its temporaries (none when fused; on
+                the CPU, one tensor's two beside the previous tensor's denominator).
 Communication is what tpbench.parallel.comm.CommCounter counts: per-rank ring bytes per step.
 
 Notation (per rank, T = tp): S sequence, B sequences per DP rank, N = S*B tokens, H hidden, D head dim,
@@ -481,10 +486,15 @@ def moments(d: Dims) -> list[Moment]:
     if d.sp and d.vp and d.regather:  # the head's input, all-gathered again
         temp += d.p * d.N * d.H
     out.append(Moment("head backward", P, buckets, O, A + LOSS_AND_GRAD, temp))
+    if d.mixed:  # the head's weight gradient cast to fp32, beside its bf16 one and the input's gradient
+        after = A - acts["head input"] - acts["head weight cast"] + LOSS_AND_GRAD
+        cast = d.V_l * d.H * (d.p + d.w) + d.s * d.N * d.H
+        out.append(Moment("head weight cast's backward", P, buckets, O, after, cast))
     out.append(final_norm_backward(d, acts, P, O, buckets, G > 0))
     if d.recompute == "full":
         out += [recomputed_block(d, acts, P, O, buckets, G > 0, i) for i in sorted({d.L - 1, 0})]
     else:
+        out += down_backward(d, acts, P, O, buckets, G > 0)
         out.append(swiglu_backward(d, acts, P, O, buckets, G > 0))
         out.append(post_attention_norm_backward(d, acts, P, O, buckets, G > 0))
         out += [head_norm_backward(d, acts, P, O, buckets, G > 0, name) for name in ("k_norm", "q_norm")]
@@ -507,10 +517,12 @@ def moments(d: Dims) -> list[Moment]:
         out.append(Moment("embedding backward", P, buckets + own, O, kept + LOSS_AND_GRAD - FP32, temps))
     if d.dp > 1 and not d.ddp:  # megatron's DP sum concatenates every gradient into one flat copy
         out.append(Moment("gradient sums", P, buckets + G, O, kept, P))
-    # AdamW on the CPU runs one tensor at a time: sqrt(exp_avg_sq) and its quotient by the bias
-    # correction live together for the largest tensor; foreach (GPU) makes them for all at once; the
-    # fused kernel updates each element in place and makes none
-    adam_temp = 0 if d.fused_adam else P if d.gpu else 2 * max(sizes) * d.w
+    # AdamW on the CPU runs one tensor at a time, in the parameters' order: a tensor's sqrt(exp_avg_sq)
+    # and its quotient by the bias correction live together beside the previous tensor's `denom`, which
+    # the loop's variable holds until the new one is assigned; foreach (GPU) makes them for all at once;
+    # the fused kernel updates each element in place and makes none
+    single = max(2 * n + before for n, before in zip(sizes, [0] + sizes[:-1], strict=True))
+    adam_temp = 0 if d.fused_adam else P if d.gpu else single * d.w
     out.append(Moment("optimizer", P, buckets + G, O, kept, adam_temp))
     return kept_output(d, acts, out) if d.keep_output else out
 
@@ -624,6 +636,37 @@ def swiglu_backward(
     temps = 3 * ffn + d.s * d.Ns * d.H + (d.V_l * d.H * d.w if d.tied else 0)
     grads = top_block_grads(d, done, buckets, own_grads)
     return Moment("swiglu backward", P, grads, optim, after_head(acts) - freed + LOSS_AND_GRAD, temps)
+
+
+def down_backward(
+    d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool
+) -> list[Moment]:
+    """The top block's down_proj backward, the block's first, inside its matmul's backward: down's
+    input gradient [N, I/T] and weight gradient [H, I/T] made, in the matmul's dtype, beside all the
+    step still saves (down's input, and its weight cast under mixed precision, among it). Alive with
+    them: the incoming gradient, the stream's ([Ns, H], in its dtype; mixed, also its cast for down's
+    bf16 output; under SP, g-bar's all-gathered [N, H]) and a tied head's gradient, waiting (a
+    temporary) for the embedding's share. Under mixed precision the weight gradient is then cast to
+    fp32 for the master weight's .grad, in the cast's backward: down's matmul has let go of its input,
+    its weight cast and the cast gradient of its output, and the fp32 weight gradient lives beside the
+    bf16 one. Few tokens beside an H x I weight (small S) make either the peak. Selective recompute
+    has made down's input (and weight cast) again for it, as full recompute does the block's."""
+    ffn, weight = d.p * d.N * d.I_l, d.I_l * d.H
+    incoming = d.s * d.Ns * d.H + (d.p * d.N * d.H if d.sp else 0)
+    temps = ffn + d.p * weight + incoming + (d.V_l * d.H * d.w if d.tied else 0)
+    grads = top_block_grads(d, (), buckets, own_grads)
+    activations = after_head(acts) + LOSS_AND_GRAD
+    if d.recompute == "selective":  # down's input (and weight cast) made again, not kept from forward
+        activations += ffn + (d.p * weight if d.mixed else 0)
+    cast_grad = d.p * d.N * d.H if d.mixed else 0
+    out = [Moment("down_proj backward", P, grads, optim, activations, temps + cast_grad)]
+    if d.mixed:
+        freed = ffn + d.p * weight
+        cast = Moment(
+            "down_proj weight cast's backward", P, grads, optim, activations - freed, temps + d.w * weight
+        )
+        out.append(cast)
+    return out
 
 
 def post_attention_norm_backward(
