@@ -145,6 +145,16 @@ CHECKS = {
         "train.precision=mixed",
         "model.vocab_size=256",
     ],
+    # mixed precision with recompute: the weight casts autocast's cache holds to the forward's end are
+    # gone by a dense loss's backward, and beside its forward (cross entropy's, the logits' mean)
+    "ddp_dp4_s16_mixed_selective": [
+        *DDP,
+        "parallel.dp=4",
+        "train.seq_len=16",
+        "train.precision=mixed",
+        "train.recompute=selective",
+    ],
+    "t4_tp_mixed_full_logits_mean": ["parallel.tp=4", "train.precision=mixed", "train.recompute=full", MEAN],
     # the seed's benchmark loss under VP: no vocab-parallel cross entropy, none of its all-reduces
     "t4_tp_sp_vp_logits_mean": ["parallel.tp=4", SP, VP, "train.loss=logits_mean"],
     # train.keep_output (the benchmarks' `output` held to the step's end): minimind-tron's re-gather
@@ -266,9 +276,10 @@ def test_the_peak_moments_are_the_ones_measured(measured):
     with selective recompute: the top SwiGLU's backward; odd shapes with a narrow MLP: the top block's
     post-attention norm's and k_norm's backward; an untied embedding under the fused AdamW, which makes
     no temporaries: the embedding's backward; few tokens: AdamW's loop, down_proj's backward and, mixed,
-    its weight gradient's or the head's cast to fp32), so the test above checks each moment, not only
-    the loss. (The vocab-parallel loss's backward, the top MLP's at gate_proj and q_norm's are derived
-    the same way; no config here peaks there, nor at down_proj's moments under TP.)"""
+    its weight gradient's or the head's cast to fp32; mixed with recompute, a dense loss's forward
+    beside the forward-only weight casts), so the test above checks each moment, not only the loss.
+    (The vocab-parallel loss's backward, the top MLP's at gate_proj and q_norm's are derived the same
+    way; no config here peaks there, nor at down_proj's moments under TP.)"""
     names = {theory.predict(config(n)).peak.name for n in CHECKS}
     assert names == {
         "loss",
@@ -287,6 +298,7 @@ def test_the_peak_moments_are_the_ones_measured(measured):
         "down_proj backward",
         "down_proj weight cast's backward",
         "head weight cast's backward",
+        "loss forward",
     }
 
 

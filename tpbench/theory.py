@@ -5,6 +5,8 @@ Memory is what torch's MemTracker sees on one rank: the bytes of live tensor sto
 so the peak is the largest of a few moments (`Prediction.moments`):
   loss          the cross entropy, every activation of the forward still saved for backward (the
                 logits live only while the loss runs: the training step does not keep them);
+  loss forward  mixed precision with recompute: a dense loss's forward, beside the weight casts that
+                autocast's cache holds to the forward's end (gone by the loss's backward);
   loss backward the vocab-parallel loss's backward: the logits it keeps, becoming their gradient;
   head backward the LM head's backward: the logits' and the head weight's gradients;
   head weight cast's backward  mixed precision: that gradient cast to fp32 beside the bf16 one;
@@ -425,6 +427,18 @@ def loss_extra(d: Dims) -> tuple[int, int]:
     return d.p * nv + small, loss_slice(d)
 
 
+def loss_forward(d: Dims) -> int:
+    """Bytes of a dense loss at the end of its forward, beyond the saved activations: the logits and
+    their fp32 copy (unless they are fp32); cross entropy's log_softmax output, the shifted targets
+    (int64 [N]), the loss and nll's total weight; the mean's scalar. Only beside the forward-only
+    weight casts (mixed precision with recompute) can it outgrow the loss's backward."""
+    nv = d.N * d.V_l
+    logits = d.p * nv + (FP32 * nv if d.p != FP32 else 0)
+    if d.logits_mean:
+        return logits + FP32
+    return logits + FP32 * nv + INT64 * d.N + 2 * FP32
+
+
 def loss_slice(d: Dims) -> int:
     """Bytes of the vocab-parallel loss's fp32 work on one slice of the tokens: [N / LOSS_CHUNKS, V/T]."""
     return FP32 * math.ceil(d.N / LOSS_CHUNKS) * d.V_l
@@ -475,7 +489,13 @@ def moments(d: Dims) -> list[Moment]:
     kept = acts["batch"] + acts["rope tables"] + FP32
 
     loss_act, loss_temp = loss_extra(d)
-    out = [Moment("loss", P, buckets, O, A + forward_only_casts(d) + loss_act, loss_temp)]
+    casts = forward_only_casts(d)  # autocast's cache holds them to the forward's end
+    if d.vp and not d.logits_mean:  # the vocab-parallel loss peaks in its forward
+        out = [Moment("loss", P, buckets, O, A + casts + loss_act, loss_temp)]
+    else:  # the dense losses peak in their backward, the casts gone; their forward, beside the casts
+        out = [Moment("loss", P, buckets, O, A + loss_act, loss_temp)]
+        if casts:
+            out.append(Moment("loss forward", P, buckets, O, A + casts + loss_forward(d), 0))
     if d.vp and not d.logits_mean:
         out.append(Moment("loss backward", P, buckets, O, A + loss_backward(d)[0], loss_backward(d)[1]))
 
