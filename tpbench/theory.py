@@ -490,14 +490,16 @@ def moments(d: Dims) -> list[Moment]:
 
     loss_act, loss_temp = loss_extra(d)
     casts = forward_only_casts(d)  # autocast's cache holds them to the forward's end
-    if d.vp and not d.logits_mean:  # the vocab-parallel loss peaks in its forward
-        out = [Moment("loss", P, buckets, O, A + casts + loss_act, loss_temp)]
+    if d.vp and not d.logits_mean:  # the vocab-parallel loss: its forward (casts held), its backward
+        back_act, back_temp = loss_backward(d)
+        out = [
+            Moment("loss", P, buckets, O, A + casts + loss_act, loss_temp),
+            Moment("loss backward", P, buckets, O, A + back_act, back_temp),
+        ]
     else:  # the dense losses peak in their backward, the casts gone; their forward, beside the casts
         out = [Moment("loss", P, buckets, O, A + loss_act, loss_temp)]
         if casts:
             out.append(Moment("loss forward", P, buckets, O, A + casts + loss_forward(d), 0))
-    if d.vp and not d.logits_mean:
-        out.append(Moment("loss backward", P, buckets, O, A + loss_backward(d)[0], loss_backward(d)[1]))
 
     # the LM head's backward: the logits' gradient, the head's weight gradient (not yet accumulated
     # into .grad; in the matmul's dtype: under mixed precision the bf16 weight cast's, cast to fp32
