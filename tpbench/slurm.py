@@ -48,7 +48,10 @@ ENDINGS = {
     "PREEMPTED": Status.INTERRUPTED,
 }
 STOP_BEFORE_LIMIT_S = 180  # the run's own job timeout, before Slurm's time limit and submitit's signal
-RDZV_PORT = 29400  # multi-node jobs: the c10d rendezvous on the first node, at this port + job id % 1000
+# Multi-node jobs: the c10d rendezvous on the first node, at RDZV_PORT + the job's own id % RDZV_PORTS.
+# Each task of an array is a job of its own (SLURM_JOB_ID), so two tasks sharing a first node differ;
+# the range ends below Linux's ephemeral ports (32768).
+RDZV_PORT, RDZV_PORTS = 29400, 3000
 PASSWORD_ENV = "TPBENCH_DB_PASSWORD"  # the database password reaches the job in its environment only
 POLL_S = 2.0
 
@@ -229,7 +232,7 @@ class SlurmRun:
 
         env = submitit.JobEnvironment()
         job_id = env.job_id
-        cfg = _on_this_node(self.cfg, env.hostnames, env.node, job_id)
+        cfg = _on_this_node(self.cfg, env)
         db = ResultsDB(_with_password(cfg.db.url)) if env.node == 0 else None
         if db is not None:
             recorded = db.run_of_job(job_id)
@@ -249,14 +252,16 @@ class SlurmRun:
         return db.record(cfg, outcome)
 
 
-def _on_this_node(cfg: RunConfig, hostnames: list[str], node: int, job_id: str) -> RunConfig:
-    """The config as this node of the job runs it: nodes, rendezvous and job timeout from Slurm."""
+def _on_this_node(cfg: RunConfig, env) -> RunConfig:
+    """The config as this node of the job runs it (`env`: submitit's JobEnvironment): nodes,
+    rendezvous and job timeout from Slurm. A multi-node job's rendezvous port comes from its own job
+    id (SLURM_JOB_ID), which an array's tasks do not share, unlike `env.job_id`'s "<array>_<task>"."""
     cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch))
-    launch = cfg.launch
-    launch.nnodes, launch.node_rank = str(len(hostnames)), node
+    launch, hostnames = cfg.launch, list(env.hostnames)
+    launch.nnodes, launch.node_rank = str(len(hostnames)), env.node
     if len(hostnames) > 1:
-        port = RDZV_PORT + int(job_id.split("_")[0]) % 1000
-        launch.rdzv_endpoint, launch.rdzv_id = f"{hostnames[0]}:{port}", f"slurm-{job_id}"
+        port = RDZV_PORT + int(env.raw_job_id) % RDZV_PORTS
+        launch.rdzv_endpoint, launch.rdzv_id = f"{hostnames[0]}:{port}", f"slurm-{env.job_id}"
     launch.job_timeout_s = min(launch.job_timeout_s, launch.slurm.time_min * 60 - STOP_BEFORE_LIMIT_S)
     return cfg
 
