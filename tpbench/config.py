@@ -129,7 +129,7 @@ class LaunchConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     device: str = "auto"  # auto | cpu | cuda
     backend: str = "auto"  # auto | gloo | nccl
-    nnodes: str = "1"  # torchrun --nnodes, e.g. "2" or "1:4"
+    nnodes: str = "1"  # torchrun --nnodes: a node count; no elastic "MIN:MAX", the world is tp x dp
     node_rank: int = 0
     nproc_per_node: int | None = None  # None: dp * tp / nnodes
     rdzv_backend: str = "c10d"
