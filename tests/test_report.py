@@ -1,5 +1,5 @@
 """`tpbench report` from a database of real runs (torchrun jobs of the tiny model on CPU), and the HTML
-opened in a real headless browser (Debian's chromium: missing, the browser tests fail, they do not skip).
+opened in a real headless browser (Debian's chromium: missing, the browser tests skip, and fail under CI).
 
 One module fixture fills the database: memory of DDP and TP, throughput of TP (TP also with full
 activation recompute), validate of TP+SP+VP and one run that fails on purpose. A sweep name and the
