@@ -76,6 +76,8 @@ CHOICES = {
     "launch.emulate": FLAVOURS,
     "launch.emulate_gpu": tuple(GPUS),
     "debug.overlap_fault": ("", "no_wait", "early_bucket"),
+    "debug.ddp_fault": ("", "no_divide", "drop_bucket"),
+    "debug.validate_fault": ("", "rank1_param"),
 }
 SKIPPABLE_GRAD_SUMS = ("qk_norm", "kv_replicas", "sp_norms", "dp")
 AT_LEAST_ONE = (
@@ -200,6 +202,17 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError(
             f"debug.overlap_fault={cfg.debug.overlap_fault}: breaks parallel.overlap, "
             "accepted with parallel.overlap=true"
+        )
+    if cfg.debug.ddp_fault and cfg.parallel.engine != "ddp":
+        raise ConfigError(
+            f"debug.ddp_fault={cfg.debug.ddp_fault}: breaks DDP's comm hook, "
+            "accepted with parallel.engine=ddp"
+        )
+    if cfg.debug.validate_fault and (cfg.kind != "validate" or cfg.parallel.tp * cfg.parallel.dp < 2):
+        raise ConfigError(
+            f"debug.validate_fault={cfg.debug.validate_fault} with kind={cfg.kind} and "
+            f"{cfg.parallel.tp * cfg.parallel.dp} rank(s): plants an error on rank 1 of a validation, "
+            "accepted with kind=validate and tp x dp >= 2"
         )
     for name in cfg.debug.skip_grad_sum:
         if name not in SKIPPABLE_GRAD_SUMS:

@@ -159,6 +159,12 @@ class DebugConfig:
     # Break parallel.overlap, to prove validation catches it: no_wait (an entry gradient is returned
     # without its collective's result) | early_bucket (a DP bucket is sent at its first gradient)
     overlap_fault: str = ""
+    # Break DDP's comm hook (parallel.engine=ddp), to prove validation catches it: no_divide (a bucket
+    # is summed, not averaged) | drop_bucket (bucket 0 keeps this rank's own gradients)
+    ddp_fault: str = ""
+    # Plant an error where rank 0 cannot see it, to prove every validation figure is the worst over all
+    # ranks: rank1_param (rank 1 adds 1 to one of its parameters after the AdamW steps; kind=validate)
+    validate_fault: str = ""
 
 
 @dataclass

@@ -46,7 +46,8 @@ class Trainer:
         self.ctx: ParallelContext = ctx or context(cfg)
         self.batches = Batches(cfg, self.ctx)
         if cfg.parallel.engine == "ddp":
-            self.model, self.module = self._ddp(on_device)
+            self.model, self.ddp_state = build_ddp(cfg, self.ctx, on_device)
+            self.module = self.model.module
             self.finish_grads = lambda: None  # DDP all-reduces in backward
         else:
             pm = build_parallel(cfg, self.ctx)
@@ -64,26 +65,6 @@ class Trainer:
         if state is None or self.cfg.parallel.ddp_gradient_as_bucket_view:
             return []
         return list(state.buckets.values())
-
-    def _ddp(self, on_device: Callable[[torch.nn.Module], None]):
-        p = self.cfg.parallel
-        dense = place(build_dense(self.cfg), self.ctx.device, param_dtype(self.cfg))
-        apply_recompute(dense, self.cfg.train.recompute)
-        on_device(dense)
-        fake = dist.get_backend(self.ctx.dp_group) == "fake"
-        ddp = DistributedDataParallel(
-            dense,
-            device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None,
-            process_group=self.ctx.dp_group,
-            bucket_cap_mb=p.ddp_bucket_mb,
-            gradient_as_bucket_view=p.ddp_gradient_as_bucket_view,
-            init_sync=not fake,  # an emulated rank has no one to agree with, nor values to send
-        )
-        self.ddp_state = _DDPHookState(self.ctx.dp_group)
-        ddp.register_comm_hook(self.ddp_state, _counted_allreduce)
-        if fake and self.cfg.launch.emulate == "fake":
-            ddp.reducer = _KeepBuckets(ddp.reducer)
-        return ddp, dense
 
     def step(self) -> torch.Tensor:
         """One optimizer step on the next batch; returns the loss (a tensor: reading it would sync)."""
@@ -115,6 +96,35 @@ class Trainer:
         dist.barrier()
 
 
+def build_ddp(
+    cfg: RunConfig,
+    ctx: ParallelContext,
+    on_device: Callable[[torch.nn.Module], None] = lambda module: None,
+) -> tuple[DistributedDataParallel, _DDPHookState]:
+    """The `ddp` engine: torch's DistributedDataParallel over the dense model of the run's seed, its
+    buckets of parallel.ddp_bucket_mb, its all-reduces counted by our comm hook (and broken by
+    debug.ddp_fault, to prove that validation catches it). The one DDP that memory, throughput and
+    validation run. on_device: as Trainer's."""
+    p = cfg.parallel
+    dense = place(build_dense(cfg), ctx.device, param_dtype(cfg))
+    apply_recompute(dense, cfg.train.recompute)
+    on_device(dense)
+    fake = dist.get_backend(ctx.dp_group) == "fake"
+    ddp = DistributedDataParallel(
+        dense,
+        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+        process_group=ctx.dp_group,
+        bucket_cap_mb=p.ddp_bucket_mb,
+        gradient_as_bucket_view=p.ddp_gradient_as_bucket_view,
+        init_sync=not fake,  # an emulated rank has no one to agree with, nor values to send
+    )
+    state = _DDPHookState(ctx.dp_group, cfg.debug.ddp_fault)
+    ddp.register_comm_hook(state, _counted_allreduce)
+    if fake and cfg.launch.emulate == "fake":
+        ddp.reducer = _KeepBuckets(ddp.reducer)
+    return ddp, state
+
+
 def adamw(cfg: RunConfig, params, lr: float) -> torch.optim.AdamW:
     """The run's AdamW: fused under train.fused_optimizer; else foreach, AdamW's default for CUDA
     tensors, said here for an emulated GPU rank."""
@@ -142,20 +152,33 @@ class _KeepBuckets:
 @dataclass
 class _DDPHookState:
     group: dist.ProcessGroup | None
+    fault: str = ""  # debug.ddp_fault
     buckets: dict[int, torch.Tensor] = field(default_factory=dict)  # DDP's flat bucket buffers
 
 
 def _counted_allreduce(state, bucket):  # no annotations: DDP checks them and ours are strings
     """DDP's own asynchronous all-reduce of a gradient bucket (averaged), reported to the counter.
     Keeps the bucket's buffer: a memory tracker must see it (unless the gradients are views of it,
-    DDP's buckets are tensors no module or optimizer holds)."""
+    DDP's buckets are tensors no module or optimizer holds).
+
+    debug.ddp_fault: no_divide sums the bucket without averaging it; drop_bucket leaves bucket 0
+    (DDP's first: all the gradients until its buckets are rebuilt after the first backward) as this
+    rank's own gradients, never all-reduced."""
     group = state.group
     state.buckets[bucket.index()] = bucket.buffer()
-    buffer = bucket.buffer().div_(dist.get_world_size(group))
+    if state.fault == "drop_bucket" and bucket.index() == 0:
+        return _done(bucket.buffer())
+    buffer = bucket.buffer()
+    if state.fault != "no_divide":
+        buffer.div_(dist.get_world_size(group))
     comm.record_async("all_reduce", "dp_grad", buffer, group)
     work = dist.all_reduce(buffer, group=group, async_op=True)
     if dist.get_backend(group) == "fake":  # an emulated rank: the fake work's future holds no value
-        done = torch.futures.Future()
-        done.set_result(buffer)
-        return done
+        return _done(buffer)
     return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _done(buffer: torch.Tensor) -> torch.futures.Future:
+    done = torch.futures.Future()
+    done.set_result(buffer)
+    return done
