@@ -512,10 +512,10 @@ def fit(
         _usage(str(e))
     (base,) = _compose(request.overrides, single=True)
     try:
+        given, batch = request.given, request.global_batch
         result = fitting.search(
-            base, request.gpu, request.gpus_per_node, request.given, request.global_batch, overheads,
-            max_micro_batch,
-        )  # fmt: skip
+            base, request.gpu, request.gpus_per_node, given, batch, overheads, max_micro_batch
+        )
     except fitting.FitError as e:
         _usage(str(e))
     if measure:

@@ -158,10 +158,14 @@ def parse(overrides: list[str]) -> Request:
     """Split fit's own keys (gpu=NAME, gpus_per_node=N) from the config's overrides and add fit's
     defaults: a memory experiment on an emulated GPU of that kind, T 1 to start from, bf16 with fused
     AdamW unless the overrides say otherwise."""
-    own, rest = {}, []
+    own, rest, keyed = {}, [], {}
     for o in overrides:
         key, _, value = o.partition("=")
-        (own.__setitem__(key, value) if key in ("gpu", "gpus_per_node") else rest.append(o))
+        if key in ("gpu", "gpus_per_node"):
+            own[key] = value
+        else:
+            rest.append(o)
+            keyed[compose.SHORT_NAMES.get(key.lstrip("+~"), key.lstrip("+~"))] = o
     name = own.get("gpu", "")
     gpu = hardware.gpu(name)
     if gpu is None:
@@ -170,7 +174,7 @@ def parse(overrides: list[str]) -> Request:
     per_node = own.get("gpus_per_node", "8")
     if not per_node.isdecimal() or int(per_node) < 1:
         raise FitError(f"gpus_per_node={per_node}: accepted are integers >= 1")
-    keys = {compose.SHORT_NAMES.get(k, k) for k in (o.partition("=")[0].lstrip("+~") for o in rest)}
+    keys = set(keyed)
     for key in ("kind", "launch.device", "launch.emulate", "launch.emulate_gpu"):
         if key in keys:
             raise FitError(f"{key}: fit sets it itself (a memory experiment on an emulated {gpu.name})")
@@ -182,9 +186,7 @@ def parse(overrides: list[str]) -> Request:
     added += [] if "train.fused_optimizer" in keys else ["train.fused_optimizer=true"]
     global_batch = None
     if "train.global_batch" in keys:
-        value = next(
-            o for o in rest if compose.SHORT_NAMES.get(k := o.partition("=")[0], k) == "train.global_batch"
-        )
+        value = keyed["train.global_batch"]
         text = value.partition("=")[2]
         if not text.isdecimal() or int(text) < 1:
             raise FitError(f"{value}: accepted is one integer >= 1")
@@ -244,8 +246,8 @@ def search(
             if ("parallel.sp" in given and sp != p.sp) or ("parallel.vp" in given and vp != p.vp):
                 continue
             for recompute in [t.recompute] if "train.recompute" in given else RECOMPUTE:
-                rows.append(_largest(base, gpu, Row(T, sp, vp, recompute, batches[0]), batches, global_batch,
-                                     overheads))  # fmt: skip
+                row = Row(T, sp, vp, recompute, batches[0])
+                rows.append(_largest(base, gpu, row, batches, global_batch, overheads))
     result = Fit(base, gpu, gpus_per_node, global_batch, overheads, rows)
     if not result.fitting:
         runnable = [r for r in result.not_fitting if not r.reason]
