@@ -375,17 +375,21 @@ def tables(fit: Fit) -> list[Table]:
                 f"{r.comm_bytes_per_token / MiB:,.2f}",
                 f"+{extra / r.model_flops_per_step:.0%} FLOPs" if extra else "",
             ]
-            table.add_row(*cells, *([measured_text(r.measured)] if "measured" in columns else []))
+            table.add_row(*cells, *([measured_text(r)] if "measured" in columns else []))
         out.append(table)
     return out
 
 
-def measured_text(measured: dict[str, float]) -> str:
-    if not measured:
+def measured_text(row: Row) -> str:
+    """--measure's figures: the emulated rank's live tensors beside theory's, and the allocator model's
+    reserved memory with the same CUDA context and NCCL buffers, against the GPU's memory."""
+    m = row.measured
+    if not m:
         return ""
+    verdict = "fits" if m["fits"] else "DOES NOT FIT"
     return (
-        f"live {measured['peak_bytes'] / GiB:,.2f} GiB, reserved {measured['reserved_peak_bytes'] / GiB:,.2f}"
-        f" GiB: {'fits' if measured['fits'] else 'DOES NOT FIT'}"
+        f"live {m['peak_bytes'] / GiB:,.2f} GiB (theory {row.live_bytes / GiB:,.2f}); reserved + context + "
+        f"NCCL {m['reserved_peak_bytes'] / GiB:,.2f} GiB: {verdict} ({m['seconds']:.0f} s)"
     )
 
 
