@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
+from typer.testing import CliRunner
 
 from tpbench import compose
+from tpbench.cli import app
 from tpbench.config import ModelConfig
 from tpbench.hf_config import model_fields
 from tpbench.parallel.checks import ConfigError
@@ -164,12 +164,8 @@ def test_a_missing_config_is_refused(tmp_path):
 
 def test_the_cli_refuses_in_one_line_with_exit_2(tmp_path):
     path = write(tmp_path, PUBLISHED["qwen3_0_6b"] | {"num_experts": 64})
-    result = subprocess.run(
-        [sys.executable, "-m", "tpbench", "run", f"model.hf_config={path}", "--cfg"],
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 2 and result.stdout == ""
+    result = CliRunner().invoke(app, ["run", f"model.hf_config={path}", "--cfg"])
+    assert result.exit_code == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and "num_experts=64" in result.stderr
 
 
