@@ -431,8 +431,9 @@ def plan(
             _print_measured(c, prediction)
 
 
-def _print_measured(cfg: RunConfig, prediction: Prediction) -> None:
-    """The fake-tensor emulation of the config's busiest rank, beside the prediction."""
+def _emulate(cfg: RunConfig) -> tuple[dict[str, float], float]:
+    """The memory experiment of the config's busiest rank on fake tensors, in this process: its
+    measurements by name, and the seconds it took."""
     import dataclasses
     import gc
     import time
@@ -444,7 +445,14 @@ def _print_measured(cfg: RunConfig, prediction: Prediction) -> None:
     gc.freeze()  # the imports' objects, out of the way of memory.run's gc.collect (0.3 s -> ms)
     start = time.perf_counter()
     result = {m.name: m.value for m in emulation.measure_in_process(cfg).measurements}
-    seconds = time.perf_counter() - start
+    return result, time.perf_counter() - start
+
+
+def _print_measured(cfg: RunConfig, prediction: Prediction) -> None:
+    """The fake-tensor emulation of the config's busiest rank, beside the prediction."""
+    from tpbench import emulation
+
+    result, seconds = _emulate(cfg)
     peak, predicted = result["peak_bytes"], prediction.peak_bytes
     out.print(
         f"emulated rank {emulation.emulated_rank(cfg)} (fake tensors, {seconds:.1f} s): live-tensor peak "
@@ -459,6 +467,76 @@ def _print_measured(cfg: RunConfig, prediction: Prediction) -> None:
             f"({(predicted - allocated) / allocated:+.2%}); max reserved "
             f"{result['modelled_max_memory_reserved_bytes'] / 2**20:,.1f} MiB"
         )
+
+
+@app.command(
+    cls=OneLineCommand,
+    epilog="Examples:\n\n"
+    "tpbench fit model=llama3_70b seq=8192 gpu=H100-80GB gpus_per_node=8\n\n"
+    "tpbench fit model=qwen3_8b seq=4096 gpu=H200 global_batch=64 --json\n\n"
+    "tpbench fit model.hf_config=path/to/config.json seq=2048 gpu=A100-80GB tp=8 --measure",
+)
+def fit(
+    overrides: Overrides = None,
+    measure: Annotated[
+        bool,
+        typer.Option(
+            "--measure",
+            help="Confirm the best rows (--top) by emulating their busiest rank with fake tensors: the "
+            "live-tensor peak and the caching allocator model's reserved memory.",
+        ),
+    ] = False,
+    top: Annotated[int, typer.Option(help="How many of the best rows --measure emulates.", min=1)] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the search as one JSON object.")] = False,
+    cuda_context_mib: Annotated[
+        float, typer.Option(help="CUDA context per GPU, MiB (an assumption: see tpbench.fit).", min=0)
+    ] = 512.0,
+    nccl_mib: Annotated[
+        float,
+        typer.Option(help="NCCL buffers per communicator, MiB (an assumption: see tpbench.fit).", min=0),
+    ] = 128.0,
+    max_micro_batch: Annotated[
+        int, typer.Option(help="The largest micro-batch searched (without global_batch).", min=1)
+    ] = 256,
+) -> None:
+    """Rank every TP layout of a model on a GPU: each T dividing the GPUs per node (gpus_per_node=,
+    default 8) and the heads, with SP, VP and recompute, at the largest micro-batch that fits; the
+    analytic per-rank peak on that GPU (gpu=, from tpbench.hardware), its headroom, the bytes moved
+    per step and recompute's extra FLOPs. Training defaults: bf16, pure precision, fused AdamW."""
+    from tpbench import fit as fitting
+
+    overheads = fitting.Overheads(int(cuda_context_mib * 2**20), int(nccl_mib * 2**20))
+    try:
+        request = fitting.parse(overrides or [])
+    except fitting.FitError as e:
+        _usage(str(e))
+    (base,) = _compose(request.overrides, single=True)
+    try:
+        given, batch = request.given, request.global_batch
+        result = fitting.search(
+            base, request.gpu, request.gpus_per_node, given, batch, overheads, max_micro_batch
+        )
+    except fitting.FitError as e:
+        _usage(str(e))
+    if measure:
+        for row in result.fitting[:top]:
+            measured, seconds = _emulate(result.config(row))
+            reserved = measured["modelled_max_memory_reserved_bytes"] + row.overhead_bytes
+            row.measured = {
+                "peak_bytes": measured["peak_bytes"],
+                "max_memory_allocated_bytes": measured["modelled_max_memory_allocated_bytes"],
+                "max_memory_reserved_bytes": measured["modelled_max_memory_reserved_bytes"],
+                "reserved_peak_bytes": reserved,
+                "fits": reserved <= request.gpu.memory_bytes,
+                "seconds": seconds,
+            }
+    if as_json:
+        print(json.dumps(result.as_dict()))
+        return
+    for table in fitting.tables(result):
+        out.print(table)
+    if request.gpu.note:
+        out.print(f"{request.gpu.name}: {request.gpu.note}")
 
 
 @app.command(

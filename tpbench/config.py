@@ -32,6 +32,14 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = True
+    qk_norm: bool = True  # RMSNorm of each q and k head before RoPE (Qwen3, MiniMind); off: Llama, Qwen2.5
+    head_dim: int | None = None  # None: hidden_size / num_attention_heads
+    attention_bias: bool = False  # q, k, v with biases (Qwen2.5); o_proj never has one
+    rope_scaling_factor: float = 1.0  # Llama-3.1's rope_scaling "factor"; 1.0: none (changes no shape)
+    # Llama-3.1's rope_scaling (rope_type llama3), read only when rope_scaling_factor != 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
     flash_attn: bool = True  # SDPA; False: manual attention with an fp32 softmax
     # True: SwiGLU keeps gate and up only (silu(gate) made again in backward, as Megatron's fused
     # SwiGLU); False: MiniMind's own two ops, which keep silu(gate) too: the seed's benchmark model
@@ -40,6 +48,9 @@ class ModelConfig:
     # ops again: the gradients bit for bit); False: MiniMind's ops as autograd saves them, two fp32
     # copies of the input's shape per norm: the seed's benchmark model
     lean_rmsnorm: bool = True
+    # a Hugging Face config.json (or a folder holding one) that the fields above were read from
+    # (tpbench.hf_config); "": none. Where the shape came from, not what is measured: not hashed
+    hf_config: str = ""
 
 
 @dataclass
@@ -270,7 +281,7 @@ _UNHASHED_LAUNCH = (
 def config_hash(cfg: RunConfig) -> str:
     """Identity of an experiment: runs with the same hash measure the same thing."""
     data = OmegaConf.to_container(OmegaConf.structured(cfg))
-    del data["db"], data["sweep"]
+    del data["db"], data["sweep"], data["model"]["hf_config"]
     for key in _UNHASHED_LAUNCH:
         del data["launch"][key]
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

@@ -28,25 +28,12 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-from tpbench import theory
+from tpbench import hardware, theory
 from tpbench.config import RunConfig, local_batch
 from tpbench.experiments.setup import counting
 from tpbench.experiments.training import Trainer
 from tpbench.parallel import comm
 from tpbench.results import RankResult
-
-# Dense (no sparsity) peak FLOP/s of the tensor cores, from NVIDIA's data sheets: (16-bit: bf16 and
-# fp16, tf32, fp32 without tensor cores). Matched in order against torch.cuda.get_device_name, so the
-# variants come before their family: "NVIDIA H100 NVL", "NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3"
-# (SXM), "NVIDIA H200 NVL", "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe".
-PEAK_FLOPS: tuple[tuple[str, tuple[float, float, float]], ...] = (
-    ("H100 NVL", (835.5e12, 417.5e12, 60e12)),  # per GPU: half the data sheet's 2-GPU sparse figures
-    ("H100 PCIe", (756.5e12, 378e12, 51.2e12)),
-    ("H100", (989.4e12, 494.7e12, 66.9e12)),  # SXM5
-    ("H200 NVL", (835.5e12, 417.5e12, 60e12)),
-    ("H200", (989.4e12, 494.7e12, 66.9e12)),  # SXM
-    ("A100", (312e12, 156e12, 19.5e12)),  # SXM4 and PCIe, 40 and 80 GB alike
-)
 
 
 def run(cfg: RunConfig) -> RankResult:
@@ -155,9 +142,6 @@ def _quantile(values: list[float], q: float) -> float:
 
 def peak_flops(device_name: str, dtype: str, tf32: bool = False) -> float | None:
     """Dense peak FLOP/s of one GPU for matmuls in `dtype` (train.dtype: mixed precision runs its
-    matmuls in it too), or None for a GPU not in PEAK_FLOPS."""
-    name = device_name.upper()
-    for chip, (half, tf32_peak, fp32) in PEAK_FLOPS:
-        if chip.upper() in name:
-            return half if dtype in ("bfloat16", "float16") else tf32_peak if tf32 else fp32
-    return None
+    matmuls in it too), or None for a GPU not in tpbench.hardware's table."""
+    gpu = hardware.of_device(device_name)
+    return None if gpu is None else gpu.peak_flops(dtype, tf32)
