@@ -227,6 +227,17 @@ def test_an_async_collective_counts_as_blocking_and_times_its_wait_as_exposed(un
     assert t["no_future_count"] == 1 and t["no_future_time_s"] == t["no_future_exposed_s"] < 0.1
 
 
+def test_ddp_buckets_are_timed_like_our_collectives_and_waited_where_ddp_waits(units):
+    """Rank 1 is 0.3 s late with the last bucket: rank 0 waits for it at the end of its backward."""
+    waiting, late = units["ddp_timing"]
+    for rank in (waiting, late):
+        assert (rank["op"], rank["purpose"]) == ("all_reduce", "dp_grad")
+        assert rank["count"] == rank["buckets"] > 1
+        assert 0 <= rank["exposed_s"] <= rank["time_s"]
+    assert waiting["exposed_s"] > 0.15 and waiting["time_s"] > 0.15  # none, waited after DDP
+    assert late["exposed_s"] < 0.1
+
+
 def test_overlap_hides_each_collective_behind_compute(units):
     """parallel.overlap launches each backward collective as soon as its input exists and waits where
     its result is first needed, with matmuls between: the entry's all-reduce (TP) or reduce-scatter

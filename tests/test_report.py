@@ -160,6 +160,9 @@ def test_html_has_every_section_with_figures_from_the_database(filled, html_repo
     assert f"{tokens['tp']:,.0f} tokens/s" in html
     step = run_values(filled, "throughput", "step_time_s")
     assert f"{step['tp'] * 1e3:,.2f} ms" in html
+    assert run_values(filled, "throughput", "timing_cuda_events")["tp"] == 0  # gloo: the wall clock
+    throughput = html[html.index('<section id="throughput">') : html.index('<section id="communication">')]
+    assert ">wall clock</td>" in throughput  # how the run took its times
     fwd = run_values(filled, "validate", "fwd_logits_max_abs")
     assert f"{fwd['tp_sp_vp']:.2e}" in html
     assert "injected fault raise_on_rank1" in html

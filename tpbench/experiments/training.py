@@ -154,10 +154,19 @@ class _DDPHookState:
     group: dist.ProcessGroup | None
     fault: str = ""  # debug.ddp_fault
     buckets: dict[int, torch.Tensor] = field(default_factory=dict)  # DDP's flat bucket buffers
+    timed: list[comm.Pending] = field(default_factory=list)  # this backward's, in a timed step
+
+    def wait_timed(self) -> None:
+        pending, self.timed = self.timed, []
+        for p in pending:
+            p.wait()
 
 
 def _counted_allreduce(state, bucket):  # no annotations: DDP checks them and ours are strings
-    """DDP's own asynchronous all-reduce of a gradient bucket (averaged), reported to the counter.
+    """DDP's own asynchronous all-reduce of a gradient bucket (averaged), through comm: counted, and
+    in a timed step timed as our engine's async collectives are, waited on where DDP waits for them:
+    the last bucket's hook queues the wait as an autograd final callback, which runs just before
+    the one DDP queues right after this hook (its finalize_backward, which waits on every bucket).
     Keeps the bucket's buffer: a memory tracker must see it (unless the gradients are views of it,
     DDP's buckets are tensors no module or optimizer holds).
 
@@ -167,18 +176,15 @@ def _counted_allreduce(state, bucket):  # no annotations: DDP checks them and ou
     group = state.group
     state.buckets[bucket.index()] = bucket.buffer()
     if state.fault == "drop_bucket" and bucket.index() == 0:
-        return _done(bucket.buffer())
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
     buffer = bucket.buffer()
     if state.fault != "no_divide":
         buffer.div_(dist.get_world_size(group))
-    comm.record_async("all_reduce", "dp_grad", buffer, group)
-    work = dist.all_reduce(buffer, group=group, async_op=True)
-    if dist.get_backend(group) == "fake":  # an emulated rank: the fake work's future holds no value
-        return _done(buffer)
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
-def _done(buffer: torch.Tensor) -> torch.futures.Future:
-    done = torch.futures.Future()
-    done.set_result(buffer)
-    return done
+    pending, future = comm.all_reduce_bucket(buffer, group, "dp_grad")
+    if comm.timed():
+        state.timed.append(pending)
+        if bucket.is_last():
+            torch.autograd.Variable._execution_engine.queue_callback(state.wait_timed)
+    return future

@@ -321,7 +321,8 @@ def throughput_section(data: ReportData) -> Section:
         "Switches: parallel.overlap (backward collectives behind compute), train.fused_optimizer. "
         "Communication: the time of one step's collectives, the part the ranks waited on (exposed, "
         "the busiest rank) and the fraction hidden behind compute (the least-hidden rank). The first "
-        "step (compiling included under train.compile) is apart from the median.",
+        "step (compiling included under train.compile) is apart from the median. Timed by CUDA events "
+        "on NCCL, by the host's wall clock elsewhere.",
     )
     runs = throughput(data)
     if runs.empty:
@@ -347,6 +348,7 @@ def throughput_section(data: ReportData) -> Section:
             "comm hidden": ("comm_hidden_fraction", units.percent),
             "executed FLOPs / step": ("flops_per_step", units.flops),
             "MFU": ("mfu", units.percent),
+            "timed by": ("timing_cuda_events", _timed_by),
         }
         section.blocks.append(_pick(f"Throughput: {setting}", group, columns))
     return section
@@ -526,6 +528,11 @@ def _pick(title: str, frame: pd.DataFrame, columns: dict[str, tuple[str, Formatt
 
 def _int(value: object) -> str:
     return units.DASH if value is None or pd.isna(value) else f"{int(value)}"
+
+
+def _timed_by(value: object) -> str:
+    """The metric timing_cuda_events: how a throughput run took its times (tpbench.parallel.timing)."""
+    return units.DASH if value is None or pd.isna(value) else "CUDA events" if value else "wall clock"
 
 
 def _mode_key(mode: str) -> tuple[int, str]:
