@@ -221,10 +221,12 @@ def sweep(
     dbs = _databases(configs)
     if on_slurm:
         _on_slurm(configs, dbs, force=force, wait_only=wait, as_json=as_json, sweep=True)
+    from tpbench import hardware
+
     finished = {url: db.finished() for url, db in dbs.items()}
     todo, done = [], []
-    for c in configs:
-        run_id = None if force else finished[c.db.url].get(config_hash(c))
+    for c in configs:  # done: an OK run of the config on this node's hardware (tpbench.db)
+        run_id = None if force else finished[c.db.url].get((config_hash(c), hardware.here_key(c)))
         (todo.append(c) if run_id is None else done.append((run_id, c)))
     counts = {"OK": 0, "failed": 0}
     ran: list[tuple[int | None, RunConfig, str]] = [(run_id, c, "skipped") for run_id, c in done]
