@@ -364,3 +364,32 @@ def test_four_writers_at_once_lose_nothing(db_url):
     if db_url.startswith("sqlite"):
         with sqlite3.connect(db_url.removeprefix("sqlite:///")) as conn:
             assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+
+
+def test_a_run_records_the_hardware_its_ranks_saw(tmp_path, monkeypatch):
+    """The launching node's probe says one CPU; its ranks (here stood in for: nothing launches) say what
+    they computed on, and that is what the run is recorded under. Ranks that saw different devices say
+    so; a job whose ranks said nothing keeps the probe's."""
+    from tpbench import launch
+
+    names = {0: "Intel(R) Xeon(R) Platinum 8480+", 1: "Intel(R) Xeon(R) Platinum 8480+"}
+
+    def ranks_say(cfg, job, on_progress):
+        for rank, name in names.items():
+            hardware.write_rank_device(job, rank, name)
+
+    monkeypatch.setattr(launch, "_launch", ranks_say)
+    monkeypatch.setattr(launch, "_read_results", lambda cfg, folder: [RankResult(rank=0), RankResult(rank=1)])
+    monkeypatch.setattr(hardware, "here", lambda cfg: ("the launching node's CPU", 2))
+    db, cfg = ResultsDB(f"sqlite:///{tmp_path / 't.db'}"), config()
+    seen = []
+    for said in (names, {0: "AMD EPYC 9B14", 1: "Intel(R) Xeon(R) Platinum 8480+"}, {}):
+        names = said
+        outcome = launch.run_job(cfg)
+        seen.append(db.runs(ids=[db.record(cfg, outcome)])["hardware"].item())
+        outcome.release()
+    assert seen == [
+        "Intel(R) Xeon(R) Platinum 8480+ · 2 CPU cores per node · 1 node",
+        "AMD EPYC 9B14 + Intel(R) Xeon(R) Platinum 8480+ · 2 CPU cores per node · 1 node",
+        "the launching node's CPU · 2 CPU cores per node · 1 node",
+    ]
