@@ -200,22 +200,17 @@ UPGRADES = {2: (CommRow.__table__.c.exposed_s,), 3: (Run.__table__.c.hardware,)}
 def _label_hardware(conn: Connection) -> None:
     """Version 3 -> 4: each run's hardware from the device name, device count and config it recorded."""
     runs = Run.__table__
-    rows = conn.execute(
-        select(runs.c.id, runs.c.device, runs.c.device_name, runs.c.device_count, runs.c.config)
-    )
-    labels = []
-    for row in rows:
-        launch = (row.config or {}).get("launch", {})
-        nnodes, emulate = str(launch.get("nnodes", "1")), launch.get("emulate", "none")
-        labels.append(
-            {
-                "run": row.id,
-                "label": hardware.key(row.device, row.device_name, row.device_count, nnodes, emulate),
-            }
-        )
+    recorded = select(runs.c.id, runs.c.device, runs.c.device_name, runs.c.device_count, runs.c.config)
+    labels = [{"run": row.id, "label": _hardware_of_row(row)} for row in conn.execute(recorded)]
     if labels:
         query = runs.update().where(runs.c.id == bindparam("run")).values(hardware=bindparam("label"))
         conn.execute(query, labels)
+
+
+def _hardware_of_row(row: Any) -> str:
+    launch = (row.config or {}).get("launch", {})  # a version-2 config may lack it: one node, real ranks
+    nnodes, emulate = str(launch.get("nnodes", "1")), launch.get("emulate", "none")
+    return hardware.key(row.device, row.device_name, row.device_count, nnodes, emulate)
 
 
 # version -> what its upgrade does to the rows kept, once UPGRADES' columns are there
