@@ -30,14 +30,15 @@ def key(device: str, device_name: str, device_count: int, nnodes: str, emulate: 
         device: launch.device as resolved (cuda or cpu).
         device_name: the GPU model, the CPU model, or for a GPU emulated on the CPU
             `H100 (emulated on <CPU model>)`.
-        device_count: GPUs per node (CUDA), else CPU cores per node.
+        device_count: GPUs per node (CUDA), else CPU cores per node; 0 where it is not known (a Slurm
+            job that ended before it said, tpbench.slurm).
         nnodes: launch.nnodes.
         emulate: launch.emulate (none, real or fake).
     """
     per_node = "GPU" if device == "cuda" and emulate != "fake" else "CPU core"
     per_node += "" if device_count == 1 else "s"
     nodes = f"{nnodes} node" + ("" if nnodes == "1" else "s")
-    parts = [device_name, f"{device_count} {per_node} per node", nodes]
+    parts = [device_name, *([f"{device_count} {per_node} per node"] if device_count else []), nodes]
     if emulate != "none":  # which flavour, and which rank, is the config's (tpbench.emulation)
         parts.append("ranks emulated")
     return " · ".join(parts)

@@ -211,7 +211,7 @@ def _record_ending(item: Followed, info: dict, db: ResultsDB, submitit) -> tuple
     if status is Status.FAILED:
         error += f": {_last_error(job)}"
     nodes = info.get("NodeList") if info.get("NodeList", "None") != "None" else None
-    unseen = (f"not reported (Slurm ended job {item.job_id} first)", item.cfg.launch.slurm.gpus_per_node)
+    unseen = (f"not reported (Slurm ended job {item.job_id} first)", 0)  # the job's node said nothing
     env = dataclasses.replace(Environment.probe(item.cfg, unseen), slurm_job_id=item.job_id, nodes=nodes)
     env.host = nodes or env.host
     log_dir = str(job.paths.folder)
