@@ -426,6 +426,10 @@ def test_runs_and_report_filter_by_hardware_and_a_report_says_it_mixes_them(mach
         in text
     )
     assert f"| hardware | 2 kinds, mixed: {hardware_of(EPYC)}; {hardware_of(XEON)} |" in text
+    assert runner.invoke(app, ["report", "--out", "all.html"]).exit_code == 0
+    html = (workdir / "all.html").read_text()
+    header = html[: html.index('<section id="memory">')]
+    assert '<p class="intro">Mixed hardware: these runs ran on 2 kinds of machine' in header
     checks = text.split("### Checks against dense")[1].split("###")[0]
     rows = [line for line in checks.splitlines() if line.startswith("| ") and "---" not in line][1:]
     # by setting (it ends with the hardware), then layers
