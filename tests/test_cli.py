@@ -418,6 +418,8 @@ def test_runs_and_report_filter_by_hardware_and_a_report_says_it_mixes_them(mach
         assert done.exit_code == 0 and done.stdout == ""
         assert done.stderr.splitlines() == [f"--device H100: {said}{hardware_of(XEON)}"]
     assert not (workdir / "h100.html").exists()
+    other = runner.invoke(app, ["runs", "--device", "epyc", "--kind", "memory"])  # the hardware is there
+    assert other.exit_code == 0 and "0 runs in" in other.stdout and other.stderr == ""
     # the report: mixed hardware in its header, each config's latest run on each machine
     assert runner.invoke(app, ["report", "--format", "md", "--out", "all.md"]).exit_code == 0
     text = (workdir / "all.md").read_text()

@@ -297,9 +297,9 @@ def runs(
     except ValueError:
         _usage(f"--since={since}: accepted are an ISO date or time such as 2026-11-30T08:00, or 30m, 12h, 7d")
     results = _read_db(db)
-    frame = results.runs(status=status, kind=kind, mode=mode, since=start, sweep=sweep, device=device)
-    if device is not None and frame.empty:
+    if device is not None and results.runs(device=device).empty:
         _no_such_device(results, device)
+    frame = results.runs(status=status, kind=kind, mode=mode, since=start, sweep=sweep, device=device)
     metrics = results.metrics(frame["id"].tolist()) if len(frame) else pd.DataFrame()
     table = Table(title=f"{len(frame)} runs in {results.url}")
     for column in ("id", "started (UTC)", "kind", "mode", "tp×dp", "shape", "dtype", "status"):
