@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from tpbench.config import RunConfig
@@ -70,7 +71,7 @@ class Trainer:
         dense = place(build_dense(self.cfg), self.ctx.device, param_dtype(self.cfg))
         apply_recompute(dense, self.cfg.train.recompute)
         on_device(dense)
-        fake = dist.get_backend(self.ctx.dp_group) == "fake"
+        fake = fake_backend(self.ctx.dp_group)
         ddp = DistributedDataParallel(
             dense,
             device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None,
@@ -117,11 +118,26 @@ class Trainer:
 
 def adamw(cfg: RunConfig, params, lr: float) -> torch.optim.AdamW:
     """The run's AdamW: fused under train.fused_optimizer; else foreach, AdamW's default for CUDA
-    tensors, said here for an emulated GPU rank."""
+    tensors, said here for an emulated GPU rank. Both take a group's tensors in one op, which cannot mix
+    DTensors with plain tensors (the dtensor engine's replicated embedding beside its shards without
+    VP): those are two parameter groups."""
+    params = list(params)
+    groups = [g for g in (_plain(params, True), _plain(params, False)) if g]
+    kinds = [{"params": g} for g in groups] if len(groups) > 1 else params
     if cfg.train.fused_optimizer:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.train.weight_decay, fused=True)
+        return torch.optim.AdamW(kinds, lr=lr, weight_decay=cfg.train.weight_decay, fused=True)
     foreach = True if cfg.launch.device == "cuda" else None
-    return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.train.weight_decay, foreach=foreach)
+    return torch.optim.AdamW(kinds, lr=lr, weight_decay=cfg.train.weight_decay, foreach=foreach)
+
+
+def _plain(params: list[torch.Tensor], plain: bool) -> list[torch.Tensor]:
+    return [p for p in params if isinstance(p, DTensor) != plain]
+
+
+def fake_backend(group: dist.ProcessGroup | None) -> bool:
+    """torch's fake process group: "fake", or for one device only ("cuda:fake" refuses CPU tensors, as
+    NCCL does: tests/fake_cuda_checks.py)."""
+    return dist.get_backend(group).split(":")[-1] == "fake"
 
 
 class _KeepBuckets:
@@ -154,7 +170,7 @@ def _counted_allreduce(state, bucket):  # no annotations: DDP checks them and ou
     buffer = bucket.buffer().div_(dist.get_world_size(group))
     comm.record_async("all_reduce", "dp_grad", buffer, group)
     work = dist.all_reduce(buffer, group=group, async_op=True)
-    if dist.get_backend(group) == "fake":  # an emulated rank: the fake work's future holds no value
+    if fake_backend(group):  # an emulated rank: the fake work's future holds no value
         done = torch.futures.Future()
         done.set_result(buffer)
         return done
