@@ -12,7 +12,8 @@ FakeTensorMode, refuses a CPU tensor handed to a collective as NCCL would (the c
 `cuda:fake` backend refuses real CPU tensors only, and FakeTensorMode answers collectives on fake
 tensors itself, never reaching it), and notes the devices of every collective's tensors, any op that
 mixes CPU and CUDA tensors (0-dim CPU tensors aside: scalars, such as AdamW's step counters; beneath,
-FakeTensorMode raises for those too) and every CPU tensor made; the case then records where each
+FakeTensorMode raises for those too), every CPU tensor made and every copy to the host (a scalar's
+too: a sync on a GPU); the case then records where each
 parameter, gradient and optimizer state lives. The assertions live in tests/test_cuda_path.py.
 """
 
@@ -114,7 +115,8 @@ class DeviceAudit(TorchDispatchMode):
         super().__init__()
         self.collectives: list[tuple[str, list[str]]] = []  # (c10d op, devices of its tensors)
         self.mixed: list[str] = []  # ops handed CPU and CUDA tensors (0-dim CPU tensors aside)
-        self.cpu_made: Counter[str] = Counter()  # ops that made a CPU tensor of one element or more dims
+        self.cpu_made: Counter[str] = Counter()  # ops that made a CPU tensor of one or more dims
+        self.to_host: list[str] = []  # ops that made a CPU tensor (any, a scalar too) from a CUDA one
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         given = _tensors((args, kwargs))
@@ -127,8 +129,11 @@ class DeviceAudit(TorchDispatchMode):
         ):
             self.mixed.append(func.__name__)
         out = func(*args, **(kwargs or {}))
-        if any(t.device.type == "cpu" and t.dim() > 0 for t in _tensors(out)):
+        made = [t for t in _tensors(out) if t.device.type == "cpu"]
+        if any(t.dim() > 0 for t in made):
             self.cpu_made[func.__name__] += 1
+        if made and any(t.device.type == "cuda" for t in given):
+            self.to_host.append(func.__name__)
         return out
 
 
@@ -170,7 +175,7 @@ def check_case(overrides: list[str]) -> dict:
         with audit:
             losses = [trainer.step() for _ in range(STEPS)]
         seen["loss"] = _devices(losses)
-        seen["collectives"], seen["mixed"] = audit.collectives, audit.mixed
+        seen["collectives"], seen["mixed"], seen["to_host"] = audit.collectives, audit.mixed, audit.to_host
         seen["cpu_made"] = dict(audit.cpu_made)
         seen["cpu_made_by_batches"] = {op: n * STEPS for op, n in batch.cpu_made.items()}
         seen |= _where(trainer)

@@ -70,6 +70,7 @@ def test_a_training_step_on_cuda(fake_cuda, case):
         "step": ["cuda" if fused else "cpu"],
     }
     assert seen["mixed"] == seen["build_mixed"] == []  # no op was handed CPU and CUDA tensors
+    assert seen["to_host"] == []  # nothing copied to the host (a GPU would wait for it)
     assert seen["collectives"], "no collective issued"
     assert all(devices == ["cuda"] for _, devices in seen["collectives"] + seen["build_collectives"])
     # the only CPU tensors made are the batches' (seeded on the host, then made on the device)
