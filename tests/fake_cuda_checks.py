@@ -13,8 +13,8 @@ FakeTensorMode, refuses a CPU tensor handed to a collective as NCCL would (the c
 tensors itself, never reaching it), and notes the devices of every collective's tensors, any op that
 mixes CPU and CUDA tensors (0-dim CPU tensors aside: scalars, such as AdamW's step counters; beneath,
 FakeTensorMode raises for those too), every CPU tensor made and every copy to the host (a scalar's
-too: a sync on a GPU); the case then records where each
-parameter, gradient and optimizer state lives. The assertions live in tests/test_cuda_path.py.
+too: a sync on a GPU); the case then records where each parameter, gradient and optimizer state
+lives. The assertions live in tests/test_cuda_path.py.
 """
 
 from __future__ import annotations
