@@ -99,7 +99,7 @@ def build_parallel(
         from tpbench.parallel.dtensor import parallelize_dtensor
 
         pm = parallelize_dtensor(model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum))
-        pm.module.to(device=ctx.device, dtype=param_dtype(cfg))
+        place(pm.module, ctx.device, param_dtype(cfg))
         return pm
     pm = parallelize(
         model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum), cfg.train.recompute, cfg.debug.overlap_fault

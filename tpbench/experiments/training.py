@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from tpbench.config import RunConfig
@@ -109,7 +110,7 @@ def build_ddp(
     dense = place(build_dense(cfg), ctx.device, param_dtype(cfg))
     apply_recompute(dense, cfg.train.recompute)
     on_device(dense)
-    fake = dist.get_backend(ctx.dp_group) == "fake"
+    fake = comm.fake_backend(ctx.dp_group)
     ddp = DistributedDataParallel(
         dense,
         device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
@@ -127,11 +128,20 @@ def build_ddp(
 
 def adamw(cfg: RunConfig, params, lr: float) -> torch.optim.AdamW:
     """The run's AdamW: fused under train.fused_optimizer; else foreach, AdamW's default for CUDA
-    tensors, said here for an emulated GPU rank."""
+    tensors, said here for an emulated GPU rank. Both take a group's tensors in one op, which cannot mix
+    DTensors with plain tensors (the dtensor engine's replicated embedding beside its shards without
+    VP): those are two parameter groups."""
+    params = list(params)
+    groups = [g for g in (_plain(params, True), _plain(params, False)) if g]
+    kinds = [{"params": g} for g in groups] if len(groups) > 1 else params
     if cfg.train.fused_optimizer:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.train.weight_decay, fused=True)
+        return torch.optim.AdamW(kinds, lr=lr, weight_decay=cfg.train.weight_decay, fused=True)
     foreach = True if cfg.launch.device == "cuda" else None
-    return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.train.weight_decay, foreach=foreach)
+    return torch.optim.AdamW(kinds, lr=lr, weight_decay=cfg.train.weight_decay, foreach=foreach)
+
+
+def _plain(params: list[torch.Tensor], plain: bool) -> list[torch.Tensor]:
+    return [p for p in params if isinstance(p, DTensor) != plain]
 
 
 class _KeepBuckets:

@@ -290,11 +290,17 @@ def all_reduce_bucket(x: torch.Tensor, group: Group, purpose: str) -> tuple[Pend
         fn()
     else:
         pending = _launch("all_reduce", purpose, x, x.numel() * x.element_size(), group, fn, None, False)
-    if dist.get_backend(group) == "fake":  # an emulated rank: the fake work's future holds no value
+    if fake_backend(group):  # an emulated rank: the fake work's future holds no value
         future = torch.futures.Future()
         future.set_result(x)
         return pending, future
     return pending, works.pop().get_future().then(lambda fut: fut.value()[0])
+
+
+def fake_backend(group: Group) -> bool:
+    """torch's fake process group: "fake", or bound to one device ("cuda:fake", which an emulated GPU
+    rank runs on: tests/fake_cuda_checks.py)."""
+    return dist.get_backend(group).split(":")[-1] == "fake"
 
 
 def timed() -> bool:
