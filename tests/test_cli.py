@@ -283,6 +283,14 @@ def test_typer_usage_errors_are_one_line_and_exit_2_before_anything(workdir, arg
     assert nothing_written(workdir)
 
 
+def test_tpbench_alone_prints_the_help_not_a_usage_line():
+    """No arguments: the whole help (exit 2 since click 8.2 raises it as a usage error, 0 before)."""
+    done = runner.invoke(app, [], prog_name="tpbench")
+    assert done.exit_code in (0, 2), done.output
+    assert "Usage: tpbench [OPTIONS] COMMAND [ARGS]..." in done.stdout and done.stderr == ""
+    assert len(done.stdout.splitlines()) > 10 and "sweep" in done.stdout
+
+
 def test_every_command_and_option_is_covered():
     """The tree walk above reaches every command `tpbench --help` lists, and each option of theirs."""
     listed = runner.invoke(app, ["--help"]).stdout

@@ -27,15 +27,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Column, Table
-from typer._click.core import Command  # typer 0.29 vendors click (not installed by itself)
-from typer._click.exceptions import (
-    BadOptionUsage,
-    BadParameter,
-    NoArgsIsHelpError,
-    NoSuchOption,
-    UsageError,
-)
-from typer.core import TyperCommand, TyperGroup, TyperOption
+from typer.core import TyperCommand, TyperGroup
 
 from tpbench.config import (
     DbConfig,
@@ -61,6 +53,8 @@ class _OneLineUsage:
     its arguments, before anything runs. `tpbench` alone still prints the help."""
 
     def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        if not args and ctx.command.no_args_is_help:  # the help, raised (click >= 8.2) or printed
+            return super().parse_args(ctx, args)  # type: ignore[misc]
         with _in_one_line(ctx):
             return super().parse_args(ctx, args)  # type: ignore[misc]
 
@@ -68,7 +62,7 @@ class _OneLineUsage:
 class OneLineGroup(_OneLineUsage, TyperGroup):
     def resolve_command(
         self, ctx: typer.Context, args: list[str]
-    ) -> tuple[str | None, Command | None, list[str]]:
+    ) -> tuple[str | None, TyperCommand | TyperGroup | None, list[str]]:
         with _in_one_line(ctx):  # an unknown command
             return super().resolve_command(ctx, args)
 
@@ -79,26 +73,31 @@ class OneLineCommand(_OneLineUsage, TyperCommand):
 
 @contextmanager
 def _in_one_line(ctx: typer.Context) -> Iterator[None]:
+    """Public API only: typer names none of click's usage errors but BadParameter (typer < 0.29 raises
+    the click package's, typer 0.29 its own copy, typer._click), so they are known by what click
+    documents of them: exit code 2 and format_message(); NoSuchOption has `possibilities`,
+    BadOptionUsage an `option_name`, BadParameter (and MissingParameter) the `param`."""
     try:
         yield
-    except NoArgsIsHelpError:
-        raise
-    except UsageError as e:
+    except Exception as e:
+        if getattr(e, "exit_code", None) != 2 or not hasattr(e, "format_message"):
+            raise  # typer.Exit has no message: tpbench's own one-line errors, already said
         _usage(_usage_error_line(e, ctx))
 
 
-def _usage_error_line(e: UsageError, ctx: typer.Context) -> str:
+def _usage_error_line(e: Exception, ctx: typer.Context) -> str:
     """`tpbench report: Option '--format' requires an argument; accepted for --format: html, md, ...`."""
     command = ctx.command
-    said = (e.message if isinstance(e, NoSuchOption) else e.format_message()).rstrip(".")  # no guesses
+    unknown_option = hasattr(e, "possibilities")  # NoSuchOption: its message without the guesses
+    said = (e.message if unknown_option else e.format_message()).rstrip(".")  # type: ignore[attr-defined]
     params = command.get_params(ctx)
-    param = e.param if isinstance(e, BadParameter) else None
-    if isinstance(e, BadOptionUsage):
+    param = e.param if isinstance(e, typer.BadParameter) else None
+    if not unknown_option and hasattr(e, "option_name"):  # BadOptionUsage
         param = next((p for p in params if e.option_name in p.opts), None)
-    if isinstance(e, NoSuchOption):
-        names = [name for p in params if isinstance(p, TyperOption) for name in p.opts]
+    if unknown_option:
+        names = [name for p in params if p.param_type_name == "option" for name in p.opts]
         accepted = "accepted options are " + ", ".join(names)
-    elif isinstance(param, TyperOption) and param.is_flag:
+    elif param is not None and getattr(param, "is_flag", False):
         accepted = f"{param.opts[0]} is a flag: given alone, it takes no value"
     elif param is not None:
         accepted = f"accepted for {param.opts[0]}: {getattr(param, 'help', None) or param.type.name}"

@@ -171,7 +171,9 @@ def throughput(runs: pd.DataFrame, title: str) -> bytes:
         step_ms = runs["step_time_s"] * 1e3
         low = (step_ms - runs.get("step_time_p10_s", runs["step_time_s"]) * 1e3).clip(lower=0)
         high = (runs.get("step_time_p90_s", runs["step_time_s"]) * 1e3 - step_ms).clip(lower=0)
-        axes[1].bar(xs, step_ms, color=colors, yerr=[low.fillna(0), high.fillna(0)], capsize=3)
+        # arrays, not Series: matplotlib 3.8 and 3.9 call float() on a one-row Series (a pandas FutureWarning)
+        whiskers = [low.fillna(0).to_numpy(), high.fillna(0).to_numpy()]
+        axes[1].bar(xs, step_ms, color=colors, yerr=whiskers, capsize=3)
         axes[1].set(ylabel="step time (ms), p10-p90", title="step time")
         if has_mfu:
             axes[2].bar(xs, runs["mfu"] * 100, color=colors)
