@@ -5,8 +5,8 @@ Run: OMP_NUM_THREADS=1 python scripts/emulated_bytes.py > bytes.json"""
 import json
 import sys
 
-from tpbench import emulation
 from tpbench.compose import expand
+from tpbench.experiments import memory
 
 SMALL = "model=minimind hidden=256 heads=8 kv_heads=4 layers=2 vocab=510 seq=64 dtype=bfloat16"
 CONFIGS = {
@@ -26,7 +26,7 @@ CONFIGS = {
 out = {}
 for name, overrides in CONFIGS.items():
     cfg = expand([*overrides.split(), "launch.emulate=fake", "kind=memory"], single=True)[0]
-    result = emulation.measure_in_process(cfg)
+    result = memory.measure_in_process(cfg)
     measured = {m.name: m.value for m in result.measurements}
     out[name] = {"measurements": measured, "comm": [str(row) for row in result.comm]}
 json.dump(out, sys.stdout, indent=1, sort_keys=True)

@@ -15,8 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_theory import SMALL  # noqa: E402
 from torchrun_checks import run_config  # noqa: E402
 
-from tpbench import emulation, theory  # noqa: E402
+from tpbench import theory  # noqa: E402
 from tpbench.compose import check  # noqa: E402
+from tpbench.experiments import memory  # noqa: E402
 
 MODES = {
     "ddp": ["parallel.engine=ddp", "parallel.tp=1", "parallel.dp=2"],
@@ -47,7 +48,7 @@ def main() -> None:
         except ValueError:
             continue  # a combination compose refuses (MiniMind's own ops with recompute)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, warmup=1, steps=1))
-        peak = next(x.value for x in emulation.measure_in_process(cfg).measurements if x.name == "peak_bytes")
+        peak = next(x.value for x in memory.measure_in_process(cfg).measurements if x.name == "peak_bytes")
         predicted = theory.predict(cfg)
         measured += 1
         if predicted.peak_bytes != peak:

@@ -375,7 +375,7 @@ def machines(workdir, monkeypatch):
     """`on(name)` makes this process a machine of that CPU; every job it launches is recorded OK at once
     (what the job saw: this machine). Returns on and the list of (machine, layers) launched."""
     from tpbench import launch, machine
-    from tpbench.results import RankResult
+    from tpbench.results import Environment, Outcome, RankResult, Status
 
     launched = []
 
@@ -384,9 +384,9 @@ def machines(workdir, monkeypatch):
         launched.append((name, cfg.model.num_hidden_layers))
         result = RankResult(rank=0)
         result.add("passed", 1.0)
-        env = launch.Environment("host", cfg.launch.device, name, count, "gloo", "2.x", None, None, None)
+        env = Environment("host", cfg.launch.device, name, count, "gloo", "2.x", None, None, None)
         now = datetime.now(UTC).replace(tzinfo=None)
-        return launch.Outcome(launch.Status.OK, now, now, env, [result])
+        return Outcome(Status.OK, now, now, env, [result])
 
     monkeypatch.setattr(launch, "run_job", run_job)
 

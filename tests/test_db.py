@@ -15,12 +15,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, inspect, text
 
-from tpbench import db as tpdb
 from tpbench import machine
 from tpbench.config import RunConfig
-from tpbench.db import SCHEMA_VERSION, DatabaseRefused, NoDatabase, ResultsDB, _driver_url
-from tpbench.launch import Environment, Outcome, Status
-from tpbench.results import CommRow, ParamRow, RankResult
+from tpbench.db import SCHEMA_VERSION, DatabaseRefused, NoDatabase, ResultsDB, _driver_url, schema
+from tpbench.results import CommRow, Environment, Outcome, ParamRow, RankResult, Status
 
 ENV = Environment("host", "cpu", "a cpu", 2, "gloo", "2.x", None, "abc", False)
 
@@ -262,8 +260,8 @@ def test_a_failed_upgrade_leaves_the_database_as_it_was(db_url, monkeypatch):
             conn.execute("PRAGMA journal_mode = DELETE")  # one file, so that its digest says it all
         conn.close()
     before = _snapshot(db_url)
-    comm = tpdb.CommRow.__table__.c
-    monkeypatch.setitem(tpdb.UPGRADES, 2, (comm.exposed_s, comm.count))
+    comm = schema.CommRow.__table__.c
+    monkeypatch.setitem(schema.UPGRADES, 2, (comm.exposed_s, comm.count))
     with pytest.raises(
         DatabaseRefused, match=f"upgrading schema version 2 to {SCHEMA_VERSION} failed .*; left as"
     ):
@@ -326,10 +324,10 @@ def test_a_failed_labelling_leaves_a_version_3_database_as_it_was(db_url, monkey
     before = _snapshot(db_url)
 
     def label_then_fail(conn):
-        tpdb._label_hardware(conn)
+        schema._label_hardware(conn)
         conn.execute(text("UPDATE runs SET hardware = NULL WHERE nosuch = 1"))
 
-    monkeypatch.setitem(tpdb.FILLS, 3, label_then_fail)
+    monkeypatch.setitem(schema.FILLS, 3, label_then_fail)
     with pytest.raises(
         DatabaseRefused, match=f"upgrading schema version 3 to {SCHEMA_VERSION} failed .*nosuch"
     ):

@@ -15,6 +15,7 @@ from torchrun_checks import run_config, torchrun
 from tpbench import allocator, emulation, theory
 from tpbench.allocator import CachingAllocator, replay
 from tpbench.config import RunConfig
+from tpbench.experiments import memory
 
 SMALL = [
     "kind=memory",
@@ -59,7 +60,7 @@ def real_job(folder: Path) -> dict:
 def emulate(name: str, flavour: str, rank: int | None) -> dict:
     cfg = run_config([*SMALL, *MODES[name], f"launch.emulate={flavour}"])
     cfg.launch.emulate_rank = rank
-    result = emulation.measure_in_process(cfg)
+    result = memory.measure_in_process(cfg)
     return {
         "peak": next(m.value for m in result.measurements if m.name == "peak_bytes"),
         "comm": sorted([c.op, c.purpose, c.count, c.bytes] for c in result.comm),
@@ -106,7 +107,7 @@ def gpu_config(overrides: list[str]) -> RunConfig:
 @pytest.mark.parametrize("name", ["ddp", "t2_tp_sp_vp"])
 def test_an_emulated_gpu_rank_matches_the_model_and_reports_the_allocator(name):
     cfg = gpu_config([*MODES[name], "parallel.ddp_gradient_as_bucket_view=false", "train.loss=logits_mean"])
-    result = {m.name: m.value for m in emulation.measure_in_process(cfg).measurements}
+    result = {m.name: m.value for m in memory.measure_in_process(cfg).measurements}
     assert result["peak_bytes"] == theory.predict(cfg).peak_bytes  # to the byte, as on the CPU
     workspaces = 2 * 32 * 2**20  # H100: two cuBLAS workspaces of 32 MiB
     assert result["modelled_max_memory_allocated_bytes"] >= result["peak_bytes"] + workspaces

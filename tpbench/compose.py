@@ -3,7 +3,9 @@
 Hydra's compose API reads conf/ into the RunConfig schema; Hydra's override parser reads the overrides
 and its BasicSweeper expands `layers=8,16 mode=ddp,tp` (and a preset's `hydra.sweeper.params`) into
 the cartesian product. Every value is then checked, so a bad one is one line naming it and what is
-accepted (a `ConfigError`), and `auto` devices are resolved for the machine at hand.
+accepted (a `ConfigError`), and `auto` devices are resolved for the machine at hand. Where the
+results go (db.url, launcher=slurm) is checked above, by tpbench.sweep: this module knows nothing of
+the database or of Slurm.
 """
 
 from __future__ import annotations
@@ -23,12 +25,9 @@ from hydra.core.override_parser.types import Override
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from tpbench import hardware
-from tpbench.config import CONF_DIR, RunConfig, hide_password, register_schema, world_size
-from tpbench.db import driver_missing
+from tpbench.config import CONF_DIR, RunConfig, local_world_size, register_schema, world_size
 from tpbench.emulation import EMULATED_KINDS, FLAVOURS
 from tpbench.experiments import KINDS
 from tpbench.faults import FAULTS
@@ -232,14 +231,9 @@ def check(cfg: RunConfig) -> None:
         if name not in SKIPPABLE_GRAD_SUMS:
             accepted = ", ".join(SKIPPABLE_GRAD_SUMS)
             raise ConfigError(f"debug.skip_grad_sum has {name!r}: accepted are {accepted}")
-    _check_db_url(cfg.db.url)
     _check_keep_output(cfg)
     _check_emulation(cfg)
     _check_nodes(cfg)
-    if cfg.launch.launcher == "slurm":
-        from tpbench.slurm import check_slurm  # submitit loads only for launcher=slurm
-
-        check_slurm(cfg)
     _check_fault(cfg)
     check_shardable(cfg)
     check_dtensor_shardable(cfg.model, cfg.parallel)
@@ -299,13 +293,6 @@ def resolve_device(cfg: RunConfig) -> None:
         launch.backend = "nccl" if launch.device == "cuda" else "gloo"
     if launch.backend == "nccl" and launch.device != "cuda":
         raise ConfigError(f"launch.backend=nccl with launch.device={launch.device}: nccl needs cuda")
-
-
-def local_world_size(cfg: RunConfig) -> int:
-    """Processes on this node: one per rank, or the one that emulates a rank."""
-    if cfg.launch.emulate != "none":
-        return 1
-    return cfg.launch.nproc_per_node or world_size(cfg) // int(cfg.launch.nnodes)
 
 
 def _parse(parser: OverridesParser, overrides: Sequence[str]) -> list[Override]:
@@ -381,19 +368,6 @@ def _runs_of(composed: DictConfig) -> list[RunConfig]:
         return [run]
     kinds = EMULATED_KINDS if run.launch.emulate != "none" else KINDS
     return [dataclasses.replace(copy.deepcopy(run), kind=kind) for kind in kinds]
-
-
-def _check_db_url(url: str) -> None:
-    missing = driver_missing(url)  # first: what to install says more than a failed import
-    if missing:
-        raise ConfigError(missing)
-    try:
-        make_url(url).get_dialect().import_dbapi()
-    except (ArgumentError, NoSuchModuleError, ImportError, ValueError) as e:
-        raise ConfigError(
-            f"db.url={hide_password(url)!r}: not a SQLAlchemy URL with an installed driver ({e}); accepted "
-            f"are e.g. sqlite:///runs/tpbench.db, postgresql://user@host/tpbench"
-        ) from None
 
 
 def _check_precision(cfg: RunConfig) -> None:

@@ -263,6 +263,13 @@ def world_size(cfg: RunConfig) -> int:
     return cfg.parallel.tp * cfg.parallel.dp
 
 
+def local_world_size(cfg: RunConfig) -> int:
+    """Processes on this node: one per rank, or the one that emulates a rank."""
+    if cfg.launch.emulate != "none":
+        return 1
+    return cfg.launch.nproc_per_node or world_size(cfg) // int(cfg.launch.nnodes)
+
+
 # How a run was launched and where it is stored, not what it measures: left out of the config hash.
 _UNHASHED_LAUNCH = (
     "launcher",

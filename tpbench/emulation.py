@@ -54,7 +54,6 @@ try:  # FakeTensorMode's private cache and device internals (torch 2.13), behind
     QUICK = True
 except ImportError:  # another torch: FakeRank takes FakeTensorMode's own path, slower, same tensors
     QUICK = False
-from tpbench.results import RankResult
 
 FLAVOURS = ("none", "real", "fake")
 EMULATED_KINDS = ("memory",)  # validate and throughput need the job's real collectives
@@ -386,15 +385,3 @@ class AllocationTrace:
             del self._live[key]
 
         self._live[key] = (token, weakref.ref(storage, freed))
-
-
-def measure_in_process(cfg: RunConfig) -> RankResult:
-    """The memory experiment of the emulated rank, in this process (no launcher): for `tpbench plan
-    --measure` and the tests. The process group lives only for the call."""
-    from tpbench.experiments import memory
-
-    init_process_group(cfg)
-    try:
-        return memory.run(cfg)
-    finally:
-        dist.destroy_process_group()

@@ -380,6 +380,25 @@ def tables(fit: Fit) -> list[Table]:
     return out
 
 
+def measure(fit: Fit, top: int) -> None:
+    """--measure: the `top` best fitting rows confirmed by emulating their busiest rank on fake tensors
+    (tpbench.experiments.memory), the allocator model's reserved memory plus the same overheads
+    against the GPU's memory; each row's `measured`."""
+    from tpbench.experiments import memory  # the model's step runs only for --measure
+
+    for row in fit.fitting[:top]:
+        measured, seconds = memory.measure_busiest(fit.config(row))
+        reserved = measured["modelled_max_memory_reserved_bytes"] + row.overhead_bytes
+        row.measured = {
+            "peak_bytes": measured["peak_bytes"],
+            "max_memory_allocated_bytes": measured["modelled_max_memory_allocated_bytes"],
+            "max_memory_reserved_bytes": measured["modelled_max_memory_reserved_bytes"],
+            "reserved_peak_bytes": reserved,
+            "fits": reserved <= fit.gpu.memory_bytes,
+            "seconds": seconds,
+        }
+
+
 def measured_text(row: Row) -> str:
     """--measure's figures: the emulated rank's live tensors beside theory's, and the allocator model's
     reserved memory with the same CUDA context and NCCL buffers, against the GPU's memory."""

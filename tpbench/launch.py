@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -29,7 +28,6 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -39,9 +37,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from tpbench import emulation, machine
-from tpbench.compose import local_world_size
-from tpbench.config import RunConfig, config_hash, save_run_config, world_size
-from tpbench.results import RankResult, Status
+from tpbench.config import RunConfig, config_hash, local_world_size, save_run_config, world_size
+from tpbench.results import Environment, Outcome, RankResult, Status
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,60 +53,24 @@ WATCHDOG = re.compile(
 AGENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)  # what the agent traps
 
 
-@dataclass
-class Environment:
-    """Where a run ran; stored with it."""
-
-    host: str
-    device: str
-    device_name: str
-    device_count: int
-    backend: str
-    torch_version: str
-    cuda_version: str | None
-    git_commit: str | None
-    git_dirty: bool | None
-    slurm_job_id: str | None = None  # inside a Slurm job: its id (an array task as JOB_TASK)
-    nodes: str | None = None  # inside a Slurm job: its node list
-
-    @classmethod
-    def probe(cls, cfg: RunConfig, devices: tuple[str, int] | None = None) -> Environment:
-        """This node before the launch (`run_job` then takes the device name from what its ranks saw);
-        `devices`: the device name and count to record instead of this node's."""
-        commit = _git("rev-parse", "HEAD")
-        device_name, device_count = devices or machine.here(cfg)
-        return cls(
-            host=socket.gethostname(),
-            device=cfg.launch.device,
-            device_name=device_name,
-            device_count=device_count,
-            backend="fake" if emulation.emulated(cfg) else cfg.launch.backend,
-            torch_version=torch.__version__,
-            cuda_version=torch.version.cuda,
-            git_commit=commit,
-            git_dirty=None if commit is None else bool(_git("status", "--porcelain")),
-            slurm_job_id=_slurm_job_id(),
-            nodes=os.environ.get("SLURM_JOB_NODELIST"),
-        )
-
-
-@dataclass
-class Outcome:
-    status: Status
-    started_at: datetime
-    ended_at: datetime
-    env: Environment
-    results: list[RankResult] = field(default_factory=list)
-    error: str = ""
-    failed_rank: int | None = None
-    log_dir: str | None = None  # the job folder, kept when the run did not end OK
-    ran_rank0: bool = True  # False on the other nodes of a multi-node job: node of rank 0 records it
-    job: Path | None = None  # the job folder, until `release` (after the run is recorded)
-
-    def release(self) -> None:
-        """Remove the job folder of an OK run; call once the run is recorded (or left to another node)."""
-        if self.job is not None and self.log_dir is None:
-            shutil.rmtree(self.job, ignore_errors=True)
+def probe(cfg: RunConfig, devices: tuple[str, int] | None = None) -> Environment:
+    """This node before the launch (`run_job` then takes the device name from what its ranks saw);
+    `devices`: the device name and count to record instead of this node's."""
+    commit = _git("rev-parse", "HEAD")
+    device_name, device_count = devices or machine.here(cfg)
+    return Environment(
+        host=socket.gethostname(),
+        device=cfg.launch.device,
+        device_name=device_name,
+        device_count=device_count,
+        backend="fake" if emulation.emulated(cfg) else cfg.launch.backend,
+        torch_version=torch.__version__,
+        cuda_version=torch.version.cuda,
+        git_commit=commit,
+        git_dirty=None if commit is None else bool(_git("status", "--porcelain")),
+        slurm_job_id=_slurm_job_id(),
+        nodes=os.environ.get("SLURM_JOB_NODELIST"),
+    )
 
 
 class JobFailed(Exception):
@@ -123,7 +84,7 @@ def run_job(cfg: RunConfig, on_progress: Callable[[str], None] = lambda line: No
     job = Path(tempfile.mkdtemp(prefix="tpbench-job-"))
     (job / "pids").mkdir()
     save_run_config(cfg, job / "config.yaml")
-    env, started = Environment.probe(cfg), _now()
+    env, started = probe(cfg), _now()
     try:
         _launch(cfg, job, on_progress)
         results = _read_results(cfg, job / "results")

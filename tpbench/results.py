@@ -1,13 +1,16 @@
-"""What one rank of an experiment hands back to the launcher.
+"""What one rank of an experiment hands back to the launcher, and what the launcher hands on.
 
 Each worker writes its `RankResult` as JSON into the job's result folder; the parent process reads
-them all and is the only writer of the database.
+them all into the run's `Outcome` (with its `Status` and `Environment`) and is the only writer of the
+database. Here, below both, so that the launcher and the database need not import each other.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
 
@@ -90,3 +93,41 @@ class RankResult:
 
 # How the headline value of a metric is taken over ranks; anything not named here takes the max.
 RANK_AGGREGATION = {"passed": "min", "comm_hidden_fraction": "min"}
+
+
+@dataclass
+class Environment:
+    """Where a run ran; stored with it (tpbench.launch.probe finds it out)."""
+
+    host: str
+    device: str
+    device_name: str
+    device_count: int
+    backend: str
+    torch_version: str
+    cuda_version: str | None
+    git_commit: str | None
+    git_dirty: bool | None
+    slurm_job_id: str | None = None  # inside a Slurm job: its id (an array task as JOB_TASK)
+    nodes: str | None = None  # inside a Slurm job: its node list
+
+
+@dataclass
+class Outcome:
+    """How one run ended (tpbench.launch.run_job, or tpbench.slurm for a job that recorded nothing)."""
+
+    status: Status
+    started_at: datetime
+    ended_at: datetime
+    env: Environment
+    results: list[RankResult] = field(default_factory=list)
+    error: str = ""
+    failed_rank: int | None = None
+    log_dir: str | None = None  # the job folder, kept when the run did not end OK
+    ran_rank0: bool = True  # False on the other nodes of a multi-node job: node of rank 0 records it
+    job: Path | None = None  # the job folder, until `release` (after the run is recorded)
+
+    def release(self) -> None:
+        """Remove the job folder of an OK run; call once the run is recorded (or left to another node)."""
+        if self.job is not None and self.log_dir is None:
+            shutil.rmtree(self.job, ignore_errors=True)

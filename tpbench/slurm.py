@@ -43,8 +43,9 @@ from sqlalchemy.engine import URL, make_url
 from tpbench import machine
 from tpbench.config import RunConfig, config_hash, run_label
 from tpbench.db import ResultsDB
-from tpbench.launch import Environment, Outcome, Status, run_job
+from tpbench.launch import probe, run_job
 from tpbench.parallel.checks import ConfigError
+from tpbench.results import Outcome, Status
 
 # Slurm's job states that are not an ending (a requeued job passes through PREEMPTED and REQUEUED).
 LIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "UNKNOWN")
@@ -215,7 +216,7 @@ def _record_ending(item: Followed, info: dict, db: ResultsDB, submitit) -> tuple
         error += f": {_last_error(job)}"
     nodes = info.get("NodeList") if info.get("NodeList", "None") != "None" else None
     unseen = (f"not reported (Slurm ended job {item.job_id} first)", 0)  # the job's node said nothing
-    env = dataclasses.replace(Environment.probe(item.cfg, unseen), slurm_job_id=item.job_id, nodes=nodes)
+    env = dataclasses.replace(probe(item.cfg, unseen), slurm_job_id=item.job_id, nodes=nodes)
     env.host = nodes or env.host
     log_dir = str(job.paths.folder)
     outcome = Outcome(status, item.submitted_at or _now(), _now(), env, error=error, log_dir=log_dir)

@@ -10,7 +10,9 @@ reset_peak_memory_stats); an emulated GPU rank (tpbench.emulation) reports what 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
+import time
 
 import torch
 import torch.distributed as dist
@@ -125,6 +127,28 @@ def run(cfg: RunConfig) -> RankResult:
         if trace is not None:
             trace.mark("gemm_workspaces")  # the first GEMMs (forward, backward) allocate them
         return _measure(cfg, trainer, trace, mode)
+
+
+def measure_in_process(cfg: RunConfig) -> RankResult:
+    """The memory experiment of the emulated rank (tpbench.emulation), in this process (no launcher):
+    for `tpbench plan --measure`, `tpbench fit --measure` and the tests. The process group lives only
+    for the call."""
+    emulation.init_process_group(cfg)
+    try:
+        return run(cfg)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_busiest(cfg: RunConfig) -> tuple[dict[str, float], float]:
+    """The memory experiment of the config's busiest rank on fake tensors, in this process: its
+    measurements by name, and the seconds it took."""
+    # the peak of a step repeats from the second step on: one warm-up step, one measured
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, warmup=1, steps=1))
+    gc.freeze()  # the imports' objects, out of the way of run's gc.collect (0.3 s -> ms)
+    start = time.perf_counter()
+    result = {m.name: m.value for m in measure_in_process(cfg).measurements}
+    return result, time.perf_counter() - start
 
 
 def _tracker(cfg: RunConfig, mode) -> tuple[PeakTracker, contextlib.AbstractContextManager]:

@@ -17,7 +17,8 @@ from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
 from tpbench.config import emulation_label
-from tpbench.db import ResultsDB, Run, parse_since
+from tpbench.db import ResultsDB, parse_since
+from tpbench.db.schema import Run
 
 MODE_ORDER = ("ddp", "tp", "tp_sp", "tp_sp_linear", "tp_vp", "tp_sp_vp")
 RECOMPUTE_ORDER = ("none", "selective", "full")

@@ -16,7 +16,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 
 from tpbench.diagram import inline_svg
-from tpbench.report.sections import Section, Table
+from tpbench.report.blocks import Section, Table
 
 TEMPLATES = Path(__file__).with_name("templates")
 FAILED_STYLE = "color: #b42318; font-weight: bold"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from tpbench.report.sections import Chart, Diagram, Section
+from tpbench.report.blocks import Chart, Diagram, Section
 
 
 def render(sections: list[Section], out: Path) -> str:

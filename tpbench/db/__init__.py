@@ -29,8 +29,10 @@ only the configs whose last job of the same Slurm request (partition, GPUs per n
 recorded an OK run (tpbench.slurm). Version 4 added the column; the upgrade labels every older row from
 the device name, device count and config it recorded.
 
-Reading returns pandas DataFrames: `runs()`, `measurements()`, `metrics()` (one headline value per
-run and metric), `param_errors()`, `comm()`; `run_record()` is one run as a JSON-ready dict.
+The tables, the schema version and the upgrades are in tpbench.db.schema; this module opens, checks,
+writes and reads. Reading returns pandas DataFrames: `runs()`, `measurements()`, `metrics()` (one
+headline value per run and metric), `param_errors()`, `comm()`; `run_record()` is one run as a
+JSON-ready dict.
 """
 
 from __future__ import annotations
@@ -46,15 +48,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
-    JSON,
-    BigInteger,
     Connection,
     Engine,
-    ForeignKey,
     Select,
-    String,
-    Text,
-    bindparam,
     create_engine,
     event,
     func,
@@ -65,19 +61,28 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, NoSuchModuleError, OperationalError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+from sqlalchemy.orm import Session
 
 from tpbench import machine
 from tpbench.config import RunConfig, config_hash, hide_password, mode_label, public_config, world_size
+from tpbench.db.schema import (
+    FILLS,
+    SCHEMA_VERSION,
+    UPGRADES,
+    Base,
+    CommRow,
+    MeasurementRow,
+    Meta,
+    ParamErrorRow,
+    Run,
+)
 from tpbench.results import RANK_AGGREGATION
 
 if TYPE_CHECKING:
     import pandas as pd  # imported by the queries that make frames: `tpbench plan` never loads it
 
-    from tpbench.launch import Outcome
+    from tpbench.results import Outcome
 
-# 2: runs.slurm_job_id and runs.nodes; 3: comm.exposed_s; 4: runs.hardware
-SCHEMA_VERSION = 4
 APP = "tpbench"
 BUSY_TIMEOUT_S = 60
 SQLITE_HEADER = b"SQLite format 3\x00"
@@ -89,132 +94,6 @@ DRIVERS = {"postgresql": ("psycopg", "postgresql+psycopg", "pip install 'tpbench
 
 class DatabaseRefused(Exception):
     """The URL points at something tpbench must not write to; one line says why."""
-
-
-class Base(DeclarativeBase):
-    pass
-
-
-class Meta(Base):
-    __tablename__ = "meta"
-
-    key: Mapped[str] = mapped_column(String(64), primary_key=True)
-    value: Mapped[str] = mapped_column(String(256))
-
-
-class Run(Base):
-    __tablename__ = "runs"
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    config_hash: Mapped[str] = mapped_column(String(16), index=True)
-    config: Mapped[dict[str, Any]] = mapped_column(JSON)
-    kind: Mapped[str] = mapped_column(String(16))
-    mode: Mapped[str] = mapped_column(String(32))
-    engine: Mapped[str] = mapped_column(String(16))
-    tp: Mapped[int]
-    dp: Mapped[int]
-    sp: Mapped[bool]
-    vp: Mapped[bool]
-    layers: Mapped[int]
-    hidden: Mapped[int]
-    heads: Mapped[int]
-    kv_heads: Mapped[int]
-    vocab: Mapped[int]
-    seq: Mapped[int]
-    micro_batch: Mapped[int]
-    global_batch: Mapped[int]
-    batch_policy: Mapped[str] = mapped_column(String(16))
-    dtype: Mapped[str] = mapped_column(String(16))
-    precision: Mapped[str] = mapped_column(String(16))
-    world_size: Mapped[int]
-    fault: Mapped[str] = mapped_column(String(32))
-    sweep: Mapped[str] = mapped_column(Text)
-    status: Mapped[str] = mapped_column(String(16), index=True)
-    error: Mapped[str] = mapped_column(Text)
-    failed_rank: Mapped[int | None]
-    started_at: Mapped[datetime]  # UTC
-    ended_at: Mapped[datetime]
-    host: Mapped[str] = mapped_column(String(256))
-    device: Mapped[str] = mapped_column(String(16))
-    device_name: Mapped[str] = mapped_column(String(256))
-    device_count: Mapped[int]
-    backend: Mapped[str] = mapped_column(String(16))
-    torch_version: Mapped[str] = mapped_column(String(64))
-    cuda_version: Mapped[str | None] = mapped_column(String(32))
-    git_commit: Mapped[str | None] = mapped_column(String(64))
-    git_dirty: Mapped[bool | None]
-    log_dir: Mapped[str | None] = mapped_column(Text)  # the job folder, kept when not OK
-    slurm_job_id: Mapped[str | None] = mapped_column(String(32))  # e.g. 812 or 812_3 (an array task)
-    nodes: Mapped[str | None] = mapped_column(Text)  # Slurm's node list, e.g. node[01-04]
-    # tpbench.machine.key: with config_hash, the run's identity. Every row has one (an upgrade labels
-    # the older rows); nullable only as every column an upgrade adds is.
-    hardware: Mapped[str | None] = mapped_column(Text)
-    text: Mapped[str] = mapped_column(Text)  # rank 0's readable summary
-
-
-class MeasurementRow(Base):
-    __tablename__ = "measurements"
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
-    rank: Mapped[int]
-    name: Mapped[str] = mapped_column(String(64))
-    value: Mapped[float]
-    unit: Mapped[str] = mapped_column(String(16))
-    step: Mapped[int | None]  # None: a per-run figure; otherwise one point of a curve
-
-
-class ParamErrorRow(Base):
-    __tablename__ = "param_errors"
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
-    rank: Mapped[int]
-    name: Mapped[str] = mapped_column(String(256))
-    semantics: Mapped[str] = mapped_column(String(32))
-    shape: Mapped[str] = mapped_column(String(64))  # JSON list
-    grad_mean_abs: Mapped[float]
-    grad_max_abs: Mapped[float]
-    grad_rel_l2: Mapped[float]
-
-
-class CommRow(Base):
-    __tablename__ = "comm"
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
-    rank: Mapped[int]
-    op: Mapped[str] = mapped_column(String(32))
-    purpose: Mapped[str] = mapped_column(String(32))  # what it moves: activation, grad_sum, loss, ...
-    count: Mapped[int]
-    bytes: Mapped[int] = mapped_column(BigInteger)
-    time_s: Mapped[float | None]
-    exposed_s: Mapped[float | None]  # the part of time_s the rank waited (parallel.overlap hides the rest)
-
-
-# version -> the columns its upgrade to version + 1 adds, as declared above (an upgrade only adds
-# nullable columns: the rows kept read as NULL there, unless FILLS fills them)
-UPGRADES = {2: (CommRow.__table__.c.exposed_s,), 3: (Run.__table__.c.hardware,)}
-
-
-def _label_hardware(conn: Connection) -> None:
-    """Version 3 -> 4: each run's hardware from the device name, device count and config it recorded."""
-    runs = Run.__table__
-    recorded = select(runs.c.id, runs.c.device, runs.c.device_name, runs.c.device_count, runs.c.config)
-    labels = [{"run": row.id, "label": _hardware_of_row(row)} for row in conn.execute(recorded)]
-    if labels:
-        query = runs.update().where(runs.c.id == bindparam("run")).values(hardware=bindparam("label"))
-        conn.execute(query, labels)
-
-
-def _hardware_of_row(row: Any) -> str:
-    launch = (row.config or {}).get("launch", {})  # a version-2 config may lack it: one node, real ranks
-    nnodes, emulate = str(launch.get("nnodes", "1")), launch.get("emulate", "none")
-    return machine.key(row.device, row.device_name, row.device_count, nnodes, emulate)
-
-
-# version -> what its upgrade does to the rows kept, once UPGRADES' columns are there
-FILLS = {3: _label_hardware}
 
 
 class ResultsDB:
@@ -519,6 +398,22 @@ def driver_missing(url: str) -> str | None:
     if backend in DRIVERS and importlib.util.find_spec(DRIVERS[backend][0]) is None:
         module, _, install = DRIVERS[backend]
         return f"db.url={hide_password(url)!r} needs the {module} driver, which is not installed: {install}"
+    return None
+
+
+def url_refused(url: str) -> str | None:
+    """One line saying why a run's db.url cannot be written to (a driver to install, not a URL, no
+    such driver), else None: checked with the rest of a run's config, before anything launches."""
+    missing = driver_missing(url)  # first: what to install says more than a failed import
+    if missing:
+        return missing
+    try:
+        make_url(url).get_dialect().import_dbapi()
+    except (ArgumentError, NoSuchModuleError, ImportError, ValueError) as e:
+        return (
+            f"db.url={hide_password(url)!r}: not a SQLAlchemy URL with an installed driver ({e}); accepted "
+            f"are e.g. sqlite:///runs/tpbench.db, postgresql://user@host/tpbench"
+        )
     return None
 
 

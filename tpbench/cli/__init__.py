@@ -1,0 +1,494 @@
+"""The tpbench command line: one command per verb.
+
+`run` and `sweep` compose configs from conf/ with Hydra overrides, launch torchrun jobs and record them;
+`runs` lists and shows what the database holds. Bad input is one line on stderr and exit code 2, with
+nothing launched and nothing written; a failed run exits 1, an interrupted one 130.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, NoReturn
+
+import typer
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Column
+
+from tpbench.cli import output
+from tpbench.cli.arguments import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    AsJson,
+    Device,
+    OneLineCommand,
+    OneLineGroup,
+    Overrides,
+    ShowCfg,
+    check_filters,
+    one_line,
+    usage,
+)
+from tpbench.cli.output import err, out
+from tpbench.config import DbConfig, RunConfig, run_label
+
+if TYPE_CHECKING:  # pandas and the database (sqlalchemy) are imported where a command needs them:
+    from tpbench.db import ResultsDB  # `tpbench plan` starts without them
+    from tpbench.sweep import Ran
+
+app = typer.Typer(
+    cls=OneLineGroup,
+    help="Tensor, sequence and vocab parallelism on MiniMind: run, sweep and list experiments.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+runs_app = typer.Typer(
+    cls=OneLineGroup, help="List the runs of the database, or show one.", add_completion=False
+)
+app.add_typer(runs_app, name="runs")
+
+
+@app.command(
+    cls=OneLineCommand,
+    epilog="Examples:\n\n"
+    "tpbench run  (the tiny MiniMind, tp=2, validate, memory and throughput)\n\n"
+    "tpbench run tp=2 sp=true vp=true layers=64\n\n"
+    "tpbench run mode=tp_sp_vp model=minimind kind=memory batch=fixed_global dtype=bfloat16\n\n"
+    "tpbench run kind=validate +fault=kill_on_rank1 --json",
+)
+def run(overrides: Overrides = None, cfg: ShowCfg = False, as_json: AsJson = False) -> None:
+    """Run one config (one run per kind; kind=all, the default, is all three) and record it."""
+    from tpbench import sweep as sweeping
+
+    configs = _compose(overrides or [], single=True)
+    if cfg:
+        output.configs(configs)
+        return
+    on_slurm = _on_slurm_launcher(configs)
+    dbs = _databases(configs)
+    if on_slurm:
+        _on_slurm(configs, dbs, force=True, wait_only=False, as_json=as_json, sweep=False)
+    status = err.status("")
+
+    def on_start(c: RunConfig) -> Callable[[str], None]:
+        label = run_label(c)
+        status.update(f"{label}: starting")
+        status.start()
+        return lambda line: status.update(escape(f"{label}: {line}"))
+
+    ran = []
+    try:
+        for r in sweeping.run_each(configs, dbs, on_start, one_line):
+            status.stop()
+            ran.append(r)
+            if r.run_id is not None:
+                output.run(dbs[r.cfg.db.url], r.run_id, as_json)
+    finally:
+        status.stop()
+    raise typer.Exit(_exit_code(ran))
+
+
+@app.command(
+    cls=OneLineCommand,
+    epilog="Examples:\n\n"
+    "tpbench sweep layers=8,16,32,64 mode=ddp,tp,tp_sp,tp_vp,tp_sp_vp kind=memory\n\n"
+    "tpbench sweep +preset=seed_tp_memory\n\n"
+    "tpbench sweep +preset=seed_check --force",
+)
+def sweep(
+    overrides: Overrides = None,
+    force: Annotated[bool, typer.Option(help="Run configs that already have an OK run too.")] = False,
+    name: Annotated[
+        str | None,
+        typer.Option(
+            help="Sweep name stored with each run [default: the preset's name, else the overrides]."
+        ),
+    ] = None,
+    wait: Annotated[
+        bool,
+        typer.Option(
+            "--wait",
+            help="launcher=slurm: submit nothing; follow the jobs this sweep submitted before to their end.",
+        ),
+    ] = False,
+    cfg: ShowCfg = False,
+    as_json: AsJson = False,
+) -> None:
+    """Run the cartesian product of comma-separated overrides (and of a preset's sweep), skipping
+    configs that already have an OK run; a failed run does not stop the sweep. With launcher=slurm every
+    run is a Slurm job (one job array) and the command follows them."""
+    from tpbench import sweep as sweeping
+
+    configs = _compose(overrides or [], single=False)
+    sweeping.name(configs, name, overrides or [])
+    if cfg:
+        output.configs(configs)
+        return
+    on_slurm = _on_slurm_launcher(configs)
+    if wait and not on_slurm:
+        usage("--wait follows Slurm jobs: it needs launcher=slurm (a local sweep runs in this shell)")
+    dbs = _databases(configs)
+    if on_slurm:
+        _on_slurm(configs, dbs, force=force, wait_only=wait, as_json=as_json, sweep=True)
+    todo, ran = sweeping.split_done(configs, dbs, force)
+    counts = {"OK": 0, "failed": 0}
+    with Progress(
+        SpinnerColumn(),
+        TextColumn(
+            "{task.description}", table_column=Column(max_width=60, no_wrap=True, overflow="ellipsis")
+        ),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(f"ok {{task.fields[ok]}} · failed {{task.fields[failed]}} · skipped {len(ran)}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=err,
+    ) as progress:
+        task = progress.add_task("sweep", total=len(todo), ok=0, failed=0)
+
+        def on_start(c: RunConfig) -> Callable[[str], None]:
+            label = run_label(c)
+            progress.update(task, description=label)
+            return lambda line: progress.update(task, description=escape(f"{label}: {line}"))
+
+        for r in sweeping.run_each(todo, dbs, on_start, one_line):
+            counts["OK" if r.status == "OK" else "failed"] += 1
+            progress.update(task, advance=1, ok=counts["OK"], failed=counts["failed"], description="sweep")
+            ran.append(r)
+    output.sweep(ran, dbs, as_json)
+    raise typer.Exit(_exit_code(ran))
+
+
+@runs_app.callback(
+    invoke_without_command=True,
+    epilog="Examples:\n\n"
+    "tpbench runs\n\n"
+    "tpbench runs --status FAILED --since 2h\n\n"
+    "tpbench runs --kind memory --sweep seed_tp_memory\n\n"
+    "tpbench runs --device H100\n\n"
+    "tpbench runs show 12 --json",
+)
+def runs(
+    ctx: typer.Context,
+    status: Annotated[str | None, typer.Option(help="OK, FAILED, OOM, TIMEOUT or INTERRUPTED.")] = None,
+    kind: Annotated[str | None, typer.Option(help="validate, memory or throughput.")] = None,
+    mode: Annotated[str | None, typer.Option(help="ddp, tp, tp_sp, tp_vp, tp_sp_vp, ...")] = None,
+    since: Annotated[str | None, typer.Option(help="An ISO date/time (UTC) or an age: 30m, 12h, 7d.")] = None,
+    sweep: Annotated[str | None, typer.Option(help="The sweep name.")] = None,
+    device: Device = None,
+    db: Annotated[str, typer.Option(help="SQLAlchemy URL of the database.")] = DbConfig.url,
+) -> None:
+    """List the runs, oldest first, with the headline figure of each and the hardware it ran on."""
+    if ctx.invoked_subcommand is not None:
+        ctx.obj = db
+        return
+    import pandas as pd
+
+    from tpbench.db import parse_since
+
+    check_filters(status=status, kind=kind, mode=mode)
+    try:
+        start = parse_since(since) if since else None
+    except ValueError:
+        usage(f"--since={since}: accepted are an ISO date or time such as 2026-11-30T08:00, or 30m, 12h, 7d")
+    results = _read_db(db)
+    if device is not None and results.runs(device=device).empty:
+        _no_such_device(results, device)
+    frame = results.runs(status=status, kind=kind, mode=mode, since=start, sweep=sweep, device=device)
+    metrics = results.metrics(frame["id"].tolist()) if len(frame) else pd.DataFrame()
+    output.runs(frame, metrics, results.url)
+
+
+@runs_app.command(
+    "show", cls=OneLineCommand, epilog="Examples:\n\ntpbench runs show 12\n\ntpbench runs show 12 --json"
+)
+def show(
+    ctx: typer.Context,
+    run_id: Annotated[str, typer.Argument(help="The run id, a number as `tpbench runs` lists it.")],
+    as_json: AsJson = False,
+    db: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the database.")] = None,
+) -> None:
+    """Show one run: status, environment, every headline metric; --json adds the resolved config."""
+    if not run_id.isdecimal():  # read here, not by typer, so that the message names the value
+        usage(f"run id {run_id}: accepted is a number, a run's id as `tpbench runs` lists it")
+    output.run(_read_db(db or ctx.obj), int(run_id), as_json, full=True)
+
+
+@app.command(
+    cls=OneLineCommand,
+    epilog="Examples:\n\n"
+    "tpbench report  (every run, into runs/report.html)\n\n"
+    "tpbench report --kind memory --sweep seed_tp_memory --out memory.html\n\n"
+    "tpbench report --format md --since 12h --where layers=8 --where model.name=tiny\n\n"
+    "tpbench report --device H100 --out h100.html\n\n"
+    "tpbench report --format csv --out runs.csv",
+)
+def report(
+    fmt: Annotated[str, typer.Option("--format", help="html, md, csv or json.")] = "html",
+    out_path: Annotated[
+        str | None, typer.Option("--out", help="File to write (default: runs/report.FORMAT).")
+    ] = None,
+    db: Annotated[str, typer.Option(help="SQLAlchemy URL of the database.")] = DbConfig.url,
+    sweep: Annotated[str | None, typer.Option(help="The sweep name.")] = None,
+    kind: Annotated[str | None, typer.Option(help="validate, memory or throughput.")] = None,
+    mode: Annotated[str | None, typer.Option(help="ddp, tp, tp_sp, tp_vp, tp_sp_vp, ...")] = None,
+    since: Annotated[str | None, typer.Option(help="An ISO date/time (UTC) or an age: 30m, 12h, 7d.")] = None,
+    device: Device = None,
+    where: Annotated[
+        list[str] | None,
+        typer.Option(help="key=value on a run column (layers, dtype, ...) or a config key (model.name)."),
+    ] = None,
+) -> None:
+    """Write DDP vs TP vs SP vs VP as tables and charts: html (one self-contained file), md (charts as PNG
+    files beside it), csv or json (the raw rows). An empty selection writes nothing and exits 0."""
+    from tpbench import report as reporting  # matplotlib loads only for this command
+
+    if fmt not in reporting.FORMATS:
+        usage(f"--format {fmt}: accepted are {', '.join(reporting.FORMATS)}")
+    check_filters(kind=kind, mode=mode)
+    try:
+        selection = reporting.Selection.parse(sweep, kind, mode, since, where, device)
+        results = _read_db(db)
+        if device is not None and results.runs(device=device).empty:
+            _no_such_device(results, device)
+        path = reporting.write(results, selection, fmt, out_path)
+    except reporting.SelectionError as e:
+        usage(str(e))
+    except reporting.NothingToReport as e:
+        one_line(str(e))
+        return
+    out.print(str(path), highlight=False)
+
+
+@app.command(
+    cls=OneLineCommand,
+    epilog="Examples:\n\n"
+    "tpbench plan tp=8 sp=true vp=true model=minimind layers=64\n\n"
+    "tpbench plan +preset=seed_tp_memory  (every config of the sweep)\n\n"
+    "tpbench plan mode=ddp,tp_sp_vp model=seed_memory precision=mixed",
+)
+def plan(
+    overrides: Overrides = None,
+    measure: Annotated[
+        bool,
+        typer.Option(
+            "--measure",
+            help="Also emulate the busiest rank with fake tensors (no compute, any size) and print its "
+            "measured peak beside the prediction; with launch.device=cuda, the allocator's too.",
+        ),
+    ] = False,
+) -> None:
+    """Print the analytic model's prediction, per rank, without running anything: memory at each moment
+    of a training step (the peak marked), collective bytes per step, model FLOPs per step."""
+    from tpbench import emulation, theory
+    from tpbench.experiments import memory
+
+    configs = _compose([*(overrides or []), *(["launch.emulate=fake"] if measure else [])], single=False)
+    for c in (c for c in configs if c.kind == configs[0].kind):  # kind=all: one config per kind
+        prediction = theory.predict(c)
+        output.plan(c, prediction, theory.model_flops_per_step(c))
+        if measure:
+            result, seconds = memory.measure_busiest(c)
+            output.measured(c, prediction, result, seconds, emulation.emulated_rank(c))
+
+
+@app.command(
+    cls=OneLineCommand,
+    epilog="Examples:\n\n"
+    "tpbench fit model=llama3_70b seq=8192 gpu=H100-80GB gpus_per_node=8\n\n"
+    "tpbench fit model=qwen3_8b seq=4096 gpu=H200 global_batch=64 --json\n\n"
+    "tpbench fit model.hf_config=path/to/config.json seq=2048 gpu=A100-80GB tp=8 --measure",
+)
+def fit(
+    overrides: Overrides = None,
+    measure: Annotated[
+        bool,
+        typer.Option(
+            "--measure",
+            help="Confirm the best rows (--top) by emulating their busiest rank with fake tensors: the "
+            "live-tensor peak and the caching allocator model's reserved memory.",
+        ),
+    ] = False,
+    top: Annotated[int, typer.Option(help="How many of the best rows --measure emulates.", min=1)] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the search as one JSON object.")] = False,
+    cuda_context_mib: Annotated[
+        float, typer.Option(help="CUDA context per GPU, MiB (an assumption: see tpbench.fit).", min=0)
+    ] = 512.0,
+    nccl_mib: Annotated[
+        float,
+        typer.Option(help="NCCL buffers per communicator, MiB (an assumption: see tpbench.fit).", min=0),
+    ] = 128.0,
+    max_micro_batch: Annotated[
+        int, typer.Option(help="The largest micro-batch searched (without global_batch).", min=1)
+    ] = 256,
+) -> None:
+    """Rank every TP layout of a model on a GPU: each T dividing the GPUs per node (gpus_per_node=,
+    default 8) and the heads, with SP, VP and recompute, at the largest micro-batch that fits; the
+    analytic per-rank peak on that GPU (gpu=, from tpbench.hardware), its headroom, the bytes moved
+    per step and recompute's extra FLOPs. Training defaults: bf16, pure precision, fused AdamW."""
+    from tpbench import fit as fitting
+
+    overheads = fitting.Overheads(int(cuda_context_mib * 2**20), int(nccl_mib * 2**20))
+    try:
+        request = fitting.parse(overrides or [])
+    except fitting.FitError as e:
+        usage(str(e))
+    (base,) = _compose(request.overrides, single=True)
+    try:
+        given, batch = request.given, request.global_batch
+        result = fitting.search(
+            base, request.gpu, request.gpus_per_node, given, batch, overheads, max_micro_batch
+        )
+    except fitting.FitError as e:
+        usage(str(e))
+    if measure:
+        fitting.measure(result, top)
+    if as_json:
+        print(json.dumps(result.as_dict()))
+        return
+    for table in fitting.tables(result):
+        out.print(table)
+    if request.gpu.note:
+        out.print(f"{request.gpu.name}: {request.gpu.note}")
+
+
+@app.command(
+    cls=OneLineCommand,
+    epilog="Examples:\n\n"
+    "tpbench diagram tp=4 sp=true  (runs/diagram.svg)\n\n"
+    "tpbench diagram tp=4 kv_heads=2 --compare  (TP and TP+SP side by side)\n\n"
+    "tpbench diagram tp=4 sp=true vp=true --format png --out block.png",
+)
+def diagram(
+    overrides: Overrides = None,
+    fmt: Annotated[str, typer.Option("--format", help="svg or png.")] = "svg",
+    out_path: Annotated[
+        str | None, typer.Option("--out", help="File to write (default: runs/diagram.FORMAT).")
+    ] = None,
+    compare: Annotated[
+        bool, typer.Option("--compare", help="Draw the same config without and with SP, side by side.")
+    ] = False,
+) -> None:
+    """Draw one transformer block at TP = T from a traced training step (every rank emulated in this
+    process on torch's fake process group): each module, each rank's weight shard (math view W [in, out]
+    and nn.Linear view [out, in]), each activation's per-rank shape, and every collective, forward and
+    backward, with its type, group and bytes. One layer is traced, whatever model.num_hidden_layers says."""
+    from pathlib import Path
+
+    from tpbench import diagram as diagrams  # torch and graphviz load only for this command
+
+    if fmt not in diagrams.FORMATS:
+        usage(f"--format {fmt}: accepted are {', '.join(diagrams.FORMATS)}")
+    path = Path(out_path) if out_path is not None else diagrams.default_path(fmt)
+    try:
+        configs = diagrams.configs(overrides or [], compare)
+        diagrams.check_writable(path)
+    except diagrams.ConfigError as e:
+        usage(str(e))
+    drawn = diagrams.render([diagrams.trace(c) for c in configs], fmt)
+    path.write_bytes(drawn)
+    out.print(str(path), highlight=False)
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+
+
+def _compose(overrides: list[str], single: bool) -> list[RunConfig]:
+    from tpbench import sweep as sweeping  # torch loads only for the commands that launch
+    from tpbench.parallel.checks import ConfigError
+
+    try:
+        return sweeping.configs(overrides, single=single)
+    except ConfigError as e:
+        usage(str(e))
+
+
+def _databases(configs: list[RunConfig]) -> dict[str, ResultsDB]:
+    from tpbench import sweep as sweeping
+    from tpbench.db import DatabaseRefused
+
+    try:
+        return sweeping.databases(configs)
+    except DatabaseRefused as e:
+        usage(str(e))
+
+
+def _read_db(url: str) -> ResultsDB:
+    from tpbench.db import DatabaseRefused, NoDatabase, ResultsDB
+
+    try:
+        return ResultsDB(url, create=False)
+    except NoDatabase as e:
+        err.print(str(e))
+        raise typer.Exit(0) from None
+    except DatabaseRefused as e:
+        usage(str(e))
+
+
+def _no_such_device(db: ResultsDB, device: str) -> NoReturn:
+    """--device that no run's hardware holds: one line naming what the database has, exit 0 as for an
+    empty selection."""
+    kinds = "; ".join(db.hardware_kinds()) or "none: it has no runs"
+    one_line(f"--device {device}: no run in {db.url} ran on such hardware; its hardware: {kinds}")
+    raise typer.Exit(0)
+
+
+def _on_slurm_launcher(configs: list[RunConfig]) -> bool:
+    from tpbench import sweep as sweeping
+    from tpbench.parallel.checks import ConfigError
+
+    try:
+        return sweeping.on_slurm(configs)
+    except ConfigError as e:
+        usage(str(e))
+
+
+def _on_slurm(
+    configs: list[RunConfig],
+    dbs: dict[str, ResultsDB],
+    force: bool,
+    wait_only: bool,
+    as_json: bool,
+    sweep: bool,
+) -> NoReturn:
+    """Submit the runs as Slurm jobs (tpbench.slurm), follow them to their end, show them, exit."""
+    from tpbench import slurm
+    from tpbench.sweep import Ran
+
+    (db,) = dbs.values()
+    try:
+        followed = slurm.submit_and_follow(configs, db, force, wait_only, one_line)
+    except KeyboardInterrupt:
+        one_line("stopped following; the Slurm jobs go on: `tpbench sweep ... --wait` follows them again")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except slurm.SubmitError as e:
+        one_line(str(e))
+        raise typer.Exit(EXIT_FAILED) from None
+    for f in followed:
+        if f.run_id is not None and f.status not in ("OK", "skipped"):
+            error = db.run_record(f.run_id)["error"]
+            one_line(f"run {f.run_id} {f.status} (Slurm job {f.job_id}): {error}")
+    if sweep or as_json:
+        output.sweep([Ran(f.run_id, f.cfg, f.status) for f in followed], dbs, as_json)
+    else:
+        for f in followed:
+            if f.run_id is not None:
+                output.run(db, f.run_id, as_json=False)
+    raise typer.Exit(0 if all(f.status in ("OK", "skipped") for f in followed) else EXIT_FAILED)
+
+
+def _exit_code(ran: list[Ran]) -> int:
+    """130 when the last run was interrupted, else 1 when any run did not end OK, else 0."""
+    if ran and ran[-1].status == "INTERRUPTED":
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED if any(r.status not in ("OK", "skipped") for r in ran) else 0

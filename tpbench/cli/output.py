@@ -1,0 +1,183 @@
+"""What the command line prints: rich tables of runs, sweeps, one run, the analytic prediction.
+
+Whatever a run stored is shown verbatim: no rich markup in cells ("[x]" stays "[x]"). Piped, stdout is
+200 columns wide.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from tpbench.cli.arguments import usage
+from tpbench.config import RunConfig, mode_label, public_config
+
+if TYPE_CHECKING:  # pandas and the database (sqlalchemy) are imported where a command needs them:
+    import pandas as pd  # `tpbench plan` starts without them
+
+    from tpbench.db import ResultsDB
+    from tpbench.sweep import Ran
+    from tpbench.theory import Prediction
+
+out = Console(width=None if sys.stdout.isatty() else 200, markup=False, highlight=False)
+err = Console(stderr=True, markup=False, highlight=False)
+
+# The one figure `tpbench runs` shows per kind, and how.
+HEADLINE: dict[str, tuple[str, Callable[[float], str]]] = {
+    "validate": ("passed", lambda v: "passed" if v else "NOT passed"),
+    "memory": ("peak_bytes", lambda v: f"{v / 2**20:,.1f} MiB peak"),
+    "throughput": ("tokens_per_s", lambda v: f"{v:,.0f} tokens/s"),
+}
+
+
+def runs(frame: pd.DataFrame, metrics: pd.DataFrame, url: str) -> None:
+    """`tpbench runs`: one row per run, with its headline figure and the hardware it ran on."""
+    table = Table(title=f"{len(frame)} runs in {url}")
+    for column in ("id", "started (UTC)", "kind", "mode", "tp×dp", "shape", "dtype", "status"):
+        table.add_column(column, justify="right" if column == "id" else "left", no_wrap=True)
+    table.add_column("result / error", overflow="ellipsis", no_wrap=True, max_width=40)
+    table.add_column("sweep", overflow="ellipsis", no_wrap=True, max_width=24)
+    table.add_column("hardware", overflow="ellipsis", no_wrap=True, max_width=44)
+    on_slurm = frame["slurm_job_id"].notna().any()  # then: each run's job and nodes (or host)
+    if on_slurm:
+        table.add_column("slurm job", no_wrap=True)
+        table.add_column("nodes", overflow="ellipsis", no_wrap=True, max_width=24)
+    for row in frame.itertuples():
+        where = [row.slurm_job_id or "", row.nodes or row.host] if on_slurm else []
+        table.add_row(
+            str(row.id),
+            row.started_at.strftime("%m-%d %H:%M"),
+            row.kind,
+            row.mode,
+            f"{row.tp}×{row.dp}",
+            f"L{row.layers} H{row.hidden} S{row.seq}",
+            row.dtype,
+            row.status,
+            _headline(row, metrics),
+            row.sweep,
+            row.hardware,
+            *where,
+        )
+    out.print(table)
+
+
+def run(db: ResultsDB, run_id: int, as_json: bool, full: bool = False) -> None:
+    """One run: its text, with `full` every field, and its metrics; or one JSON object."""
+    try:
+        record = db.run_record(run_id)
+    except KeyError:
+        usage(f"run {run_id}: no such run in {db.url}")
+    if as_json:
+        print(json.dumps(record, default=str))
+        return
+    text = db.text(run_id)
+    if text:
+        out.print(text, highlight=False, markup=False)
+    if full:
+        fields = Table(title=f"run {run_id}", show_header=False)
+        for key, value in record.items():
+            if key not in ("config", "metrics"):
+                fields.add_row(key, str(value))
+        out.print(fields)
+    if not record["metrics"]:  # a failed run: its one line on stderr says it all
+        return
+    metrics = Table(title=f"run {run_id} {record['status']}: {record['kind']} {record['mode']}")
+    metrics.add_column("metric")
+    metrics.add_column("value", justify="right")
+    for name, value in sorted(record["metrics"].items()):
+        metrics.add_row(name, f"{value:.6g}")
+    out.print(metrics)
+
+
+def sweep(ran: list[Ran], dbs: dict[str, ResultsDB], as_json: bool) -> None:
+    """The configs of a sweep, each with its run and status, and the settings that vary among them."""
+    if as_json:
+        for r in ran:
+            if r.run_id is not None:
+                print(json.dumps(dbs[r.cfg.db.url].run_record(r.run_id), default=str))
+        return
+    import pandas as pd
+
+    flat = pd.json_normalize([public_config(r.cfg) for r in ran])
+    varying = [key for key in flat.columns if key != "sweep" and flat[key].astype(str).nunique() > 1]
+    table = Table(title=f"sweep {ran[0].cfg.sweep}" if ran else "sweep: nothing to run")
+    for column in ("run", "status", "mode", *varying):
+        table.add_column(column)
+    for r, values in zip(ran, flat[varying].itertuples(index=False), strict=True):
+        table.add_row(str(r.run_id), r.status, mode_label(r.cfg.parallel), *map(str, values))
+    out.print(table)
+
+
+def configs(configs: list[RunConfig]) -> None:
+    """--cfg: the resolved config of every run, as YAML documents."""
+    print("\n---\n".join(OmegaConf.to_yaml(public_config(c)) for c in configs), end="")
+
+
+def plan(cfg: RunConfig, prediction: Prediction, flops: float) -> None:
+    """`tpbench plan`: the predicted memory per rank at each moment of a step, the collectives, FLOPs."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    title = (
+        f"{mode_label(p)} tp={p.tp} dp={p.dp} L{m.num_hidden_layers} H{m.hidden_size} S{t.seq_len} "
+        f"B{prediction.dims.B} {t.dtype} {t.precision}"
+    )
+    memory = Table(title=f"{title}: predicted memory per rank (MiB)")
+    for column in ("moment", "params", "grads", "optimizer", "activations", "temporaries", "total"):
+        memory.add_column(column, justify="left" if column == "moment" else "right")
+    for moment in prediction.moments:
+        peak = moment is prediction.peak
+        values = (moment.params, moment.grads, moment.optimizer, moment.activations, moment.temporaries)
+        cells = [f"{v / 2**20:,.1f}" for v in (*values, moment.total)]
+        memory.add_row(moment.name + (" (peak)" if peak else ""), *cells, style="bold" if peak else None)
+    out.print(memory)
+    comm = Table(title=f"{title}: predicted collectives per rank and step")
+    for column in ("op", "purpose", "count", "MiB"):
+        comm.add_column(column, justify="left" if column in ("op", "purpose") else "right")
+    for r in prediction.comm_rows():
+        comm.add_row(r.op, r.purpose, str(r.count), f"{r.bytes / 2**20:,.2f}")
+    comm.add_row("total", "", "", f"{prediction.comm_bytes_per_step / 2**20:,.2f}", style="bold")
+    out.print(comm)
+    out.print(f"model FLOPs per step (global batch): {flops:.4g}")
+    if cfg.launch.device == "cuda":
+        gpu = cfg.launch.emulate_gpu
+        out.print(
+            f"predicted max_memory_allocated on an {gpu} (the peak and 2 cuBLAS workspaces): "
+            f"{prediction.max_memory_allocated_bytes(gpu) / 2**20:,.1f} MiB"
+        )
+
+
+def measured(
+    cfg: RunConfig, prediction: Prediction, result: dict[str, float], seconds: float, rank: int
+) -> None:
+    """`tpbench plan --measure`: the fake-tensor emulation of the config's busiest rank beside the
+    prediction."""
+    peak, predicted = result["peak_bytes"], prediction.peak_bytes
+    out.print(
+        f"emulated rank {rank} (fake tensors, {seconds:.1f} s): live-tensor peak "
+        f"{peak / 2**20:,.1f} MiB, predicted {predicted / 2**20:,.1f} ({(predicted - peak) / peak:+.2%})"
+    )
+    if "modelled_max_memory_allocated_bytes" in result:
+        allocated = result["modelled_max_memory_allocated_bytes"]
+        predicted = prediction.max_memory_allocated_bytes(cfg.launch.emulate_gpu)
+        out.print(
+            f"caching allocator model ({cfg.launch.emulate_gpu}, with cuBLAS workspaces): max allocated "
+            f"{allocated / 2**20:,.1f} MiB, predicted {predicted / 2**20:,.1f} "
+            f"({(predicted - allocated) / allocated:+.2%}); max reserved "
+            f"{result['modelled_max_memory_reserved_bytes'] / 2**20:,.1f} MiB"
+        )
+
+
+def _headline(row, metrics: pd.DataFrame) -> str:
+    import pandas as pd
+
+    if row.status != "OK":
+        return row.error.splitlines()[0][:80] if row.error else ""
+    name, fmt = HEADLINE[row.kind]
+    if row.id not in metrics.index or name not in metrics.columns or pd.isna(metrics.at[row.id, name]):
+        return ""
+    return fmt(metrics.at[row.id, name])

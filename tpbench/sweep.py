@@ -1,0 +1,136 @@
+"""Running configs and recording them: what `tpbench run` and `tpbench sweep` do, below the printing.
+
+`configs` composes and checks the runs (tpbench.compose), then where their results go: the database
+URL (tpbench.db) and, for launcher=slurm, whether this machine can submit (tpbench.slurm).
+`databases` opens each run's database, `split_done` sets aside what a sweep skips (an OK run of the
+config on this node's hardware), and `run_each` launches the rest one by one (tpbench.launch),
+recording each as it ends and stopping at an interrupt. Under launcher=slurm,
+`tpbench.slurm.submit_and_follow` runs them as Slurm jobs instead. Nothing here prints or exits:
+progress goes to callbacks and a line for the user to `say`; bad input is a ConfigError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from tpbench import compose, launch, machine
+from tpbench.config import RunConfig, config_hash, hide_password, run_label
+from tpbench.db import ResultsDB, url_refused
+from tpbench.parallel.checks import ConfigError
+from tpbench.slurm import check_slurm
+
+
+@dataclass
+class Ran:
+    """One config of a run or sweep, as it ended: its run id (None when nothing was recorded here) and
+    its status (a tpbench.results.Status, or "skipped" for a config with an OK run already)."""
+
+    run_id: int | None
+    cfg: RunConfig
+    status: str
+
+
+def configs(overrides: Sequence[str], single: bool = False) -> list[RunConfig]:
+    """Every run the overrides ask for (tpbench.compose.expand), each with a database and a launcher
+    it can use. Raises ConfigError, one line."""
+    runs = compose.expand(overrides, single=single)
+    for run in runs:
+        check_destination(run)
+    return runs
+
+
+def name(configs: Sequence[RunConfig], given: str | None, overrides: Sequence[str]) -> None:
+    """The sweep name stored with each run: its own (a preset's), else `given`, else the overrides (a
+    URL's password hidden), else "default"."""
+    for c in configs:
+        c.sweep = c.sweep or given or " ".join(map(_shown, overrides)) or "default"
+
+
+def check_destination(cfg: RunConfig) -> None:
+    """Raise ConfigError, one line, when the run's results cannot go where its config says: a db.url
+    that is not a URL or lacks its driver, or launcher=slurm on a machine that cannot submit."""
+    refused = url_refused(cfg.db.url)
+    if refused:
+        raise ConfigError(refused)
+    if cfg.launch.launcher == "slurm":
+        check_slurm(cfg)  # submitit itself loads only when a job is submitted
+
+
+def on_slurm(configs: Sequence[RunConfig]) -> bool:
+    """Whether the runs go to Slurm; a Slurm sweep has one launcher and one database for all its runs
+    (else ConfigError)."""
+    if not any(c.launch.launcher == "slurm" for c in configs):
+        return False
+    if len({c.launch.launcher for c in configs}) > 1 or len({c.db.url for c in configs}) > 1:
+        raise ConfigError("launcher=slurm: a Slurm sweep has one launcher and one db.url for all its runs")
+    return True
+
+
+def databases(configs: Sequence[RunConfig]) -> dict[str, ResultsDB]:
+    """Each database the runs write to, by URL, opened (created if need be). Raises DatabaseRefused."""
+    return {url: ResultsDB(url) for url in dict.fromkeys(c.db.url for c in configs)}
+
+
+def split_done(
+    configs: Sequence[RunConfig], dbs: dict[str, ResultsDB], force: bool
+) -> tuple[list[RunConfig], list[Ran]]:
+    """The configs left to run, and those skipped: done is an OK run of the config on this node's
+    hardware (tpbench.db); with `force`, nothing is done."""
+    finished = {url: db.finished() for url, db in dbs.items()}
+    todo, done = [], []
+    for c in configs:
+        run_id = None if force else finished[c.db.url].get((config_hash(c), machine.here_key(c)))
+        (todo.append(c) if run_id is None else done.append(Ran(run_id, c, "skipped")))
+    return todo, done
+
+
+def run_each(
+    configs: Sequence[RunConfig],
+    dbs: dict[str, ResultsDB],
+    on_start: Callable[[RunConfig], Callable[[str], None]],
+    say: Callable[[str], None],
+) -> Iterator[Ran]:
+    """Launch and record each config in turn, yielding each as it ends; an interrupted run is the last.
+    `on_start(cfg)` is called as a run starts and returns what takes its progress lines."""
+    for cfg in configs:
+        ran = run_one(cfg, dbs[cfg.db.url], on_start(cfg), say)
+        yield ran
+        if ran.status == "INTERRUPTED":
+            return
+
+
+def run_one(
+    cfg: RunConfig, db: ResultsDB, on_progress: Callable[[str], None], say: Callable[[str], None]
+) -> Ran:
+    """Launch one config and record it. The run id is None on a node other than the one of rank 0 in a
+    multi-node job, which leaves recording to that node, and when the database refused the record."""
+    try:
+        outcome = launch.run_job(cfg, on_progress)
+    except KeyboardInterrupt:  # before the agent started or after the job ended: nothing ran to record
+        return Ran(None, cfg, "INTERRUPTED")
+    if not outcome.ran_rank0:
+        say(f"{run_label(cfg)}: {outcome.status}; the node that ran rank 0 records it")
+        outcome.release()
+        return Ran(None, cfg, str(outcome.status))
+    try:
+        run_id = db.record(cfg, outcome)
+    except SQLAlchemyError as e:  # the job folder stays: its results are not lost
+        cause = " ".join(str(getattr(e, "orig", None) or e).split())
+        say(
+            f"{run_label(cfg)}: {outcome.status}, but not recorded in {cfg.db.url} "
+            f"({type(e).__name__}: {cause}); its config, logs and rank results stay in {outcome.job}"
+        )
+        return Ran(None, cfg, "FAILED")
+    outcome.release()
+    if outcome.status != "OK":
+        say(f"run {run_id} {outcome.status}: {outcome.error} (logs: {outcome.log_dir})")
+    return Ran(run_id, cfg, str(outcome.status))
+
+
+def _shown(override: str) -> str:
+    """An override as it may be stored (a sweep name): a URL's password hidden."""
+    key, sep, value = override.partition("=")
+    return f"{key}{sep}{hide_password(value)}" if "://" in value else override
