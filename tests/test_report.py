@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 
 from tpbench.cli import app
 from tpbench.report import published, render
-from tpbench.report.data import ReportData, Selection, mode_rank, setting_label
+from tpbench.report.data import ReportData, Selection, mode_rank, model_label, setting_label
 
 TPBENCH = str(Path(sys.executable).with_name("tpbench"))
 PAYLOAD = "<script>document.body.dataset.pwned = 'yes'</script>"
@@ -451,3 +451,17 @@ def test_published_figures_join_only_their_own_config():
     ref = published.seed_memory(peaks)
     assert ref[["setting", "layers", "mode"]].values.tolist() == [["seed", 8, "ddp"], ["seed", 8, "tp"]]
     assert ref["peak_bytes"].tolist() == [2377.65 * 2**20, 1509.53 * 2**20]
+
+
+def test_two_models_of_one_shape_are_two_settings():
+    """Llama and Qwen3 presets cut to the same H, S, V and heads are compared apart, each named."""
+    run = {
+        "hidden": 64, "seq": 32, "vocab": 256, "heads": 8, "kv_heads": 4, "micro_batch": 2, "global_batch": 4,
+        "batch_policy": "fixed_per_rank", "dtype": "float32", "precision": "pure", "world_size": 2,
+        "hardware": "a CPU · 2 CPU cores per node · 1 node",
+    }  # fmt: skip
+    llama = model_label({"model.name": "llama3_8b", "model.qk_norm": False})
+    qwen3 = model_label({"model.name": "qwen3_0_6b", "model.qk_norm": True, "model.head_dim": 16})
+    assert (llama, qwen3) == ("llama3_8b · no q/k norm", "qwen3_0_6b · head_dim 16")
+    labels = {setting_label(pd.Series(dict(run, model=m))) for m in (llama, qwen3)}
+    assert len(labels) == 2 and all(label.startswith(("llama3_8b", "qwen3_0_6b")) for label in labels)

@@ -124,6 +124,7 @@ def load(db: ResultsDB, selection: Selection) -> ReportData:
     runs = runs.join(metrics, on="id")
     # emulated runs (tpbench.emulation) are a setting of their own: never drawn beside measured jobs
     runs["emulated"] = [emulation_label(configs[i]) for i in runs["id"]]
+    runs["model"] = [model_label(configs.get(i, {})) for i in runs["id"]]
     runs["recompute"] = [configs.get(i, {}).get("train.recompute", "none") for i in runs["id"]]
     # the step's speed switches (the throughput section's axes), "" when none is on
     runs["switches"] = [switches(configs.get(i, {})) for i in runs["id"]]
@@ -140,13 +141,27 @@ def load(db: ResultsDB, selection: Selection) -> ReportData:
     return ReportData(url, s, runs.reset_index(drop=True), curves, per_rank, comm, configs)
 
 
+def model_label(flat: dict) -> str:
+    """The model of a run (a flat config): its preset's name and the switches that set its family apart
+    (two models of one H, S, V and heads are two settings), e.g. "qwen3_0_6b · head_dim 128"."""
+    parts = [str(flat.get("model.name", ""))]
+    if flat.get("model.head_dim"):
+        parts.append(f"head_dim {flat['model.head_dim']}")
+    if flat.get("model.qk_norm") is False:
+        parts.append("no q/k norm")
+    if flat.get("model.attention_bias"):
+        parts.append("q/k/v bias")
+    return " · ".join(p for p in parts if p)
+
+
 def setting_label(run: pd.Series) -> str:
     """One readable line for the setting of a run (the layers apart)."""
     batch = (
         f"mb{run['micro_batch']}" if run["batch_policy"] == "fixed_per_rank" else f"gb{run['global_batch']}"
     )
     return (
-        f"H{run['hidden']} S{run['seq']} V{run['vocab']} heads {run['heads']}/{run['kv_heads']} "
+        (f"{run['model']}: " if run.get("model") else "")
+        + f"H{run['hidden']} S{run['seq']} V{run['vocab']} heads {run['heads']}/{run['kv_heads']} "
         f"{batch} {run['batch_policy']} {run['dtype']} {run['precision']} · {run['world_size']} ranks"
         + (f" · {run['emulated']}" if run.get("emulated") else "")
         + f" · {run['hardware']}"
