@@ -32,6 +32,14 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = True
+    qk_norm: bool = True  # RMSNorm of each q and k head before RoPE (Qwen3, MiniMind); off: Llama, Qwen2.5
+    head_dim: int | None = None  # None: hidden_size / num_attention_heads
+    attention_bias: bool = False  # q, k, v with biases (Qwen2.5); o_proj never has one
+    rope_scaling_factor: float = 1.0  # Llama-3.1's rope_scaling "factor"; 1.0: none (changes no shape)
+    # Llama-3.1's rope_scaling (rope_type llama3), read only when rope_scaling_factor != 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
     flash_attn: bool = True  # SDPA; False: manual attention with an fp32 softmax
     # True: SwiGLU keeps gate and up only (silu(gate) made again in backward, as Megatron's fused
     # SwiGLU); False: MiniMind's own two ops, which keep silu(gate) too: the seed's benchmark model
