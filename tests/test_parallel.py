@@ -103,6 +103,36 @@ VALIDATE_T2 |= {
     ],
 }
 
+# the families (tests/test_families.py proves each dense model is transformers' own): Llama (no q/k
+# norms, untied, theta 1e4), Qwen2.5 (q, k, v biases, head_dim 16 != H / heads 8), Qwen3 (q/k norms,
+# head_dim 16); N_kv 2: KV heads (and their biases) sharded at T 2, replicated at T 4
+FAMILIES = {
+    "llama": [
+        "model.qk_norm=false",
+        "model.rope_theta=10000",
+        "model.rms_norm_eps=1e-5",
+        "model.tie_word_embeddings=false",
+        "model.num_key_value_heads=2",
+    ],
+    "qwen25": [
+        "model.qk_norm=false",
+        "model.attention_bias=true",
+        "model.head_dim=16",
+        "model.num_key_value_heads=2",
+    ],
+    "qwen3": ["model.head_dim=16"],
+}
+LLAMA31_ROPE = ["model.rope_scaling_factor=8", "model.rope_original_max_position_embeddings=16"]
+FAMILY_MODES = {"tp": [], "tp_sp": ["parallel.sp=true"], "tp_vp": ["parallel.vp=true"]}
+FAMILY_MODES["tp_sp_vp"] = FAMILY_MODES["tp_sp"] + FAMILY_MODES["tp_vp"]
+VALIDATE_T2 |= {
+    f"{family}_{mode}": ["parallel.tp=2", *overrides, *FAMILY_MODES[mode]]
+    for family, overrides in FAMILIES.items()
+    for mode in FAMILY_MODES
+    if family == "qwen25" or mode in ("tp", "tp_sp_vp")
+}
+VALIDATE_T2["llama31_tp_sp_vp"] = [*VALIDATE_T2["llama_tp_sp_vp"], *LLAMA31_ROPE]
+
 # --- world 4: T = 4, DP x TP, T = 1 with DP, GQA replication, and each gradient sum switched off ---
 
 VALIDATE_W4 = {
@@ -154,6 +184,13 @@ VALIDATE_W4 = {
     ],
     "broken_sp_norms": ["parallel.tp=4", "parallel.sp=true", "debug.skip_grad_sum=[sp_norms]"],
     "broken_dp": ["parallel.tp=2", "parallel.dp=2", "debug.skip_grad_sum=[dp]"],
+}
+
+
+VALIDATE_W4 |= {
+    f"t4_{family}_{mode}": ["parallel.tp=4", *overrides, *FAMILY_MODES[mode]]
+    for family, overrides in FAMILIES.items()
+    for mode in FAMILY_MODES
 }
 
 
@@ -285,15 +322,24 @@ def test_semantics_cover_every_layout(validated):
     seen = set(validated["t4_tp"]["semantics"]) | set(validated["t4_tp_sp_vp"]["semantics"])
     assert {"column", "row", "replicated", "replicated_sum", "vocab"} <= seen
     assert "kv_replicated" in validated["t4_kv1"]["semantics"]
+    assert "kv_replicated" in validated["t4_qwen25_tp"]["semantics"]  # its k/v biases with the weights
 
 
 # --- collectives per training step: what the math gives ---------------------------------------
 
 
 def expected_comm(
-    t: int, sp: bool, vp: bool, regather: bool = True, dp: int = 1, params: int = 0, per_linear: bool = False
+    t: int,
+    sp: bool,
+    vp: bool,
+    regather: bool = True,
+    dp: int = 1,
+    params: int = 0,
+    per_linear: bool = False,
+    head_norms: int = D,
 ) -> dict:
-    """(op, purpose) -> (count, per-rank ring bytes) for one step of the tiny fp32 model."""
+    """(op, purpose) -> (count, per-rank ring bytes) for one step of the tiny fp32 model;
+    `head_norms`: the width of its q/k norms (the head dim; 0: model.qk_norm off)."""
     act = S * B * H * 4  # one [S, B, H] fp32 tensor
     ring_ar, ring_ag = 2 * (t - 1) / t, (t - 1) / t
     out: dict[tuple[str, str], tuple[int, int]] = {}
@@ -313,30 +359,37 @@ def expected_comm(
             out[("all_gather", "regather")] = (n_re, round(n_re * act * ring_ag))
     if vp:
         out[("all_reduce", "loss")] = (3, round(3 * S * B * 4 * ring_ar))
-    sums = 2 * L * D + ((2 * L + 1) * H if sp else 0)  # q/k norms, and the SP norms
-    out[("all_reduce", "grad_sum")] = (1, round(sums * 4 * ring_ar))
+    sums = 2 * L * head_norms + ((2 * L + 1) * H if sp else 0)  # q/k norms, and the SP norms
+    if sums:
+        out[("all_reduce", "grad_sum")] = (1, round(sums * 4 * ring_ar))
     return out
 
 
 @pytest.mark.parametrize(
-    "name,t,sp,vp,regather,per_linear",
+    "name,t,sp,vp,regather,per_linear,head_norms",
     [
-        ("tp", 2, False, False, True, False),
-        ("tp_sp", 2, True, False, True, False),
-        ("tp_sp_keep_full", 2, True, False, False, False),
-        ("tp_sp_linear", 2, True, False, True, True),
-        ("tp_sp_linear_keep_full", 2, True, False, False, True),
-        ("tp_vp", 2, False, True, True, False),
-        ("tp_sp_vp", 2, True, True, True, False),
-        ("t4_tp", 4, False, False, True, False),
-        ("t4_tp_sp", 4, True, False, True, False),
-        ("t4_tp_vp", 4, False, True, True, False),
-        ("t4_tp_sp_vp", 4, True, True, True, False),
+        ("tp", 2, False, False, True, False, D),
+        ("tp_sp", 2, True, False, True, False, D),
+        ("tp_sp_keep_full", 2, True, False, False, False, D),
+        ("tp_sp_linear", 2, True, False, True, True, D),
+        ("tp_sp_linear_keep_full", 2, True, False, False, True, D),
+        ("tp_vp", 2, False, True, True, False, D),
+        ("tp_sp_vp", 2, True, True, True, False, D),
+        ("t4_tp", 4, False, False, True, False, D),
+        ("t4_tp_sp", 4, True, False, True, False, D),
+        ("t4_tp_vp", 4, False, True, True, False, D),
+        ("t4_tp_sp_vp", 4, True, True, True, False, D),
+        # the families: no q/k norms (Llama, Qwen2.5: no grad_sum at all without SP), Qwen3's of 16
+        ("llama_tp", 2, False, False, True, False, 0),
+        ("llama_tp_sp_vp", 2, True, True, True, False, 0),
+        ("qwen25_tp_sp", 2, True, False, True, False, 0),
+        ("qwen3_tp", 2, False, False, True, False, 16),
+        ("t4_qwen3_tp_sp_vp", 4, True, True, True, False, 16),
     ],
 )
-def test_collectives_per_step_match_the_math(validated, name, t, sp, vp, regather, per_linear):
+def test_collectives_per_step_match_the_math(validated, name, t, sp, vp, regather, per_linear, head_norms):
     counted = {(op, purpose): (n, b) for op, purpose, n, b in validated[name]["comm"]}
-    assert counted == expected_comm(t, sp, vp, regather, per_linear=per_linear)
+    assert counted == expected_comm(t, sp, vp, regather, per_linear=per_linear, head_norms=head_norms)
 
 
 def test_sp_moves_the_same_bytes_as_tp_inside_the_blocks(validated):
