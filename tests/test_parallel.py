@@ -6,7 +6,20 @@ from pathlib import Path
 
 import pytest
 from beside import beside
-from torchrun_checks import TINY, TOL_FWD, TOL_GRAD, TOL_PARAM, B, D, H, L, S, torchrun
+from torchrun_checks import (
+    FAMILIES,
+    LLAMA31_ROPE,
+    TINY,
+    TOL_FWD,
+    TOL_GRAD,
+    TOL_PARAM,
+    B,
+    D,
+    H,
+    L,
+    S,
+    torchrun,
+)
 
 from tpbench.experiments.validate import CHECKS as VALIDATE_CHECKS
 from tpbench.experiments.validate import K
@@ -103,26 +116,6 @@ VALIDATE_T2 |= {
     ],
 }
 
-# the families (tests/test_families.py proves each dense model is transformers' own): Llama (no q/k
-# norms, untied, theta 1e4), Qwen2.5 (q, k, v biases, head_dim 16 != H / heads 8), Qwen3 (q/k norms,
-# head_dim 16); N_kv 2: KV heads (and their biases) sharded at T 2, replicated at T 4
-FAMILIES = {
-    "llama": [
-        "model.qk_norm=false",
-        "model.rope_theta=10000",
-        "model.rms_norm_eps=1e-5",
-        "model.tie_word_embeddings=false",
-        "model.num_key_value_heads=2",
-    ],
-    "qwen25": [
-        "model.qk_norm=false",
-        "model.attention_bias=true",
-        "model.head_dim=16",
-        "model.num_key_value_heads=2",
-    ],
-    "qwen3": ["model.head_dim=16"],
-}
-LLAMA31_ROPE = ["model.rope_scaling_factor=8", "model.rope_original_max_position_embeddings=16"]
 FAMILY_MODES = {"tp": [], "tp_sp": ["parallel.sp=true"], "tp_vp": ["parallel.vp=true"]}
 FAMILY_MODES["tp_sp_vp"] = FAMILY_MODES["tp_sp"] + FAMILY_MODES["tp_vp"]
 VALIDATE_T2 |= {

@@ -10,7 +10,7 @@ import pytest
 import torch
 from beside import beside
 from torch.utils.flop_counter import FlopCounterMode
-from torchrun_checks import run_config, torchrun
+from torchrun_checks import FAMILIES, run_config, torchrun
 from typer.testing import CliRunner
 
 from tpbench import theory
@@ -187,19 +187,7 @@ CHECKS = {
 
 # the families (tests/test_families.py): Llama (no q/k norms, untied, KV heads 2), Qwen2.5 (q, k, v
 # biases, head_dim 16 != H / heads, no q/k norms), Qwen3 (q/k norms over head_dim 16)
-LLAMA = [
-    "model.qk_norm=false",
-    "model.tie_word_embeddings=false",
-    "model.num_key_value_heads=2",
-    "model.rope_theta=10000",
-]
-QWEN25 = [
-    "model.qk_norm=false",
-    "model.attention_bias=true",
-    "model.head_dim=16",
-    "model.num_key_value_heads=2",
-]
-QWEN3 = ["model.head_dim=16"]
+LLAMA, QWEN25, QWEN3 = FAMILIES["llama"], FAMILIES["qwen25"], FAMILIES["qwen3"]
 MIXED = "train.precision=mixed"
 DDP4 = [*DDP, "parallel.dp=4"]
 CHECKS |= {
