@@ -262,7 +262,7 @@ def test_overlap_hides_each_collective_behind_compute(units):
 
 def test_checkpoint_round_trip_is_bit_exact(units):
     ck = units["checkpoints"]
-    for case in ("tp", "kv_replicated", "vp_padded_untied"):
+    for case in ("tp", "kv_replicated", "vp_padded_untied", "qwen25_kv_replicated", "qwen3_sp_vp"):
         assert ck[f"{case}_same_names"] == 1.0
         assert ck[f"{case}_shapes_equal"] == 1.0  # padded vocab rows are dropped
         assert ck[f"{case}_max_abs"] == 0.0

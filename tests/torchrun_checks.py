@@ -200,6 +200,15 @@ def check_checkpoints(ctx: ParallelContext) -> dict[str, float]:
             MiniMindConfig(64, 2, 8, 4, 255, tie_word_embeddings=False),
             ParallelConfig(tp=ctx.tp, vp=True, sp=True, vocab_pad_multiple=4),
         ),
+        # Qwen2.5: q, k, v biases, one KV head replicated on every rank (its bias with it), head_dim 16
+        "qwen25_kv_replicated": (
+            MiniMindConfig(64, 2, 8, 1, 256, qk_norm=False, attention_bias=True, head_dim=16),
+            ParallelConfig(tp=ctx.tp),
+        ),
+        "qwen3_sp_vp": (
+            MiniMindConfig(64, 2, 8, 4, 256, head_dim=16),
+            ParallelConfig(tp=ctx.tp, sp=True, vp=True),
+        ),
     }
     for name, (mcfg, pcfg) in cases.items():
         dense = build_model(mcfg, seed=3).state_dict()
