@@ -125,6 +125,8 @@ VALIDATE_T2 |= {
     if family == "qwen25" or mode in ("tp", "tp_sp_vp")
 }
 VALIDATE_T2["llama31_tp_sp_vp"] = [*VALIDATE_T2["llama_tp_sp_vp"], *LLAMA31_ROPE]
+# parallel.overlap with q, k, v biases: each bias gradient deferred with its weight's
+VALIDATE_T2["qwen25_tp_sp_vp_overlap"] = [*VALIDATE_T2["qwen25_tp_sp_vp"], *OVERLAP]
 
 # --- world 4: T = 4, DP x TP, T = 1 with DP, GQA replication, and each gradient sum switched off ---
 
@@ -416,6 +418,7 @@ OVERLAPPED = {  # overlap config -> the same config without overlap
     "t4_tp_sp_vp_overlap": "t4_tp_sp_vp",
     "dp2_tp2_overlap": "dp2_tp2",
     "dp2_tp2_sp_vp_overlap": "dp2_tp2_sp_vp",
+    "qwen25_tp_sp_vp_overlap": "qwen25_tp_sp_vp",
 }
 
 
