@@ -99,22 +99,19 @@ FAMILIES = {
 }
 
 
-def tpbench_config(overrides: dict, flash: bool) -> MiniMindConfig:
+def tpbench_config(hf: dict, overrides: dict, flash: bool) -> MiniMindConfig:
+    """tpbench's config of the model transformers builds from `hf` (its head counts), with the
+    family's switches in `overrides`."""
     return MiniMindConfig(
         hidden_size=H,
         num_hidden_layers=L,
-        num_attention_heads=FAMILIES_HEADS[id(overrides)][0],
-        num_key_value_heads=FAMILIES_HEADS[id(overrides)][1],
+        num_attention_heads=hf["num_attention_heads"],
+        num_key_value_heads=hf["num_key_value_heads"],
         vocab_size=V,
         intermediate_size=192,
         flash_attn=flash,
         **overrides,
     )
-
-
-FAMILIES_HEADS = {
-    id(ours): (hf["num_attention_heads"], hf["num_key_value_heads"]) for _, hf, ours in FAMILIES.values()
-}
 
 
 def pair(name: str, flash: bool) -> tuple[torch.nn.Module, MiniMindForCausalLM]:
@@ -126,7 +123,7 @@ def pair(name: str, flash: bool) -> tuple[torch.nn.Module, MiniMindForCausalLM]:
         for n, p in hf.named_parameters():
             if n.endswith(("bias", "norm.weight")):
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if n.endswith("norm.weight") else 0.0))
-    model = MiniMindForCausalLM(tpbench_config(ours, flash))
+    model = MiniMindForCausalLM(tpbench_config(hf_kwargs, ours, flash))
     model.load_state_dict(hf.state_dict(), strict=True)  # the same names, the same shapes
     return hf, model
 
