@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -368,3 +369,93 @@ def test_slurm_bad_input_is_one_line_exit_2_and_nothing_written(
     assert done.exit_code == 2
     assert len(done.stderr.splitlines()) == 1 and says in done.stderr, done.stderr
     assert nothing_written(workdir)
+
+
+# -- hardware: one database shared by two kinds of machine (their jobs stood in for: nothing launches) --
+
+XEON, EPYC = "Intel(R) Xeon(R) Platinum 8480+", "AMD EPYC 9B14"
+SWEEP = ["sweep", "kind=validate", "layers=1,2"]
+
+
+@pytest.fixture
+def machines(workdir, monkeypatch):
+    """`on(name)` makes this process a machine of that CPU; every job it launches is recorded OK at once
+    (what the job saw: this machine). Returns on and the list of (machine, layers) launched."""
+    from tpbench import launch, machine
+    from tpbench.results import RankResult
+
+    launched = []
+
+    def run_job(cfg, on_progress):
+        name, count = machine.here(cfg)
+        launched.append((name, cfg.model.num_hidden_layers))
+        result = RankResult(rank=0)
+        result.add("passed", 1.0)
+        env = launch.Environment("host", cfg.launch.device, name, count, "gloo", "2.x", None, None, None)
+        now = datetime.now(UTC).replace(tzinfo=None)
+        return launch.Outcome(launch.Status.OK, now, now, env, [result])
+
+    monkeypatch.setattr(launch, "run_job", run_job)
+
+    def on(name: str) -> None:
+        monkeypatch.setattr(machine, "here", lambda cfg: (name, 2))
+
+    return on, launched
+
+
+def test_a_sweep_on_another_kind_of_machine_runs_what_the_first_recorded(machines):
+    on, launched = machines
+    on(XEON)
+    for _ in range(2):  # the second time: both configs done on this machine, skipped
+        assert runner.invoke(app, SWEEP).exit_code == 0
+    on(EPYC)
+    assert runner.invoke(app, SWEEP).exit_code == 0
+    assert runner.invoke(app, SWEEP).exit_code == 0
+    assert launched == [(XEON, 1), (XEON, 2), (EPYC, 1), (EPYC, 2)]
+
+
+def hardware_of(name: str) -> str:
+    return f"{name} · 2 CPU cores per node · 1 node"
+
+
+def test_runs_and_report_filter_by_hardware_and_a_report_says_it_mixes_them(machines, workdir):
+    on, _ = machines
+    for name in (XEON, EPYC):
+        on(name)
+        assert runner.invoke(app, SWEEP).exit_code == 0
+    listed = runner.invoke(app, ["runs", "--device", "epyc"])  # a substring, any case
+    assert listed.exit_code == 0 and "2 runs in" in listed.stdout
+    assert listed.stdout.count(EPYC) == 2 and "Xeon" not in listed.stdout
+    # a --device no run has: one line naming the hardware there is, nothing written, as for no runs
+    said = f"no run in sqlite:///runs/tpbench.db ran on such hardware; its hardware: {hardware_of(EPYC)}; "
+    for command in (["runs"], ["report", "--out", "h100.html"]):
+        done = runner.invoke(app, [*command, "--device", "H100"])
+        assert done.exit_code == 0 and done.stdout == ""
+        assert done.stderr.splitlines() == [f"--device H100: {said}{hardware_of(XEON)}"]
+    assert not (workdir / "h100.html").exists()
+    other = runner.invoke(app, ["runs", "--device", "epyc", "--kind", "memory"])  # the hardware is there
+    assert other.exit_code == 0 and "0 runs in" in other.stdout and other.stderr == ""
+    # the report: mixed hardware in its header, each config's latest run on each machine
+    assert runner.invoke(app, ["report", "--format", "md", "--out", "all.md"]).exit_code == 0
+    text = (workdir / "all.md").read_text()
+    assert (
+        f"Mixed hardware: these runs ran on 2 kinds of machine ({hardware_of(EPYC)}; {hardware_of(XEON)})"
+        in text
+    )
+    assert f"| hardware | 2 kinds, mixed: {hardware_of(EPYC)}; {hardware_of(XEON)} |" in text
+    assert runner.invoke(app, ["report", "--out", "all.html"]).exit_code == 0
+    html = (workdir / "all.html").read_text()
+    header = html[: html.index('<section id="memory">')]
+    assert '<p class="intro">Mixed hardware: these runs ran on 2 kinds of machine' in header
+    checks = text.split("### Checks against dense")[1].split("###")[0]
+    rows = [line for line in checks.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    # by setting (it ends with the hardware), then layers
+    assert [row.split(" | ")[0] for row in rows] == ["| 3", "| 4", "| 1", "| 2"]
+    assert sum(hardware_of(XEON) in row for row in rows) == 2
+    assert (
+        runner.invoke(app, ["report", "--device", "xeon", "--format", "md", "--out", "xeon.md"]).exit_code
+        == 0
+    )
+    xeon = (workdir / "xeon.md").read_text()
+    assert "Mixed hardware" not in xeon and f"| hardware | {hardware_of(XEON)} |" in xeon
+    assert "hardware holding 'xeon'" in xeon and EPYC not in xeon

@@ -16,6 +16,7 @@ import pytest
 from sqlalchemy import create_engine, inspect, text
 
 from tpbench import db as tpdb
+from tpbench import machine
 from tpbench.config import RunConfig
 from tpbench.db import SCHEMA_VERSION, DatabaseRefused, NoDatabase, ResultsDB, _driver_url
 from tpbench.launch import Environment, Outcome, Status
@@ -24,7 +25,7 @@ from tpbench.results import CommRow, ParamRow, RankResult
 ENV = Environment("host", "cpu", "a cpu", 2, "gloo", "2.x", None, "abc", False)
 
 
-def outcome(status: Status = Status.OK, seed: int = 0) -> Outcome:
+def outcome(status: Status = Status.OK, seed: int = 0, env: Environment = ENV) -> Outcome:
     ranks = []
     for rank in (0, 1):
         result = RankResult(rank=rank, text="table of rank 0" if rank == 0 else "")
@@ -37,7 +38,7 @@ def outcome(status: Status = Status.OK, seed: int = 0) -> Outcome:
         result.comm = [CommRow("all_reduce", "activation", 8, 4096 * (rank + 1))]
         ranks.append(result)
     ended = datetime(2026, 1, 1, 0, 0, 5)
-    return Outcome(status, datetime(2026, 1, 1), ended, ENV, ranks if status is Status.OK else [], "", None)
+    return Outcome(status, datetime(2026, 1, 1), ended, env, ranks if status is Status.OK else [], "", None)
 
 
 def config(seed: int = 0) -> RunConfig:
@@ -72,6 +73,57 @@ def test_finished_knows_only_ok_runs(db_url):
     db.record(config(1), outcome(Status.FAILED))
     ok = db.record(config(2), outcome())
     assert list(db.finished().values()) == [ok]
+
+
+def gpu(name: str, count: int = 8) -> Environment:
+    return Environment("gpu-node", "cuda", name, count, "nccl", "2.x", "12.8", "abc", False)
+
+
+H100, A100 = "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"
+
+
+def test_the_same_config_on_two_kinds_of_hardware_is_two_experiments(db_url):
+    """One config, an H100 node and an A100 node: both OK runs are kept and both count as done, each for
+    its own hardware, which names the GPU, GPUs per node and nodes."""
+    db = ResultsDB(db_url)
+    cfg = config()
+    cfg.launch.device, cfg.launch.backend = "cuda", "nccl"
+    on_h100 = db.record(cfg, outcome(env=gpu(H100)))
+    on_a100 = db.record(cfg, outcome(env=gpu(A100)))
+    cfg.launch.nnodes = "2"  # another config: nodes are in the hash too, and in the hardware
+    two_nodes = db.record(cfg, outcome(env=gpu(A100, 4)))
+    runs = db.runs()
+    assert runs["hardware"].tolist() == [
+        f"{H100} · 8 GPUs per node · 1 node",
+        f"{A100} · 8 GPUs per node · 1 node",
+        f"{A100} · 4 GPUs per node · 2 nodes",
+    ]
+    assert runs["config_hash"].nunique() == 2
+    assert db.finished() == {
+        (runs.at[0, "config_hash"], runs.at[0, "hardware"]): on_h100,
+        (runs.at[1, "config_hash"], runs.at[1, "hardware"]): on_a100,
+        (runs.at[2, "config_hash"], runs.at[2, "hardware"]): two_nodes,
+    }
+    assert db.runs(device="h100")["id"].tolist() == [on_h100]  # a substring, any case
+    assert db.runs(device="A100-SXM4")["id"].tolist() == [on_a100, two_nodes]
+    assert db.runs(device="%").empty and db.runs(device="_")["id"].tolist() == []  # no LIKE wildcards
+    assert db.hardware_kinds() == sorted(runs["hardware"])
+
+
+def test_emulated_ranks_are_hardware_of_their_own(db_url):
+    db = ResultsDB(db_url)
+    cfg = config()
+    cfg.launch.device, cfg.launch.emulate = "cuda", "fake"
+    db.record(
+        cfg,
+        outcome(env=Environment("h", "cuda", "H100 (emulated on a cpu)", 2, "fake", "2.x", None, None, None)),
+    )
+    cfg.launch.device, cfg.launch.emulate = "cpu", "real"
+    db.record(cfg, outcome())
+    assert db.runs()["hardware"].tolist() == [
+        "H100 (emulated on a cpu) · 2 CPU cores per node · 1 node · ranks emulated",
+        "a cpu · 2 CPU cores per node · 1 node · ranks emulated",
+    ]
 
 
 def test_sqlite_runs_in_wal_mode(tmp_path):
@@ -159,7 +211,7 @@ def test_a_database_that_is_not_ours_is_refused_untouched(db_url, case):
 def _version_2(url: str) -> None:
     """A version-2 database with one run (two comm rows): on SQLite the file tpbench f89ba7b wrote
     (its dump, tests/data/schema_v2.sql); on PostgreSQL the same tables made by this tpbench, less the
-    column version 3 added."""
+    columns versions 3 and 4 added."""
     if url.startswith("sqlite"):
         path = Path(url.removeprefix("sqlite:///"))
         path.parent.mkdir()
@@ -173,6 +225,7 @@ def _version_2(url: str) -> None:
     engine = create_engine(_driver_url(url))
     with engine.begin() as conn:
         conn.execute(text("ALTER TABLE comm DROP COLUMN exposed_s"))
+        conn.execute(text("ALTER TABLE runs DROP COLUMN hardware"))
         conn.execute(text("UPDATE meta SET value = '2' WHERE key = 'schema_version'"))
     engine.dispose()
 
@@ -191,10 +244,12 @@ def test_a_version_2_database_is_upgraded_in_place_keeping_its_rows(db_url):
     assert "exposed_s" not in _columns(db_url, "comm")
     db = ResultsDB(db_url, create=False)
     assert _tables(db_url)["meta"] == [("app", "tpbench"), ("schema_version", str(SCHEMA_VERSION))]
-    assert db.runs()["status"].tolist() == ["OK"]
+    assert db.runs()[["status", "hardware"]].values.tolist() == [
+        ["OK", "a cpu · 2 CPU cores per node · 1 node"]
+    ]
     comm = db.comm()
     assert comm["bytes"].tolist() == [4096, 8192] and comm["exposed_s"].isna().all()
-    run_id = db.record(config(7), outcome())  # and it takes version 3's rows
+    run_id = db.record(config(7), outcome())  # and it takes the rows of this version
     assert db.comm([run_id])["bytes"].tolist() == [4096, 8192]
     assert len(db.runs()) == 2
 
@@ -209,10 +264,78 @@ def test_a_failed_upgrade_leaves_the_database_as_it_was(db_url, monkeypatch):
     before = _snapshot(db_url)
     comm = tpdb.CommRow.__table__.c
     monkeypatch.setitem(tpdb.UPGRADES, 2, (comm.exposed_s, comm.count))
-    with pytest.raises(DatabaseRefused, match="upgrading schema version 2 to 3 failed .*; left as it was"):
+    with pytest.raises(
+        DatabaseRefused, match=f"upgrading schema version 2 to {SCHEMA_VERSION} failed .*; left as"
+    ):
         ResultsDB(db_url)
     assert _snapshot(db_url) == before
     assert "exposed_s" not in _columns(db_url, "comm")
+
+
+DATA = Path(__file__).parent / "data"
+# What the upgrade labels the four runs of tests/data/schema_v3*.sql with: the device name, device count,
+# nodes and emulation each recorded (nodes and emulation in its config).
+V3_HARDWARE = [
+    "AMD EPYC 9B14 · 2 CPU cores per node · 1 node",
+    "NVIDIA A100-SXM4-80GB · 8 GPUs per node · 2 nodes",
+    "H100 (emulated on AMD EPYC 9B14) · 2 CPU cores per node · 1 node · ranks emulated",
+    "AMD EPYC 9B14 · 2 CPU cores per node · 1 node",
+]
+
+
+def _version_3(url: str) -> None:
+    """A version-3 database as tpbench 11c6f80 wrote it: four runs (three OK, on a CPU, on two nodes of
+    A100s, on an H100 emulated on fake tensors; one FAILED). On SQLite the file (its dump,
+    tests/data/schema_v3.sql), on PostgreSQL the database (its pg_dump, schema_v3_postgresql.sql)."""
+    if url.startswith("sqlite"):
+        path = Path(url.removeprefix("sqlite:///"))
+        path.parent.mkdir()
+        with sqlite3.connect(path) as conn:
+            conn.executescript((DATA / "schema_v3.sql").read_text())
+            conn.execute("PRAGMA journal_mode = DELETE")  # one file, so that its digest says it all
+        conn.close()
+        return
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        conn.execute((DATA / "schema_v3_postgresql.sql").read_text())
+
+
+def test_a_version_3_database_is_upgraded_in_place_labelling_every_run(db_url):
+    _version_3(db_url)
+    before = _tables(db_url)
+    assert "hardware" not in _columns(db_url, "runs") and len(before["runs"]) == 4
+    db = ResultsDB(db_url, create=False)
+    after = _tables(db_url)
+    assert after.pop("meta") == [("app", "tpbench"), ("schema_version", str(SCHEMA_VERSION))]
+    assert [row[:-1] for row in after.pop("runs")] == before.pop("runs")  # each row as it was, + hardware
+    assert after == {name: rows for name, rows in before.items() if name != "meta"}  # measurements, comm...
+    runs = db.runs()
+    assert runs["hardware"].tolist() == V3_HARDWARE
+    assert runs["status"].tolist() == ["OK", "OK", "OK", "FAILED"]
+    assert sorted(db.finished()) == sorted(zip(runs["config_hash"][:3], V3_HARDWARE[:3], strict=True))
+    # the key a sweep on the CPU node checks before launching is the label its old run got
+    cfg = config()
+    assert machine.of_config(cfg, "AMD EPYC 9B14", 2) == V3_HARDWARE[0]
+    assert db.runs(device="a100")["id"].tolist() == [2]
+
+
+def test_a_failed_labelling_leaves_a_version_3_database_as_it_was(db_url, monkeypatch):
+    """The labelling fails once the column is added and filled: both are rolled back."""
+    _version_3(db_url)
+    before = _snapshot(db_url)
+
+    def label_then_fail(conn):
+        tpdb._label_hardware(conn)
+        conn.execute(text("UPDATE runs SET hardware = NULL WHERE nosuch = 1"))
+
+    monkeypatch.setitem(tpdb.FILLS, 3, label_then_fail)
+    with pytest.raises(
+        DatabaseRefused, match=f"upgrading schema version 3 to {SCHEMA_VERSION} failed .*nosuch"
+    ):
+        ResultsDB(db_url)
+    assert _snapshot(db_url) == before
+    assert "hardware" not in _columns(db_url, "runs")
 
 
 def test_a_file_that_is_not_sqlite_is_refused_untouched(tmp_path):
@@ -241,3 +364,32 @@ def test_four_writers_at_once_lose_nothing(db_url):
     if db_url.startswith("sqlite"):
         with sqlite3.connect(db_url.removeprefix("sqlite:///")) as conn:
             assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+
+
+def test_a_run_records_the_hardware_its_ranks_saw(tmp_path, monkeypatch):
+    """The launching node's probe says one CPU; its ranks (here stood in for: nothing launches) say what
+    they computed on, and that is what the run is recorded under. Ranks that saw different devices say
+    so; a job whose ranks said nothing keeps the probe's."""
+    from tpbench import launch
+
+    names = {0: "Intel(R) Xeon(R) Platinum 8480+", 1: "Intel(R) Xeon(R) Platinum 8480+"}
+
+    def ranks_say(cfg, job, on_progress):
+        for rank, name in names.items():
+            machine.write_rank_device(job, rank, name)
+
+    monkeypatch.setattr(launch, "_launch", ranks_say)
+    monkeypatch.setattr(launch, "_read_results", lambda cfg, folder: [RankResult(rank=0), RankResult(rank=1)])
+    monkeypatch.setattr(machine, "here", lambda cfg: ("the launching node's CPU", 2))
+    db, cfg = ResultsDB(f"sqlite:///{tmp_path / 't.db'}"), config()
+    seen = []
+    for said in (names, {0: "AMD EPYC 9B14", 1: "Intel(R) Xeon(R) Platinum 8480+"}, {}):
+        names = said
+        outcome = launch.run_job(cfg)
+        seen.append(db.runs(ids=[db.record(cfg, outcome)])["hardware"].item())
+        outcome.release()
+    assert seen == [
+        "Intel(R) Xeon(R) Platinum 8480+ · 2 CPU cores per node · 1 node",
+        "AMD EPYC 9B14 + Intel(R) Xeon(R) Platinum 8480+ · 2 CPU cores per node · 1 node",
+        "the launching node's CPU · 2 CPU cores per node · 1 node",
+    ]

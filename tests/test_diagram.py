@@ -12,7 +12,7 @@ from pathlib import Path
 import matplotlib.image
 import numpy as np
 import pytest
-from browser import chromium
+from browser import chromium, need
 from typer.testing import CliRunner
 
 from tpbench import diagram, theory
@@ -42,6 +42,7 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def drawn() -> dict[str, tuple[Trace, str]]:
+    need("dot", "graphviz")
     out = {}
     for name, overrides in CONFIGS.items():
         (cfg,) = diagram.configs(overrides)
@@ -224,6 +225,7 @@ def test_sp_gathering_per_linear_draws_one_g_at_each_column_linear(drawn):
 
 
 def test_cli_writes_svg_and_png(tmp_path):
+    need("dot", "graphviz")
     svg = tmp_path / "out" / "block.svg"
     done = runner.invoke(app, ["diagram", "tp=2", "sp=true", "--out", str(svg)])
     assert done.exit_code == 0, done.output

@@ -123,7 +123,7 @@ def test_an_emulated_gpu_rank_matches_the_model_and_reports_the_allocator(name):
 def test_a_gpu_is_known_by_its_device_name():
     names = {"NVIDIA H100 80GB HBM3": "H100", "NVIDIA H200": "H200", "NVIDIA A100-SXM4-80GB": "A100"}
     assert {name: allocator.gpu_of(name) for name in names} == names
-    assert allocator.gpu_of("NVIDIA A10") == "A10" and allocator.gpu_of("NVIDIA L40S") is None
+    assert allocator.gpu_of("NVIDIA A10") == "A10" and allocator.gpu_of("NVIDIA GeForce RTX 4090") is None
 
 
 def test_allocator_rounds_splits_and_keeps_whole_blocks():

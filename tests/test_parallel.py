@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 from beside import beside
+from conftest import FAST, Workdir
 from torchrun_checks import (
     FAMILIES,
     LLAMA31_ROPE,
@@ -106,6 +108,21 @@ COMPILED = {  # compiled config -> the same config eager
     "tp_sp_vp_overlap_compile_mixed": "tp_sp_vp_overlap_mixed",
 }
 VALIDATE_T2 |= {name: [*VALIDATE_T2[off], *COMPILE] for name, off in COMPILED.items()}
+# mode=ddp: the DDP memory and throughput run (torch's, its comm hook, 0.05 MB buckets: several once
+# rebuilt after the first backward), against dense; its hook broken, it fails
+DDP = [*MODES["ddp"], "parallel.ddp_bucket_mb=0.05"]
+VALIDATE_T2 |= {
+    "ddp": DDP,
+    "broken_ddp_no_divide": [*DDP, "debug.ddp_fault=no_divide"],
+    "broken_ddp_drop_bucket": [*DDP, "debug.ddp_fault=drop_bucket"],
+}
+# an error on rank 1 only, in a parameter no other rank's figures hold (DDP's replica; TP's replicated
+# final norm, which a gathered checkpoint takes from rank 0)
+PLANTED = {
+    "planted_rank1_ddp": [*DDP, "debug.validate_fault=rank1_param"],
+    "planted_rank1_tp": [*MODES["tp"], "debug.validate_fault=rank1_param"],
+}
+VALIDATE_T2 |= PLANTED
 VALIDATE_T2 |= {
     "broken_qk_norm_bf16": ["parallel.tp=2", "train.dtype=bfloat16", "debug.skip_grad_sum=[qk_norm]"],
     "broken_sp_norms_mixed": [
@@ -242,6 +259,17 @@ def test_an_async_collective_counts_as_blocking_and_times_its_wait_as_exposed(un
     assert t["no_future_count"] == 1 and t["no_future_time_s"] == t["no_future_exposed_s"] < 0.1
 
 
+def test_ddp_buckets_are_timed_like_our_collectives_and_waited_where_ddp_waits(units):
+    """Rank 1 is 0.3 s late with the last bucket: rank 0 waits for it at the end of its backward."""
+    waiting, late = units["ddp_timing"]
+    for rank in (waiting, late):
+        assert (rank["op"], rank["purpose"]) == ("all_reduce", "dp_grad")
+        assert rank["count"] == rank["buckets"] > 1
+        assert 0 <= rank["exposed_s"] <= rank["time_s"]
+    assert waiting["exposed_s"] > 0.15 and waiting["time_s"] > 0.15  # none, waited after DDP
+    assert late["exposed_s"] < 0.1
+
+
 def test_overlap_hides_each_collective_behind_compute(units):
     """parallel.overlap launches each backward collective as soon as its input exists and waits where
     its result is first needed, with matmuls between: the entry's all-reduce (TP) or reduce-scatter
@@ -272,7 +300,7 @@ def test_checkpoint_round_trip_is_bit_exact(units):
 
 BROKEN = [k for k in (*VALIDATE_T2, *VALIDATE_W4) if k.startswith("broken")]
 IN_BF16 = [k for k in VALIDATE_T2 if k.endswith(("bf16", "mixed")) and k not in BROKEN]
-FP32 = [k for k in (*VALIDATE_T2, *VALIDATE_W4) if k not in BROKEN and k not in IN_BF16]
+FP32 = [k for k in (*VALIDATE_T2, *VALIDATE_W4) if k not in (*BROKEN, *IN_BF16, *PLANTED)]
 
 
 @pytest.mark.parametrize("name", FP32)
@@ -311,6 +339,49 @@ def test_each_gradient_sum_is_needed(validated, name):
     assert m["grad_max_rel_l2"] > K * m["dense_grad_max_rel_l2"]
     assert m["passed"] == 0.0
     assert any(f.startswith("grad_max_rel_l2") for f in validated[name]["failed"])
+
+
+@pytest.mark.parametrize("name", PLANTED)
+def test_an_error_on_rank_1_fails_rank_0s_verdict_too(validated, name):
+    """Every figure is the worst over all ranks: rank 0 (whose result this is) reports rank 1's
+    planted error of 1 in its final parameters, and fails; the checks before the AdamW steps pass."""
+    m = validated[name]["metrics"]
+    assert m["adamw_param_max_abs"] == pytest.approx(1.0, abs=TOL_PARAM)
+    assert m["passed"] == 0.0
+    assert [f.split()[0] for f in validated[name]["failed"]] == ["adamw_param_max_abs"]
+
+
+@beside
+def planted(folder: Path) -> tuple[Workdir, subprocess.CompletedProcess]:
+    """One `tpbench run` of DDP validation with an error planted on rank 1 only."""
+    work = Workdir(folder)
+    return work, work.run("run", *FAST, "mode=ddp", "debug.validate_fault=rank1_param")
+
+
+def test_an_error_on_rank_1_only_is_a_failed_run(planted):
+    work, done = planted
+    assert done.returncode == 1
+    ((status, error),) = work.query("SELECT status, error FROM runs")
+    assert status == "FAILED"
+    assert error.startswith("validate out of bounds: adamw_param_max_abs 1 > bound 0.001")
+
+
+def test_debug_faults_are_refused_where_they_break_nothing():
+    """debug.ddp_fault breaks DDP's hook: refused with another engine; debug.validate_fault plants an
+    error on rank 1 of a validation: refused for another kind or a single rank. One line, exit 2."""
+    from typer.testing import CliRunner
+
+    from tpbench.cli import app
+
+    for args, says in [
+        (["debug.ddp_fault=no_divide"], "debug.ddp_fault=no_divide: breaks DDP's comm hook, accepted with "),
+        (["mode=ddp", "debug.ddp_fault=halve"], "debug.ddp_fault='halve': accepted are '', 'no_divide'"),
+        (["kind=memory", "debug.validate_fault=rank1_param"], "with kind=memory and 2 rank(s): plants"),
+        (["tp=1", "debug.validate_fault=rank1_param"], "with kind=validate and 1 rank(s): plants"),
+    ]:
+        result = CliRunner().invoke(app, ["run", *args])
+        assert result.exit_code == 2 and result.stdout == "", args
+        assert len(result.stderr.splitlines()) == 1 and says in result.stderr, (args, result.stderr)
 
 
 def test_semantics_cover_every_layout(validated):

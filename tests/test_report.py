@@ -1,5 +1,5 @@
 """`tpbench report` from a database of real runs (torchrun jobs of the tiny model on CPU), and the HTML
-opened in a real headless browser (Debian's chromium: missing, the browser tests fail, they do not skip).
+opened in a real headless browser (Debian's chromium: missing, the browser tests skip, and fail under CI).
 
 One module fixture fills the database: memory of DDP and TP, throughput of TP (TP also with full
 activation recompute), validate of TP+SP+VP and one run that fails on purpose. A sweep name and the
@@ -160,6 +160,9 @@ def test_html_has_every_section_with_figures_from_the_database(filled, html_repo
     assert f"{tokens['tp']:,.0f} tokens/s" in html
     step = run_values(filled, "throughput", "step_time_s")
     assert f"{step['tp'] * 1e3:,.2f} ms" in html
+    assert run_values(filled, "throughput", "timing_cuda_events")["tp"] == 0  # gloo: the wall clock
+    throughput = html[html.index('<section id="throughput">') : html.index('<section id="communication">')]
+    assert ">wall clock</td>" in throughput  # how the run took its times
     fwd = run_values(filled, "validate", "fwd_logits_max_abs")
     assert f"{fwd['tp_sp_vp']:.2e}" in html
     assert "injected fault raise_on_rank1" in html
@@ -167,6 +170,24 @@ def test_html_has_every_section_with_figures_from_the_database(filled, html_repo
     titles = re.findall(r'<img src="data:image/png;base64,[^"]+" alt="([^"]+)"', html)
     assert [t.split(":")[0] for t in titles] == expected_charts(filled)
     assert published.SEED not in html  # the tiny model is not the seed's config
+
+
+def test_the_header_names_the_hardware_every_run_ran_on(filled, html_report):
+    """All on this machine: one kind, named in the header and in each setting, and not said to be mixed.
+    Each rank wrote the name of its device into the job folder (the failed run's is kept), and the run
+    recorded what its ranks saw."""
+    from tpbench import machine
+
+    here = f"{machine.cpu_name()} · {os.cpu_count()} CPU cores per node · 1 node"
+    assert {h for (h,) in filled.query("SELECT hardware FROM runs")} == {here}
+    ((log_dir,),) = filled.query("SELECT log_dir FROM runs WHERE status = 'FAILED'")
+    seen = {p.name: p.read_text() for p in (Path(log_dir) / "devices").iterdir()}
+    assert seen == {"rank0.txt": machine.cpu_name(), "rank1.txt": machine.cpu_name()}
+    html = unescape(html_report.read_text())
+    header = html[: html.index('<section id="memory">')]
+    assert re.search(rf"<td[^>]*>\s*hardware\s*</td>\s*<td[^>]*>\s*{re.escape(here)}\s*</td>", header)
+    assert "Mixed hardware" not in header
+    assert f"fixed_per_rank float32 pure · 2 ranks · {here}" in html  # the settings name it
 
 
 def test_html_carries_the_diagram_of_each_tp_mode_inline(html_report):
@@ -392,7 +413,7 @@ def seed_runs() -> ReportData:
         "device_name": "H200", "device_count": 1, "backend": "nccl", "torch_version": "2.13",
         "cuda_version": "12.8", "git_commit": None, "git_dirty": None, "host": "gpu", "log_dir": None,
         "failed_rank": None, "started_at": pd.Timestamp("2026-11-30"), "ended_at": pd.Timestamp("2026-11-30"),
-        "global_batch": 4, "world_size": 2,
+        "global_batch": 4, "world_size": 2, "hardware": "NVIDIA H200 · 2 GPUs per node · 1 node",
     }  # fmt: skip
     memory = dict(base, kind="memory", layers=8, **published.SEED_MEMORY_SETTING)
     check = {k: v for k, v in published.SEED_CHECK_SETTING.items() if k != "adamw_steps"}

@@ -298,7 +298,7 @@ def test_a_validation_out_of_bounds_is_a_failed_run_and_a_sweep_runs_it_again(tm
     # not done: a sweep asks the database which configs have an OK run (test_a_second_sweep_skips_what_is_done
     # shows it skipping those), and this one has none
     ((config_hash,),) = work.query("SELECT config_hash FROM runs")
-    assert config_hash not in ResultsDB(f"sqlite:///{work.db}").finished()
+    assert config_hash not in {config for config, _ in ResultsDB(f"sqlite:///{work.db}").finished()}
 
 
 def test_a_failed_database_write_keeps_the_job_folder_and_names_it(tmp_path):

@@ -109,6 +109,41 @@ def test_a_cancelled_job_is_recorded_cancelled(slurm, tmp_path):
     _wait_for(lambda: not work.live_workers(), "workers gone", timeout=30)
 
 
+def test_two_array_tasks_sharing_a_first_node_rendezvous_at_different_ports(slurm, tmp_path, monkeypatch):
+    """Two tasks of one job array on this node, each asked where tpbench's torchrun would rendezvous if
+    the task spanned two nodes with this one first (as `SlurmRun` does in a multi-node job)."""
+    import submitit
+
+    from tpbench import slurm as tpslurm
+
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    cfg = tpslurm._job_config(_run_config(["launch.launcher=slurm"]))
+
+    def endpoint(task: int) -> str:
+        class TwoNodes:  # the task's own Slurm environment, with a second node after this one
+            def __getattr__(self, name):
+                return getattr(submitit.JobEnvironment(), name)
+
+            hostnames = [submitit.JobEnvironment().hostnames[0], "second-node"]
+
+        return tpslurm._on_this_node(cfg, TwoNodes()).launch.rdzv_endpoint
+
+    executor = submitit.SlurmExecutor(folder=tmp_path / "%j", max_num_timeout=0)
+    executor.update_parameters(time=5, array_parallelism=2, cpus_per_task=1)
+    jobs = executor.map_array(endpoint, [0, 1])
+    endpoints = [job.result() for job in jobs]
+    assert {job.job_id.split("_")[0] for job in jobs} == {jobs[0].job_id.split("_")[0]}  # one array
+    host = socket.gethostname().split(".")[0]
+    assert all(e.startswith(f"{host}:") for e in endpoints), endpoints
+    assert endpoints[0] != endpoints[1], endpoints
+
+
+def _run_config(overrides: list[str]):
+    from torchrun_checks import run_config
+
+    return run_config(overrides)
+
+
 @pytest.mark.parametrize(
     ("state", "on_preempt", "ended", "status"),
     [

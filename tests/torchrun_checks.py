@@ -346,6 +346,28 @@ def check_async_timing(ctx: ParallelContext) -> dict[str, float]:
     }
 
 
+def check_ddp_timing(ctx: ParallelContext) -> list[dict[str, float]]:
+    """DDP's bucket all-reduces in a timed step, per rank: counted one per bucket, and timed as our
+    async collectives, waited on where DDP waits, at the end of backward. Rank 1 sleeps 0.3 s once
+    the embedding's gradient (the last one, in the last bucket) is ready, so rank 0 waits for that
+    bucket at the end of its backward (exposed there, were the wait DDP's own or after backward: none)."""
+    trainer = Trainer(run_config([*TINY, "parallel.engine=ddp", "parallel.tp=1", "parallel.dp=2",
+                                  "parallel.ddp_bucket_mb=0.05"]))  # fmt: skip
+    trainer.step()  # DDP rebuilds its buckets after the first backward
+    if dist.get_rank() == 1:
+        trainer.module.model.embed_tokens.weight.register_hook(lambda grad: time.sleep(0.3))
+    counter = comm.CommCounter(timed=True)
+    dist.barrier()
+    with comm.counting(counter):
+        trainer.step()
+    (row,) = counter.rows()
+    mine = {"op": row.op, "purpose": row.purpose, "count": row.count, "time_s": row.time_s,
+            "exposed_s": row.exposed_s, "buckets": len(trainer.ddp_state.buckets)}  # fmt: skip
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    return ranks
+
+
 # parallel.overlap at world 2: TP, SP gathering per region and per linear (each re-gathered), DP buckets
 OVERLAP_ORDER = {
     "tp": ["parallel.tp=2"],
@@ -422,6 +444,7 @@ def suite_units() -> dict:
         "step_ops": check_step_ops(ctx),
         "settling": check_settling(ctx),
         "async_timing": check_async_timing(ctx),
+        "ddp_timing": check_ddp_timing(ctx),
         "overlap_order": check_overlap_order(ctx),
     }
 

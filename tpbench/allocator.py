@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import bisect
 import math
-import re
 from dataclasses import dataclass, field
+
+from tpbench import hardware
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
@@ -35,14 +36,15 @@ LARGE_BUFFER = 20 << 20
 MIN_LARGE_ALLOC = 10 << 20
 ROUND_LARGE = 2 << 20
 
-# GPU -> its compute capability major: what the cuBLAS workspace size depends on
-GPUS = {"H200": 9, "H100": 9, "A100": 8, "A10": 8, "L4": 8, "V100": 7}
+# GPU (a family, a row of tpbench.hardware or an alias) -> its compute capability major: what the
+# cuBLAS workspace size depends on
+GPUS = {name: hardware.cuda_major(name) for name in hardware.allocator_names()}
 CUBLAS_HANDLES = 2  # the forward's thread and autograd's device thread
 
 
 def gpu_of(device_name: str) -> str | None:
-    """The GPUS key a device name ("NVIDIA H100 80GB HBM3") names, or None."""
-    return next((gpu for gpu in GPUS if re.search(rf"\b{gpu}\b", device_name)), None)
+    """The family a device name ("NVIDIA H100 80GB HBM3": H100) names, or None."""
+    return hardware.family_of(device_name)
 
 
 def cublas_workspace_bytes(gpu: str) -> int:

@@ -142,6 +142,10 @@ Overrides = Annotated[
         show_default=False,
     ),
 ]
+Device = Annotated[
+    str | None,
+    typer.Option(help="Runs whose hardware holds this text, any case: a GPU or CPU model, e.g. H100."),
+]
 ShowCfg = Annotated[bool, typer.Option("--cfg", help="Print the resolved config of every run, then exit.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print each run as one JSON object on stdout.")]
 
@@ -221,10 +225,12 @@ def sweep(
     dbs = _databases(configs)
     if on_slurm:
         _on_slurm(configs, dbs, force=force, wait_only=wait, as_json=as_json, sweep=True)
+    from tpbench import machine
+
     finished = {url: db.finished() for url, db in dbs.items()}
     todo, done = [], []
-    for c in configs:
-        run_id = None if force else finished[c.db.url].get(config_hash(c))
+    for c in configs:  # done: an OK run of the config on this node's hardware (tpbench.db)
+        run_id = None if force else finished[c.db.url].get((config_hash(c), machine.here_key(c)))
         (todo.append(c) if run_id is None else done.append((run_id, c)))
     counts = {"OK": 0, "failed": 0}
     ran: list[tuple[int | None, RunConfig, str]] = [(run_id, c, "skipped") for run_id, c in done]
@@ -264,6 +270,7 @@ def sweep(
     "tpbench runs\n\n"
     "tpbench runs --status FAILED --since 2h\n\n"
     "tpbench runs --kind memory --sweep seed_tp_memory\n\n"
+    "tpbench runs --device H100\n\n"
     "tpbench runs show 12 --json",
 )
 def runs(
@@ -273,9 +280,10 @@ def runs(
     mode: Annotated[str | None, typer.Option(help="ddp, tp, tp_sp, tp_vp, tp_sp_vp, ...")] = None,
     since: Annotated[str | None, typer.Option(help="An ISO date/time (UTC) or an age: 30m, 12h, 7d.")] = None,
     sweep: Annotated[str | None, typer.Option(help="The sweep name.")] = None,
+    device: Device = None,
     db: Annotated[str, typer.Option(help="SQLAlchemy URL of the database.")] = DbConfig.url,
 ) -> None:
-    """List the runs, oldest first, with the headline figure of each."""
+    """List the runs, oldest first, with the headline figure of each and the hardware it ran on."""
     if ctx.invoked_subcommand is not None:
         ctx.obj = db
         return
@@ -289,13 +297,16 @@ def runs(
     except ValueError:
         _usage(f"--since={since}: accepted are an ISO date or time such as 2026-11-30T08:00, or 30m, 12h, 7d")
     results = _read_db(db)
-    frame = results.runs(status=status, kind=kind, mode=mode, since=start, sweep=sweep)
+    if device is not None and results.runs(device=device).empty:
+        _no_such_device(results, device)
+    frame = results.runs(status=status, kind=kind, mode=mode, since=start, sweep=sweep, device=device)
     metrics = results.metrics(frame["id"].tolist()) if len(frame) else pd.DataFrame()
     table = Table(title=f"{len(frame)} runs in {results.url}")
     for column in ("id", "started (UTC)", "kind", "mode", "tp×dp", "shape", "dtype", "status"):
         table.add_column(column, justify="right" if column == "id" else "left", no_wrap=True)
     table.add_column("result / error", overflow="ellipsis", no_wrap=True, max_width=40)
     table.add_column("sweep", overflow="ellipsis", no_wrap=True, max_width=24)
+    table.add_column("hardware", overflow="ellipsis", no_wrap=True, max_width=44)
     on_slurm = frame["slurm_job_id"].notna().any()  # then: each run's job and nodes (or host)
     if on_slurm:
         table.add_column("slurm job", no_wrap=True)
@@ -313,6 +324,7 @@ def runs(
             row.status,
             _headline(row, metrics),
             row.sweep,
+            row.hardware,
             *where,
         )
     out.print(table)
@@ -339,6 +351,7 @@ def show(
     "tpbench report  (every run, into runs/report.html)\n\n"
     "tpbench report --kind memory --sweep seed_tp_memory --out memory.html\n\n"
     "tpbench report --format md --since 12h --where layers=8 --where model.name=tiny\n\n"
+    "tpbench report --device H100 --out h100.html\n\n"
     "tpbench report --format csv --out runs.csv",
 )
 def report(
@@ -351,6 +364,7 @@ def report(
     kind: Annotated[str | None, typer.Option(help="validate, memory or throughput.")] = None,
     mode: Annotated[str | None, typer.Option(help="ddp, tp, tp_sp, tp_vp, tp_sp_vp, ...")] = None,
     since: Annotated[str | None, typer.Option(help="An ISO date/time (UTC) or an age: 30m, 12h, 7d.")] = None,
+    device: Device = None,
     where: Annotated[
         list[str] | None,
         typer.Option(help="key=value on a run column (layers, dtype, ...) or a config key (model.name)."),
@@ -364,8 +378,11 @@ def report(
         _usage(f"--format {fmt}: accepted are {', '.join(reporting.FORMATS)}")
     _check_filters(kind=kind, mode=mode)
     try:
-        selection = reporting.Selection.parse(sweep, kind, mode, since, where)
-        path = reporting.write(_read_db(db), selection, fmt, out_path)
+        selection = reporting.Selection.parse(sweep, kind, mode, since, where, device)
+        results = _read_db(db)
+        if device is not None and results.runs(device=device).empty:
+            _no_such_device(results, device)
+        path = reporting.write(results, selection, fmt, out_path)
     except reporting.SelectionError as e:
         _usage(str(e))
     except reporting.NothingToReport as e:
@@ -431,8 +448,9 @@ def plan(
             _print_measured(c, prediction)
 
 
-def _print_measured(cfg: RunConfig, prediction: Prediction) -> None:
-    """The fake-tensor emulation of the config's busiest rank, beside the prediction."""
+def _emulate(cfg: RunConfig) -> tuple[dict[str, float], float]:
+    """The memory experiment of the config's busiest rank on fake tensors, in this process: its
+    measurements by name, and the seconds it took."""
     import dataclasses
     import gc
     import time
@@ -444,7 +462,14 @@ def _print_measured(cfg: RunConfig, prediction: Prediction) -> None:
     gc.freeze()  # the imports' objects, out of the way of memory.run's gc.collect (0.3 s -> ms)
     start = time.perf_counter()
     result = {m.name: m.value for m in emulation.measure_in_process(cfg).measurements}
-    seconds = time.perf_counter() - start
+    return result, time.perf_counter() - start
+
+
+def _print_measured(cfg: RunConfig, prediction: Prediction) -> None:
+    """The fake-tensor emulation of the config's busiest rank, beside the prediction."""
+    from tpbench import emulation
+
+    result, seconds = _emulate(cfg)
     peak, predicted = result["peak_bytes"], prediction.peak_bytes
     out.print(
         f"emulated rank {emulation.emulated_rank(cfg)} (fake tensors, {seconds:.1f} s): live-tensor peak "
@@ -459,6 +484,76 @@ def _print_measured(cfg: RunConfig, prediction: Prediction) -> None:
             f"({(predicted - allocated) / allocated:+.2%}); max reserved "
             f"{result['modelled_max_memory_reserved_bytes'] / 2**20:,.1f} MiB"
         )
+
+
+@app.command(
+    cls=OneLineCommand,
+    epilog="Examples:\n\n"
+    "tpbench fit model=llama3_70b seq=8192 gpu=H100-80GB gpus_per_node=8\n\n"
+    "tpbench fit model=qwen3_8b seq=4096 gpu=H200 global_batch=64 --json\n\n"
+    "tpbench fit model.hf_config=path/to/config.json seq=2048 gpu=A100-80GB tp=8 --measure",
+)
+def fit(
+    overrides: Overrides = None,
+    measure: Annotated[
+        bool,
+        typer.Option(
+            "--measure",
+            help="Confirm the best rows (--top) by emulating their busiest rank with fake tensors: the "
+            "live-tensor peak and the caching allocator model's reserved memory.",
+        ),
+    ] = False,
+    top: Annotated[int, typer.Option(help="How many of the best rows --measure emulates.", min=1)] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the search as one JSON object.")] = False,
+    cuda_context_mib: Annotated[
+        float, typer.Option(help="CUDA context per GPU, MiB (an assumption: see tpbench.fit).", min=0)
+    ] = 512.0,
+    nccl_mib: Annotated[
+        float,
+        typer.Option(help="NCCL buffers per communicator, MiB (an assumption: see tpbench.fit).", min=0),
+    ] = 128.0,
+    max_micro_batch: Annotated[
+        int, typer.Option(help="The largest micro-batch searched (without global_batch).", min=1)
+    ] = 256,
+) -> None:
+    """Rank every TP layout of a model on a GPU: each T dividing the GPUs per node (gpus_per_node=,
+    default 8) and the heads, with SP, VP and recompute, at the largest micro-batch that fits; the
+    analytic per-rank peak on that GPU (gpu=, from tpbench.hardware), its headroom, the bytes moved
+    per step and recompute's extra FLOPs. Training defaults: bf16, pure precision, fused AdamW."""
+    from tpbench import fit as fitting
+
+    overheads = fitting.Overheads(int(cuda_context_mib * 2**20), int(nccl_mib * 2**20))
+    try:
+        request = fitting.parse(overrides or [])
+    except fitting.FitError as e:
+        _usage(str(e))
+    (base,) = _compose(request.overrides, single=True)
+    try:
+        given, batch = request.given, request.global_batch
+        result = fitting.search(
+            base, request.gpu, request.gpus_per_node, given, batch, overheads, max_micro_batch
+        )
+    except fitting.FitError as e:
+        _usage(str(e))
+    if measure:
+        for row in result.fitting[:top]:
+            measured, seconds = _emulate(result.config(row))
+            reserved = measured["modelled_max_memory_reserved_bytes"] + row.overhead_bytes
+            row.measured = {
+                "peak_bytes": measured["peak_bytes"],
+                "max_memory_allocated_bytes": measured["modelled_max_memory_allocated_bytes"],
+                "max_memory_reserved_bytes": measured["modelled_max_memory_reserved_bytes"],
+                "reserved_peak_bytes": reserved,
+                "fits": reserved <= request.gpu.memory_bytes,
+                "seconds": seconds,
+            }
+    if as_json:
+        print(json.dumps(result.as_dict()))
+        return
+    for table in fitting.tables(result):
+        out.print(table)
+    if request.gpu.note:
+        out.print(f"{request.gpu.name}: {request.gpu.note}")
 
 
 @app.command(
@@ -547,6 +642,14 @@ def _read_db(url: str) -> ResultsDB:
         raise typer.Exit(0) from None
     except DatabaseRefused as e:
         _usage(str(e))
+
+
+def _no_such_device(db: ResultsDB, device: str) -> NoReturn:
+    """--device that no run's hardware holds: one line naming what the database has, exit 0 as for an
+    empty selection."""
+    kinds = "; ".join(db.hardware_kinds()) or "none: it has no runs"
+    _one_line(f"--device {device}: no run in {db.url} ran on such hardware; its hardware: {kinds}")
+    raise typer.Exit(0)
 
 
 def _run_one(

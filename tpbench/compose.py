@@ -26,7 +26,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandat
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
-from tpbench.allocator import GPUS
+from tpbench import hardware
 from tpbench.config import CONF_DIR, RunConfig, hide_password, register_schema, world_size
 from tpbench.db import driver_missing
 from tpbench.emulation import EMULATED_KINDS, FLAVOURS
@@ -74,8 +74,10 @@ CHOICES = {
     "launch.slurm.on_preempt": ("requeue", "interrupted"),
     "fault": ("", *FAULTS),
     "launch.emulate": FLAVOURS,
-    "launch.emulate_gpu": tuple(GPUS),
+    "launch.emulate_gpu": hardware.allocator_names(),
     "debug.overlap_fault": ("", "no_wait", "early_bucket"),
+    "debug.ddp_fault": ("", "no_divide", "drop_bucket"),
+    "debug.validate_fault": ("", "rank1_param"),
 }
 SKIPPABLE_GRAD_SUMS = ("qk_norm", "kv_replicas", "sp_norms", "dp")
 AT_LEAST_ONE = (
@@ -154,10 +156,24 @@ def expand(overrides: Sequence[str], single: bool = False) -> list[RunConfig]:
                 f"use `tpbench sweep` with the same overrides"
             )
         runs = [run for combo in combos for run in _runs_of(_compose(combo, typed))]
+    given = {o.key_or_group for o in preset + user}
     for run in runs:
+        apply_hf_config(run, given)
         check(run)
         resolve_device(run)
     return runs
+
+
+def apply_hf_config(cfg: RunConfig, given: set[str]) -> None:
+    """model.hf_config=PATH: the model's fields from that Hugging Face config (tpbench.hf_config), but
+    for those the overrides give themselves (model.num_hidden_layers=4 shrinks the model it read)."""
+    if not cfg.model.hf_config:
+        return
+    from tpbench.hf_config import model_fields  # transformers loads only when a config asks for it
+
+    for key, value in model_fields(cfg.model.hf_config).items():
+        if f"model.{key}" not in given:
+            setattr(cfg.model, key, value)
 
 
 def check(cfg: RunConfig) -> None:
@@ -209,6 +225,17 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError(
             f"debug.overlap_fault={cfg.debug.overlap_fault}: breaks parallel.overlap, "
             "accepted with parallel.overlap=true"
+        )
+    if cfg.debug.ddp_fault and cfg.parallel.engine != "ddp":
+        raise ConfigError(
+            f"debug.ddp_fault={cfg.debug.ddp_fault}: breaks DDP's comm hook, "
+            "accepted with parallel.engine=ddp"
+        )
+    if cfg.debug.validate_fault and (cfg.kind != "validate" or cfg.parallel.tp * cfg.parallel.dp < 2):
+        raise ConfigError(
+            f"debug.validate_fault={cfg.debug.validate_fault} with kind={cfg.kind} and "
+            f"{cfg.parallel.tp * cfg.parallel.dp} rank(s): plants an error on rank 1 of a validation, "
+            "accepted with kind=validate and tp x dp >= 2"
         )
     for name in cfg.debug.skip_grad_sum:
         if name not in SKIPPABLE_GRAD_SUMS:

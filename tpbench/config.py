@@ -48,6 +48,9 @@ class ModelConfig:
     # ops again: the gradients bit for bit); False: MiniMind's ops as autograd saves them, two fp32
     # copies of the input's shape per norm: the seed's benchmark model
     lean_rmsnorm: bool = True
+    # a Hugging Face config.json (or a folder holding one) that the fields above were read from
+    # (tpbench.hf_config); "": none. Where the shape came from, not what is measured: not hashed
+    hf_config: str = ""
 
 
 @dataclass
@@ -137,7 +140,7 @@ class LaunchConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     device: str = "auto"  # auto | cpu | cuda
     backend: str = "auto"  # auto | gloo | nccl
-    nnodes: str = "1"  # torchrun --nnodes, e.g. "2" or "1:4"
+    nnodes: str = "1"  # torchrun --nnodes: a node count; no elastic "MIN:MAX", the world is tp x dp
     node_rank: int = 0
     nproc_per_node: int | None = None  # None: dp * tp / nnodes
     rdzv_backend: str = "c10d"
@@ -167,6 +170,12 @@ class DebugConfig:
     # Break parallel.overlap, to prove validation catches it: no_wait (an entry gradient is returned
     # without its collective's result) | early_bucket (a DP bucket is sent at its first gradient)
     overlap_fault: str = ""
+    # Break DDP's comm hook (parallel.engine=ddp), to prove validation catches it: no_divide (a bucket
+    # is summed, not averaged) | drop_bucket (bucket 0 keeps this rank's own gradients)
+    ddp_fault: str = ""
+    # Plant an error where rank 0 cannot see it, to prove every validation figure is the worst over all
+    # ranks: rank1_param (rank 1 adds 1 to one of its parameters after the AdamW steps; kind=validate)
+    validate_fault: str = ""
 
 
 @dataclass
@@ -272,7 +281,7 @@ _UNHASHED_LAUNCH = (
 def config_hash(cfg: RunConfig) -> str:
     """Identity of an experiment: runs with the same hash measure the same thing."""
     data = OmegaConf.to_container(OmegaConf.structured(cfg))
-    del data["db"], data["sweep"]
+    del data["db"], data["sweep"], data["model"]["hf_config"]
     for key in _UNHASHED_LAUNCH:
         del data["launch"][key]
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

@@ -9,6 +9,26 @@ the one transaction that checks it (a failure leaves it as it was); a newer one,
 upgrade, or a file that is not a tpbench database is refused untouched. A password in a URL is never
 shown or stored (`hide_password`).
 
+A run's identity is its config and its hardware: `config_hash` (tpbench.config: what the config
+measures, nothing of the machine) and `hardware` (tpbench.machine.key), one readable line of
+  - the device name: device=cuda the GPU model (torch.cuda.get_device_name), device=cpu the CPU model
+    (/proc/cpuinfo's model name, else platform), and for a GPU emulated on fake tensors
+    (launch.device=cuda launch.emulate=fake) the emulated GPU, launch.emulate_gpu, "H100 (emulated on
+    <CPU model>)";
+  - the devices per node: GPUs (torch.cuda.device_count), else CPU cores (os.cpu_count);
+  - the nodes (launch.nnodes, as the job ran: under Slurm, its node count);
+  - whether its ranks were emulated (launch.emulate real or fake; tpbench.emulation).
+So one database keeps the same sweep on two kinds of machine apart: `finished()` (what a sweep skips)
+and the report's "latest" are per (config hash, hardware). The key a sweep checks before launching is
+this node's, probed on it (tpbench.machine.here); the row records what the ranks themselves saw (each
+worker writes its device's name into the job folder; the node that records the run reads its ranks'),
+which differs from the probe only where the ranks' devices do. Under launcher=slurm the job runs on
+nodes the submitting host cannot see, so the hardware is the job's own: each job probes its node and
+runs nothing when its config has an OK run on that hardware; the submitting host skips, without a job,
+only the configs whose last job of the same Slurm request (partition, GPUs per node, sbatch lines)
+recorded an OK run (tpbench.slurm). Version 4 added the column; the upgrade labels every older row from
+the device name, device count and config it recorded.
+
 Reading returns pandas DataFrames: `runs()`, `measurements()`, `metrics()` (one headline value per
 run and metric), `param_errors()`, `comm()`; `run_record()` is one run as a JSON-ready dict.
 """
@@ -34,6 +54,7 @@ from sqlalchemy import (
     Select,
     String,
     Text,
+    bindparam,
     create_engine,
     event,
     func,
@@ -46,6 +67,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
+from tpbench import machine
 from tpbench.config import RunConfig, config_hash, hide_password, mode_label, public_config, world_size
 from tpbench.results import RANK_AGGREGATION
 
@@ -54,8 +76,8 @@ if TYPE_CHECKING:
 
     from tpbench.launch import Outcome
 
-# 2: runs.slurm_job_id and runs.nodes; 3: comm.exposed_s
-SCHEMA_VERSION = 3
+# 2: runs.slurm_job_id and runs.nodes; 3: comm.exposed_s; 4: runs.hardware
+SCHEMA_VERSION = 4
 APP = "tpbench"
 BUSY_TIMEOUT_S = 60
 SQLITE_HEADER = b"SQLite format 3\x00"
@@ -124,6 +146,9 @@ class Run(Base):
     log_dir: Mapped[str | None] = mapped_column(Text)  # the job folder, kept when not OK
     slurm_job_id: Mapped[str | None] = mapped_column(String(32))  # e.g. 812 or 812_3 (an array task)
     nodes: Mapped[str | None] = mapped_column(Text)  # Slurm's node list, e.g. node[01-04]
+    # tpbench.machine.key: with config_hash, the run's identity. Every row has one (an upgrade labels
+    # the older rows); nullable only as every column an upgrade adds is.
+    hardware: Mapped[str | None] = mapped_column(Text)
     text: Mapped[str] = mapped_column(Text)  # rank 0's readable summary
 
 
@@ -168,8 +193,28 @@ class CommRow(Base):
 
 
 # version -> the columns its upgrade to version + 1 adds, as declared above (an upgrade only adds
-# nullable columns: the rows kept read as NULL there)
-UPGRADES = {2: (CommRow.__table__.c.exposed_s,)}
+# nullable columns: the rows kept read as NULL there, unless FILLS fills them)
+UPGRADES = {2: (CommRow.__table__.c.exposed_s,), 3: (Run.__table__.c.hardware,)}
+
+
+def _label_hardware(conn: Connection) -> None:
+    """Version 3 -> 4: each run's hardware from the device name, device count and config it recorded."""
+    runs = Run.__table__
+    recorded = select(runs.c.id, runs.c.device, runs.c.device_name, runs.c.device_count, runs.c.config)
+    labels = [{"run": row.id, "label": _hardware_of_row(row)} for row in conn.execute(recorded)]
+    if labels:
+        query = runs.update().where(runs.c.id == bindparam("run")).values(hardware=bindparam("label"))
+        conn.execute(query, labels)
+
+
+def _hardware_of_row(row: Any) -> str:
+    launch = (row.config or {}).get("launch", {})  # a version-2 config may lack it: one node, real ranks
+    nnodes, emulate = str(launch.get("nnodes", "1")), launch.get("emulate", "none")
+    return machine.key(row.device, row.device_name, row.device_count, nnodes, emulate)
+
+
+# version -> what its upgrade does to the rows kept, once UPGRADES' columns are there
+FILLS = {3: _label_hardware}
 
 
 class ResultsDB:
@@ -261,6 +306,8 @@ class ResultsDB:
                     conn.execute(
                         text(f"ALTER TABLE {quote(column.table.name)} ADD COLUMN {quote(column.name)} {kind}")
                     )
+                if v in FILLS:
+                    FILLS[v](conn)
             meta = Meta.__table__
             conn.execute(
                 meta.update().where(meta.c.key == "schema_version").values(value=str(SCHEMA_VERSION))
@@ -299,6 +346,7 @@ class ResultsDB:
         m, p, t = cfg.model, cfg.parallel, cfg.train
         run = Run(
             config_hash=config_hash(cfg),
+            hardware=machine.of_config(cfg, outcome.env.device_name, outcome.env.device_count),
             config=public_config(cfg),
             kind=cfg.kind,
             mode=mode_label(p),
@@ -351,11 +399,17 @@ class ResultsDB:
 
     # -- reading -------------------------------------------------------------------------------------
 
-    def finished(self) -> dict[str, int]:
-        """config hash -> id of its latest OK run."""
-        query = select(Run.config_hash, func.max(Run.id)).where(Run.status == "OK").group_by(Run.config_hash)
+    def finished(self) -> dict[tuple[str, str], int]:
+        """(config hash, hardware) -> id of its latest OK run."""
+        identity = (Run.config_hash, Run.hardware)
+        query = select(*identity, func.max(Run.id)).where(Run.status == "OK").group_by(*identity)
         with self.engine.connect() as conn:
-            return dict(conn.execute(query).all())
+            return {(config, on): run_id for config, on, run_id in conn.execute(query).all()}
+
+    def hardware_kinds(self) -> list[str]:
+        """Every hardware key the runs have, in order."""
+        with self.engine.connect() as conn:
+            return list(conn.scalars(select(Run.hardware).distinct().order_by(Run.hardware)))
 
     def run_of_job(self, slurm_job_id: str) -> tuple[int, str] | None:
         """(id, status) of the run a Slurm job recorded, if any."""
@@ -372,8 +426,10 @@ class ResultsDB:
         since: datetime | None = None,
         sweep: str | None = None,
         ids: Sequence[int] | None = None,
+        device: str | None = None,
     ) -> pd.DataFrame:
-        """One row per run (every column but the config and the text), oldest first."""
+        """One row per run (every column but the config and the text), oldest first. `device`: runs whose
+        hardware holds it (case-insensitive), e.g. H100."""
         columns = [c for c in Run.__table__.columns if c.name not in ("config", "text")]
         query = select(*columns).order_by(Run.id)
         for column, value in ((Run.status, status), (Run.kind, kind), (Run.mode, mode), (Run.sweep, sweep)):
@@ -383,6 +439,8 @@ class ResultsDB:
             query = query.where(Run.started_at >= since)
         if ids is not None:
             query = query.where(Run.id.in_(ids))
+        if device is not None:
+            query = query.where(Run.hardware.icontains(device, autoescape=True))
         return self._frame(query)
 
     def measurements(self, run_ids: Sequence[int] | None = None) -> pd.DataFrame:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 import re
 import shutil
 import signal
@@ -39,7 +38,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, ProcessF
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from tpbench import emulation
+from tpbench import emulation, machine
 from tpbench.compose import local_world_size
 from tpbench.config import RunConfig, config_hash, save_run_config, world_size
 from tpbench.results import RankResult, Status
@@ -74,14 +73,16 @@ class Environment:
     nodes: str | None = None  # inside a Slurm job: its node list
 
     @classmethod
-    def probe(cls, cfg: RunConfig) -> Environment:
-        cuda = cfg.launch.device == "cuda" and not emulation.gpu_emulated(cfg)
+    def probe(cls, cfg: RunConfig, devices: tuple[str, int] | None = None) -> Environment:
+        """This node before the launch (`run_job` then takes the device name from what its ranks saw);
+        `devices`: the device name and count to record instead of this node's."""
         commit = _git("rev-parse", "HEAD")
+        device_name, device_count = devices or machine.here(cfg)
         return cls(
             host=socket.gethostname(),
             device=cfg.launch.device,
-            device_name=torch.cuda.get_device_name(0) if cuda else _emulated_or_cpu_name(cfg),
-            device_count=torch.cuda.device_count() if cuda else os.cpu_count() or 1,
+            device_name=device_name,
+            device_count=device_count,
             backend="fake" if emulation.emulated(cfg) else cfg.launch.backend,
             torch_version=torch.__version__,
             cuda_version=torch.version.cuda,
@@ -135,6 +136,7 @@ def run_job(cfg: RunConfig, on_progress: Callable[[str], None] = lambda line: No
         status, error, rank, results = e.status, e.message, e.rank, []
     finally:
         _reap(job)
+    env.device_name = machine.ranks_device_name(job) or env.device_name
     ran_rank0 = int(cfg.launch.nnodes) == 1 or (job / "pids" / "rank0.pid").exists()
     kept = None if status is Status.OK else str(job)
     return Outcome(status, started, _now(), env, results, error, rank, kept, ran_rank0, job)
@@ -319,22 +321,6 @@ def _git(*args: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
-def _emulated_or_cpu_name(cfg: RunConfig) -> str:
-    if emulation.gpu_emulated(cfg):
-        return f"{cfg.launch.emulate_gpu} (emulated on {_cpu_name()})"
-    return _cpu_name()
-
-
 def _slurm_job_id() -> str | None:
     array_job, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
     return f"{array_job}_{task}" if array_job and task else os.environ.get("SLURM_JOB_ID")
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

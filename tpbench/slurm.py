@@ -13,7 +13,16 @@ runs that Slurm ended before they could record themselves: cancelled, node failu
 `requeue` lets Slurm run the job again from the start). Which job runs which config is kept in
 launch.slurm.folder/jobs.jsonl, so the same sweep again, or `tpbench sweep --wait`, follows the jobs
 after the submitting shell went away, and submits only what has neither a record nor a live job.
-A job never runs a config that already has an OK run (unless forced), nor records a job id twice.
+A job never runs a config that already has an OK run on its node's hardware (unless forced), nor
+records a job id twice.
+
+The hardware (tpbench.hardware, part of a run's identity with its config) is the job's own: the
+submitting host cannot see the nodes a job will get. So the job probes its node, records what its ranks
+saw, and checks there whether its config has an OK run on that hardware. Before submitting, the command
+skips only a config whose last job of the same Slurm request (partition, GPUs per node, sbatch lines:
+what picks the nodes) recorded an OK run; any other config gets a job, which ends at once, without a
+record, where its hardware has one (shown as skipped). Jobs submitted by a tpbench before the request
+was kept in jobs.jsonl match no request.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from pathlib import Path
 
 from sqlalchemy.engine import URL, make_url
 
+from tpbench import machine
 from tpbench.config import RunConfig, config_hash, run_label
 from tpbench.db import ResultsDB
 from tpbench.launch import Environment, Outcome, Status, run_job
@@ -48,7 +58,10 @@ ENDINGS = {
     "PREEMPTED": Status.INTERRUPTED,
 }
 STOP_BEFORE_LIMIT_S = 180  # the run's own job timeout, before Slurm's time limit and submitit's signal
-RDZV_PORT = 29400  # multi-node jobs: the c10d rendezvous on the first node, at this port + job id % 1000
+# Multi-node jobs: the c10d rendezvous on the first node, at RDZV_PORT + the job's own id % RDZV_PORTS.
+# Each task of an array is a job of its own (SLURM_JOB_ID), so two tasks sharing a first node differ;
+# the range ends below Linux's ephemeral ports (32768).
+RDZV_PORT, RDZV_PORTS = 29400, 3000
 PASSWORD_ENV = "TPBENCH_DB_PASSWORD"  # the database password reaches the job in its environment only
 POLL_S = 2.0
 
@@ -98,17 +111,17 @@ def submit_and_follow(
     import submitit
 
     index = _Index(Path(configs[0].launch.slurm.folder))
-    finished = {} if force else db.finished()
+    request = _request(configs[0])
     followed, to_submit = [], []
     for cfg in configs:
         item = Followed(cfg)
         followed.append(item)
-        done = finished.get(config_hash(cfg))
-        if done is not None:
-            item.run_id, item.status = done, "skipped"
-            continue
-        known = index.latest(config_hash(cfg))
+        known = index.latest(config_hash(cfg), request)
         if known is not None:
+            done = db.run_of_job(known[0])
+            if not force and done is not None and done[1] == "OK":  # on the hardware this request got
+                item.run_id, item.status = done[0], "skipped"
+                continue
             item.job_id, item.submitted_at = known
             info = _info(item.job_id)
             item.state = (info.get("State") or "UNKNOWN").split()[0]
@@ -132,7 +145,7 @@ def submit_and_follow(
         now = _now()
         for item, job in zip(to_submit, jobs, strict=True):
             item.job_id, item.submitted_at = job.job_id, now
-            index.add(config_hash(item.cfg), job.job_id, now)
+            index.add(config_hash(item.cfg), request, job.job_id, now)
             say(f"{job.job_id} submitted: {run_label(item.cfg)}")
     for item in followed:
         if item.job_id is None and not item.status:
@@ -201,7 +214,8 @@ def _record_ending(item: Followed, info: dict, db: ResultsDB, submitit) -> tuple
     if status is Status.FAILED:
         error += f": {_last_error(job)}"
     nodes = info.get("NodeList") if info.get("NodeList", "None") != "None" else None
-    env = dataclasses.replace(Environment.probe(item.cfg), slurm_job_id=item.job_id, nodes=nodes)
+    unseen = (f"not reported (Slurm ended job {item.job_id} first)", 0)  # the job's node said nothing
+    env = dataclasses.replace(Environment.probe(item.cfg, unseen), slurm_job_id=item.job_id, nodes=nodes)
     env.host = nodes or env.host
     log_dir = str(job.paths.folder)
     outcome = Outcome(status, item.submitted_at or _now(), _now(), env, error=error, log_dir=log_dir)
@@ -229,14 +243,14 @@ class SlurmRun:
 
         env = submitit.JobEnvironment()
         job_id = env.job_id
-        cfg = _on_this_node(self.cfg, env.hostnames, env.node, job_id)
+        cfg = _on_this_node(self.cfg, env)
         db = ResultsDB(_with_password(cfg.db.url)) if env.node == 0 else None
         if db is not None:
             recorded = db.run_of_job(job_id)
             if recorded is not None:  # a requeued job whose run was recorded before
                 return recorded[0]
-            if not self.force and config_hash(cfg) in db.finished():
-                return None
+            if not self.force and (config_hash(cfg), machine.here_key(cfg)) in db.finished():
+                return None  # done on this node's hardware
         outcome = run_job(cfg)
         if outcome.status is Status.INTERRUPTED:
             # Slurm stopped the job (scancel, time limit, preemption): the command following it records
@@ -249,16 +263,26 @@ class SlurmRun:
         return db.record(cfg, outcome)
 
 
-def _on_this_node(cfg: RunConfig, hostnames: list[str], node: int, job_id: str) -> RunConfig:
-    """The config as this node of the job runs it: nodes, rendezvous and job timeout from Slurm."""
+def _on_this_node(cfg: RunConfig, env) -> RunConfig:
+    """The config as this node of the job runs it (`env`: submitit's JobEnvironment): nodes,
+    rendezvous and job timeout from Slurm. A multi-node job's rendezvous port comes from its own job
+    id (SLURM_JOB_ID), which an array's tasks do not share, unlike `env.job_id`'s "<array>_<task>"."""
     cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch))
-    launch = cfg.launch
-    launch.nnodes, launch.node_rank = str(len(hostnames)), node
+    launch, hostnames = cfg.launch, list(env.hostnames)
+    launch.nnodes, launch.node_rank = str(len(hostnames)), env.node
     if len(hostnames) > 1:
-        port = RDZV_PORT + int(job_id.split("_")[0]) % 1000
-        launch.rdzv_endpoint, launch.rdzv_id = f"{hostnames[0]}:{port}", f"slurm-{job_id}"
+        port = RDZV_PORT + int(env.raw_job_id) % RDZV_PORTS
+        launch.rdzv_endpoint, launch.rdzv_id = f"{hostnames[0]}:{port}", f"slurm-{env.job_id}"
     launch.job_timeout_s = min(launch.job_timeout_s, launch.slurm.time_min * 60 - STOP_BEFORE_LIMIT_S)
     return cfg
+
+
+def _request(cfg: RunConfig) -> str:
+    """What picks the nodes a job gets: partition, GPUs per node, sbatch lines (e.g. --constraint)."""
+    slurm = cfg.launch.slurm
+    return json.dumps(
+        {"partition": slurm.partition, "gpus_per_node": slurm.gpus_per_node, "sbatch": slurm.sbatch}
+    )
 
 
 def _executor(cfg: RunConfig):
@@ -326,24 +350,25 @@ def _info(job_id: str) -> dict[str, str]:
 
 
 class _Index:
-    """launch.slurm.folder/jobs.jsonl: one line per submitted job, which config it runs."""
+    """launch.slurm.folder/jobs.jsonl: one line per submitted job, which config it runs, asking for which
+    nodes (`_request`)."""
 
     def __init__(self, folder: Path):
         self.path = folder / "jobs.jsonl"
 
-    def latest(self, config: str) -> tuple[str, datetime] | None:
+    def latest(self, config: str, request: str) -> tuple[str, datetime] | None:
         if not self.path.exists():
             return None
         found = None
         for line in self.path.read_text().splitlines():
             entry = json.loads(line)
-            if entry["config_hash"] == config:
+            if entry["config_hash"] == config and entry.get("request") == request:
                 found = entry["job_id"], datetime.fromisoformat(entry["submitted_at"])
         return found
 
-    def add(self, config: str, job_id: str, at: datetime) -> None:
+    def add(self, config: str, request: str, job_id: str, at: datetime) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        entry = {"config_hash": config, "job_id": job_id, "submitted_at": at.isoformat()}
+        entry = {"config_hash": config, "request": request, "job_id": job_id, "submitted_at": at.isoformat()}
         with self.path.open("a") as f:
             f.write(json.dumps(entry) + "\n")
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from tpbench import emulation, faults
+from tpbench import emulation, faults, machine
 from tpbench.config import RunConfig, load_run_config
 from tpbench.experiments import experiment
 from tpbench.results import RankResult
@@ -37,6 +37,7 @@ def main(job_dir: Path) -> None:
     _register(job_dir, rank)
     signal.alarm(math.ceil(cfg.launch.job_timeout_s))  # SIGALRM ends the process: the run is TIMEOUT
     device = _device(cfg, local_rank)
+    machine.write_rank_device(job_dir, rank, machine.rank_device_name(cfg, device))
     if emulation.emulated(cfg):  # this one process is rank r of the whole job, on the fake backend
         emulation.init_process_group(cfg)
     else:

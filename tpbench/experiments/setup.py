@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 from contextlib import AbstractContextManager
 from dataclasses import asdict
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from tpbench.config import RunConfig, local_batch
+from tpbench.config import ModelConfig, RunConfig, local_batch
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, MiniMindForCausalLM, build_model
 from tpbench.parallel import comm
 from tpbench.parallel.context import ParallelContext
@@ -23,8 +24,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def model_config(cfg: RunConfig) -> MiniMindConfig:
+    """The dense model's config: ModelConfig's fields less its name and the Hugging Face config it
+    was read from. A field the model does not know is refused unless it keeps its default."""
     fields = asdict(cfg.model)
-    fields.pop("name")
+    del fields["name"], fields["hf_config"]
+    known = {f.name for f in dataclasses.fields(MiniMindConfig)}
+    for key in set(fields) - known:
+        value = fields.pop(key)
+        if value != getattr(ModelConfig, key):
+            raise ValueError(f"model.{key}={value}: this dense model has no such switch yet")
     return MiniMindConfig(**fields)
 
 
@@ -91,7 +99,7 @@ def build_parallel(
         from tpbench.parallel.dtensor import parallelize_dtensor
 
         pm = parallelize_dtensor(model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum))
-        pm.module.to(device=ctx.device, dtype=param_dtype(cfg))
+        place(pm.module, ctx.device, param_dtype(cfg))
         return pm
     pm = parallelize(
         model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum), cfg.train.recompute, cfg.debug.overlap_fault

@@ -1,10 +1,13 @@
 """Step time and tokens/s of training steps after warm-up; FLOPs counted and MFU on GPUs.
 
-Each step starts and ends on a barrier (and a CUDA synchronize), so its time is that of the slowest
-rank. The first warm-up step is reported apart (`first_step_s`: it includes torch.compile's
-compiling); the step time is the median over train.steps after train.warmup steps. One step of its
-own times every collective of our engine: its total time and the part waited on (exposed), so
-`comm_hidden_fraction` is how much of it parallel.overlap hid behind compute.
+Each step starts and ends on a barrier (and a CUDA synchronize) and its time is that of the slowest
+rank: barrier to barrier on the wall clock, or on NCCL the slowest rank's time between CUDA events on
+its compute stream around the step (tpbench.parallel.timing says what each number means where). The
+first warm-up step is reported apart (`first_step_s`: it includes torch.compile's compiling); the step
+time is the median over train.steps after train.warmup steps. One step of its own times every
+collective of our engine and DDP's buckets: its total time and the part waited on (exposed), so
+`comm_hidden_fraction` is how much of it parallel.overlap (or DDP) hid behind compute. The metric
+`timing_cuda_events` says how: 1 CUDA events, 0 the host's wall clock.
 
 Model FLOPs come from the analytic model; the FLOPs every rank really executes are counted on one
 step and summed over ranks (replicated work under TP counts on every rank), by `LocalFlopCounter`:
@@ -16,9 +19,9 @@ local shards as our engine's ops do, not the global shape on every rank.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import (
@@ -28,41 +31,32 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-from tpbench import theory
+from tpbench import hardware, theory
 from tpbench.config import RunConfig, local_batch
 from tpbench.experiments.setup import counting
 from tpbench.experiments.training import Trainer
-from tpbench.parallel import comm
+from tpbench.parallel import comm, timing
 from tpbench.results import RankResult
-
-# Dense (no sparsity) peak FLOP/s of the tensor cores, from NVIDIA's data sheets: (16-bit: bf16 and
-# fp16, tf32, fp32 without tensor cores). Matched in order against torch.cuda.get_device_name, so the
-# variants come before their family: "NVIDIA H100 NVL", "NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3"
-# (SXM), "NVIDIA H200 NVL", "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe".
-PEAK_FLOPS: tuple[tuple[str, tuple[float, float, float]], ...] = (
-    ("H100 NVL", (835.5e12, 417.5e12, 60e12)),  # per GPU: half the data sheet's 2-GPU sparse figures
-    ("H100 PCIe", (756.5e12, 378e12, 51.2e12)),
-    ("H100", (989.4e12, 494.7e12, 66.9e12)),  # SXM5
-    ("H200 NVL", (835.5e12, 417.5e12, 60e12)),
-    ("H200", (989.4e12, 494.7e12, 66.9e12)),  # SXM
-    ("A100", (312e12, 156e12, 19.5e12)),  # SXM4 and PCIe, 40 and 80 GB alike
-)
 
 
 def run(cfg: RunConfig) -> RankResult:
     trainer = Trainer(cfg)
     result = RankResult(rank=trainer.ctx.rank)
+    device, backend = trainer.ctx.device, dist.get_backend()
+    clock = timing.step_clock(device, backend)
+    result.add("timing_cuda_events", clock.method == timing.CUDA_EVENTS)
     for i in range(cfg.train.warmup):
         if i == 0:  # with train.compile: compiling, apart from the step times below
-            result.add("first_step_s", _timed_step(trainer), "s")
+            result.add("first_step_s", _slowest(clock, [_timed_step(clock, trainer)])[0], "s")
         else:
             trainer.step()
 
-    counter = comm.CommCounter(timed=True)  # on a step of its own: the FLOP counter slows compute
+    # on a step of its own: the FLOP counter slows compute
+    counter = comm.CommCounter(timed=True, timer=timing.collective_timer(device, backend))
     with counting(cfg, counter):
         trainer.step()
     result.comm = counter.rows()
-    if cfg.parallel.engine == "megatron":  # DDP's and DTensor's own collectives are counted, not timed
+    if cfg.parallel.engine in ("megatron", "ddp"):  # DTensor's own collectives are counted, not timed
         total, exposed = (sum(getattr(r, f) for r in result.comm) for f in ("time_s", "exposed_s"))
         result.add("comm_time_s", total, "s")
         result.add("comm_exposed_s", exposed, "s")
@@ -76,7 +70,7 @@ def run(cfg: RunConfig) -> RankResult:
     result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")
     result.add("flops_per_step", _summed_over_ranks(flops.get_total_flops()), "FLOP")
 
-    times = [_timed_step(trainer) for _ in range(cfg.train.steps)]
+    times = _slowest(clock, [_timed_step(clock, trainer) for _ in range(cfg.train.steps)])
     median = statistics.median(times)
     world = cfg.parallel.dp * cfg.parallel.tp
     tokens = local_batch(cfg) * cfg.parallel.dp * cfg.train.seq_len
@@ -98,13 +92,16 @@ def run(cfg: RunConfig) -> RankResult:
     return result
 
 
-def _timed_step(trainer: Trainer) -> float:
-    """One step from barrier to barrier: the slowest rank's time."""
-    trainer.sync()
-    start = time.perf_counter()
-    trainer.step()
-    trainer.sync()
-    return time.perf_counter() - start
+def _timed_step(clock: timing.StepClock, trainer: Trainer) -> float:
+    return clock.time(trainer.step, trainer.sync)
+
+
+def _slowest(clock: timing.StepClock, times: list[float]) -> list[float]:
+    """Each step's time on the slowest rank: CUDA events time each rank's own step (barrier to
+    barrier on the wall clock is already the slowest's)."""
+    if clock.method == timing.CUDA_EVENTS:
+        return comm.reduce_floats(times, dist.ReduceOp.MAX)
+    return times
 
 
 def _summed_over_ranks(value: float) -> float:
@@ -155,9 +152,6 @@ def _quantile(values: list[float], q: float) -> float:
 
 def peak_flops(device_name: str, dtype: str, tf32: bool = False) -> float | None:
     """Dense peak FLOP/s of one GPU for matmuls in `dtype` (train.dtype: mixed precision runs its
-    matmuls in it too), or None for a GPU not in PEAK_FLOPS."""
-    name = device_name.upper()
-    for chip, (half, tf32_peak, fp32) in PEAK_FLOPS:
-        if chip.upper() in name:
-            return half if dtype in ("bfloat16", "float16") else tf32_peak if tf32 else fp32
-    return None
+    matmuls in it too), or None for a GPU not in tpbench.hardware's table."""
+    gpu = hardware.of_device(device_name)
+    return None if gpu is None else gpu.peak_flops(dtype, tf32)

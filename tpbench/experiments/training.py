@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from tpbench.config import RunConfig
@@ -46,7 +47,8 @@ class Trainer:
         self.ctx: ParallelContext = ctx or context(cfg)
         self.batches = Batches(cfg, self.ctx)
         if cfg.parallel.engine == "ddp":
-            self.model, self.module = self._ddp(on_device)
+            self.model, self.ddp_state = build_ddp(cfg, self.ctx, on_device)
+            self.module = self.model.module
             self.finish_grads = lambda: None  # DDP all-reduces in backward
         else:
             pm = build_parallel(cfg, self.ctx)
@@ -64,26 +66,6 @@ class Trainer:
         if state is None or self.cfg.parallel.ddp_gradient_as_bucket_view:
             return []
         return list(state.buckets.values())
-
-    def _ddp(self, on_device: Callable[[torch.nn.Module], None]):
-        p = self.cfg.parallel
-        dense = place(build_dense(self.cfg), self.ctx.device, param_dtype(self.cfg))
-        apply_recompute(dense, self.cfg.train.recompute)
-        on_device(dense)
-        fake = dist.get_backend(self.ctx.dp_group) == "fake"
-        ddp = DistributedDataParallel(
-            dense,
-            device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None,
-            process_group=self.ctx.dp_group,
-            bucket_cap_mb=p.ddp_bucket_mb,
-            gradient_as_bucket_view=p.ddp_gradient_as_bucket_view,
-            init_sync=not fake,  # an emulated rank has no one to agree with, nor values to send
-        )
-        self.ddp_state = _DDPHookState(self.ctx.dp_group)
-        ddp.register_comm_hook(self.ddp_state, _counted_allreduce)
-        if fake and self.cfg.launch.emulate == "fake":
-            ddp.reducer = _KeepBuckets(ddp.reducer)
-        return ddp, dense
 
     def step(self) -> torch.Tensor:
         """One optimizer step on the next batch; returns the loss (a tensor: reading it would sync)."""
@@ -115,13 +97,51 @@ class Trainer:
         dist.barrier()
 
 
+def build_ddp(
+    cfg: RunConfig,
+    ctx: ParallelContext,
+    on_device: Callable[[torch.nn.Module], None] = lambda module: None,
+) -> tuple[DistributedDataParallel, _DDPHookState]:
+    """The `ddp` engine: torch's DistributedDataParallel over the dense model of the run's seed, its
+    buckets of parallel.ddp_bucket_mb, its all-reduces counted by our comm hook (and broken by
+    debug.ddp_fault, to prove that validation catches it). The one DDP that memory, throughput and
+    validation run. on_device: as Trainer's."""
+    p = cfg.parallel
+    dense = place(build_dense(cfg), ctx.device, param_dtype(cfg))
+    apply_recompute(dense, cfg.train.recompute)
+    on_device(dense)
+    fake = comm.fake_backend(ctx.dp_group)
+    ddp = DistributedDataParallel(
+        dense,
+        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+        process_group=ctx.dp_group,
+        bucket_cap_mb=p.ddp_bucket_mb,
+        gradient_as_bucket_view=p.ddp_gradient_as_bucket_view,
+        init_sync=not fake,  # an emulated rank has no one to agree with, nor values to send
+    )
+    state = _DDPHookState(ctx.dp_group, cfg.debug.ddp_fault)
+    ddp.register_comm_hook(state, _counted_allreduce)
+    if fake and cfg.launch.emulate == "fake":
+        ddp.reducer = _KeepBuckets(ddp.reducer)
+    return ddp, state
+
+
 def adamw(cfg: RunConfig, params, lr: float) -> torch.optim.AdamW:
     """The run's AdamW: fused under train.fused_optimizer; else foreach, AdamW's default for CUDA
-    tensors, said here for an emulated GPU rank."""
+    tensors, said here for an emulated GPU rank. Both take a group's tensors in one op, which cannot mix
+    DTensors with plain tensors (the dtensor engine's replicated embedding beside its shards without
+    VP): those are two parameter groups."""
+    params = list(params)
+    groups = [g for g in (_plain(params, True), _plain(params, False)) if g]
+    kinds = [{"params": g} for g in groups] if len(groups) > 1 else params
     if cfg.train.fused_optimizer:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.train.weight_decay, fused=True)
+        return torch.optim.AdamW(kinds, lr=lr, weight_decay=cfg.train.weight_decay, fused=True)
     foreach = True if cfg.launch.device == "cuda" else None
-    return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.train.weight_decay, foreach=foreach)
+    return torch.optim.AdamW(kinds, lr=lr, weight_decay=cfg.train.weight_decay, foreach=foreach)
+
+
+def _plain(params: list[torch.Tensor], plain: bool) -> list[torch.Tensor]:
+    return [p for p in params if isinstance(p, DTensor) != plain]
 
 
 class _KeepBuckets:
@@ -142,20 +162,39 @@ class _KeepBuckets:
 @dataclass
 class _DDPHookState:
     group: dist.ProcessGroup | None
+    fault: str = ""  # debug.ddp_fault
     buckets: dict[int, torch.Tensor] = field(default_factory=dict)  # DDP's flat bucket buffers
+    timed: list[comm.Pending] = field(default_factory=list)  # this backward's, in a timed step
+
+    def wait_timed(self) -> None:
+        pending, self.timed = self.timed, []
+        for p in pending:
+            p.wait()
 
 
 def _counted_allreduce(state, bucket):  # no annotations: DDP checks them and ours are strings
-    """DDP's own asynchronous all-reduce of a gradient bucket (averaged), reported to the counter.
+    """DDP's own asynchronous all-reduce of a gradient bucket (averaged), through comm: counted, and
+    in a timed step timed as our engine's async collectives are, waited on where DDP waits for them:
+    the last bucket's hook queues the wait as an autograd final callback, which runs just before
+    the one DDP queues right after this hook (its finalize_backward, which waits on every bucket).
     Keeps the bucket's buffer: a memory tracker must see it (unless the gradients are views of it,
-    DDP's buckets are tensors no module or optimizer holds)."""
+    DDP's buckets are tensors no module or optimizer holds).
+
+    debug.ddp_fault: no_divide sums the bucket without averaging it; drop_bucket leaves bucket 0
+    (DDP's first: all the gradients until its buckets are rebuilt after the first backward) as this
+    rank's own gradients, never all-reduced."""
     group = state.group
     state.buckets[bucket.index()] = bucket.buffer()
-    buffer = bucket.buffer().div_(dist.get_world_size(group))
-    comm.record_async("all_reduce", "dp_grad", buffer, group)
-    work = dist.all_reduce(buffer, group=group, async_op=True)
-    if dist.get_backend(group) == "fake":  # an emulated rank: the fake work's future holds no value
+    if state.fault == "drop_bucket" and bucket.index() == 0:
         done = torch.futures.Future()
-        done.set_result(buffer)
+        done.set_result(bucket.buffer())
         return done
-    return work.get_future().then(lambda fut: fut.value()[0])
+    buffer = bucket.buffer()
+    if state.fault != "no_divide":
+        buffer.div_(dist.get_world_size(group))
+    pending, future = comm.all_reduce_bucket(buffer, group, "dp_grad")
+    if comm.timed():
+        state.timed.append(pending)
+        if bucket.is_last():
+            torch.autograd.Variable._execution_engine.queue_callback(state.wait_timed)
+    return future

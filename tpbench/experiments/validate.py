@@ -7,7 +7,13 @@ its slice):
 2. backward: per parameter, the error of the local gradient against the matching shard of the
    dense gradient, after the gradient sums (TP norms, KV replicas, DP average);
 3. AdamW: N steps on both; logits on a fixed batch compared every k steps; final parameters
-   (gathered back into a dense state dict) compared.
+   compared, each rank's own against its shard of the dense model's.
+
+Every figure is the worst over all ranks (each rank checks its own logits shard, DP slice, gradients
+and parameters), so every rank reaches the same verdict, and an error on any one rank fails the run.
+`mode=ddp` validates the DistributedDataParallel that memory and throughput measure (the same module,
+comm hook and buckets: tpbench.experiments.training.build_ddp): each DP rank its slice, the hook
+averaging the gradients, the dense model the whole batch.
 
 The criterion holds in every dtype. A third model, the dense one in pure fp32, measures the dense
 model's own rounding error in the run's precision (zero for a pure fp32 run). Each check passes when
@@ -39,9 +45,10 @@ from tpbench.experiments.setup import (
     place,
     precision,
 )
-from tpbench.experiments.training import adamw
-from tpbench.models.minimind import IGNORE_INDEX, shift_labels
+from tpbench.experiments.training import adamw, build_ddp
+from tpbench.models.minimind import IGNORE_INDEX, MiniMindForCausalLM, shift_labels
 from tpbench.parallel import comm
+from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.plan import ParallelModel
 from tpbench.results import ParamRow, RankResult
 
@@ -71,7 +78,7 @@ CHECKS = (
 def run(cfg: RunConfig) -> RankResult:
     ctx = context(cfg)
     dense = build_dense(cfg)
-    pm = build_parallel(cfg, ctx, dense)
+    pm = DDPModel(cfg, ctx) if cfg.parallel.engine == "ddp" else build_parallel(cfg, ctx, dense)
     pure_fp32 = cfg.train.dtype == "float32"  # mixed precision needs a 16-bit dtype (compose checks)
     reference = None if pure_fp32 else place(copy.deepcopy(dense), ctx.device, torch.float32)  # dense, fp32
     place(dense, ctx.device, param_dtype(cfg))
@@ -103,33 +110,33 @@ def run(cfg: RunConfig) -> RankResult:
         result.add("compile_graphs", counters["stats"]["unique_graphs"])
         result.add("compile_graph_breaks", sum(counters["graph_break"].values()))
 
-    fwd = _max_abs(pm.full_logits(logits), batches.local_slice(dense_logits))
+    figures = {}  # this rank's; the result keeps each one's worst over all ranks
+    figures["fwd_logits_max_abs"] = _max_abs(pm.full_logits(logits), batches.local_slice(dense_logits))
     mean_loss = comm.all_reduce(loss.detach().float().clone(), ctx.dp_group, "check") / ctx.dp
-    result.add("fwd_logits_max_abs", _max_over_ranks(fwd))
-    result.add("loss_abs_diff", (mean_loss - dense_loss.detach().float()).abs().item())
+    figures["loss_abs_diff"] = (mean_loss - dense_loss.detach().float()).abs().item()
     rows = _grad_rows(pm, dense)
     if ctx.rank == 0:
         result.params = rows
-    result.add("grad_max_abs", max(r.grad_max_abs for r in rows))
-    result.add("grad_max_rel_l2", max(r.grad_rel_l2 for r in rows))
-    # the dense model's own error against fp32 (every rank computes the same dense models)
-    result.add("dense_fwd_logits_max_abs", _max_abs(dense_logits, ref_logits))
-    result.add("dense_loss_abs_diff", (dense_loss.detach().float() - ref_loss.detach()).abs().item())
-    result.add("dense_token_loss_mean_abs_diff", _token_loss_error(dense_logits, ref_logits, labels))
-    result.add("dense_grad_max_rel_l2", _dense_grad_error(dense, reference))
+    figures["grad_max_abs"] = max(r.grad_max_abs for r in rows)
+    figures["grad_max_rel_l2"] = max(r.grad_rel_l2 for r in rows)
+    # the dense model's own error against fp32
+    figures["dense_fwd_logits_max_abs"] = _max_abs(dense_logits, ref_logits)
+    figures["dense_loss_abs_diff"] = (dense_loss.detach().float() - ref_loss.detach()).abs().item()
+    figures["dense_token_loss_mean_abs_diff"] = _token_loss_error(dense_logits, ref_logits, labels)
+    figures["dense_grad_max_rel_l2"] = _dense_grad_error(dense, reference)
 
     # 3. AdamW steps on all of them
     drift = _adamw(cfg, pm, dense, reference, batches)
+    _plant_error(cfg, pm)
+    figures["adamw_param_max_abs"] = _param_error(pm, dense)
+    figures["dense_adamw_param_max_abs"] = _dense_param_error(dense, reference)
+
+    worst = _worst_over_ranks(figures)
+    for name, value in worst.items():
+        result.add(name, value)
     for step, value in drift:
         result.add("adamw_logits_max_abs", value, step=step)
-    dense_sd = dense.state_dict()
-    param_diff = max(_max_abs(t, dense_sd[n]) for n, t in pm.state_dict().items())
-    result.add("adamw_param_max_abs", param_diff)
-    ref_sd = dense_sd if reference is None else reference.state_dict()
-    result.add("dense_adamw_param_max_abs", max(_max_abs(t, ref_sd[n]) for n, t in dense_sd.items()))
-
-    metrics = {m.name: m.value for m in result.measurements if m.step is None}
-    verdicts = [_verdict(cfg, metrics, *check) for check in CHECKS]
+    verdicts = [_verdict(cfg, worst, *check) for check in CHECKS]
     passed = all(ok for *_, ok in verdicts)
     result.add("passed", float(passed))
     if ctx.rank == 0:
@@ -138,6 +145,31 @@ def run(cfg: RunConfig) -> RankResult:
         ]
         result.text = _table(cfg, verdicts, rows, passed)
     return result
+
+
+class DDPModel:
+    """The `ddp` engine as the checks take a parallel model: build_ddp's DistributedDataParallel, the
+    one memory and throughput measure. Nothing is sharded (each rank holds the dense model and takes
+    its DP slice of the batch); DDP's comm hook averages the gradients during backward."""
+
+    def __init__(self, cfg: RunConfig, ctx: ParallelContext):
+        self.ddp, _ = build_ddp(cfg, ctx)
+        self.module: MiniMindForCausalLM = self.ddp.module
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        return self.ddp(input_ids, labels)
+
+    def finish_grads(self) -> None:
+        """Nothing left: DDP waits for its buckets' all-reduces before backward returns."""
+
+    def semantics(self, name: str) -> str:
+        return "replicated"
+
+    def shard_like(self, name: str, dense: torch.Tensor) -> torch.Tensor:
+        return dense.detach()
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
 
 
 def _verdict(
@@ -166,17 +198,17 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
+def _worst_over_ranks(figures: dict[str, float]) -> dict[str, float]:
+    """Each figure's worst (largest) value over all ranks, in one all-reduce."""
+    return dict(zip(figures, comm.reduce_floats(list(figures.values()), dist.ReduceOp.MAX), strict=True))
+
+
 def _max_over_ranks(value: float) -> float:
-    """The worst value over all ranks (every rank checks its own logits shard and DP slice)."""
+    """One figure's worst value over all ranks (the logits drift at one AdamW step)."""
     return comm.reduce_floats([value], dist.ReduceOp.MAX)[0]
 
 
-def _worst_over_ranks(stats: torch.Tensor) -> torch.Tensor:
-    """Element-wise max over every rank, issued on the device the backend serves."""
-    return comm.reduce_over_world(stats, dist.ReduceOp.MAX)
-
-
-def _grad_rows(pm: ParallelModel, dense: torch.nn.Module) -> list[ParamRow]:
+def _grad_rows(pm: ParallelModel | DDPModel, dense: torch.nn.Module) -> list[ParamRow]:
     """Gradient error of every parameter against its shard of the dense gradient, worst over ranks."""
     dense_params = dict(dense.named_parameters())
     names, stats = [], []
@@ -186,11 +218,33 @@ def _grad_rows(pm: ParallelModel, dense: torch.nn.Module) -> list[ParamRow]:
         rel = diff.norm() / ref.norm().clamp(min=1e-30)
         names.append(name)
         stats.append(torch.stack([diff.abs().mean(), diff.abs().max(), rel]).double())
-    stacked = _worst_over_ranks(torch.stack(stats)).cpu()  # [params, 3]
+    stacked = comm.reduce_over_world(torch.stack(stats), dist.ReduceOp.MAX).cpu()  # [params, 3]
     return [
         ParamRow(n, pm.semantics(n), list(p.shape), *map(float, s))
         for n, p, s in zip(names, pm.module.parameters(), stacked, strict=True)
     ]
+
+
+def _param_error(pm: ParallelModel | DDPModel, dense: torch.nn.Module) -> float:
+    """This rank's worst |param diff|: each of its parameters against its shard of the dense model's
+    (every replica of a replicated weight counts, not only the one a checkpoint keeps)."""
+    dense_params = dict(dense.named_parameters())
+    return max(_max_abs(p, pm.shard_like(n, dense_params[n])) for n, p in pm.module.named_parameters())
+
+
+def _dense_param_error(dense: torch.nn.Module, reference: torch.nn.Module | None) -> float:
+    if reference is None:
+        return 0.0
+    ref = dict(reference.named_parameters())
+    return max(_max_abs(p, ref[n]) for n, p in dense.named_parameters())
+
+
+def _plant_error(cfg: RunConfig, pm: ParallelModel | DDPModel) -> None:
+    """debug.validate_fault=rank1_param: rank 1 adds 1 to its copy of model.norm.weight (replicated in
+    every mode, so no other rank's figures hold it), to prove that its figures count."""
+    if cfg.debug.validate_fault == "rank1_param" and dist.get_rank() == 1:
+        with torch.no_grad():
+            dict(pm.module.named_parameters())["model.norm.weight"].view(-1)[0].add_(1.0)
 
 
 def _dense_grad_error(dense: torch.nn.Module, reference: torch.nn.Module | None) -> float:
@@ -206,7 +260,7 @@ def _dense_grad_error(dense: torch.nn.Module, reference: torch.nn.Module | None)
 
 def _adamw(
     cfg: RunConfig,
-    pm: ParallelModel,
+    pm: ParallelModel | DDPModel,
     dense: torch.nn.Module,
     reference: torch.nn.Module | None,
     batches: Batches,

@@ -16,14 +16,14 @@ Every collective goes through `all_reduce`, `all_gather` or `reduce_scatter` bel
 `*_async` twins, which return a `Pending` to wait on), which report to the active `CommCounter`: count
 and per-rank ring bytes on the wire, by op and purpose, an async one the same as its blocking twin;
 timed, also its total time and the part of it the caller spent waiting (exposed: a blocking collective
-is all exposed). With `log=True` it keeps each one, in the order issued, as a `CommEvent` (what
+is all exposed), by the counter's `tpbench.parallel.timing` timer: the wall clock on gloo, CUDA events
+on NCCL. With `log=True` it keeps each one, in the order issued, as a `CommEvent` (what
 `tpbench diagram` draws).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 import weakref
 from collections import defaultdict
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from tpbench.parallel import timing
 from tpbench.results import CommRow
 
 Group = dist.ProcessGroup | None
@@ -56,10 +57,12 @@ class CommEvent:
 class CommCounter:
     """Counts the collectives issued while active. Bytes are per rank on the wire of a ring:
     all-reduce 2(T-1)/T * N, all-gather and reduce-scatter (T-1)/T * N, N the full tensor's bytes.
-    `log=True` also keeps every collective in issue order in `events`."""
+    `timed=True` also times them with `timer` (the wall clock unless given); `log=True` also keeps
+    every collective in issue order in `events`."""
 
-    def __init__(self, timed: bool = False, log: bool = False):
+    def __init__(self, timed: bool = False, log: bool = False, timer: timing.CollectiveTimer | None = None):
         self.timed = timed
+        self.timer: timing.CollectiveTimer = timer or timing.WallClockTimer()
         # (op, purpose) -> [count, bytes, seconds, exposed seconds]
         self.stats: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
         self.events: list[CommEvent] | None = [] if log else None
@@ -92,6 +95,10 @@ class CommCounter:
         entry[3] += exposed
 
     def rows(self, steps: int = 1) -> list[CommRow]:
+        """Per (op, purpose), per step. Call it after the step: the timer's unread times are read here
+        (with CUDA events, after one synchronisation)."""
+        if self.timed:
+            self.timer.resolve()
         return [
             CommRow(
                 op,
@@ -229,28 +236,22 @@ def _launch(
     blocking: bool,
 ) -> Pending:
     """Issue `fn` (a torch.distributed call with async_op=True, returning its Work) and count it
-    now, in issue order; its times are added when it is waited on."""
+    now, in issue order; timed, its times are reported when it is waited on (the wall clock) or once
+    the step is over (CUDA events)."""
     counter = _counter
-    timed = counter is not None and counter.timed
-    if timed and x.is_cuda:
-        torch.cuda.synchronize(x.device)
+    purpose = "recompute" if _recomputing else purpose
     held = (x,) if out is None else (x, out)
     settle = _settling and dist.get_backend(group) == "gloo"
     before = tuple(t._use_count() for t in held) if settle else ()
-    start = time.perf_counter()
+    span = None
+    if counter is not None and counter.timed:
+        span = counter.timer.start(
+            x, group, blocking, lambda total, exposed: counter.add_time(op, purpose, total, exposed)
+        )
     # the only reference to the Work, which holds the tensors too: dropped at the wait, before settling
     work = [fn()]
-    done: list[float] = []
-    if timed and not blocking:  # when the backend finished, were it before the wait
-        try:
-            future = work[0].get_future()
-        except RuntimeError:  # gloo's reduce_scatter_tensor (an all-reduce inside) has no future
-            future = None
-        if future is not None:
-            future.add_done_callback(lambda _: done.append(time.perf_counter()))
-        else:  # no finishing time: counted as all exposed, never as hidden
-            done.append(math.inf)
-    purpose = "recompute" if _recomputing else purpose
+    if span is not None:
+        span.launched(work[0])
     if counter is not None:
         if counter.events is None:
             counter.record(op, purpose, full_bytes, _size(group), 0.0, exposed=0.0)
@@ -261,29 +262,50 @@ def _launch(
             )
 
     def finish() -> None:
-        waiting = time.perf_counter()
+        if span is not None:
+            span.waiting()
         made = _Made() if settle else contextlib.nullcontext()
         with made:
             work.pop().wait()
-        if timed and x.is_cuda:
-            torch.cuda.synchronize(x.device)
         if settle:
             settle_released(held, before, made.storages)
-        if counter is not None:
-            end = time.perf_counter()
-            if done and done[0] == math.inf:
-                total = end - waiting
-            else:
-                total = end - start if blocking or not done else min(done[0], end) - start
-            counter.add_time(op, purpose, total, end - waiting if not blocking else total)
+        if span is not None:
+            span.waited()
 
     return Pending(x if out is None else out, finish)
 
 
-def record_async(op: str, purpose: str, x: torch.Tensor, group: Group) -> None:
-    """Count a collective issued elsewhere (DDP's bucket all-reduce); its time is not measured."""
-    if _counter is not None and _size(group) > 1:
-        _counter.record(op, purpose, x.numel() * x.element_size(), _size(group), 0.0)
+def all_reduce_bucket(x: torch.Tensor, group: Group, purpose: str) -> tuple[Pending, torch.futures.Future]:
+    """DDP's all-reduce of one gradient bucket, from its comm hook (experiments.training), in place:
+    counted and timed as `all_reduce_async` is. Returns the Pending, for a timed step to wait on where
+    DDP waits, and the future DDP is handed (on the fake backend, one already holding `x`)."""
+    works: list[dist.Work] = []
+
+    def fn() -> dist.Work:
+        works.append(dist.all_reduce(x, group=group, async_op=True))
+        return works[-1]
+
+    if _size(group) == 1:
+        pending = Pending(x)
+        fn()
+    else:
+        pending = _launch("all_reduce", purpose, x, x.numel() * x.element_size(), group, fn, None, False)
+    if fake_backend(group):  # an emulated rank: the fake work's future holds no value
+        future = torch.futures.Future()
+        future.set_result(x)
+        return pending, future
+    return pending, works.pop().get_future().then(lambda fut: fut.value()[0])
+
+
+def fake_backend(group: Group) -> bool:
+    """torch's fake process group: "fake", or bound to one device ("cuda:fake", which an emulated GPU
+    rank runs on: tests/fake_cuda_checks.py)."""
+    return dist.get_backend(group).split(":")[-1] == "fake"
+
+
+def timed() -> bool:
+    """Whether the active counter times the collectives issued now."""
+    return _counter is not None and _counter.timed
 
 
 # --- raw collectives: the only place tpbench talks to torch.distributed ------------------------

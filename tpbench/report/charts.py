@@ -7,6 +7,7 @@ state. A mode keeps its colour in every chart; published figures take their mode
 from __future__ import annotations
 
 import io
+import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -32,6 +33,11 @@ def _png(fig: Figure) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
     return buf.getvalue()
+
+
+def _wrapped(title: str, width: int = 100) -> str:
+    """A setting's long line (its hardware last) over lines of at most `width` characters."""
+    return textwrap.fill(title, width, break_long_words=False)
 
 
 def mode_color(mode: str) -> tuple[float, float, float]:
@@ -92,7 +98,7 @@ def memory_peaks(peaks: pd.DataFrame, published: pd.DataFrame, title: str) -> by
         fig = Figure(figsize=(max(6.5, 1.1 * len(layers) * len(series) / 2 + 3), 4.2))
         ax = fig.subplots()
         _grouped_bars(ax, layers, series)
-        ax.set(xlabel="layers", ylabel="peak per rank (MiB)", title=title)
+        ax.set(xlabel="layers", ylabel="peak per rank (MiB)", title=_wrapped(title))
         _legend_outside(ax)
         return _png(fig)
 
@@ -112,7 +118,7 @@ def memory_breakdown(parts: pd.DataFrame, title: str) -> bytes:
             ax.bar(range(len(wide)), values, bottom=bottom, label=part, color=color)
             bottom += values
         ax.set_xticks(range(len(wide)), wide.index, rotation=30, ha="right")
-        ax.set(ylabel="MiB at the peak (busiest rank)", title=title)
+        ax.set(ylabel="MiB at the peak (busiest rank)", title=_wrapped(title))
         _legend_outside(ax)
         return _png(fig)
 
@@ -142,7 +148,7 @@ def measured_vs_predicted(
         ax = fig.subplots()
         _grouped_bars(ax, bars, series)
         ax.tick_params(axis="x", rotation=30)
-        ax.set(ylabel=ylabel, title=title)
+        ax.set(ylabel=ylabel, title=_wrapped(title))
         ax.legend(fontsize=7)
         return _png(fig)
 
@@ -173,7 +179,7 @@ def throughput(runs: pd.DataFrame, title: str) -> bytes:
         for ax in axes:
             ax.set_xticks(xs, labels, rotation=30, ha="right")
             ax.margins(y=0.15)
-        fig.suptitle(title, fontsize=9)
+        fig.suptitle(_wrapped(title), fontsize=9)
         return _png(fig)
 
 
@@ -202,7 +208,7 @@ def recompute(frame: pd.DataFrame, title: str) -> bytes:
             _grouped_bars(ax, groups, series)
             ax.set(ylabel=label, title=label.split(" (")[0])
         _legend_outside(axes[1])
-        fig.suptitle(title, fontsize=9)
+        fig.suptitle(_wrapped(title), fontsize=9)
         return _png(fig)
 
 
@@ -237,7 +243,7 @@ def collectives(frame: pd.DataFrame, title: str) -> bytes:
             ax.tick_params(axis="x", rotation=30)
             ax.set(ylabel=ylabel)
             ax.legend(fontsize=7)
-        fig.suptitle(title, fontsize=9)
+        fig.suptitle(_wrapped(title), fontsize=9)
         return _png(fig)
 
 
@@ -256,6 +262,6 @@ def drift(curves: pd.DataFrame, title: str) -> bytes:
         if (curves["value"] > 0).all():
             ax.set_yscale("log")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set(xlabel="AdamW step", ylabel="max |logits diff| vs dense", title=title)
+        ax.set(xlabel="AdamW step", ylabel="max |logits diff| vs dense", title=_wrapped(title))
         ax.legend(fontsize=7)
         return _png(fig)

@@ -3,7 +3,8 @@
 `load` reads the database once (runs, headline metrics, curves, collectives, configs); the other
 functions are pure pandas over the `ReportData` it returns, one frame per chart or table.
 A *setting* is everything two runs must share to be compared across modes (shape, batch, dtype,
-device, world size); the number of layers is kept apart, because the memory figures plot it.
+world size, hardware: tpbench.hardware); the number of layers is kept apart, because the memory figures
+plot it. A config is shown once per hardware it ran on: its latest OK run there.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class Selection:
     mode: str | None = None
     since: datetime | None = None
     where: dict[str, str] = field(default_factory=dict)
+    device: str | None = None  # a substring of the hardware, any case (tpbench.db.ResultsDB.runs)
 
     @classmethod
     def parse(
@@ -57,6 +59,7 @@ class Selection:
         mode: str | None = None,
         since: str | None = None,
         where: list[str] | None = None,
+        device: str | None = None,
     ) -> Selection:
         """From the command line's strings; raises SelectionError on a bad --since or --where."""
         try:
@@ -71,7 +74,7 @@ class Selection:
             if not sep or not key:
                 raise SelectionError(f"--where {item}: expected key=value, e.g. --where layers=8")
             pairs[key.strip()] = value.strip()
-        return cls(sweep, kind, mode, start, pairs)
+        return cls(sweep, kind, mode, start, pairs, device)
 
     def describe(self) -> str:
         parts = [
@@ -80,6 +83,8 @@ class Selection:
         if self.since:
             parts.append(f"since {self.since:%Y-%m-%d %H:%M} UTC")
         parts += [f"{k}={v}" for k, v in self.where.items()]
+        if self.device:
+            parts.append(f"hardware holding {self.device!r}")
         return ", ".join(parts) or "every run"
 
 
@@ -108,7 +113,7 @@ class ReportData:
 def load(db: ResultsDB, selection: Selection) -> ReportData:
     """Read the runs the selection names, with everything the sections need."""
     s = selection
-    runs = db.runs(kind=s.kind, mode=s.mode, since=s.since, sweep=s.sweep)
+    runs = db.runs(kind=s.kind, mode=s.mode, since=s.since, sweep=s.sweep, device=s.device)
     configs = _configs(db, runs["id"].tolist())
     if s.where:
         runs = runs[_where_mask(runs, configs, s.where)]
@@ -141,8 +146,9 @@ def setting_label(run: pd.Series) -> str:
     )
     return (
         f"H{run['hidden']} S{run['seq']} V{run['vocab']} heads {run['heads']}/{run['kv_heads']} "
-        f"{batch} {run['batch_policy']} {run['dtype']} {run['precision']} · {run['world_size']} ranks "
-        f"{run['device']}" + (f" · {run['emulated']}" if run.get("emulated") else "")
+        f"{batch} {run['batch_policy']} {run['dtype']} {run['precision']} · {run['world_size']} ranks"
+        + (f" · {run['emulated']}" if run.get("emulated") else "")
+        + f" · {run['hardware']}"
     )
 
 
@@ -162,9 +168,9 @@ def mode_rank(mode: str) -> int:
 
 
 def latest(data: ReportData, kind: str) -> pd.DataFrame:
-    """The OK runs of a kind, the latest one of each config, in mode order."""
+    """The OK runs of a kind, the latest one of each config on each hardware, in mode order."""
     runs = data.ok[data.ok["kind"] == kind]
-    runs = runs.sort_values("id").drop_duplicates("config_hash", keep="last")
+    runs = runs.sort_values("id").drop_duplicates(["config_hash", "hardware"], keep="last")
     order = ["setting", "layers", "mode_rank", *(["switches"] if "switches" in runs else []), "id"]
     return runs.sort_values(order).reset_index(drop=True)
 

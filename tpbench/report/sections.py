@@ -99,15 +99,18 @@ def header(data: ReportData) -> Section:
     runs = data.runs
     ok, failed = len(data.ok), len(data.failed)
     span = f"{runs['started_at'].min():%Y-%m-%d %H:%M} to {runs['ended_at'].max():%Y-%m-%d %H:%M} UTC"
+    kinds = sorted(set(runs["hardware"]))
+    mixed = len(kinds) > 1
     facts = pd.DataFrame(
         {
-            "": ["generated", "database", "selection", "runs", "run between"],
+            "": ["generated", "database", "selection", "runs", "run between", "hardware"],
             "value": [
                 f"{data.generated_at:%Y-%m-%d %H:%M:%S} UTC",
                 data.db_url,
                 data.selection.describe(),
                 f"{len(runs)}: {ok} OK, {failed} not OK",
                 span,
+                f"{len(kinds)} kinds, mixed: {'; '.join(kinds)}" if mixed else kinds[0],
             ],
         }
     )
@@ -116,6 +119,7 @@ def header(data: ReportData) -> Section:
         .agg(
             modes=("mode", lambda m: ", ".join(sorted(set(m), key=_mode_key))),
             layers=("layers", lambda v: ", ".join(map(str, sorted(set(v))))),
+            hardware=("hardware", lambda h: "; ".join(sorted(set(h)))),
             settings=("setting", lambda s: "; ".join(sorted(set(s)))),
             runs=("id", "count"),
             ok=("status", lambda s: int((s == "OK").sum())),
@@ -127,17 +131,14 @@ def header(data: ReportData) -> Section:
         + runs["git_dirty"].map(lambda d: " (dirty)" if pd.notna(d) and d else "")
     )
     where = (
-        env.groupby(
-            ["device", "device_name", "backend", "torch_version", "cuda_version", "commit", "host"],
-            dropna=False,
-        )
-        .agg(devices=("device_count", "max"), runs=("id", "count"))
+        env.groupby(["hardware", "backend", "torch_version", "cuda_version", "commit", "host"], dropna=False)
+        .agg(runs=("id", "count"))
         .reset_index()
     )
     blocks: list[Table | Chart] = [
         Table("Report", facts),
         Table("What was run", what),
-        Table("Where it ran", where, note="devices: GPUs, or CPU cores, on the machine"),
+        Table("Where it ran", where),
     ]
     if failed:
         cols = ["id", "started_at", "kind", "mode", "sweep", "status", "failed_rank", "error", "log_dir"]
@@ -148,7 +149,13 @@ def header(data: ReportData) -> Section:
                 {"started (UTC)": lambda t: f"{t:%Y-%m-%d %H:%M}", "failed_rank": _int},
             )
         )
-    return Section("header", "tpbench report: DDP vs TP vs SP vs VP", blocks=blocks)
+    intro = (
+        f"Mixed hardware: these runs ran on {len(kinds)} kinds of machine ({'; '.join(kinds)}). Each setting "
+        f"below names its hardware, and figures are compared within one setting only."
+        if mixed
+        else ""
+    )
+    return Section("header", "tpbench report: DDP vs TP vs SP vs VP", intro, blocks)
 
 
 # -- memory ------------------------------------------------------------------------------------------
@@ -321,7 +328,8 @@ def throughput_section(data: ReportData) -> Section:
         "Switches: parallel.overlap (backward collectives behind compute), train.fused_optimizer. "
         "Communication: the time of one step's collectives, the part the ranks waited on (exposed, "
         "the busiest rank) and the fraction hidden behind compute (the least-hidden rank). The first "
-        "step (compiling included under train.compile) is apart from the median.",
+        "step (compiling included under train.compile) is apart from the median. Timed by CUDA events "
+        "on NCCL, by the host's wall clock elsewhere.",
     )
     runs = throughput(data)
     if runs.empty:
@@ -347,6 +355,7 @@ def throughput_section(data: ReportData) -> Section:
             "comm hidden": ("comm_hidden_fraction", units.percent),
             "executed FLOPs / step": ("flops_per_step", units.flops),
             "MFU": ("mfu", units.percent),
+            "timed by": ("timing_cuda_events", _timed_by),
         }
         section.blocks.append(_pick(f"Throughput: {setting}", group, columns))
     return section
@@ -526,6 +535,11 @@ def _pick(title: str, frame: pd.DataFrame, columns: dict[str, tuple[str, Formatt
 
 def _int(value: object) -> str:
     return units.DASH if value is None or pd.isna(value) else f"{int(value)}"
+
+
+def _timed_by(value: object) -> str:
+    """The metric timing_cuda_events: how a throughput run took its times (tpbench.parallel.timing)."""
+    return units.DASH if value is None or pd.isna(value) else "CUDA events" if value else "wall clock"
 
 
 def _mode_key(mode: str) -> tuple[int, str]:

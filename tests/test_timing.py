@@ -1,0 +1,304 @@
+"""The CUDA-event timing of collectives and steps (tpbench.parallel.timing) without a GPU: a fake GPU
+of simulated streams stands in for torch.cuda, and fake NCCL works for the collectives, launched
+through comm's own `_launch` as tpbench launches them. The fake is NCCL as the timing must take it: a
+collective runs on a stream of its own after the compute stream reached its launch; its Work's future
+is complete at once (a done callback runs at the launch, on the host); `Future.wait()` and `Work.wait()`
+only make the current stream wait for the collective's end; an event can be read only once a
+synchronisation has followed its record, as CUDA's `elapsed_time` refuses an event still pending.
+The wall clock path on gloo is checked by real ranks (tests/test_parallel.py, async timing)."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+import torch
+
+from tpbench.parallel import comm, timing
+
+MS = 1e-3
+
+
+class FakeStream:
+    def __init__(self, name: str, now: float = 0.0) -> None:
+        self.name, self.now = name, now
+
+
+class FakeEvent:
+    def __init__(self, gpu: FakeGPU) -> None:
+        self.gpu, self.t, self.order = gpu, None, None
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        stream = stream or self.gpu.current
+        self.t, self.order = stream.now, self.gpu.records
+        self.gpu.records += 1
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        self.gpu.reads += 1
+        if self.order is None or end.order is None or max(self.order, end.order) >= self.gpu.completed:
+            raise RuntimeError("Both events must be completed before calculating elapsed time.")
+        return (end.t - self.t) * 1e3
+
+
+class FakeGPU:
+    """The event source: a compute stream, one NCCL stream, and the timer's own streams."""
+
+    def __init__(self) -> None:
+        self.compute = FakeStream("compute")
+        self.nccl = FakeStream("nccl")
+        self.current = self.compute
+        self.records = 0  # events recorded so far
+        self.completed = 0  # events recorded before the last synchronize
+        self.synchronizes = 0
+        self.reads = 0  # elapsed_time calls
+        self.streams: list[FakeStream] = []
+
+    # the EventSource
+    def event(self) -> FakeEvent:
+        return FakeEvent(self)
+
+    def current_stream(self) -> FakeStream:
+        return self.current
+
+    def new_stream(self) -> FakeStream:
+        self.streams.append(FakeStream(f"timing{len(self.streams)}"))
+        return self.streams[-1]
+
+    @contextlib.contextmanager
+    def use(self, stream: FakeStream):
+        previous, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def synchronize(self) -> None:
+        self.synchronizes += 1
+        self.completed = self.records
+
+    # what the test does on the GPU
+    def run(self, seconds: float) -> None:
+        """Compute on the current stream."""
+        self.current.now += seconds
+
+    def collective(self, seconds: float) -> FakeWork:
+        """NCCL's launch: its stream waits for the current one to reach here, then runs the kernel."""
+        start = max(self.current.now, self.nccl.now)
+        self.nccl.now = start + seconds
+        return FakeWork(self, self.nccl.now)
+
+
+class FakeFuture:
+    def __init__(self, gpu: FakeGPU, end: float) -> None:
+        self.gpu, self.end = gpu, end
+
+    def done(self) -> bool:
+        return True  # NCCL: complete once the kernel is enqueued
+
+    def add_done_callback(self, callback) -> None:
+        callback(self)  # at once, on the host, long before the kernel ends
+
+    def wait(self):
+        self.gpu.current.now = max(self.gpu.current.now, self.end)
+        return [torch.zeros(1)]
+
+
+class FakeWork:
+    def __init__(self, gpu: FakeGPU, end: float, future: bool = True) -> None:
+        self.gpu, self.end, self.future = gpu, end, future
+
+    def get_future(self) -> FakeFuture:
+        if not self.future:
+            raise RuntimeError("this Work has no future")
+        return FakeFuture(self.gpu, self.end)
+
+    def wait(self) -> bool:
+        self.gpu.current.now = max(self.gpu.current.now, self.end)
+        return True
+
+
+@pytest.fixture
+def gpu() -> FakeGPU:
+    return FakeGPU()
+
+
+@pytest.fixture
+def counter(gpu):
+    counter = comm.CommCounter(timed=True, timer=timing.CudaEventTimer(gpu))
+    with comm.counting(counter):
+        yield counter
+
+
+def launch(gpu: FakeGPU, seconds: float, purpose: str, blocking: bool = False, future: bool = True):
+    def fn() -> FakeWork:
+        work = gpu.collective(seconds)
+        work.future = future
+        return work
+
+    x = torch.zeros(4)
+    return comm._launch("all_reduce", purpose, x, 16, None, fn, None, blocking)
+
+
+def times(counter: comm.CommCounter) -> dict[str, tuple[float, float]]:
+    return {r.purpose: (round(r.time_s / MS, 9), round(r.exposed_s / MS, 9)) for r in counter.rows()}
+
+
+def test_a_collective_behind_compute_is_timed_on_its_stream_and_hidden(gpu, counter):
+    """2 ms of collective under 5 ms of compute: its total is its 2 ms on NCCL's stream (not 0 ms, the
+    host time of the future's callback; not 5 ms, the launch to its wait), none of it exposed."""
+    gpu.run(1 * MS)
+    pending = launch(gpu, 2 * MS, "hidden")
+    gpu.run(5 * MS)
+    pending.wait()
+    assert times(counter) == {"hidden": (2.0, 0.0)}
+
+
+def test_the_part_of_a_collective_the_compute_stream_waited_on_is_exposed(gpu, counter):
+    pending = launch(gpu, 4 * MS, "partly")
+    gpu.run(1 * MS)
+    pending.wait()
+    assert times(counter) == {"partly": (4.0, 3.0)}
+    assert gpu.compute.now == pytest.approx(4 * MS)
+
+
+def test_a_blocking_collective_is_all_exposed(gpu, counter):
+    gpu.run(2 * MS)
+    launch(gpu, 3 * MS, "blocking", blocking=True).wait()
+    assert times(counter) == {"blocking": (3.0, 3.0)}
+
+
+def test_a_collective_queued_behind_another_counts_from_its_launch(gpu, counter):
+    """Launch to completion, as on gloo: B waits on NCCL's stream behind A."""
+    a = launch(gpu, 2 * MS, "a")
+    b = launch(gpu, 1 * MS, "b")
+    gpu.run(0.5 * MS)
+    a.wait()
+    b.wait()
+    assert times(counter) == {"a": (2.0, 1.5), "b": (3.0, 1.0)}
+
+
+def test_a_work_without_a_future_is_timed_from_its_wait(gpu, counter):
+    pending = launch(gpu, 4 * MS, "no_future", future=False)
+    gpu.run(1 * MS)
+    pending.wait()
+    assert times(counter) == {"no_future": (3.0, 3.0)}
+
+
+def test_nothing_synchronises_or_reads_an_event_inside_the_step(gpu, counter):
+    """Events are read once, after the step: one synchronisation, then every elapsed time. The fake
+    refuses to read an event no synchronisation followed, as CUDA does."""
+    for seconds in (1, 2, 3):
+        pending = launch(gpu, seconds * MS, f"c{seconds}")
+        gpu.run(1 * MS)
+        pending.wait()
+    launch(gpu, 1 * MS, "blocking", blocking=True).wait()
+    assert (gpu.synchronizes, gpu.reads) == (0, 0)
+    first = times(counter)
+    assert gpu.synchronizes == 1 and gpu.reads > 0
+    assert times(counter) == first and gpu.synchronizes == 1  # read once: not again, not added twice
+
+
+def test_a_group_has_a_timing_stream_of_its_own(gpu):
+    """Two groups' collectives end in their own order: one timing stream for both would hold the
+    end of the second group's short collective back behind the first's long one."""
+    timer, reported = timing.CudaEventTimer(gpu), {}
+    spans = {}
+    for group, seconds in (("tp", 5 * MS), ("dp", 1 * MS)):
+        gpu.nccl = FakeStream(f"nccl_{group}")  # NCCL: a stream per group
+        spans[group] = timer.start(
+            torch.zeros(1), group, False, lambda t, e, g=group: reported.update({g: t})
+        )
+        spans[group].launched(gpu.collective(seconds))
+    gpu.run(6 * MS)
+    for span in spans.values():
+        span.waiting()
+        span.waited()
+    timer.resolve()
+    assert reported == pytest.approx({"tp": 5 * MS, "dp": 1 * MS})
+    assert len(gpu.streams) == 2
+
+
+def test_hidden_fraction_stays_between_0_and_1(gpu, counter):
+    rng = random.Random(0)
+    for i in range(200):
+        blocking = rng.random() < 0.3
+        pending = launch(gpu, rng.uniform(0, 3) * MS, f"p{i % 7}", blocking=blocking)
+        gpu.run(rng.uniform(0, 3) * MS)
+        pending.wait()
+    rows = counter.rows()
+    assert all(0 <= r.exposed_s <= r.time_s for r in rows)
+    total, exposed = sum(r.time_s for r in rows), sum(r.exposed_s for r in rows)
+    assert 0 < 1 - exposed / total < 1
+
+
+def test_a_step_is_timed_between_events_on_the_compute_stream(gpu):
+    """The step's time is its compute stream's, read after the caller's synchronisation, which the
+    step itself never does."""
+    synced_inside: list[int] = []
+
+    def step() -> None:
+        gpu.run(7 * MS)
+        synced_inside.append(gpu.synchronizes)
+
+    seconds = timing.CudaEventSteps(gpu).time(step, gpu.synchronize)
+    assert seconds == pytest.approx(7 * MS)
+    assert synced_inside == [1] and gpu.synchronizes == 2  # one before the step, one after
+
+
+def test_cuda_events_on_nccl_only():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert timing.uses_cuda_events(cuda, "nccl")
+    assert not timing.uses_cuda_events(cuda, "gloo") and not timing.uses_cuda_events(cpu, "gloo")
+    assert isinstance(timing.collective_timer(cpu, "gloo"), timing.WallClockTimer)
+    assert isinstance(timing.step_clock(cpu, "gloo"), timing.WallClockSteps)
+    assert isinstance(comm.CommCounter(timed=True).timer, timing.WallClockTimer)
+
+
+class Clock:
+    """perf_counter on a clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class HostWork:
+    """gloo's Work: its future completes on the worker thread, when the test says."""
+
+    def __init__(self) -> None:
+        self.callbacks: list = []
+
+    def get_future(self) -> HostWork:
+        return self
+
+    def add_done_callback(self, callback) -> None:
+        self.callbacks.append(callback)
+
+    def finish(self) -> None:
+        for callback in self.callbacks:
+            callback(self)
+
+
+@pytest.mark.parametrize(
+    ("done", "wait", "returned", "expected"),
+    [
+        (2, 6, 6.1, (2, 0.1)),  # done before the wait: launch to done, hidden but for the wait itself
+        (4, 1, 4, (4, 3)),  # done during the wait: its part after the wait began is exposed
+        (2, 1, 10, (10, 9)),  # woken 8 ms after done: to the wait's return, never more exposed than total
+    ],
+)
+def test_the_wall_clock_times_from_launch_to_done_or_to_the_wait(monkeypatch, done, wait, returned, expected):
+    clock, reported = Clock(), []
+    monkeypatch.setattr(timing.time, "perf_counter", clock)
+    span = timing.WallClockTimer().start(torch.zeros(1), None, False, lambda t, e: reported.append((t, e)))
+    work = HostWork()
+    span.launched(work)
+    events = sorted([(done, work.finish), (wait, span.waiting), (returned, span.waited)], key=lambda e: e[0])
+    for at, call in events:
+        clock.now = at * MS
+        call()
+    ((total, exposed),) = reported
+    assert (round(total / MS, 9), round(exposed / MS, 9)) == expected

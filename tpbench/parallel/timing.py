@@ -1,0 +1,302 @@
+"""How a timed training step's collectives, and the steps themselves, are timed: one interface, two
+implementations, picked by `uses_cuda_events(device, backend)`.
+
+Wall clock (gloo, every backend but NCCL): `WallClockTimer` and `WallClockSteps`, the host's
+perf_counter.
+  total     launch to completion: from just before the launch to the moment the backend finished it,
+            which gloo tells by completing the Work's future on its worker thread (the future's done
+            callback), if that came before the wait; if the caller was waiting by then, to the return
+            of the wait (waking the caller is part of it: measured here under load, a wait returned
+            8 ms after the callback, 9 times the collective, and DDP's hidden fraction read -7.9). A
+            blocking collective: to the return of its wait.
+  exposed   the time the caller spent in wait() (settling included), at most total; a blocking
+            collective: all of it.
+            A Work without a future (gloo's reduce_scatter_tensor, an all-reduce inside) is timed from
+            its wait: total = exposed, never hidden.
+  step      barrier to barrier: the slowest rank's.
+  Limits: CUDA tensors on such a backend (gloo with launch.device=cuda) are timed with the device
+  synchronised before each launch and after each wait, which serialises the step.
+
+CUDA events (NCCL): `CudaEventTimer` and `CudaEventSteps`. NCCL runs a collective on a stream of its
+own, N: at the launch N waits on the compute stream C (an event NCCL records there), and `wait()` makes
+C wait on N's end; neither blocks the host. The Work's future is complete as soon as the kernel is
+enqueued, so the host time of its callback says nothing of when the collective ended. Per collective:
+  launch    an event on C just before the launch: N cannot start the collective before C gets there;
+  end       an event on a timing stream of the collective's group, after that stream waited on the
+            Work's future (`Future.wait()` orders the current stream after the collective's kernels
+            and returns at once): it fires when N has finished the collective;
+  before, after   events on C just before and just after `wait()` (async collectives).
+  total     launch -> end: from C reaching the launch to N's end, the kernel's wait for its peers and
+            any earlier collective of the group still on N included (launch to completion, as on gloo).
+  exposed   before -> after: how long C stalled at the wait, at most total (it starts after the launch
+            and ends with N's end; only event latency could pass it, and is clamped), so
+            comm_hidden_fraction lies in [0, 1]. A blocking collective: all of its total.
+  step      an event on C before the step's first op and one after its last: each rank's own time
+            (the caller takes the slowest rank's).
+  Every event is read once, after the step: `resolve()` synchronises the device once and takes the
+  elapsed times; nothing inside a timed step synchronises.
+  Limits: exposed is an upper bound of what the collective cost the step where C was itself idle
+  before the wait (a host behind the GPU: the stall then took the place of idle time, not of compute).
+  Collectives in flight together overlap in time, so their totals can add up to more than the step.
+  NCCL's own timing (TORCH_NCCL_ENABLE_TIMING=1, `Work._get_duration()`) measures from N's start of
+  the kernel, after its wait on C; it needs each Work kept until after the step, and with it every
+  tensor the Work holds, so it serves only as a cross-check (scripts/cuda_timing_check.py).
+
+The event source is injectable (`EventSource`): tests drive `CudaEventTimer` with a fake GPU clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+Report = Callable[[float, float], None]  # (total seconds, exposed seconds) of one collective
+WALL_CLOCK, CUDA_EVENTS = "wall_clock", "cuda_events"
+
+
+def uses_cuda_events(device: torch.device, backend: str) -> bool:
+    """Whether a run on `device` over `backend` times with CUDA events (else with the wall clock)."""
+    return device.type == "cuda" and backend == "nccl"
+
+
+class Span(Protocol):
+    """One collective being timed: told when it was launched and when its wait begins and ends."""
+
+    def launched(self, work) -> None: ...
+
+    def waiting(self) -> None: ...
+
+    def waited(self) -> None: ...
+
+
+class CollectiveTimer(Protocol):
+    method: str  # WALL_CLOCK or CUDA_EVENTS
+
+    def start(self, x: torch.Tensor, group: object, blocking: bool, report: Report) -> Span:
+        """Called just before the collective on `x` is launched on `group`; `report` is handed its
+        times once they are known (at its wait on the wall clock, at `resolve()` with events)."""
+        ...
+
+    def resolve(self) -> None:
+        """After the step: report the times still unread."""
+        ...
+
+
+class StepClock(Protocol):
+    method: str
+
+    def time(self, step: Callable[[], object], sync: Callable[[], None]) -> float:
+        """Seconds of one call of `step`; `sync` (synchronise and barrier) is called before and after."""
+        ...
+
+
+# --- wall clock --------------------------------------------------------------------------------
+
+
+class WallClockTimer:
+    method = WALL_CLOCK
+
+    def start(self, x: torch.Tensor, group: object, blocking: bool, report: Report) -> Span:
+        return _WallClockSpan(x.device if x.is_cuda else None, blocking, report)
+
+    def resolve(self) -> None:
+        pass  # every time was reported at its wait
+
+
+class _WallClockSpan:
+    def __init__(self, cuda: torch.device | None, blocking: bool, report: Report) -> None:
+        self.cuda, self.blocking, self.report = cuda, blocking, report
+        if cuda is not None:
+            torch.cuda.synchronize(cuda)
+        self.begin = time.perf_counter()
+        self.done: list[float] = []  # when the backend finished, were it before the wait
+
+    def launched(self, work) -> None:
+        if self.blocking:
+            return
+        try:
+            future = work.get_future()
+        except RuntimeError:  # gloo's reduce_scatter_tensor (an all-reduce inside) has no future
+            future = None
+        if future is not None:
+            future.add_done_callback(lambda _: self.done.append(time.perf_counter()))
+        else:  # no finishing time: counted as all exposed, never as hidden
+            self.done.append(math.inf)
+
+    def waiting(self) -> None:
+        self.waiting_at = time.perf_counter()
+
+    def waited(self) -> None:
+        if self.cuda is not None:
+            torch.cuda.synchronize(self.cuda)
+        end = time.perf_counter()
+        if self.done and self.done[0] == math.inf:
+            total = end - self.waiting_at
+        elif self.blocking or not self.done or self.done[0] > self.waiting_at:
+            total = end - self.begin  # a collective that ended during its wait: to the wait's return
+        else:
+            total = self.done[0] - self.begin
+        self.report(total, total if self.blocking else min(end - self.waiting_at, total))
+
+
+class WallClockSteps:
+    method = WALL_CLOCK
+
+    def time(self, step: Callable[[], object], sync: Callable[[], None]) -> float:
+        """Seconds of one `step` from barrier to barrier (`sync`): the slowest rank's."""
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        return time.perf_counter() - start
+
+
+# --- CUDA events -------------------------------------------------------------------------------
+
+
+class Event(Protocol):
+    def record(self, stream=None) -> None: ...
+
+    def elapsed_time(self, end: Event) -> float: ...  # milliseconds
+
+
+class EventSource(Protocol):
+    """The GPU as the event timers see it: the current device's events and streams."""
+
+    def event(self) -> Event: ...
+
+    def current_stream(self) -> object: ...
+
+    def new_stream(self) -> object: ...
+
+    def use(self, stream: object) -> contextlib.AbstractContextManager: ...
+
+    def synchronize(self) -> None: ...
+
+
+class CudaEvents:
+    """The real source: torch.cuda on the current device."""
+
+    def event(self) -> Event:
+        return torch.cuda.Event(enable_timing=True)
+
+    def current_stream(self) -> object:
+        return torch.cuda.current_stream()
+
+    def new_stream(self) -> object:
+        return torch.cuda.Stream()
+
+    def use(self, stream: object) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+
+def _seconds(start: Event, end: Event) -> float:
+    return start.elapsed_time(end) / 1e3
+
+
+class CudaEventTimer:
+    method = CUDA_EVENTS
+
+    def __init__(self, source: EventSource | None = None) -> None:
+        self.source = source or CudaEvents()
+        self._streams: dict[int, object] = {}  # id(group) -> its timing stream
+        self._groups: list[object] = []  # the groups keyed, kept alive so that no id is reused
+        self._waited: list[_EventSpan] = []
+
+    def start(self, x: torch.Tensor, group: object, blocking: bool, report: Report) -> Span:
+        return _EventSpan(self, group, blocking, report)
+
+    def timing_stream(self, group: object) -> object:
+        """One per group: NCCL runs a group's collectives in order on one stream, so the ends of its
+        collectives come in that order on this one too (one stream for all groups would hold an end
+        back behind another group's later one)."""
+        if id(group) not in self._streams:
+            self._streams[id(group)] = self.source.new_stream()
+            self._groups.append(group)
+        return self._streams[id(group)]
+
+    def waited(self, span: _EventSpan) -> None:
+        self._waited.append(span)
+
+    def resolve(self) -> None:
+        if not self._waited:
+            return
+        self.source.synchronize()  # once, after the step: every event recorded has happened
+        spans, self._waited = self._waited, []
+        for span in spans:
+            span.resolve()
+
+
+class _EventSpan:
+    def __init__(self, timer: CudaEventTimer, group: object, blocking: bool, report: Report) -> None:
+        self.timer, self.group, self.blocking, self.report = timer, group, blocking, report
+        source = timer.source
+        self.launch = source.event()
+        self.launch.record(source.current_stream())
+        self.end: Event | None = None  # None: a Work without a future, timed from its wait
+
+    def launched(self, work) -> None:
+        try:
+            future = work.get_future()
+        except RuntimeError:
+            return
+        source = self.timer.source
+        stream = self.timer.timing_stream(self.group)
+        self.end = source.event()
+        with source.use(stream):
+            future.wait()  # this stream waits on the collective's; the host does not
+            self.end.record(stream)
+
+    def waiting(self) -> None:
+        if not self.blocking:
+            self.before = self.timer.source.event()
+            self.before.record(self.timer.source.current_stream())
+
+    def waited(self) -> None:
+        source = self.timer.source
+        self.after = source.event()
+        self.after.record(source.current_stream())
+        self.timer.waited(self)
+
+    def resolve(self) -> None:
+        if self.end is None:  # no end of its own: from its wait (a blocking one: from its launch)
+            total = _seconds(self.launch if self.blocking else self.before, self.after)
+            self.report(total, total)
+            return
+        total = _seconds(self.launch, self.end)
+        stalled = total if self.blocking else _seconds(self.before, self.after)
+        self.report(total, min(max(stalled, 0.0), total))
+
+
+class CudaEventSteps:
+    method = CUDA_EVENTS
+
+    def __init__(self, source: EventSource | None = None) -> None:
+        self.source = source or CudaEvents()
+
+    def time(self, step: Callable[[], object], sync: Callable[[], None]) -> float:
+        """Seconds of one `step` on this rank's compute stream, from before its first op to after its
+        last; read after `sync` (the caller's synchronise and barrier), outside the step."""
+        sync()
+        start, end = self.source.event(), self.source.event()
+        start.record(self.source.current_stream())
+        step()
+        end.record(self.source.current_stream())
+        sync()
+        return _seconds(start, end)
+
+
+def collective_timer(device: torch.device, backend: str) -> CollectiveTimer:
+    return CudaEventTimer() if uses_cuda_events(device, backend) else WallClockTimer()
+
+
+def step_clock(device: torch.device, backend: str) -> StepClock:
+    return CudaEventSteps() if uses_cuda_events(device, backend) else WallClockSteps()
