@@ -169,3 +169,25 @@ def test_each_switch_has_the_parameters_of_its_family():
     names = {n for n, _ in pair("qwen2", False)[1].named_parameters()}
     assert not any("q_norm" in n or "k_norm" in n for n in names)
     assert {n.split(".")[-2] for n in names if n.endswith("bias")} == {"q_proj", "k_proj", "v_proj"}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_config_loader_reads_each_family_into_the_same_model(name, tmp_path):
+    """tpbench.hf_config (model.hf_config=PATH) on the family's config.json gives the model that
+    matches transformers' (its logits within 1e-5), the fields this file sets by hand included."""
+    import dataclasses
+
+    from tpbench.hf_config import model_fields
+
+    hf, _ = pair(name, False)
+    hf.config.to_json_file(tmp_path / "config.json")
+    fields = model_fields(str(tmp_path / "config.json"))
+    known = {f.name for f in dataclasses.fields(MiniMindConfig)}
+    loaded = MiniMindConfig(**{k: v for k, v in fields.items() if k in known}, flash_attn=False)
+    model = MiniMindForCausalLM(loaded)
+    model.load_state_dict(hf.state_dict(), strict=True)
+    ids, labels = batch()
+    assert (model(ids, labels)[0] - hf(input_ids=ids, labels=labels).logits).abs().max().item() <= TOL
+    _, hand_written, ours = FAMILIES[name]
+    for key, value in ours.items():
+        assert getattr(loaded, key) == value, key
