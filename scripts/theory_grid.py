@@ -1,9 +1,10 @@
 """The analytic model against the fake-tensor emulation of one rank, over a grid wider than the test
-configs: 7 modes x fp32 / bf16 / mixed x S 4, 8, 16 x 5 model variants (tests/test_theory.py's SMALL
+configs: 7 modes x fp32 / bf16 / mixed x S 4, 8, 16 x 8 model variants (tests/test_theory.py's SMALL
 model: H 64, L 2, heads 8/4, I 256, V 512, micro-batch 2; as is, V 256, untied, MiniMind's own ops,
-selective recompute), where few tokens beside the weights move the peak to the weight gradients'
-moments. Prints each config whose peak is not predicted to the byte, then the count. In-process,
-no launcher (about a minute). Run: .venv/bin/python scripts/theory_grid.py"""
+selective recompute, and the families Llama, Qwen2.5 and Qwen3 of tests/torchrun_checks.py), where
+few tokens beside the weights move the peak to the weight gradients' moments. Prints each config whose
+peak is not predicted to the byte, then the count. In-process, no launcher (about two minutes).
+Run: .venv/bin/python scripts/theory_grid.py"""
 
 import dataclasses
 import itertools
@@ -13,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from test_theory import SMALL  # noqa: E402
-from torchrun_checks import run_config  # noqa: E402
+from torchrun_checks import FAMILIES, run_config  # noqa: E402
 
 from tpbench import theory  # noqa: E402
 from tpbench.compose import check  # noqa: E402
@@ -35,6 +36,7 @@ VARIANTS = {
     "untied": ["model.tie_word_embeddings=false"],
     "seed_ops": ["model.fused_swiglu=false", "model.lean_rmsnorm=false"],
     "selective": ["train.recompute=selective"],
+    **FAMILIES,  # Llama, Qwen2.5 (biases, head_dim 16), Qwen3 (head_dim 16)
 }
 
 

@@ -105,6 +105,21 @@ BAD_INPUT = {
     "zero intermediate": (["model.intermediate_size=0"], "model.intermediate_size=0: accepted"),
     "zero ranks per node": (["launch.nproc_per_node=0"], "launch.nproc_per_node=0: accepted"),
     "odd head dim": (["hidden=72"], "odd head dim"),
+    # the families' switches
+    "odd given head dim": (["model.head_dim=15"], "model.head_dim=15 is odd"),
+    "zero head dim": (["model.head_dim=0"], "model.head_dim=0: accepted are integers >= 1"),
+    "H not a head multiple": (
+        ["hidden=68"],
+        "model.hidden_size=68 is not divisible by model.num_attention_heads=8",
+    ),
+    "zero rope scaling": (
+        ["model.rope_scaling_factor=0"],
+        "model.rope_scaling_factor=0.0: accepted are finite",
+    ),
+    "rope bands crossed": (
+        ["model.rope_scaling_factor=8", "model.rope_low_freq_factor=4", "model.rope_high_freq_factor=1"],
+        "model.rope_high_freq_factor=1.0 with model.rope_low_freq_factor=4.0: ",
+    ),
     "dp hang without dp": (["+fault=hang_in_dp_group"], "fault=hang_in_dp_group needs parallel.dp >= 2"),
     "kv hang without replicas": (["+fault=hang_in_kv_group"], "needs parallel.tp > model.num_key_value"),
     "unknown sp gather": (["parallel.sp_gather=rows"], "parallel.sp_gather='rows': accepted are 'region'"),

@@ -27,6 +27,15 @@ CONFIGS = {
     "tp_sp_linear": ["mode=tp_sp_linear", "tp=4", "kv_heads=2"],  # SP gathering in each column linear
     "tp_sp_vp": ["tp=4", "sp=true", "vp=true"],
     "tp_vp_bf16": ["tp=2", "vp=true", "dtype=bfloat16", "model.tie_word_embeddings=false"],
+    # Qwen2.5: q, k, v biases cut with their weights (each KV head's on 2 ranks), no q/k norms, D 16
+    "qwen25_tp_sp_gqa": [
+        "tp=4",
+        "sp=true",
+        "kv_heads=2",
+        "model.qk_norm=false",
+        "model.attention_bias=true",
+        "model.head_dim=16",
+    ],
 }
 runner = CliRunner()
 
@@ -169,6 +178,22 @@ def test_shards_in_both_views_and_the_kv_heads_each_rank_shares(drawn):
     assert re.search(r"∑ gradient summed by #\d+ over TP \{0,1,2,3\} \(qk_norm\)", qn)
     norm = box_text(svg, node_of(tr, "model.layers.0.input_layernorm"))
     assert "out [S, B, H] = [32, 2, 64]" in norm and "∑" not in norm  # TP: the stream is whole
+
+
+def test_a_column_bias_is_cut_with_its_weight_and_a_kv_bias_summed_with_its_replicas(drawn):
+    """Qwen2.5 at T 4 (heads 8/2, D 16): q's bias cut in 4 with q's rows; each KV head's bias on 2
+    ranks, its gradient summed with the KV weights' over each pair; no q/k norms to draw."""
+    tr, svg = drawn["qwen25_tp_sp_gqa"]
+    q = box_text(svg, node_of(tr, "model.layers.0.self_attn.q_proj"))
+    assert "column: bias [out] = [Nq·D] = [128], cut with its weight's rows" in q
+    assert "1 | b[32:64] [32] | bias[32:64]" in q
+    k = box_text(svg, node_of(tr, "model.layers.0.self_attn.k_proj"))
+    assert "kv_replicated: bias [out] = [Nkv·D] = [32], cut with its weight's rows" in k
+    assert "1 | b[0:16] [16] | bias[0:16]" in k and "2 | b[16:32] [16] | bias[16:32]" in k
+    assert (
+        len(re.findall(r"∑ gradient summed by #\d+ over ranks \{0,1\} and \{2,3\} \(kv_replicas\)", k)) == 2
+    )
+    assert not any(c.name.endswith(("q_norm", "k_norm")) for c in tr.ranks[0].calls)
 
 
 def test_sp_shrinks_the_stream_to_a_sequence_shard_and_sums_the_norms(drawn):

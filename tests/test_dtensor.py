@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from beside import beside
+from torchrun_checks import FAMILIES as PARALLEL_FAMILIES
 from torchrun_checks import TINY, TOL_FWD, TOL_GRAD, TOL_PARAM, B, H, L, S, run_config, torchrun
 
 from tpbench.experiments.validate import CHECKS as VALIDATE_CHECKS
@@ -32,6 +33,13 @@ PRECISIONS = {
     "mixed": ["train.dtype=bfloat16", "train.precision=mixed"],
 }
 IN_PRECISION = {f"{m}_{p}": [*o, *PRECISIONS[p]] for m, o in MODES.items() for p in PRECISIONS}
+# the families (tests/test_parallel.py FAMILIES): no q/k norms to place (Llama, Qwen2.5), q/k/v biases
+# cut with their weights by ColwiseParallel (Qwen2.5), head_dim 16 != H / heads (Qwen2.5, Qwen3)
+FAMILIES = {
+    f"dtensor_{family}_{mode}": [*overrides, *MODES[f"dtensor_{mode}"]]
+    for family, overrides in PARALLEL_FAMILIES.items()
+    for mode in ("tp", "tp_sp_vp")
+}
 BROKEN = {  # each gradient sum switched off: validation must fail
     "broken_qk_norm": ["parallel.tp=2", "debug.skip_grad_sum=[qk_norm]"],
     "broken_sp_norms": ["parallel.tp=2", "parallel.sp=true", "debug.skip_grad_sum=[sp_norms]"],
@@ -72,7 +80,7 @@ def _main(out: str) -> None:
 
     dist.init_process_group("gloo")
     results: dict[str, dict] = {}
-    for name, overrides in (MODES | IN_PRECISION | BROKEN).items():
+    for name, overrides in (MODES | IN_PRECISION | FAMILIES | BROKEN).items():
         results[name] = {"metrics": _validate(overrides)}
     ctx = context(run_config(TINY))
     for name, overrides in MODES.items():
@@ -92,7 +100,7 @@ def measured(folder: Path) -> dict:
     return torchrun(Path(__file__), 2, folder / "dtensor.json")
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [*MODES, *FAMILIES])
 def test_every_dtensor_mode_equals_dense(measured, mode):
     m = measured[mode]["metrics"]
     assert m["fwd_logits_max_abs"] <= TOL_FWD

@@ -10,7 +10,7 @@ import pytest
 import torch
 from beside import beside
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torchrun_checks import run_config, torchrun
+from torchrun_checks import FAMILIES, run_config, torchrun
 
 from tpbench import allocator, emulation, theory
 from tpbench.allocator import CachingAllocator, replay
@@ -45,6 +45,9 @@ MODES = {
         "model.num_key_value_heads=1",
     ],
     "t4_dtensor_tp_sp": ["parallel.tp=4", "parallel.engine=dtensor", "parallel.sp=true"],
+    # the families: Qwen2.5's biases with its 2 KV heads replicated at T 4; Llama without q/k norms
+    "t4_qwen25_tp_sp_vp": ["parallel.tp=4", "parallel.sp=true", "parallel.vp=true", *FAMILIES["qwen25"]],
+    "t2_llama_tp_vp": [*DP2, "parallel.vp=true", *FAMILIES["llama"]],
 }
 
 
@@ -77,7 +80,7 @@ def test_real_tensors_give_every_rank_of_the_job_byte_for_byte(real_job, name):
         assert emulated["comm"] == measured["comm"], f"rank {rank}"
 
 
-@pytest.mark.parametrize("name", ["t2_tp_sp_vp", "t4_tp_vp", "t4_tp_sp_vp_kv1"])
+@pytest.mark.parametrize("name", ["t2_tp_sp_vp", "t4_tp_vp", "t4_tp_sp_vp_kv1", "t4_qwen25_tp_sp_vp"])
 def test_fake_tensors_give_the_same_bytes(real_job, name):
     rank = emulation.busiest_rank(run_config([*SMALL, *MODES[name]]))
     emulated = emulate(name, "fake", None)

@@ -8,7 +8,20 @@ from pathlib import Path
 import pytest
 from beside import beside
 from conftest import FAST, Workdir
-from torchrun_checks import TINY, TOL_FWD, TOL_GRAD, TOL_PARAM, B, D, H, L, S, torchrun
+from torchrun_checks import (
+    FAMILIES,
+    LLAMA31_ROPE,
+    TINY,
+    TOL_FWD,
+    TOL_GRAD,
+    TOL_PARAM,
+    B,
+    D,
+    H,
+    L,
+    S,
+    torchrun,
+)
 
 from tpbench.experiments.validate import CHECKS as VALIDATE_CHECKS
 from tpbench.experiments.validate import K
@@ -120,6 +133,18 @@ VALIDATE_T2 |= {
     ],
 }
 
+FAMILY_MODES = {"tp": [], "tp_sp": ["parallel.sp=true"], "tp_vp": ["parallel.vp=true"]}
+FAMILY_MODES["tp_sp_vp"] = FAMILY_MODES["tp_sp"] + FAMILY_MODES["tp_vp"]
+VALIDATE_T2 |= {
+    f"{family}_{mode}": ["parallel.tp=2", *overrides, *FAMILY_MODES[mode]]
+    for family, overrides in FAMILIES.items()
+    for mode in FAMILY_MODES
+    if family == "qwen25" or mode in ("tp", "tp_sp_vp")
+}
+VALIDATE_T2["llama31_tp_sp_vp"] = [*VALIDATE_T2["llama_tp_sp_vp"], *LLAMA31_ROPE]
+# parallel.overlap with q, k, v biases: each bias gradient deferred with its weight's
+VALIDATE_T2["qwen25_tp_sp_vp_overlap"] = [*VALIDATE_T2["qwen25_tp_sp_vp"], *OVERLAP]
+
 # --- world 4: T = 4, DP x TP, T = 1 with DP, GQA replication, and each gradient sum switched off ---
 
 VALIDATE_W4 = {
@@ -171,6 +196,13 @@ VALIDATE_W4 = {
     ],
     "broken_sp_norms": ["parallel.tp=4", "parallel.sp=true", "debug.skip_grad_sum=[sp_norms]"],
     "broken_dp": ["parallel.tp=2", "parallel.dp=2", "debug.skip_grad_sum=[dp]"],
+}
+
+
+VALIDATE_W4 |= {
+    f"t4_{family}_{mode}": ["parallel.tp=4", *overrides, *FAMILY_MODES[mode]]
+    for family, overrides in FAMILIES.items()
+    for mode in FAMILY_MODES
 }
 
 
@@ -260,7 +292,7 @@ def test_overlap_hides_each_collective_behind_compute(units):
 
 def test_checkpoint_round_trip_is_bit_exact(units):
     ck = units["checkpoints"]
-    for case in ("tp", "kv_replicated", "vp_padded_untied"):
+    for case in ("tp", "kv_replicated", "vp_padded_untied", "qwen25_kv_replicated", "qwen3_sp_vp"):
         assert ck[f"{case}_same_names"] == 1.0
         assert ck[f"{case}_shapes_equal"] == 1.0  # padded vocab rows are dropped
         assert ck[f"{case}_max_abs"] == 0.0
@@ -356,15 +388,24 @@ def test_semantics_cover_every_layout(validated):
     seen = set(validated["t4_tp"]["semantics"]) | set(validated["t4_tp_sp_vp"]["semantics"])
     assert {"column", "row", "replicated", "replicated_sum", "vocab"} <= seen
     assert "kv_replicated" in validated["t4_kv1"]["semantics"]
+    assert "kv_replicated" in validated["t4_qwen25_tp"]["semantics"]  # its k/v biases with the weights
 
 
 # --- collectives per training step: what the math gives ---------------------------------------
 
 
 def expected_comm(
-    t: int, sp: bool, vp: bool, regather: bool = True, dp: int = 1, params: int = 0, per_linear: bool = False
+    t: int,
+    sp: bool,
+    vp: bool,
+    regather: bool = True,
+    dp: int = 1,
+    params: int = 0,
+    per_linear: bool = False,
+    head_norms: int = D,
 ) -> dict:
-    """(op, purpose) -> (count, per-rank ring bytes) for one step of the tiny fp32 model."""
+    """(op, purpose) -> (count, per-rank ring bytes) for one step of the tiny fp32 model;
+    `head_norms`: the width of its q/k norms (the head dim; 0: model.qk_norm off)."""
     act = S * B * H * 4  # one [S, B, H] fp32 tensor
     ring_ar, ring_ag = 2 * (t - 1) / t, (t - 1) / t
     out: dict[tuple[str, str], tuple[int, int]] = {}
@@ -384,30 +425,37 @@ def expected_comm(
             out[("all_gather", "regather")] = (n_re, round(n_re * act * ring_ag))
     if vp:
         out[("all_reduce", "loss")] = (3, round(3 * S * B * 4 * ring_ar))
-    sums = 2 * L * D + ((2 * L + 1) * H if sp else 0)  # q/k norms, and the SP norms
-    out[("all_reduce", "grad_sum")] = (1, round(sums * 4 * ring_ar))
+    sums = 2 * L * head_norms + ((2 * L + 1) * H if sp else 0)  # q/k norms, and the SP norms
+    if sums:
+        out[("all_reduce", "grad_sum")] = (1, round(sums * 4 * ring_ar))
     return out
 
 
 @pytest.mark.parametrize(
-    "name,t,sp,vp,regather,per_linear",
+    "name,t,sp,vp,regather,per_linear,head_norms",
     [
-        ("tp", 2, False, False, True, False),
-        ("tp_sp", 2, True, False, True, False),
-        ("tp_sp_keep_full", 2, True, False, False, False),
-        ("tp_sp_linear", 2, True, False, True, True),
-        ("tp_sp_linear_keep_full", 2, True, False, False, True),
-        ("tp_vp", 2, False, True, True, False),
-        ("tp_sp_vp", 2, True, True, True, False),
-        ("t4_tp", 4, False, False, True, False),
-        ("t4_tp_sp", 4, True, False, True, False),
-        ("t4_tp_vp", 4, False, True, True, False),
-        ("t4_tp_sp_vp", 4, True, True, True, False),
+        ("tp", 2, False, False, True, False, D),
+        ("tp_sp", 2, True, False, True, False, D),
+        ("tp_sp_keep_full", 2, True, False, False, False, D),
+        ("tp_sp_linear", 2, True, False, True, True, D),
+        ("tp_sp_linear_keep_full", 2, True, False, False, True, D),
+        ("tp_vp", 2, False, True, True, False, D),
+        ("tp_sp_vp", 2, True, True, True, False, D),
+        ("t4_tp", 4, False, False, True, False, D),
+        ("t4_tp_sp", 4, True, False, True, False, D),
+        ("t4_tp_vp", 4, False, True, True, False, D),
+        ("t4_tp_sp_vp", 4, True, True, True, False, D),
+        # the families: no q/k norms (Llama, Qwen2.5: no grad_sum at all without SP), Qwen3's of 16
+        ("llama_tp", 2, False, False, True, False, 0),
+        ("llama_tp_sp_vp", 2, True, True, True, False, 0),
+        ("qwen25_tp_sp", 2, True, False, True, False, 0),
+        ("qwen3_tp", 2, False, False, True, False, 16),
+        ("t4_qwen3_tp_sp_vp", 4, True, True, True, False, 16),
     ],
 )
-def test_collectives_per_step_match_the_math(validated, name, t, sp, vp, regather, per_linear):
+def test_collectives_per_step_match_the_math(validated, name, t, sp, vp, regather, per_linear, head_norms):
     counted = {(op, purpose): (n, b) for op, purpose, n, b in validated[name]["comm"]}
-    assert counted == expected_comm(t, sp, vp, regather, per_linear=per_linear)
+    assert counted == expected_comm(t, sp, vp, regather, per_linear=per_linear, head_norms=head_norms)
 
 
 def test_sp_moves_the_same_bytes_as_tp_inside_the_blocks(validated):
@@ -441,6 +489,7 @@ OVERLAPPED = {  # overlap config -> the same config without overlap
     "t4_tp_sp_vp_overlap": "t4_tp_sp_vp",
     "dp2_tp2_overlap": "dp2_tp2",
     "dp2_tp2_sp_vp_overlap": "dp2_tp2_sp_vp",
+    "qwen25_tp_sp_vp_overlap": "qwen25_tp_sp_vp",
 }
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torchrun_checks import TINY, run_config, torchrun
+from torchrun_checks import FAMILIES, TINY, run_config, torchrun
 
 from tpbench import theory
 from tpbench.models.minimind import RMSNorm, swiglu
@@ -19,6 +19,8 @@ MODES = {
     "tp_sp": ["parallel.tp=2", "parallel.sp=true"],
     "tp_vp": ["parallel.tp=2", "parallel.vp=true"],
     "tp_sp_vp": ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true"],
+    # Qwen2.5: q, k, v biases, head_dim 16 (q and o Nq D = 2 H wide), no q/k norms
+    "qwen25_tp_sp_vp": ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true", *FAMILIES["qwen25"]],
 }
 SETTINGS = ("none", "selective", "full")
 BASE = [*TINY, "validate.steps=2", "validate.every=1", "train.warmup=0"]

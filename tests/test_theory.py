@@ -10,7 +10,7 @@ import pytest
 import torch
 from beside import beside
 from torch.utils.flop_counter import FlopCounterMode
-from torchrun_checks import run_config, torchrun
+from torchrun_checks import FAMILIES, run_config, torchrun
 from typer.testing import CliRunner
 
 from tpbench import theory
@@ -185,6 +185,42 @@ CHECKS = {
 }
 
 
+# the families (tests/test_families.py): Llama (no q/k norms, untied, KV heads 2), Qwen2.5 (q, k, v
+# biases, head_dim 16 != H / heads, no q/k norms), Qwen3 (q/k norms over head_dim 16)
+LLAMA, QWEN25, QWEN3 = FAMILIES["llama"], FAMILIES["qwen25"], FAMILIES["qwen3"]
+MIXED = "train.precision=mixed"
+DDP4 = [*DDP, "parallel.dp=4"]
+CHECKS |= {
+    "llama_dp2_tp_sp_vp": [*DP2, SP, VP, *LLAMA],
+    "llama_t4_tp_sp_vp_mixed": ["parallel.tp=4", SP, VP, MIXED, *LLAMA],
+    "llama_t4_tp_fp32_manual": ["parallel.tp=4", "train.dtype=float32", "model.flash_attn=false", *LLAMA],
+    "qwen25_dp2_tp_sp_vp": [*DP2, SP, VP, *QWEN25],
+    # T 4 with 2 KV heads: each KV head and its biases on 2 ranks, their gradients summed
+    "qwen25_t4_tp_sp_vp_mixed": ["parallel.tp=4", SP, VP, MIXED, *QWEN25],
+    "qwen25_t4_tp_fp32_manual_selective": [
+        "parallel.tp=4",
+        "train.dtype=float32",
+        "model.flash_attn=false",
+        "train.recompute=selective",
+        *QWEN25,
+    ],
+    "qwen25_ddp_dp4_mixed": [*DDP4, MIXED, *QWEN25],
+    # the biases' bf16 casts, held by autocast's cache to the forward's end: a dense loss's forward
+    "qwen25_ddp_dp4_s16_mixed_selective": [
+        *DDP4,
+        "train.seq_len=16",
+        MIXED,
+        "train.recompute=selective",
+        *QWEN25,
+    ],
+    "qwen25_dp2_tp_mixed_full": [*DP2, MIXED, "train.recompute=full", *QWEN25],
+    # q/k norms over heads twice as wide as H / heads: q_norm's backward the peak
+    "qwen3_t4_tp_sp_vp_selective": ["parallel.tp=4", SP, VP, "train.recompute=selective", *QWEN3],
+    "qwen3_dp2_tp_sp_vp_mixed": [*DP2, SP, VP, MIXED, *QWEN3],
+    "qwen3_t4_tp_full": ["parallel.tp=4", "train.recompute=full", *QWEN3],
+}
+
+
 def odd_shapes(n: int, seed: int = 12) -> dict[str, list[str]]:
     """n seeded random configs of odd shapes (world 4), each one compose would accept."""
     from tpbench.compose import check
@@ -277,9 +313,10 @@ def test_the_peak_moments_are_the_ones_measured(measured):
     post-attention norm's and k_norm's backward; an untied embedding under the fused AdamW, which makes
     no temporaries: the embedding's backward; few tokens: AdamW's loop, down_proj's backward and, mixed,
     its weight gradient's or the head's cast to fp32; mixed with recompute, a dense loss's forward
-    beside the forward-only weight casts), so the test above checks each moment, not only the loss.
-    (The vocab-parallel loss's backward, the top MLP's at gate_proj and q_norm's are derived the same
-    way; no config here peaks there, nor at down_proj's moments under TP.)"""
+    beside the forward-only weight casts; Qwen3's head_dim 16: q_norm's backward), so the test above
+    checks each moment, not only the loss. (The vocab-parallel loss's backward and the top MLP's at
+    gate_proj are derived the same way; no config here peaks there, nor at down_proj's moments under
+    TP.)"""
     names = {theory.predict(config(n)).peak.name for n in CHECKS}
     assert names == {
         "loss",
@@ -288,6 +325,7 @@ def test_the_peak_moments_are_the_ones_measured(measured):
         "swiglu backward",
         "post-attention norm backward",
         "k_norm backward",
+        "q_norm backward",
         "recomputed block 0",
         "recomputed attention 0",
         "attention forward",
@@ -319,11 +357,14 @@ def test_layer_coefficient_of_the_docstring(lean):
     assert math.isclose((expected - small) / (d.N * d.H), 38.0 if lean else 59.0, abs_tol=0.05)
 
 
+@pytest.mark.parametrize("family", ["minimind", "qwen25", "qwen3"])
 @pytest.mark.parametrize("flash", [False, True])
-def test_counted_flops_equal_the_model_flops_on_cpu(flash):
+def test_counted_flops_equal_the_model_flops_on_cpu(flash, family):
     """Attention included: torch's FlopCounterMode has no formula for the CPU SDPA kernel and counts
-    the matmuls only (the SDPA case then falls short by the attention's 2 x 2 S H per token and layer)."""
+    the matmuls only (the SDPA case then falls short by the attention's 2 x 2 S Nq D per token and
+    layer). Qwen's head_dim 16 makes q and o Nq D = 2 H wide; biases add no matmul."""
     overrides = ["parallel.tp=1", "train.seq_len=32", "train.micro_batch=3", f"model.flash_attn={flash}"]
+    overrides += {"minimind": [], "qwen25": QWEN25, "qwen3": QWEN3}[family]
     cfg = run_config(overrides)
     model = build_dense(cfg)
     ids = torch.randint(cfg.model.vocab_size, (3, 32), generator=torch.Generator().manual_seed(0))
@@ -333,11 +374,14 @@ def test_counted_flops_equal_the_model_flops_on_cpu(flash):
             _, loss = model(ids, ids)
             loss.backward()
         counts.append(counter.get_total_flops())
-    assert counts[0] == pytest.approx(theory.model_flops_per_step(cfg), rel=0.01)
+    d = theory.dims(cfg)
+    # SDPA's backward counts 5 matmuls of 2 B S^2 Nq D, the flash kernel recomputing the scores: one
+    # more than the model's 2 x forward
+    recomputed_scores = 2 * d.B * d.S * d.S * d.Nq * d.D * d.L if flash else 0
+    assert counts[0] == theory.model_flops_per_step(cfg) + recomputed_scores
     if flash:  # what torch alone counts on CPU: no attention. Torch's SDPA formulas count 2 matmuls of
-        # 2 B S^2 H forward and 5 backward (the flash kernel recomputes the scores)
-        d = theory.dims(cfg)
-        assert counts[0] - counts[1] == (2 + 5) * (2 * d.B * d.S * d.S * d.H) * d.L
+        # 2 B S^2 Nq D forward and 5 backward (the flash kernel recomputes the scores)
+        assert counts[0] - counts[1] == (2 + 5) * (2 * d.B * d.S * d.S * d.Nq * d.D) * d.L
 
 
 FLOP_CHECKS = {

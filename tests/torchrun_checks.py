@@ -44,6 +44,26 @@ from tpbench.parallel.plan import parallelize, plan_layouts, shard_state_dict
 TINY = ["model.flash_attn=false", "validate.steps=6", "validate.every=3"]
 S, B, H, L, D = 32, 2, 64, 2, 8  # its shapes, for the collective arithmetic
 TOL_FWD, TOL_GRAD, TOL_PARAM = 1e-5, 1e-5, 1e-3  # the validation tolerances of the core issue
+# the families (tests/test_families.py proves each dense model is transformers' own): Llama (no q/k
+# norms, untied, theta 1e4), Qwen2.5 (q, k, v biases, head_dim 16 != H / heads 8), Qwen3 (q/k norms,
+# head_dim 16); N_kv 2: KV heads (and their biases) sharded at T 2, replicated at T 4
+FAMILIES = {
+    "llama": [
+        "model.qk_norm=false",
+        "model.rope_theta=10000",
+        "model.rms_norm_eps=1e-5",
+        "model.tie_word_embeddings=false",
+        "model.num_key_value_heads=2",
+    ],
+    "qwen25": [
+        "model.qk_norm=false",
+        "model.attention_bias=true",
+        "model.head_dim=16",
+        "model.num_key_value_heads=2",
+    ],
+    "qwen3": ["model.head_dim=16"],
+}
+LLAMA31_ROPE = ["model.rope_scaling_factor=8", "model.rope_original_max_position_embeddings=16"]
 
 
 def torchrun(script: Path, nproc: int, out: Path, *args: str, checks: dict | None = None) -> dict:
@@ -179,6 +199,15 @@ def check_checkpoints(ctx: ParallelContext) -> dict[str, float]:
         "vp_padded_untied": (
             MiniMindConfig(64, 2, 8, 4, 255, tie_word_embeddings=False),
             ParallelConfig(tp=ctx.tp, vp=True, sp=True, vocab_pad_multiple=4),
+        ),
+        # Qwen2.5: q, k, v biases, one KV head replicated on every rank (its bias with it), head_dim 16
+        "qwen25_kv_replicated": (
+            MiniMindConfig(64, 2, 8, 1, 256, qk_norm=False, attention_bias=True, head_dim=16),
+            ParallelConfig(tp=ctx.tp),
+        ),
+        "qwen3_sp_vp": (
+            MiniMindConfig(64, 2, 8, 4, 256, head_dim=16),
+            ParallelConfig(tp=ctx.tp, sp=True, vp=True),
         ),
     }
     for name, (mcfg, pcfg) in cases.items():

@@ -95,6 +95,7 @@ AT_LEAST_ONE = (
     "validate.every",
     "launch.max_parallel",
     "launch.slurm.cpus_per_rank",
+    "model.rope_original_max_position_embeddings",
 )
 AT_LEAST_ZERO = (
     "train.warmup",
@@ -110,6 +111,9 @@ POSITIVE = (
     "launch.max_result_mb",
     "model.rope_theta",
     "model.rms_norm_eps",
+    "model.rope_scaling_factor",
+    "model.rope_low_freq_factor",
+    "model.rope_high_freq_factor",
     "parallel.ddp_bucket_mb",
     "validate.lr",
 )
@@ -189,7 +193,12 @@ def check(cfg: RunConfig) -> None:
     for key in ("launch.collective_timeout_s", "launch.job_timeout_s"):
         if _get(cfg, key) > MAX_SECONDS:
             raise ConfigError(f"{key}={_get(cfg, key)}: accepted are seconds up to {MAX_SECONDS:g}")
-    for key in ("model.intermediate_size", "launch.nproc_per_node", "parallel.vocab_pad_multiple"):
+    for key in (
+        "model.intermediate_size",
+        "model.head_dim",
+        "launch.nproc_per_node",
+        "parallel.vocab_pad_multiple",
+    ):
         if _get(cfg, key) is not None and _get(cfg, key) < 1:
             raise ConfigError(f"{key}={_get(cfg, key)}: accepted are integers >= 1")
     _check_precision(cfg)

@@ -123,6 +123,9 @@ class Dims:
     per_linear: bool = False  # SP's all-gather in each column linear (parallel.sp_gather=linear)
     fused_adam: bool = False  # train.fused_optimizer: AdamW's fused kernel
     keep_output: bool = False  # the logits and the final hidden states live to the step's end
+    head_dim: int | None = None  # model.head_dim; None: H / Nq
+    qk_norm: bool = True  # q/k RMSNorms over each head (model.qk_norm); off: none, nor their sums
+    bias: bool = False  # q, k, v biases (model.attention_bias), sharded with their weights
 
     @property
     def s(self) -> int:
@@ -132,7 +135,7 @@ class Dims:
 
     @property
     def D(self) -> int:
-        return self.H // self.Nq
+        return self.H // self.Nq if self.head_dim is None else self.head_dim
 
     @property
     def N(self) -> int:
@@ -227,6 +230,9 @@ def dims(cfg: RunConfig) -> Dims:
         per_linear=par.sp and T > 1 and par.sp_gather == "linear",
         fused_adam=t.fused_optimizer,
         keep_output=t.keep_output,
+        head_dim=m.head_dim,
+        qk_norm=m.qk_norm,
+        bias=m.attention_bias,
     )
 
 
@@ -234,15 +240,18 @@ def dims(cfg: RunConfig) -> Dims:
 
 
 def layer_params(d: Dims) -> list[tuple[str, int]]:
-    """(name, elements on this rank) of one block, in module order."""
+    """(name, elements on this rank) of one block, in module order: a linear's weight under the
+    linear's name, its bias (model.attention_bias: q, k, v) as `name.bias` after it."""
     H, D = d.H, d.D
-    return [
-        ("self_attn.q_proj", d.Hq * H),
-        ("self_attn.k_proj", d.Hkv * H),
-        ("self_attn.v_proj", d.Hkv * H),
-        ("self_attn.o_proj", H * d.Hq),
-        ("self_attn.q_norm", D),
-        ("self_attn.k_norm", D),
+    out = []
+    for name, width in (("q_proj", d.Hq), ("k_proj", d.Hkv), ("v_proj", d.Hkv)):
+        out.append((f"self_attn.{name}", width * H))
+        if d.bias:
+            out.append((f"self_attn.{name}.bias", width))
+    out.append(("self_attn.o_proj", H * d.Hq))
+    if d.qk_norm:
+        out += [("self_attn.q_norm", D), ("self_attn.k_norm", D)]
+    return out + [
         ("mlp.gate_proj", d.I_l * H),
         ("mlp.up_proj", d.I_l * H),
         ("mlp.down_proj", H * d.I_l),
@@ -265,7 +274,8 @@ def params(d: Dims) -> list[tuple[str, int]]:
 def grad_ready_order(d: Dims) -> list[tuple[str, int]]:
     """The order in which backward finishes the gradients (DDP rebuilds its buckets in it): the head,
     the final norm, then each block from the last, MLP before attention, and the (tied) embedding
-    last, since its gradient is complete only after the embedding's own backward."""
+    last, since its gradient is complete only after the embedding's own backward. A linear's bias
+    is ready before its weight (the weight's gradient goes through the transpose's backward first)."""
     by_name = dict(params(d))
     order = ([] if d.tied else ["lm_head"]) + ["model.norm"]
     block = [
@@ -274,17 +284,20 @@ def grad_ready_order(d: Dims) -> list[tuple[str, int]]:
         "mlp.gate_proj",
         "post_attention_layernorm",
         "self_attn.o_proj",
+        "self_attn.v_proj.bias",
         "self_attn.v_proj",
         "self_attn.k_norm",
+        "self_attn.k_proj.bias",
         "self_attn.k_proj",
         "self_attn.q_norm",
+        "self_attn.q_proj.bias",
         "self_attn.q_proj",
         "input_layernorm",
     ]
     for i in reversed(range(d.L)):
         order += [f"model.layers.{i}.{name}" for name in block]
     order.append("model.embed_tokens")
-    return [(name, by_name[name]) for name in order]
+    return [(name, by_name[name]) for name in order if name in by_name]
 
 
 def ddp_buckets(d: Dims, cap_bytes: int, rebuilt: bool = True) -> list[int]:
@@ -345,8 +358,8 @@ def layer_activations(d: Dims) -> dict[str, int]:
     terms = {
         "input_layernorm": rmsnorm,
         "attention input": attn_input,
-        "q_norm": head_norm(d.Hq, d.Nq_l),
-        "k_norm": head_norm(d.Hkv, d.Nkv_l),
+        "q_norm": head_norm(d.Hq, d.Nq_l) if d.qk_norm else 0,
+        "k_norm": head_norm(d.Hkv, d.Nkv_l) if d.qk_norm else 0,
         "rope tables": 4 * S * d.D * p if p != FP32 else 0,  # cos, sin cast to p, for q and for k
         "q, k, v": p * N * (d.Hq + k_width + v_width),
         "attention core": core,
@@ -361,8 +374,8 @@ def layer_activations(d: Dims) -> dict[str, int]:
 
 
 def block_linears(d: Dims) -> int:
-    """Elements of one block's linear weights on this rank."""
-    return sum(n for name, n in layer_params(d) if not name.endswith("norm"))
+    """Elements of one block's linear weights on this rank (their biases left out)."""
+    return sum(n for name, n in layer_params(d) if not name.endswith(("norm", ".bias")))
 
 
 def forward_only_casts(d: Dims) -> int:
@@ -373,6 +386,12 @@ def forward_only_casts(d: Dims) -> int:
         return 0
     per_layer = block_linears(d) if d.recompute == "full" else d.H * d.I_l
     return d.L * d.p * per_layer
+
+
+def bias_casts(d: Dims) -> int:
+    """Mixed precision with q/k/v biases: their bf16 casts, which autocast's cache holds until the
+    forward ends (no backward saves a bias: its gradient is the output gradient's sum)."""
+    return d.L * d.p * (d.Hq + 2 * d.Hkv) if d.mixed and d.bias else 0
 
 
 def kv_widths(d: Dims) -> tuple[int, int]:
@@ -489,7 +508,7 @@ def moments(d: Dims) -> list[Moment]:
     kept = acts["batch"] + acts["rope tables"] + FP32
 
     loss_act, loss_temp = loss_extra(d)
-    casts = forward_only_casts(d)  # autocast's cache holds them to the forward's end
+    casts = forward_only_casts(d) + bias_casts(d)  # autocast's cache holds them to the forward's end
     if d.vp and not d.logits_mean:  # the vocab-parallel loss: its forward (casts held), its backward
         back_act, back_temp = loss_backward(d)
         out = [
@@ -519,7 +538,8 @@ def moments(d: Dims) -> list[Moment]:
         out += down_backward(d, acts, P, O, buckets, G > 0)
         out.append(swiglu_backward(d, acts, P, O, buckets, G > 0))
         out.append(post_attention_norm_backward(d, acts, P, O, buckets, G > 0))
-        out += [head_norm_backward(d, acts, P, O, buckets, G > 0, name) for name in ("k_norm", "q_norm")]
+        if d.qk_norm:
+            out += [head_norm_backward(d, acts, P, O, buckets, G > 0, n) for n in ("k_norm", "q_norm")]
         out.append(mlp_backward(d, acts, P, O, buckets, G > 0))
     if not d.flash and d.recompute != "full":
         out.append(attention_forward(d, acts, P, O, buckets))
@@ -636,7 +656,8 @@ def top_block_grads(d: Dims, done: tuple[str, ...] | list[str], buckets: int, ow
     """Gradient bytes once the top block's `done` parameters have run their backward: theirs, the final
     norm's and an untied head's (a tied head's waits, as a temporary, for the embedding's share),
     beside DDP's buckets."""
-    grads = d.H + sum(n for name, n in layer_params(d) if name in done) + (0 if d.tied else d.V_l * d.H)
+    done_params = sum(n for name, n in layer_params(d) if name.removesuffix(".bias") in done)
+    grads = d.H + done_params + (0 if d.tied else d.V_l * d.H)
     return buckets + (grads * d.w if own_grads else 0)
 
 
@@ -719,34 +740,37 @@ def head_norm_backward(
     """The top block's k_norm or q_norm backward, at pow's backward (as the final norm's, 5 fp32
     temporaries of its input's shape beside its fp32 input, which a lean norm has made again: a sixth
     unless the input is fp32). Autograd runs the attention's branches latest-made first: both RoPEs,
-    v_proj (its input gradient waits, [N, H], beside SP's re-gathered input), then k_norm and k_proj,
-    then q_norm and q_proj. The block's MLP, post-attention norm, o_proj, attention core, RoPE tables
-    and v_proj have run their backward and freed what they saved; the norms keep their inputs until
-    theirs. At k_norm's, q_norm's incoming gradient waits; at q_norm's, k's input gradient has been
-    summed into v's."""
+    v_proj (its input gradient waits, [N, H], beside SP's re-gathered input), then k_norm, q_norm, and
+    only then k_proj and q_proj. The block's MLP, post-attention norm, o_proj, attention core, RoPE
+    tables and v_proj have run their backward and freed what they saved; the norms keep their inputs
+    until theirs. At k_norm's, q_norm's incoming gradient waits; at q_norm's, k_norm's result, the
+    gradient of k_proj's output [N, Hkv], waits for k_proj (measured at head_dim 16, where q_norm's is
+    the peak: k_proj's weight gradient not made yet)."""
     layer = layer_activations(d)
     width = d.Hkv if norm == "k_norm" else d.Hq
     freed = sum(layer[k] for k in ("post_attention_layernorm", "mlp input", "swiglu", "attention core"))
     freed += layer["q, k, v"] + layer["rope tables"]
     done = ["self_attn.o_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
     done += ["post_attention_layernorm", f"self_attn.{norm}"]  # its weight's gradient precedes pow's
-    if norm == "q_norm":  # k_norm and k_proj have run theirs
+    if norm == "q_norm":  # k_norm has run its backward, k_proj not yet
         freed += layer["k_norm"]
-        done += ["self_attn.k_norm", "self_attn.k_proj"]
+        done += ["self_attn.k_norm"]
     if d.mixed:  # the weight casts of the linears that ran their backward
         pending = ("self_attn.q_proj", "self_attn.k_proj")
         freed += layer["weight casts"] - d.p * sum(
             n for name, n in layer_params(d) if name in pending and name not in done
         )
     own_input = (d.mixed and not d.cast_once) or (d.per_linear and not d.block_regather)
-    if own_input:  # each linear's own copy of the input: v's (and k's) freed
-        freed += (1 if norm == "k_norm" else 2) * d.p * d.N * d.H
+    if own_input:  # each linear's own copy of the input: v's freed
+        freed += d.p * d.N * d.H
     if not d.lean_rmsnorm:  # the running norm's normed result and rsqrt are freed
         freed += FP32 * d.N * width + FP32 * d.N * width // d.D
     norm_temps = (6 if d.lean_rmsnorm and d.p != FP32 else 5) * FP32 * d.N * width
     temps = norm_temps + d.s * d.Ns * d.H + d.p * d.N * d.H  # stream's and the attention input's gradients
     if norm == "k_norm":
         temps += d.p * d.N * d.Hq  # q_norm's incoming gradient
+    else:
+        temps += d.p * d.N * d.Hkv  # k_norm's result gradient, k_proj's to take
     if d.sp and d.block_regather and not d.per_linear:
         temps += d.p * d.N * d.H  # the re-gathered attention input
     temps += d.V_l * d.H * d.w if d.tied else 0
@@ -787,7 +811,7 @@ def attention_forward(d: Dims, acts: dict[str, int], P: int, optim: int, buckets
         later += d.p * sum(n for name, n in layer_params(d) if name.startswith(("mlp.", "self_attn.o_proj")))
     gathered = d.p * d.N * d.H if d.sp and d.block_regather and not d.per_linear else 0
     temps = d.p * scores + FP32 * scores + FP32 * d.S * d.S + gathered
-    activations = after_head(acts) - later + FP32 * scores
+    activations = after_head(acts) - later + FP32 * scores + bias_casts(d)
     return Moment("attention forward", P, buckets, optim, activations + temps, 0)
 
 
@@ -881,13 +905,13 @@ def comm_rows(cfg: RunConfig) -> list[CommRow]:
     if d.vp and not d.logits_mean:  # the loss: max, target logit, sum of exp, [S, B] fp32 each
         add("all_reduce", "loss", N * FP32, T, 3)
     if T > 1:
-        tp_sums = (2 * L * d.D if "qk_norm" not in skip else 0) + (
+        tp_sums = (2 * L * d.D if d.qk_norm and "qk_norm" not in skip else 0) + (
             (2 * L + 1) * H if d.sp and "sp_norms" not in skip else 0
         )  # q/k norm weights (each rank saw its heads), SP norms (each rank saw its tokens)
         if tp_sums:
             add("all_reduce", "grad_sum", tp_sums * d.w, T)
         if d.Nkv % T and "kv_replicas" not in skip:  # ranks sharing one KV head sum k/v grads
-            add("all_reduce", "grad_sum", 2 * L * d.D * H * d.w, T // d.Nkv)
+            add("all_reduce", "grad_sum", 2 * L * d.D * (H + d.bias) * d.w, T // d.Nkv)
     if "dp" not in skip:
         add("all_reduce", "dp_grad", sum(n for _, n in params(d)) * d.w, d.dp)
     return _sorted(rows)
@@ -906,8 +930,8 @@ def model_flops_per_step(cfg: RunConfig) -> float:
     formula count them; a causal kernel does about half). Independent of tp: the model's FLOPs."""
     d = dims(cfg)
     H, I, V, S = d.H, d.I, d.V, d.S  # noqa: E741
-    kv = d.Nkv * d.D
-    per_token_layer = 2 * (2 * H * H + 2 * H * kv + 3 * H * I) + 2 * 2 * S * H  # weights; QK^T, PV
+    q, kv = d.Nq * d.D, d.Nkv * d.D
+    per_token_layer = 2 * (2 * H * q + 2 * H * kv + 3 * H * I) + 2 * 2 * S * q  # weights; QK^T, PV
     per_token = d.L * per_token_layer + 2 * H * V  # + the LM head
     return 3.0 * per_token * S * d.B * d.dp
 

@@ -30,6 +30,9 @@ LINEAR_KINDS = ("Linear", "ColumnParallelLinear", "RowParallelLinear")
 # The dense shape of each MiniMind weight, by name suffix, as (symbol, dims-key) pairs
 DENSE = {
     "q_proj.weight": ("Nq·D", "H"),
+    "q_proj.bias": ("Nq·D",),
+    "k_proj.bias": ("Nkv·D",),
+    "v_proj.bias": ("Nkv·D",),
     "k_proj.weight": ("Nkv·D", "H"),
     "v_proj.weight": ("Nkv·D", "H"),
     "o_proj.weight": ("H", "Nq·D"),
@@ -196,6 +199,14 @@ class _Mode:
         if shard.dim is None:
             whole = f"every rank: the whole weight {dense[0]}"
             rows.append([f"{whole}  ({shard.semantics})"])
+        elif linear and shard.name.endswith(".bias"):  # a column bias: cut with its weight's rows
+            rows.append([f"{shard.semantics}: bias [out] = {dense[0]}, cut with its weight's rows"])
+            rows.append(["rank", "b (math view)", "bias (nn view)"])
+            for r in self.tr.ranks:
+                s = next(s for c in r.calls for s in c.shards if s.name == shard.name)
+                rows.append(
+                    [str(r.rank), f"b[{s.start}:{s.stop}] {_shape(s.shape)}", f"bias[{s.start}:{s.stop}]"]
+                )
         else:
             cut = "rows" if shard.dim == 0 else "columns"
             weight = "weight [out, in]" if linear else "weight (a lookup table)"

@@ -1,8 +1,11 @@
-"""Dense MiniMind: a small Qwen3-style decoder, in plain PyTorch.
+"""Dense MiniMind: a small Qwen3-style decoder, in plain PyTorch, with the switches that make it Llama,
+Qwen2.5 or Qwen3 (qk_norm, head_dim, attention_bias, Llama-3.1's RoPE scaling).
 
 Follows jingyaogong/minimind `model/model_minimind.py` (parameter names included, so a MiniMind state
-dict loads as it is). Batch-first at the edges ([B, S] ids in, [B, S, V] logits out); inside, the hidden
-stream is sequence-first [S, B, H] so that sequence parallelism splits dim 0 without transposes.
+dict loads as it is; they are also transformers' names for LlamaForCausalLM, Qwen2ForCausalLM and
+Qwen3ForCausalLM, whose outputs tests/test_families.py matches). Batch-first at the edges ([B, S] ids
+in, [B, S, V] logits out); inside, the hidden stream is sequence-first [S, B, H] so that sequence
+parallelism splits dim 0 without transposes.
 
 This file knows nothing of parallelism: tpbench.parallel.plan shards it by swapping layers in.
 Shapes in comments: S sequence, B batch, H hidden, N heads, D head dim, V vocab.
@@ -35,6 +38,13 @@ class MiniMindConfig:
     dropout: float = 0.0
     hidden_act: str = "silu"
     tie_word_embeddings: bool = True
+    qk_norm: bool = True  # RMSNorm of each query and key head before RoPE (Qwen3, MiniMind)
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    attention_bias: bool = False  # q, k, v with biases (Qwen2.5); o_proj never has one
+    rope_scaling_factor: float = 1.0  # Llama-3.1's rope_scaling (rope_type llama3); 1.0: none
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
     flash_attn: bool = True
     fused_swiglu: bool = True  # keep gate and up only; False: MiniMind's silu and mul, as autograd saves
     lean_rmsnorm: bool = True  # RMSNorm keeps its input only; False: its fp32 internals, as autograd saves
@@ -42,10 +52,25 @@ class MiniMindConfig:
     def __post_init__(self) -> None:
         if self.intermediate_size is None:
             self.intermediate_size = default_intermediate_size(self.hidden_size)
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def rope_frequencies(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[D/2] inverse frequencies of RoPE, scaled as Llama-3.1 scales them (transformers'
+        rope_type llama3) when rope_scaling_factor != 1: long wavelengths divided by the factor,
+        short ones kept, those between blended."""
+        d = self.head_dim
+        freqs = 1.0 / (self.rope_theta ** (torch.arange(0, d // 2 * 2, 2, device=device).float() / d))
+        if self.rope_scaling_factor == 1.0:
+            return freqs
+        factor, low, high = self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor
+        context = self.rope_original_max_position_embeddings
+        wavelen = 2 * math.pi / freqs
+        scaled = torch.where(wavelen > context / low, freqs / factor, freqs)
+        smooth = (context / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= context / high) & (wavelen <= context / low)
+        return torch.where(medium, blended, scaled)
 
 
 def default_intermediate_size(hidden_size: int) -> int:
@@ -81,11 +106,11 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(
-    head_dim: int, seq_len: int, theta: float, device: torch.device | str = "cpu"
+    cfg: MiniMindConfig, seq_len: int, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [S, D]: the frequency table concatenated twice (rotate-half form), made on
     `device` (no copy from the host)."""
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim // 2 * 2, 2, device=device).float() / head_dim))
+    freqs = cfg.rope_frequencies(device)  # [D/2]
     angles = torch.outer(torch.arange(seq_len, device=device).float(), freqs)  # [S, D/2]
     emb = torch.cat([angles, angles], dim=-1)  # [S, D]
     return emb.cos(), emb.sin()
@@ -119,19 +144,24 @@ class Attention(nn.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         self.head_dim = d
         self.flash = cfg.flash_attn
-        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.lean_rmsnorm)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.lean_rmsnorm)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=bias)  # weight [Nq D, H]
+        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=bias)  # weight [Nkv D, H]
+        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)  # weight [H, Nq D]
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # off (Llama, Qwen2.5): no such parameters at all
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.lean_rmsnorm)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.lean_rmsnorm)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         d = self.head_dim
         q = self.q_proj(x)  # [S, B, Nq D]; x may be SP's shard [S/T, B, H] that q_proj all-gathers
         s, b, _ = q.shape
-        q = self.q_norm(q.view(s, b, -1, d))  # [S, B, Nq, D]
-        k = self.k_norm(self.k_proj(x).view(s, b, -1, d))  # [S, B, Nkv, D]
+        q = q.view(s, b, -1, d)  # [S, B, Nq, D]
+        k = self.k_proj(x).view(s, b, -1, d)  # [S, B, Nkv, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x).view(s, b, -1, d)  # [S, B, Nkv, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         n_rep = q.shape[2] // k.shape[2]
@@ -207,15 +237,14 @@ class MiniMindModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(MiniMindBlock(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.lean_rmsnorm)
-        self.head_dim = cfg.head_dim
-        self.rope_theta = cfg.rope_theta
+        self.config = cfg
         self.rope_cache: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [S, D] in fp32, built once per length and device, not on the CPU at every step."""
         key = (seq_len, device)
         if key not in self.rope_cache:
-            self.rope_cache[key] = rope_tables(self.head_dim, seq_len, self.rope_theta, device)
+            self.rope_cache[key] = rope_tables(self.config, seq_len, device)
         return self.rope_cache[key]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -262,7 +291,8 @@ class MiniMindForCausalLM(nn.Module):
 
 
 def build_model(cfg: MiniMindConfig, seed: int = 0) -> MiniMindForCausalLM:
-    """The dense model, initialised from one seed (normal(0, 0.02) linears and embeddings)."""
+    """The dense model, initialised from one seed (normal(0, 0.02) linears, their biases (not zero, so
+    that a misplaced bias shows in the first forward) and embeddings)."""
     gen = torch.Generator().manual_seed(seed)
     model = MiniMindForCausalLM(cfg)
     for name, p in model.named_parameters():

@@ -15,15 +15,26 @@ def check_shardable(cfg: RunConfig) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.tp < 1 or p.dp < 1:
         raise ConfigError(f"parallel.tp={p.tp}, parallel.dp={p.dp}: both must be >= 1")
-    if m.hidden_size % m.num_attention_heads:
+    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by "
-            f"model.num_attention_heads={m.num_attention_heads}: accepted are multiples of the head count"
+            f"model.num_attention_heads={m.num_attention_heads}: accepted are multiples of the head count, "
+            f"or model.head_dim given"
         )
-    if (m.hidden_size // m.num_attention_heads) % 2:
+    if m.head_dim is None and (m.hidden_size // m.num_attention_heads) % 2:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} / model.num_attention_heads={m.num_attention_heads} is an "
             f"odd head dim, which RoPE's rotate-half cannot split: accepted are even head dims"
+        )
+    if m.head_dim is not None and m.head_dim % 2:
+        raise ConfigError(
+            f"model.head_dim={m.head_dim} is odd, which RoPE's rotate-half cannot split: accepted are even "
+            f"head dims"
+        )
+    if m.rope_scaling_factor != 1.0 and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        raise ConfigError(
+            f"model.rope_high_freq_factor={m.rope_high_freq_factor} with model.rope_low_freq_factor="
+            f"{m.rope_low_freq_factor}: Llama-3.1's RoPE scaling needs high > low"
         )
     if m.num_attention_heads % m.num_key_value_heads:
         raise ConfigError(

@@ -71,8 +71,10 @@ GRAD_SUMS = ("qk_norm", "sp_norms", "dp")  # what `skip_grad_sum` may switch off
 # --- the plan ----------------------------------------------------------------------------------
 
 
-def tp_plan(num_layers: int, sp: bool, vp: bool) -> dict[str, object]:
-    """{module path: ParallelStyle} for parallelize_module; sequence shards are Shard(0)."""
+def tp_plan(num_layers: int, sp: bool, vp: bool, qk_norm: bool = True) -> dict[str, object]:
+    """{module path: ParallelStyle} for parallelize_module; sequence shards are Shard(0). The q/k/v
+    biases (model.attention_bias) are ColwiseParallel's Shard(0), cut with their weights' heads;
+    model.qk_norm off: no q/k norms to place."""
     stream = Shard(0) if sp else Replicate()  # the residual stream between regions
     plan: dict[str, object] = {}
     if vp:  # embedding rows split over the vocab: partial sums all-reduced or reduce-scattered
@@ -102,7 +104,7 @@ def tp_plan(num_layers: int, sp: bool, vp: bool) -> dict[str, object]:
         for name in ("q_proj", "k_proj", "v_proj"):
             plan[p + f"self_attn.{name}"] = ColwiseParallel()  # -> local [S, B, N/T * D]
         plan[p + "self_attn.o_proj"] = RowwiseParallel(output_layouts=stream)
-        for name in ("q_norm", "k_norm"):  # [S, B, N/T, D]: this rank's heads, dim 2
+        for name in ("q_norm", "k_norm") if qk_norm else ():  # [S, B, N/T, D]: this rank's heads, dim 2
             plan[p + f"self_attn.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan[p + "mlp.gate_proj"] = ColwiseParallel()
         plan[p + "mlp.up_proj"] = ColwiseParallel()
@@ -128,7 +130,7 @@ def parallelize_dtensor(
         raise ValueError(f"skip_grad_sum={sorted(unknown)}: accepted are {', '.join(GRAD_SUMS)}")
     layouts = plan_layouts(cfg, ctx.tp, replace(pcfg, vocab_pad_multiple=1))
     if ctx.tp > 1:
-        plan = tp_plan(cfg.num_hidden_layers, pcfg.sp, pcfg.vp)
+        plan = tp_plan(cfg.num_hidden_layers, pcfg.sp, pcfg.vp, cfg.qk_norm)
         if "qk_norm" in skip_grad_sum:  # q/k norms as plain replicated weights: nothing sums their grads
             plan = {k: v for k, v in plan.items() if not k.endswith(("q_norm", "k_norm"))}
         parallelize_module(model, ctx.mesh["tp"], plan)

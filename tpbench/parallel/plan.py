@@ -84,7 +84,12 @@ def padded_vocab(vocab_size: int, tp: int, multiple: int = 1) -> int:
 
 
 def plan_layouts(cfg: MiniMindConfig, tp: int, pcfg: ParallelConfig) -> dict[str, Layout]:
-    """The layout of every parameter name of the dense model under this parallel config."""
+    """The layout of every parameter name of the dense model under this parallel config.
+
+    The q/k/v biases (model.attention_bias) are column parallel with their weights: cut with the
+    heads, a replicated KV head's bias replicated with it and its gradient summed over the replicas.
+    o_proj and down_proj have no bias (a row bias would be added once, after the reduction:
+    RowParallelLinear). With model.qk_norm off there are no q/k norms, so no gradient sum for them."""
     kv = cfg.num_key_value_heads
     kv_layout = (
         Layout("column", 0, tp) if kv % tp == 0 else Layout("kv_replicated", 0, kv, grad_sum="kv_replicas")
@@ -96,17 +101,19 @@ def plan_layouts(cfg: MiniMindConfig, tp: int, pcfg: ParallelConfig) -> dict[str
         else Layout("replicated")
     )
     layouts = {"model.embed_tokens.weight": vocab, "lm_head.weight": vocab, "model.norm.weight": norm}
+    column, head_norm = Layout("column", 0, tp), Layout("replicated_sum", grad_sum="qk_norm")
     for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}.self_attn."
+        attn = {p + "q_proj.weight": column, p + "k_proj.weight": kv_layout, p + "v_proj.weight": kv_layout}
+        if cfg.attention_bias:
+            attn |= {p + "q_proj.bias": column, p + "k_proj.bias": kv_layout, p + "v_proj.bias": kv_layout}
+        attn[p + "o_proj.weight"] = Layout("row", 1, tp)
+        if cfg.qk_norm:
+            attn |= {p + "q_norm.weight": head_norm, p + "k_norm.weight": head_norm}
         p = f"model.layers.{i}."
-        layouts |= {
-            p + "self_attn.q_proj.weight": Layout("column", 0, tp),
-            p + "self_attn.k_proj.weight": kv_layout,
-            p + "self_attn.v_proj.weight": kv_layout,
-            p + "self_attn.o_proj.weight": Layout("row", 1, tp),
-            p + "self_attn.q_norm.weight": Layout("replicated_sum", grad_sum="qk_norm"),
-            p + "self_attn.k_norm.weight": Layout("replicated_sum", grad_sum="qk_norm"),
-            p + "mlp.gate_proj.weight": Layout("column", 0, tp),
-            p + "mlp.up_proj.weight": Layout("column", 0, tp),
+        layouts |= attn | {
+            p + "mlp.gate_proj.weight": column,
+            p + "mlp.up_proj.weight": column,
             p + "mlp.down_proj.weight": Layout("row", 1, tp),
             p + "input_layernorm.weight": norm,
             p + "post_attention_layernorm.weight": norm,
@@ -310,7 +317,8 @@ def apply_compile(model: MiniMindForCausalLM, between_linears: bool = False) -> 
             block.compile(fullgraph=True)
             continue
         attn, mlp = block.self_attn, block.mlp
-        for norm in (block.input_layernorm, block.post_attention_layernorm, attn.q_norm, attn.k_norm):
+        head_norms = (attn.q_norm, attn.k_norm) if attn.qk_norm else ()
+        for norm in (block.input_layernorm, block.post_attention_layernorm, *head_norms):
             norm.compile(fullgraph=True)
         mlp.act = torch.compile(mlp.act, fullgraph=True)
 
