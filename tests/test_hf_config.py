@@ -145,6 +145,8 @@ REFUSED = [
     ("llama3_8b", {"cross_attention_layers": [3, 8]}, "cross_attention_layers=[3, 8] asks for cross-"),
     ("llama3_8b", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ("llama3_8b", {"mlp_bias": True}, "mlp_bias=True"),
+    ("llama3_8b", {"attention_bias": True}, "attention_bias=True"),  # o_proj's bias too
+    ("qwen3_0_6b", {"attention_bias": True}, "attention_bias=True"),
     ("llama3_8b", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
 ]
 

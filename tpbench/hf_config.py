@@ -90,6 +90,8 @@ def model_fields(path: str) -> dict[str, object]:
         ("dropout", getattr(config, "dropout", 0.0), 0.0),
         ("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0), 1.0),
     ]
+    if model_type != "qwen2":  # Llama's and Qwen3's attention_bias puts one on o_proj too: ours never has
+        refused.append(("attention_bias", bool(getattr(config, "attention_bias", False)), False))
     for key, value, accepted in refused:
         if value != accepted:
             raise ConfigError(f"model.hf_config={path}: {key}={value!r}; the dense model takes {accepted!r}")
@@ -108,7 +110,7 @@ def model_fields(path: str) -> dict[str, object]:
         "qk_norm": QK_NORM[model_type],
         # as the config states it; None: H / heads (a config.json without head_dim means that)
         "head_dim": get("head_dim") if "head_dim" in raw else None,
-        "attention_bias": True if model_type == "qwen2" else bool(getattr(config, "attention_bias", False)),
+        "attention_bias": model_type == "qwen2",  # Qwen2: q, k and v with biases, o_proj without
         **_rope(path, config, model_type),
     }
     if model_type == "minimind":
