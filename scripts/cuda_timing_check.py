@@ -4,7 +4,7 @@
 
 A one-rank NCCL group runs an all-gather into a tensor of its own as a copy on NCCL's stream (1 GiB: about
 0.5 ms, long beside the host's few microseconds between two launches),
-launched through comm's `_launch` as tpbench launches collectives, under a counter timed by
+launched through collectives' `_launch` as tpbench launches collectives, under a counter timed by
 CudaEventTimer. Between a launch and its wait, the compute stream runs `torch.cuda._sleep`: one
 spinning block, which leaves the SMs to the copy. NCCL's own timing of each collective
 (TORCH_NCCL_ENABLE_TIMING=1, `Work._get_duration()`) is the reference, or where this torch has none
@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tpbench.parallel import comm, timing
+from tpbench.parallel import collectives, instrumentation, timing
 
 os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")  # before the group is made
 
@@ -68,18 +68,18 @@ def check() -> int:
             works[purpose] = dist.all_gather_into_tensor(out, x, group, async_op=True)
             return works[purpose]
 
-        pending = comm._launch("all_gather", purpose, x, x.numel() * 4, group, fn, out, blocking)
+        pending = collectives._launch("all_gather", purpose, x, x.numel() * 4, group, fn, out, blocking)
         if compute_ms:
             torch.cuda._sleep(int(compute_ms * cycles))
         pending.wait()
 
     gather("warm-up", True, 0)  # NCCL's first collective sets up its communicator
     torch.cuda.synchronize()
-    counter = comm.CommCounter(timed=True, timer=timing.collective_timer(x.device, "nccl"))
+    counter = instrumentation.CommCounter(timed=True, timer=timing.collective_timer(x.device, "nccl"))
     syncs, synchronize = [], torch.cuda.synchronize
     torch.cuda.synchronize = lambda *a, **k: (syncs.append(1), synchronize(*a, **k))[1]
     try:
-        with comm.counting(counter):
+        with instrumentation.counting(counter):
             gather("blocking", True, 0)
             gather("hidden", False, 5.0)
             gather("at_once", False, 0)

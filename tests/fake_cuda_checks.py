@@ -38,7 +38,7 @@ from torchrun_checks import TINY, run_config
 from tpbench.experiments import throughput, validate
 from tpbench.experiments.setup import context
 from tpbench.experiments.training import Trainer
-from tpbench.parallel import comm
+from tpbench.parallel import collectives
 
 WORLD = 4  # dp 2 x tp 2: the dp and tp sub-groups are both real groups of the fake backend
 TP2 = ["parallel.tp=2", "parallel.dp=2"]
@@ -191,7 +191,9 @@ def check_reductions() -> dict:
     with FakeTensorMode(shape_env=ShapeEnv()), audit:  # their `item()`: symbolic
         validate._max_over_ranks(0.5)
         validate._worst_over_ranks({"fwd": 0.5, "param": 1.0})  # every figure of the verdict
-        comm.reduce_over_world(torch.zeros(3, 3, dtype=torch.float64, device="cuda"), dist.ReduceOp.MAX)
+        collectives.reduce_over_world(
+            torch.zeros(3, 3, dtype=torch.float64, device="cuda"), dist.ReduceOp.MAX
+        )
         throughput._summed_over_ranks(1.0)
     return {"collectives": audit.collectives, "mixed": audit.mixed}
 

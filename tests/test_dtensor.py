@@ -61,12 +61,12 @@ def _validate(overrides: list[str]) -> dict[str, float]:
 def _comm_per_step(engine: str, overrides: list[str], ctx) -> dict[str, list[int]]:
     """One training step under the engine's counter: {op/purpose: [count, bytes]}."""
     from tpbench.experiments.setup import Batches, build_parallel, counting
-    from tpbench.parallel import comm
+    from tpbench.parallel import instrumentation
 
     cfg = run_config(TINY + [f"parallel.engine={engine}"] + overrides)
     pm = build_parallel(cfg, ctx)
     ids, labels = Batches(cfg, ctx).next_local()
-    counter = comm.CommCounter()
+    counter = instrumentation.CommCounter()
     with counting(cfg, counter):
         pm(ids, labels)[1].backward()
         pm.finish_grads()

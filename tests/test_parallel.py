@@ -240,7 +240,7 @@ def test_a_step_neither_syncs_the_host_nor_rebuilds_rope_tables(units):
 
 
 def test_a_settled_collective_returns_with_its_tensors_let_go(units):
-    """Under comm.settling (memory runs) gloo's worker holds no tensor of a collective once it returns,
+    """Under instrumentation.settling (memory runs) gloo's worker holds no tensor of a collective on return,
     so a tensor dropped after it is freed at the same op on every rank; without, some are held."""
     assert units["settling"]["settled"] == 0
     assert units["settling"]["settled_async"] == 0  # parallel.overlap's collectives settle at wait()

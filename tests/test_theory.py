@@ -294,7 +294,7 @@ def test_ddp_counts_one_all_reduce_per_bucket(measured):
 def test_peak_memory_is_predicted_to_the_byte(measured, name):
     """The model counts tensors, as MemTracker does: every rank's peak, to the byte (the loss scalar
     and the VP loss's [S, B] bookkeeping included). (A jitter of a few KB on a random rank was gloo's
-    worker freeing collectives' tensors late: comm.settling. What is left of it, rarely, on a loaded
+    worker freeing collectives' tensors late: instrumentation.settling. The rest of it, rarely, on a loaded
     machine is measured once more: tests/torchrun_checks.py suite_memory.)"""
     predicted = theory.predict(config(name)).peak_bytes
     assert [rank["peak"] for rank in measured[name]] == [predicted] * len(measured[name])

@@ -1,6 +1,6 @@
 """The CUDA-event timing of collectives and steps (tpbench.parallel.timing) without a GPU: a fake GPU
 of simulated streams stands in for torch.cuda, and fake NCCL works for the collectives, launched
-through comm's own `_launch` as tpbench launches them. The fake is NCCL as the timing must take it: a
+through collectives' own `_launch` as tpbench launches them. The fake is NCCL as the timing must take it: a
 collective runs on a stream of its own after the compute stream reached its launch; its Work's future
 is complete at once (a done callback runs at the launch, on the host); `Future.wait()` and `Work.wait()`
 only make the current stream wait for the collective's end; an event can be read only once a
@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from tpbench.parallel import comm, timing
+from tpbench.parallel import collectives, instrumentation, timing
 
 MS = 1e-3
 
@@ -125,8 +125,8 @@ def gpu() -> FakeGPU:
 
 @pytest.fixture
 def counter(gpu):
-    counter = comm.CommCounter(timed=True, timer=timing.CudaEventTimer(gpu))
-    with comm.counting(counter):
+    counter = instrumentation.CommCounter(timed=True, timer=timing.CudaEventTimer(gpu))
+    with instrumentation.counting(counter):
         yield counter
 
 
@@ -137,10 +137,10 @@ def launch(gpu: FakeGPU, seconds: float, purpose: str, blocking: bool = False, f
         return work
 
     x = torch.zeros(4)
-    return comm._launch("all_reduce", purpose, x, 16, None, fn, None, blocking)
+    return collectives._launch("all_reduce", purpose, x, 16, None, fn, None, blocking)
 
 
-def times(counter: comm.CommCounter) -> dict[str, tuple[float, float]]:
+def times(counter: instrumentation.CommCounter) -> dict[str, tuple[float, float]]:
     return {r.purpose: (round(r.time_s / MS, 9), round(r.exposed_s / MS, 9)) for r in counter.rows()}
 
 
@@ -252,7 +252,7 @@ def test_cuda_events_on_nccl_only():
     assert not timing.uses_cuda_events(cuda, "gloo") and not timing.uses_cuda_events(cpu, "gloo")
     assert isinstance(timing.collective_timer(cpu, "gloo"), timing.WallClockTimer)
     assert isinstance(timing.step_clock(cpu, "gloo"), timing.WallClockSteps)
-    assert isinstance(comm.CommCounter(timed=True).timer, timing.WallClockTimer)
+    assert isinstance(instrumentation.CommCounter(timed=True).timer, timing.WallClockTimer)
 
 
 class Clock:

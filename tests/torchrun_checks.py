@@ -34,7 +34,7 @@ from tpbench.experiments import memory, validate
 from tpbench.experiments.throughput import LocalFlopCounter
 from tpbench.experiments.training import Trainer
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, build_model
-from tpbench.parallel import comm
+from tpbench.parallel import collectives, instrumentation, regions
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.cross_entropy import VocabParallelCrossEntropy
 from tpbench.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -109,18 +109,18 @@ def check_collectives(ctx: ParallelContext) -> dict[str, float]:
         y.backward(grad)
         return y, x.grad
 
-    y, dx = fwd_bwd(comm.copy_to_tp_region, per_rank[r], upstream[r])
+    y, dx = fwd_bwd(regions.copy_to_tp_region, per_rank[r], upstream[r])
     out["f_fwd"], out["f_bwd"] = err(y, per_rank[r]), err(dx, up_total)
-    y, dx = fwd_bwd(comm.reduce_from_tp_region, per_rank[r], upstream[r])
+    y, dx = fwd_bwd(regions.reduce_from_tp_region, per_rank[r], upstream[r])
     out["fbar_fwd"], out["fbar_bwd"] = err(y, total), err(dx, upstream[r])
-    y, dx = fwd_bwd(comm.gather_from_sp_region, mine, upstream[r])
+    y, dx = fwd_bwd(regions.gather_from_sp_region, mine, upstream[r])
     out["g_fwd"], out["g_bwd"] = err(y, full), err(dx, up_total.chunk(t)[r])
-    y, dx = fwd_bwd(comm.reduce_scatter_to_sp_region, per_rank[r], upstream[r].chunk(t)[r])
+    y, dx = fwd_bwd(regions.reduce_scatter_to_sp_region, per_rank[r], upstream[r].chunk(t)[r])
     gathered_up = torch.cat([u.chunk(t)[i] for i, u in enumerate(upstream)])
     out["gbar_fwd"], out["gbar_bwd"] = err(y, total.chunk(t)[r]), err(dx, gathered_up)
-    y, dx = fwd_bwd(comm.scatter_to_sp_region, full, upstream[r].chunk(t)[r])
+    y, dx = fwd_bwd(regions.scatter_to_sp_region, full, upstream[r].chunk(t)[r])
     out["scatter_fwd"], out["scatter_bwd"] = err(y, mine), err(dx, gathered_up)
-    y, dx = fwd_bwd(comm.gather_from_sp_region_replicated, mine, up_total)
+    y, dx = fwd_bwd(regions.gather_from_sp_region_replicated, mine, up_total)
     out["gather_rep_fwd"], out["gather_rep_bwd"] = err(y, full), err(dx, up_total.chunk(t)[r])
     return out
 
@@ -146,11 +146,11 @@ def check_layers(ctx: ParallelContext) -> dict[str, float]:
             lin2.bias.detach().clone(),
         )
         xin = (x.detach().chunk(t)[r] if sp else x.detach()).clone().requires_grad_()
-        enter = comm.gather_from_sp_region if sp else comm.copy_to_tp_region
+        enter = regions.gather_from_sp_region if sp else regions.copy_to_tp_region
         y = row(F.silu(col(enter(xin, g))))  # [S/T or S, B, 16]
         y.square().sum().backward()  # under SP, the ranks' losses add up to the dense loss
         if sp:  # the row bias is added on each sequence shard: its gradient is summed over ranks
-            comm.all_reduce(row.bias.grad, g, "test")
+            collectives.all_reduce(row.bias.grad, g, "test")
         tag = "sp" if sp else "tp"
         out[f"{tag}_fwd"] = err(y, dense_y.chunk(t)[r] if sp else dense_y)
         out[f"{tag}_input_grad"] = err(xin.grad, x.grad.chunk(t)[r] if sp else x.grad)
@@ -178,8 +178,8 @@ def check_layers(ctx: ParallelContext) -> dict[str, float]:
     ref = F.cross_entropy(dense_logits.reshape(-1, real_v), targets.reshape(-1), ignore_index=IGNORE_INDEX)
     ref.backward()
     local = logits.chunk(t, dim=-1)[r].clone().requires_grad_()
-    counter = comm.CommCounter()
-    with comm.counting(counter):
+    counter = instrumentation.CommCounter()
+    with instrumentation.counting(counter):
         loss = VocabParallelCrossEntropy(real_v, r, g)(local, targets)
         loss.backward()
     out["ce_fwd"] = abs(loss.item() - ref.item())
@@ -254,8 +254,8 @@ def check_step_ops(ctx: ParallelContext) -> dict[str, float]:
 
 def check_settling(ctx: ParallelContext) -> dict[str, int]:
     """How often a collective's tensors are still held by gloo's worker thread when the call returns,
-    in 300 all-gathers and all-reduces of fresh tensors, without and with comm.settling; and how often
-    the clone a reduce-scatter all-reduces, which its wait copies this rank's chunk out of, is still
+    in 300 all-gathers and all-reduces of fresh tensors, without and with instrumentation.settling; and
+    how often the clone a reduce-scatter all-reduces, which its wait copies this rank's chunk out of, is still
     alive then, in 300 reduce-scatters; and how often torch's functional all-gather, waited on,
     still holds its input, in 300, without and with a memory run's tracker."""
 
@@ -264,12 +264,12 @@ def check_settling(ctx: ParallelContext) -> dict[str, int]:
         for _ in range(300):
             x = torch.randn(8, 64)
             if overlapped:  # launched, something done meanwhile, then waited on
-                gathering = comm.all_gather_async(x, ctx.tp_group, "test")
-                y = comm.all_reduce_async(torch.randn(8), ctx.tp_group, "test").wait()
+                gathering = collectives.all_gather_async(x, ctx.tp_group, "test")
+                y = collectives.all_reduce_async(torch.randn(8), ctx.tp_group, "test").wait()
                 out = gathering.wait()
             else:
-                out = comm.all_gather(x, ctx.tp_group, "test")
-                y = comm.all_reduce(torch.randn(8), ctx.tp_group, "test")
+                out = collectives.all_gather(x, ctx.tp_group, "test")
+                y = collectives.all_reduce(torch.randn(8), ctx.tp_group, "test")
             n += max(out._use_count(), x._use_count(), y._use_count()) > 1
         return n
 
@@ -278,7 +278,7 @@ def check_settling(ctx: ParallelContext) -> dict[str, int]:
         for _ in range(300):
             x = torch.randn(8 * ctx.tp, 64)
             with _Made() as made:
-                out = comm.reduce_scatter(x, ctx.tp_group, "test")
+                out = collectives.reduce_scatter(x, ctx.tp_group, "test")
             mine = {x.untyped_storage()._cdata, out.untyped_storage()._cdata}
             n += any((st := ref()) is not None and st._cdata not in mine for ref in made.storages)
         return n
@@ -295,7 +295,7 @@ def check_settling(ctx: ParallelContext) -> dict[str, int]:
     unsettled, clones, functional = held(), clones_alive(), functional_held()
     with memory.PeakTracker():  # a memory run's tracker waits for each as it is issued
         functional_settled = functional_held()
-    with comm.settling():
+    with instrumentation.settling():
         return {
             "unsettled": unsettled,
             "settled": held(),
@@ -309,8 +309,9 @@ def check_settling(ctx: ParallelContext) -> dict[str, int]:
 
 class _Made(TorchDispatchMode):
     """Weak references to the storages of every tensor an op returns while on. The same observer as
-    comm's own, kept apart on purpose: were comm's blind (recording nothing), settling would wait for
-    nothing and a check that saw through it would see no clone either, and pass."""
+    instrumentation.MadeStorages, kept apart on purpose: were that one blind (recording nothing),
+    settling would wait for nothing and a check that saw through it would see no clone either, and
+    pass."""
 
     def __enter__(self) -> _Made:
         self.storages = []
@@ -328,15 +329,15 @@ def check_async_timing(ctx: ParallelContext) -> dict[str, float]:
     """An async all-reduce with 0.5 s of other work before its wait, and the same one blocking: counted
     alike; the async one's exposed time is its wait, the blocking one's all of its time. An async
     collective whose Work has no future is timed from its wait: all exposed, none hidden."""
-    counter = comm.CommCounter(timed=True)
+    counter = instrumentation.CommCounter(timed=True)
     dist.barrier()
-    with comm.counting(counter):
-        pending = comm.all_reduce_async(torch.randn(1 << 16), ctx.tp_group, "async")
+    with instrumentation.counting(counter):
+        pending = collectives.all_reduce_async(torch.randn(1 << 16), ctx.tp_group, "async")
         time.sleep(0.5)
         pending.wait()
-        comm.all_reduce(torch.randn(1 << 16), ctx.tp_group, "blocking")
+        collectives.all_reduce(torch.randn(1 << 16), ctx.tp_group, "blocking")
         # gloo's reduce_scatter_tensor (an all-reduce inside) has no future to say when it finished
-        shard = comm.reduce_scatter_async(torch.randn(1 << 16), ctx.tp_group, "no_future")
+        shard = collectives.reduce_scatter_async(torch.randn(1 << 16), ctx.tp_group, "no_future")
         time.sleep(0.1)
         shard.wait()
     return {
@@ -356,9 +357,9 @@ def check_ddp_timing(ctx: ParallelContext) -> list[dict[str, float]]:
     trainer.step()  # DDP rebuilds its buckets after the first backward
     if dist.get_rank() == 1:
         trainer.module.model.embed_tokens.weight.register_hook(lambda grad: time.sleep(0.3))
-    counter = comm.CommCounter(timed=True)
+    counter = instrumentation.CommCounter(timed=True)
     dist.barrier()
-    with comm.counting(counter):
+    with instrumentation.counting(counter):
         trainer.step()
     (row,) = counter.rows()
     mine = {"op": row.op, "purpose": row.purpose, "count": row.count, "time_s": row.time_s,
@@ -394,7 +395,7 @@ def check_overlap_order(ctx: ParallelContext) -> dict[str, dict[str, list[int]]]
                 log.append("mm")
             return func(*args, **(kwargs or {}))
 
-    launch, backward = comm._launch, torch.Tensor.backward
+    launch, backward = collectives._launch, torch.Tensor.backward
 
     def counted_backward(*args, **kwargs):
         with Matmuls():
@@ -418,14 +419,14 @@ def check_overlap_order(ctx: ParallelContext) -> dict[str, dict[str, list[int]]]
         trainer = Trainer(run_config([*TINY, *overrides, "parallel.overlap=true"]))
         trainer.step()
         log.clear()
-        comm._launch = logged
+        collectives._launch = logged
         # counted in backward only, where every async collective is launched (a compiled forward would
         # not run under a dispatch mode; a DP bucket is waited in finish_grads, with no matmul)
         torch.Tensor.backward = counted_backward
         try:
             trainer.step()
         finally:
-            comm._launch, torch.Tensor.backward = launch, backward
+            collectives._launch, torch.Tensor.backward = launch, backward
         hidden: dict[str, list[int]] = {}
         for i, event in enumerate(log):
             if isinstance(event, tuple) and event[0] == "launch":
@@ -518,8 +519,8 @@ def suite_recompute() -> dict:
         passed = next(m.value for m in validate.run(cfg).measurements if m.name == "passed")
         trainer = Trainer(cfg)
         loss = trainer.step().item()  # the counted step's loss is compared through the parameters
-        counter, flops = comm.CommCounter(), LocalFlopCounter()
-        with comm.counting(counter), flops:
+        counter, flops = instrumentation.CommCounter(), LocalFlopCounter()
+        with instrumentation.counting(counter), flops:
             trainer.step()
         params = torch.cat([p.detach().float().reshape(-1) for p in trainer.module.parameters()])
         mode, recompute = name.split("/")

@@ -94,7 +94,7 @@ class TrainConfig:
     # >= 2.4) instead of the foreach (CUDA) or per-parameter (CPU) default
     fused_optimizer: bool = False
     # torch.compile of each transformer block (inductor; fullgraph: a graph break is an error), as
-    # torchtitan; the collectives run as registered custom ops (tpbench.parallel.comm); megatron only.
+    # torchtitan; the collectives run as registered custom ops (tpbench.parallel.collectives); megatron only.
     # With parallel.overlap: each block's pieces between its linears (norms, attention core, SwiGLU)
     # instead, its linears and collectives eager (tpbench.parallel.plan.apply_compile)
     compile: bool = False

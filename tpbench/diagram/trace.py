@@ -6,7 +6,7 @@ has. The real `Trainer` builds the sharded model and takes one step, while
   - module forward hooks record each module call: its inputs, its output, this rank's parameters;
   - a TorchFunctionMode records the functional ops between modules (attention, SwiGLU, residual adds);
   - module backward hooks say whose backward is running when a backward collective is issued;
-  - comm.CommCounter(log=True) records every collective in the order it was issued.
+  - instrumentation.CommCounter(log=True) records every collective in the order it was issued.
 Who feeds whom comes from the tensors themselves: a call's input is the output of the call that made
 its storage. Where shards sit in the dense weights comes from their values (same seed, same model).
 """
@@ -30,7 +30,7 @@ from tpbench.config import RunConfig
 from tpbench.experiments.setup import build_dense
 from tpbench.experiments.training import Trainer
 from tpbench.models.minimind import FeedForward, MiniMindBlock
-from tpbench.parallel import comm
+from tpbench.parallel import instrumentation
 from tpbench.parallel.plan import Layout
 
 
@@ -65,7 +65,7 @@ class Call:
 @dataclass
 class Collective:
     index: int  # issue order on this rank
-    event: comm.CommEvent
+    event: instrumentation.CommEvent
     phase: str  # forward | backward | gradient sums
     module: str  # the module whose forward or backward issued it ("" for the gradient sums)
     node: str = ""  # backward: the autograd node that issued it, e.g. _GatherFromSPBackward
@@ -99,7 +99,7 @@ def trace(cfg: RunConfig) -> Trace:
     ranks = []
     with warnings.catch_warnings():
         # the embedding's full backward hook fires at its output (token ids need no gradient): as
-        # wanted; and torch's c10d names the tensor collectives comm.py calls deprecated
+        # wanted; and torch's c10d names the tensor collectives collectives.py calls deprecated
         warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
         warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
         for rank in range(tp):
@@ -121,7 +121,7 @@ def _trace_rank(cfg: RunConfig, rank: int) -> RankTrace:
         for name, p in trainer.module.named_parameters(remove_duplicate=False)
     }
     log = _Log(recorder)
-    with recorder.hooked(), comm.counting(log):
+    with recorder.hooked(), instrumentation.counting(log):
         trainer.step()
     # finish_grads issues one coalesced all-reduce per GradSum that has gradients, in order
     params = dict(trainer.module.named_parameters())
@@ -137,7 +137,7 @@ def _trace_rank(cfg: RunConfig, rank: int) -> RankTrace:
     return RankTrace(rank, recorder.calls, collectives)
 
 
-class _Log(comm.CommCounter):
+class _Log(instrumentation.CommCounter):
     """The ordered log of collectives, each with where the step was when it was issued."""
 
     def __init__(self, recorder: _Recorder):

@@ -24,7 +24,7 @@ from tpbench import allocator, emulation, theory
 from tpbench.config import RunConfig
 from tpbench.experiments.setup import context, counting
 from tpbench.experiments.training import Trainer
-from tpbench.parallel import comm
+from tpbench.parallel import instrumentation
 from tpbench.results import RankResult
 
 # MemTracker's categories -> tpbench's measurement names
@@ -59,8 +59,8 @@ class PeakTracker(MemTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         """As MemTracker; over gloo, a functional collective (the dtensor engine's) is waited on as it
         is issued, and returns once gloo's worker has let go of its inputs, as tpbench's own blocking
-        collectives do inside comm.settling (see there). Its input, often dropped by the caller right
-        after (the final norm's output shard, gathered for the LM head), was otherwise freed whenever
+        collectives do inside instrumentation.settling (see there). Its input, often dropped by the caller
+        right after (the final norm's output shard, gathered for the LM head), was otherwise freed whenever
         that thread next ran: 4 KB more on one rank in 2-3 of 30 steps (tp 4, SP). Its later wait
         finds it done. Waited at first use instead, with its inputs held to then, the peak moved."""
         if not self._settle or func.namespace != "_c10d_functional" or func in _NOT_ISSUING:
@@ -71,7 +71,7 @@ class PeakTracker(MemTracker):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 torch.ops._c10d_functional.wait_tensor(t)
-        comm.settle_released(inputs, before)
+        instrumentation.settle_released(inputs, before)
         return out
 
     def _update_peak_stats(self, peak_state) -> None:
@@ -179,9 +179,10 @@ def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace 
     # run without it, so every rank measures the same step (a cycle left alive could only add)
     gc.collect()
     gc.disable()
-    counter = comm.CommCounter()  # the first measured step's collectives: counting allocates nothing
+    # the first measured step's collectives: counting allocates nothing
+    counter = instrumentation.CommCounter()
     try:
-        with tracker, feed, comm.settling():
+        with tracker, feed, instrumentation.settling():
             for step in range(cfg.train.steps):
                 with counting(cfg, counter) if step == 0 else contextlib.nullcontext():
                     trainer.step()

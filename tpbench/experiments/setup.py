@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from tpbench.config import ModelConfig, RunConfig, local_batch
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, MiniMindForCausalLM, build_model
-from tpbench.parallel import comm
+from tpbench.parallel import instrumentation
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.plan import ParallelModel, apply_compile, parallelize
 
@@ -110,14 +110,14 @@ def build_parallel(
     return pm
 
 
-def counting(cfg: RunConfig, counter: comm.CommCounter) -> AbstractContextManager:
-    """Count the collectives of a training step: ours go through tpbench.parallel.comm; DTensor's
+def counting(cfg: RunConfig, counter: instrumentation.CommCounter) -> AbstractContextManager:
+    """Count the collectives of a training step: ours go through tpbench.parallel.collectives; DTensor's
     own are seen through torch's CommDebugMode."""
     if cfg.parallel.engine == "dtensor":
         from tpbench.parallel import dtensor
 
         return dtensor.counting(counter)
-    return comm.counting(counter)
+    return instrumentation.counting(counter)
 
 
 class Batches:

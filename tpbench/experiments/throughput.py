@@ -35,7 +35,7 @@ from tpbench import hardware, theory
 from tpbench.config import RunConfig, local_batch
 from tpbench.experiments.setup import counting
 from tpbench.experiments.training import Trainer
-from tpbench.parallel import comm, timing
+from tpbench.parallel import collectives, instrumentation, timing
 from tpbench.results import RankResult
 
 
@@ -52,7 +52,7 @@ def run(cfg: RunConfig) -> RankResult:
             trainer.step()
 
     # on a step of its own: the FLOP counter slows compute
-    counter = comm.CommCounter(timed=True, timer=timing.collective_timer(device, backend))
+    counter = instrumentation.CommCounter(timed=True, timer=timing.collective_timer(device, backend))
     with counting(cfg, counter):
         trainer.step()
     result.comm = counter.rows()
@@ -100,13 +100,13 @@ def _slowest(clock: timing.StepClock, times: list[float]) -> list[float]:
     """Each step's time on the slowest rank: CUDA events time each rank's own step (barrier to
     barrier on the wall clock is already the slowest's)."""
     if clock.method == timing.CUDA_EVENTS:
-        return comm.reduce_floats(times, dist.ReduceOp.MAX)
+        return collectives.reduce_floats(times, dist.ReduceOp.MAX)
     return times
 
 
 def _summed_over_ranks(value: float) -> float:
     """Every rank's count summed over the job, on a tensor of the device the backend serves."""
-    return comm.reduce_floats([float(value)])[0]
+    return collectives.reduce_floats([float(value)])[0]
 
 
 def _sdpa(query, key, value, *args, out_shape=None, **kwargs) -> int:  # shapes, as torch passes them

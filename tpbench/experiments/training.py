@@ -26,7 +26,7 @@ from tpbench.experiments.setup import (
     place,
     precision,
 )
-from tpbench.parallel import comm
+from tpbench.parallel import collectives, instrumentation
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.recompute import apply_recompute
 
@@ -110,7 +110,7 @@ def build_ddp(
     dense = place(build_dense(cfg), ctx.device, param_dtype(cfg))
     apply_recompute(dense, cfg.train.recompute)
     on_device(dense)
-    fake = comm.fake_backend(ctx.dp_group)
+    fake = collectives.fake_backend(ctx.dp_group)
     ddp = DistributedDataParallel(
         dense,
         device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
@@ -164,7 +164,7 @@ class _DDPHookState:
     group: dist.ProcessGroup | None
     fault: str = ""  # debug.ddp_fault
     buckets: dict[int, torch.Tensor] = field(default_factory=dict)  # DDP's flat bucket buffers
-    timed: list[comm.Pending] = field(default_factory=list)  # this backward's, in a timed step
+    timed: list[collectives.Pending] = field(default_factory=list)  # this backward's, in a timed step
 
     def wait_timed(self) -> None:
         pending, self.timed = self.timed, []
@@ -173,7 +173,7 @@ class _DDPHookState:
 
 
 def _counted_allreduce(state, bucket):  # no annotations: DDP checks them and ours are strings
-    """DDP's own asynchronous all-reduce of a gradient bucket (averaged), through comm: counted, and
+    """DDP's own asynchronous all-reduce of a gradient bucket (averaged), through collectives: counted, and
     in a timed step timed as our engine's async collectives are, waited on where DDP waits for them:
     the last bucket's hook queues the wait as an autograd final callback, which runs just before
     the one DDP queues right after this hook (its finalize_backward, which waits on every bucket).
@@ -192,8 +192,8 @@ def _counted_allreduce(state, bucket):  # no annotations: DDP checks them and ou
     buffer = bucket.buffer()
     if state.fault != "no_divide":
         buffer.div_(dist.get_world_size(group))
-    pending, future = comm.all_reduce_bucket(buffer, group, "dp_grad")
-    if comm.timed():
+    pending, future = collectives.all_reduce_bucket(buffer, group, "dp_grad")
+    if instrumentation.timed():
         state.timed.append(pending)
         if bucket.is_last():
             torch.autograd.Variable._execution_engine.queue_callback(state.wait_timed)

@@ -47,7 +47,7 @@ from tpbench.experiments.setup import (
 )
 from tpbench.experiments.training import adamw, build_ddp
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindForCausalLM, shift_labels
-from tpbench.parallel import comm
+from tpbench.parallel import collectives, instrumentation
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.plan import ParallelModel
 from tpbench.results import ParamRow, RankResult
@@ -94,7 +94,7 @@ def run(cfg: RunConfig) -> RankResult:
     if reference is not None:
         ref_logits, ref_loss = reference(ids, labels)
         ref_loss.backward()
-    counter = comm.CommCounter()
+    counter = instrumentation.CommCounter()
     with counting(cfg, counter):
         with precision(cfg, ctx.device):
             logits, loss = pm(batches.local_slice(ids), batches.local_slice(labels))
@@ -112,7 +112,7 @@ def run(cfg: RunConfig) -> RankResult:
 
     figures = {}  # this rank's; the result keeps each one's worst over all ranks
     figures["fwd_logits_max_abs"] = _max_abs(pm.full_logits(logits), batches.local_slice(dense_logits))
-    mean_loss = comm.all_reduce(loss.detach().float().clone(), ctx.dp_group, "check") / ctx.dp
+    mean_loss = collectives.all_reduce(loss.detach().float().clone(), ctx.dp_group, "check") / ctx.dp
     figures["loss_abs_diff"] = (mean_loss - dense_loss.detach().float()).abs().item()
     rows = _grad_rows(pm, dense)
     if ctx.rank == 0:
@@ -200,12 +200,13 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _worst_over_ranks(figures: dict[str, float]) -> dict[str, float]:
     """Each figure's worst (largest) value over all ranks, in one all-reduce."""
-    return dict(zip(figures, comm.reduce_floats(list(figures.values()), dist.ReduceOp.MAX), strict=True))
+    worst = collectives.reduce_floats(list(figures.values()), dist.ReduceOp.MAX)
+    return dict(zip(figures, worst, strict=True))
 
 
 def _max_over_ranks(value: float) -> float:
     """One figure's worst value over all ranks (the logits drift at one AdamW step)."""
-    return comm.reduce_floats([value], dist.ReduceOp.MAX)[0]
+    return collectives.reduce_floats([value], dist.ReduceOp.MAX)[0]
 
 
 def _grad_rows(pm: ParallelModel | DDPModel, dense: torch.nn.Module) -> list[ParamRow]:
@@ -218,7 +219,7 @@ def _grad_rows(pm: ParallelModel | DDPModel, dense: torch.nn.Module) -> list[Par
         rel = diff.norm() / ref.norm().clamp(min=1e-30)
         names.append(name)
         stats.append(torch.stack([diff.abs().mean(), diff.abs().max(), rel]).double())
-    stacked = comm.reduce_over_world(torch.stack(stats), dist.ReduceOp.MAX).cpu()  # [params, 3]
+    stacked = collectives.reduce_over_world(torch.stack(stats), dist.ReduceOp.MAX).cpu()  # [params, 3]
     return [
         ParamRow(n, pm.semantics(n), list(p.shape), *map(float, s))
         for n, p, s in zip(names, pm.module.parameters(), stacked, strict=True)

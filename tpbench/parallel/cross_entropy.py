@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tpbench.models.minimind import IGNORE_INDEX
-from tpbench.parallel import comm
+from tpbench.parallel import collectives
 
 LOSS_CHUNKS = 8  # slices of the tokens the fp32 work runs on, one at a time
 
@@ -50,20 +50,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         row_max = flat[:, : max(real, 0)].max(dim=-1).values.float() if real > 0 else None  # [N]
         if row_max is None:  # a rank holding padding only
             row_max = flat.new_full((flat.shape[0],), float("-inf"), dtype=torch.float32)
-        comm.all_reduce(row_max, group, "loss", op=dist.ReduceOp.MAX)
+        collectives.all_reduce(row_max, group, "loss", op=dist.ReduceOp.MAX)
 
         valid = flat_targets != IGNORE_INDEX
         local = flat_targets - vocab_start
         owned = valid & (local >= 0) & (local < v_local)
         local = local.masked_fill(~owned, 0)
         target_logit = (flat.gather(-1, local.unsqueeze(-1)).squeeze(-1).float() - row_max) * owned  # [N]
-        comm.all_reduce(target_logit, group, "loss")
+        collectives.all_reduce(target_logit, group, "loss")
 
         sum_exp = torch.empty_like(row_max)  # [N]
         for i in range(0, flat.shape[0], rows):
             part = slice(i, i + rows)
             sum_exp[part] = _shifted(flat[part], row_max[part], real).exp_().sum(dim=-1)
-        comm.all_reduce(sum_exp, group, "loss")
+        collectives.all_reduce(sum_exp, group, "loss")
 
         n_valid = valid.sum().clamp(min=1)
         loss = ((sum_exp.log() - target_logit) * valid).sum() / n_valid
@@ -97,7 +97,7 @@ def _grad_slice(logits, row_max, sum_exp, local, owned, scale, real: int) -> tor
 class VocabParallelCrossEntropy(nn.Module):
     """Drop-in for CausalLMLoss when the LM head is column parallel over the vocab."""
 
-    def __init__(self, vocab_size: int, tp_rank: int, group: comm.Group):
+    def __init__(self, vocab_size: int, tp_rank: int, group: collectives.Group):
         super().__init__()
         self.vocab_size = vocab_size  # the real V; columns past it are padding
         self.tp_rank = tp_rank

@@ -28,7 +28,7 @@ the same holds for the norms under SP (Shard(0)). `finish_grads` redistributes t
 Replicate (an all-reduce each). Left Partial, DTensor's optimizer would reduce them inside every op
 that reads them, and the local gradients would not be the dense ones.
 
-DTensor's collectives are torch's functional collectives, not tpbench.parallel.comm's: `counting`
+DTensor's collectives are torch's functional collectives, not tpbench.parallel.collectives': `counting`
 counts them (through torch's CommDebugMode) into the same CommCounter, with the same ring bytes.
 
 What DTensor cannot express here, refused up front by `check_dtensor_shardable`: GQA with fewer KV
@@ -60,7 +60,7 @@ from torch.distributed.tensor.parallel import (
 
 from tpbench.config import ParallelConfig
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindForCausalLM
-from tpbench.parallel import comm
+from tpbench.parallel import collectives, instrumentation
 from tpbench.parallel.checks import check_dtensor_shardable
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.plan import Layout, plan_layouts
@@ -214,7 +214,7 @@ class DTensorParallelModel:
                     p.grad = p.grad.redistribute(p.device_mesh, p.placements)  # Partial -> Replicate
         if self.ctx.dp > 1 and "dp" not in self.skip_grad_sum:
             grads = [_local(p.grad) for p in params.values() if p.grad is not None]
-            comm.all_reduce_coalesced(
+            collectives.all_reduce_coalesced(
                 grads, self.ctx.dp_group, "dp_grad", average=True
             )  # local tensors, in place
 
@@ -234,7 +234,7 @@ class DTensorParallelModel:
         if not self.config.vp or self.ctx.tp == 1:
             return logits
         shards = logits.detach().movedim(-1, 0).contiguous()  # [V/T, B, S]
-        return comm.all_gather(shards, self.ctx.tp_group, "check").movedim(0, -1)
+        return collectives.all_gather(shards, self.ctx.tp_group, "check").movedim(0, -1)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -293,10 +293,10 @@ def _purpose(name: str) -> Iterator[None]:
 
 
 class _CommBytes(CommDebugMode):
-    """CommDebugMode that also hands each functional collective's size to a comm.CommCounter, with
+    """CommDebugMode that also hands each functional collective's size to a instrumentation.CommCounter, with
     the ring-bytes convention of CommCounter.record. Not timed: DTensor's collectives are async."""
 
-    def __init__(self, counter: comm.CommCounter):
+    def __init__(self, counter: instrumentation.CommCounter):
         super().__init__()
         self.counter = counter
 
@@ -328,9 +328,9 @@ def _group_size(group_name: str) -> int:
 
 
 @contextlib.contextmanager
-def counting(counter: comm.CommCounter) -> Iterator[comm.CommCounter]:
-    """comm.counting for the DTensor engine: counts DTensor's collectives (through CommDebugMode) and
-    tpbench's own (the DP gradient average) into one CommCounter. Use instead of comm.counting when
-    parallel.engine == "dtensor"."""
-    with comm.counting(counter), _CommBytes(counter):
+def counting(counter: instrumentation.CommCounter) -> Iterator[instrumentation.CommCounter]:
+    """instrumentation.counting for the DTensor engine: counts DTensor's collectives (through
+    CommDebugMode) and tpbench's own (the DP gradient average) into one CommCounter. Use instead of
+    instrumentation.counting when parallel.engine == "dtensor"."""
+    with instrumentation.counting(counter), _CommBytes(counter):
         yield counter

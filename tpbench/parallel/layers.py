@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpbench.parallel import comm
+from tpbench.parallel import collectives, regions
 
 INIT_STD = 0.02
 
@@ -60,7 +60,7 @@ class RowParallelLinear(nn.Module):
     def __init__(
         self,
         weight: torch.Tensor,
-        group: comm.Group,
+        group: collectives.Group,
         reduce: str = "all_reduce",
         bias: torch.Tensor | None = None,
     ):
@@ -79,7 +79,7 @@ class RowParallelLinear(nn.Module):
         out_features: int,
         tp: int,
         tp_rank: int,
-        group: comm.Group,
+        group: collectives.Group,
         seed: int = 0,
         bias: bool = False,
         reduce: str = "all_reduce",
@@ -93,9 +93,9 @@ class RowParallelLinear(nn.Module):
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' partial outputs (f-bar), or reduce-scatter them (g-bar); add the bias."""
         if self.reduction == "all_reduce":
-            out = comm.reduce_from_tp_region(partial, self.group)  # [S, B, out]
+            out = regions.reduce_from_tp_region(partial, self.group)  # [S, B, out]
         else:
-            out = comm.reduce_scatter_to_sp_region(partial, self.group)  # [S/T, B, out]
+            out = regions.reduce_scatter_to_sp_region(partial, self.group)  # [S/T, B, out]
         return out if self.bias is None else out + self.bias
 
 
@@ -104,7 +104,9 @@ class VocabParallelEmbedding(nn.Module):
     local row 0 and are zeroed; the partial outputs are summed over the TP group by all-reduce, or
     reduce-scattered straight into the SP layout."""
 
-    def __init__(self, weight: torch.Tensor, tp_rank: int, group: comm.Group, reduce: str = "all_reduce"):
+    def __init__(
+        self, weight: torch.Tensor, tp_rank: int, group: collectives.Group, reduce: str = "all_reduce"
+    ):
         super().__init__()
         self.weight = nn.Parameter(weight)  # [V/T, H]
         self.vocab_start = tp_rank * weight.shape[0]
@@ -117,5 +119,5 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [S, B, H], partial
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.reduce == "all_reduce":
-            return comm.reduce_from_tp_region(out, self.group)  # [S, B, H]
-        return comm.reduce_scatter_to_sp_region(out, self.group)  # [S/T, B, H]
+            return regions.reduce_from_tp_region(out, self.group)  # [S, B, H]
+        return regions.reduce_scatter_to_sp_region(out, self.group)  # [S/T, B, H]

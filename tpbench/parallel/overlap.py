@@ -32,13 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpbench.parallel import comm
+from tpbench.parallel import collectives
 from tpbench.parallel.layers import ColumnParallelLinear
 
 
 class DeferredWeightGrads:
     """The weight gradients of one region's column-parallel layers, waiting for the region's entry
-    backward to compute them while its collective runs (a comm.Meanwhile). `on_ready(param)` is
+    backward to compute them while its collective runs (a regions.Meanwhile). `on_ready(param)` is
     called after each. `wait=False` only to prove validation catches an entry gradient read before
     its collective lands (debug.overlap_fault=no_wait)."""
 
@@ -121,11 +121,11 @@ class DPGradBuckets:
         self,
         params: dict[str, nn.Parameter],
         late: set[str],
-        group: comm.Group,
+        group: collectives.Group,
         bucket_bytes: float,
         early_launch: bool = False,
     ):
-        self.params, self.group, self.dp = params, group, comm._size(group)
+        self.params, self.group, self.dp = params, group, collectives.group_size(group)
         self.early_launch = early_launch  # only to prove validation catches a bucket sent too soon
         self.buckets: list[list[str]] = []
         size = bucket_bytes + 1  # the first parameter opens a bucket
@@ -142,7 +142,7 @@ class DPGradBuckets:
 
     def _reset(self) -> None:
         self.missing = [len(names) for names in self.buckets]
-        self.pending: list[tuple[list[str], comm.Pending] | None] = [None] * len(self.buckets)
+        self.pending: list[tuple[list[str], collectives.Pending] | None] = [None] * len(self.buckets)
 
     def ready(self, name: str) -> None:
         """Parameter `name` has its gradient of this backward."""
@@ -159,7 +159,7 @@ class DPGradBuckets:
         names = [n for n in self.buckets[i] if self.params[n].grad is not None]
         if names:
             flat = torch.cat([self.params[n].grad.reshape(-1) for n in names])
-            self.pending[i] = names, comm.all_reduce_async(flat, self.group, "dp_grad")
+            self.pending[i] = names, collectives.all_reduce_async(flat, self.group, "dp_grad")
 
     def finish(self) -> None:
         """Launch what is not launched yet (the late bucket), wait for all, average into `.grad`."""

@@ -31,7 +31,7 @@ from torch import nn
 
 from tpbench.config import ParallelConfig
 from tpbench.models.minimind import MiniMindConfig, MiniMindForCausalLM
-from tpbench.parallel import comm
+from tpbench.parallel import collectives, regions
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.cross_entropy import VocabParallelCrossEntropy
 from tpbench.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -126,7 +126,7 @@ def plan_layouts(cfg: MiniMindConfig, tp: int, pcfg: ParallelConfig) -> dict[str
 @dataclass
 class GradSum:
     name: str
-    group: comm.Group
+    group: collectives.Group
     params: list[str]  # parameter names: the sum follows a parameter that is replaced (moved, cast)
     average: bool = False
 
@@ -157,7 +157,7 @@ class ParallelModel:
                 self.dp_buckets.finish()  # after the TP sums, which its last bucket must see
                 continue
             grads = [params[name].grad for name in gs.params if params[name].grad is not None]
-            comm.all_reduce_coalesced(
+            collectives.all_reduce_coalesced(
                 grads, gs.group, "dp_grad" if gs.name == "dp" else "grad_sum", gs.average
             )
 
@@ -198,7 +198,7 @@ class ParallelModel:
         if not self.config.vp or self.ctx.tp == 1:
             return logits.narrow(-1, 0, self.module.config.vocab_size)
         shards = logits.detach().movedim(-1, 0).contiguous()  # [V/T, S, B]
-        gathered = comm.all_gather(shards, self.ctx.tp_group, "check").movedim(0, -1)
+        gathered = collectives.all_gather(shards, self.ctx.tp_group, "check").movedim(0, -1)
         return gathered.narrow(-1, 0, self.module.config.vocab_size)
 
 
@@ -291,14 +291,14 @@ def apply_sp_edges(model: MiniMindForCausalLM, ctx: ParallelContext) -> None:
     all-gather), and the final norm's shard is gathered for the full LM head (backward: split) as the
     norm's output: the decoder's final hidden states are whole, as minimind-tron's model gathers them."""
     group = ctx.tp_group
-    _wrap(model.model.embed_tokens, after=lambda y: comm.scatter_to_sp_region(y, group))
-    _wrap(model.model.norm, after=lambda x: comm.gather_from_sp_region_replicated(x, group))
+    _wrap(model.model.embed_tokens, after=lambda y: regions.scatter_to_sp_region(y, group))
+    _wrap(model.model.norm, after=lambda x: regions.gather_from_sp_region_replicated(x, group))
 
 
 def apply_compile(model: MiniMindForCausalLM, between_linears: bool = False) -> None:
     """train.compile: each block compiled on its own, in place, as torchtitan does (the names of the
     parameters stay). fullgraph: a graph break is an error, not a silent fallback to eager. The blocks'
-    collectives go into the graph as tpbench's registered custom ops (tpbench.parallel.comm), so they
+    collectives go into the graph as tpbench's registered custom ops (tpbench.parallel.collectives), so they
     are counted as without compile. The blocks share one compiled graph (their parameters are its
     inputs). Graphs compiled earlier in this process, for another model, are dropped first (a test
     launch builds many), so that each model compiles within Dynamo's recompile limit, and Dynamo's
@@ -343,7 +343,7 @@ class _Entry:
     gradients to its entry backward (one queue per entry, kept in `deferred`) and SP's re-gather
     starts at the region's exit backward."""
 
-    group: comm.Group
+    group: collectives.Group
     sp: bool
     regather: bool
     overlap: bool
@@ -353,7 +353,9 @@ class _Entry:
     def but(self, regather: bool) -> _Entry:
         return dataclasses.replace(self, regather=regather)
 
-    def apply(self, module: nn.Module, regathers: list[comm.Regather] | None = None, site: str = "") -> None:
+    def apply(
+        self, module: nn.Module, regathers: list[regions.Regather] | None = None, site: str = ""
+    ) -> None:
         """Wrap `module`'s forward in its entry op. `regathers` (a column linear of a per-linear
         region): each forward's re-gather is appended there, for the region to prefetch; `site`
         (its name) keeps its all-gather apart from its siblings' under torch.compile."""
@@ -367,11 +369,11 @@ class _Entry:
         def forward(self, x: torch.Tensor, *args, **kwargs):
             x = _autocast_input(x)
             if not sp:
-                return inner(comm.copy_to_tp_region(x, group, meanwhile), *args, **kwargs)
-            full = comm.gather_from_sp_region(x, group, meanwhile, site)  # [S/T, B, H] -> [S, B, H]
+                return inner(regions.copy_to_tp_region(x, group, meanwhile), *args, **kwargs)
+            full = regions.gather_from_sp_region(x, group, meanwhile, site)  # [S/T, B, H] -> [S, B, H]
             if not regather:
                 return inner(full, *args, **kwargs)
-            with comm.saving_only_shard(full, x, group) as regathered:
+            with regions.saving_only_shard(full, x, group) as regathered:
                 y = inner(full, *args, **kwargs)
             if meanwhile is None:
                 return y
@@ -388,7 +390,7 @@ class _Entry:
         """SP gathering per column linear: the region casts its input once (its linears gather the
         same shard) and each linear gets its own entry; with overlap and the re-gather, the region
         starts all its linears' re-gathers at its exit backward."""
-        regathers: list[comm.Regather] = []
+        regathers: list[regions.Regather] = []
         for name in columns:
             self.apply(getattr(region, name), regathers if self.overlap and self.regather else None, name)
         inner = region.forward
@@ -403,7 +405,7 @@ class _Entry:
         region.forward = types.MethodType(forward, region)
 
 
-def _prefetch_after_backward(y: torch.Tensor, regathers: list[comm.Regather]) -> None:
+def _prefetch_after_backward(y: torch.Tensor, regathers: list[regions.Regather]) -> None:
     """Start the re-gathers once y's grad_fn has run: a block region's exit backward (g-bar's
     all-gather of the output gradient), before the row layer's and the core's backward."""
 

@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tpbench.models.minimind import FeedForward, MiniMindForCausalLM, swiglu
-from tpbench.parallel import comm
+from tpbench.parallel import instrumentation
 from tpbench.parallel.layers import RowParallelLinear
 
 MODES = ("none", "selective", "full")
@@ -63,7 +63,7 @@ def apply_recompute(model: MiniMindForCausalLM, mode: str) -> None:
 def _recompute_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """(forward, recomputation) contexts of torch.utils.checkpoint: collectives of the second count
     under the purpose "recompute"."""
-    return contextlib.nullcontext(), comm.recomputing()
+    return contextlib.nullcontext(), instrumentation.recomputing()
 
 
 def _checkpoint(block: nn.Module) -> None:

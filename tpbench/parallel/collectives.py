@@ -1,0 +1,274 @@
+"""The raw collectives: the only place tpbench talks to torch.distributed.
+
+`all_reduce`, `all_gather` and `reduce_scatter`, and their `*_async` twins, which return a `Pending`
+to wait on; every one is the identity for a group of one (`group_size` 1). Each goes through
+`_launch`, which reports it to the active counter of `tpbench.parallel.instrumentation` (counted,
+timed, settled: see there). While torch.compile traces, the blocking ones go through the registered
+custom ops below, which run the same eager collectives. Built on them: `all_reduce_coalesced`, DDP's
+`all_reduce_bucket`, and the whole job's `reduce_over_world` / `reduce_floats` for headline figures
+(not counted). The conjugate autograd pairs that use them are in `tpbench.parallel.regions`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from tpbench.parallel import instrumentation
+
+Group = dist.ProcessGroup | None
+
+
+def group_size(group: Group) -> int:
+    """None stands for no group at all (a single process): every op is then the identity."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class Pending:
+    """A collective in flight. `wait()` returns its result once the backend is done with it; the
+    time spent in `wait()` is the collective's exposed time, launch to completion its total time."""
+
+    def __init__(self, result: torch.Tensor, finish=None) -> None:
+        self.result, self._finish = result, finish
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return self.result
+
+
+def _launch(
+    op: str,
+    purpose: str,
+    x: torch.Tensor,
+    full_bytes: int,
+    group: Group,
+    fn,
+    out: torch.Tensor | None,
+    blocking: bool,
+) -> Pending:
+    """Issue `fn` (a torch.distributed call with async_op=True, returning its Work) and count it
+    now, in issue order; timed, its times are reported when it is waited on (the wall clock) or once
+    the step is over (CUDA events)."""
+    counter = instrumentation.active_counter()
+    purpose = instrumentation.counted_purpose(purpose)
+    held = (x,) if out is None else (x, out)
+    settle = instrumentation.is_settling() and dist.get_backend(group) == "gloo"
+    before = tuple(t._use_count() for t in held) if settle else ()
+    span = None
+    if counter is not None and counter.timed:
+        span = counter.timer.start(
+            x, group, blocking, lambda total, exposed: counter.add_time(op, purpose, total, exposed)
+        )
+    # the only reference to the Work, which holds the tensors too: dropped at the wait, before settling
+    work = [fn()]
+    if span is not None:
+        span.launched(work[0])
+    if counter is not None:
+        if counter.events is None:
+            counter.record(op, purpose, full_bytes, group_size(group), 0.0, exposed=0.0)
+        else:
+            ranks = tuple(dist.get_process_group_ranks(group))
+            counter.record(
+                op, purpose, full_bytes, len(ranks), 0.0, tuple(x.shape), str(x.dtype), ranks, exposed=0.0
+            )
+
+    def finish() -> None:
+        if span is not None:
+            span.waiting()
+        made = instrumentation.MadeStorages() if settle else contextlib.nullcontext()
+        with made:
+            work.pop().wait()
+        if settle:
+            instrumentation.settle_released(held, before, made.storages)
+        if span is not None:
+            span.waited()
+
+    return Pending(x if out is None else out, finish)
+
+
+# --- the collectives ----------------------------------------------------------------------------
+
+
+def all_reduce(x: torch.Tensor, group: Group, purpose: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In place (out of place while torch.compile traces: use the result)."""
+    if group_size(group) == 1:
+        return x
+    if torch.compiler.is_compiling() and op == dist.ReduceOp.SUM:
+        return torch.ops.tpbench.all_reduce(x, group.group_name, purpose)
+    fn = _all_reduce_fn(x, op, group)
+    return _launch("all_reduce", purpose, x, x.numel() * x.element_size(), group, fn, None, True).wait()
+
+
+def all_reduce_async(x: torch.Tensor, group: Group, purpose: str, op=dist.ReduceOp.SUM) -> Pending:
+    """In place, without waiting: `.wait()` before reading x."""
+    if group_size(group) == 1:
+        return Pending(x)
+    fn = _all_reduce_fn(x, op, group)
+    return _launch("all_reduce", purpose, x, x.numel() * x.element_size(), group, fn, None, False)
+
+
+def _all_reduce_fn(x: torch.Tensor, op, group: Group):
+    return lambda: dist.all_reduce(x, op, group, async_op=True)
+
+
+def all_gather(x: torch.Tensor, group: Group, purpose: str, site: str = "") -> torch.Tensor:
+    """Concatenate the ranks' shards along dim 0. `site` (compiled only) names the caller: inductor
+    merges identical ops, so the column linears' gathers of one shard (sp_gather=linear) would become
+    one without it."""
+    if group_size(group) > 1 and torch.compiler.is_compiling():
+        return torch.ops.tpbench.all_gather(x, group.group_name, purpose, site)
+    return _all_gather(x, group, purpose, blocking=True).wait()
+
+
+def all_gather_async(x: torch.Tensor, group: Group, purpose: str) -> Pending:
+    """all_gather without waiting: `.wait()` returns the gathered tensor."""
+    return _all_gather(x, group, purpose, blocking=False)
+
+
+def _all_gather(x: torch.Tensor, group: Group, purpose: str, blocking: bool) -> Pending:
+    world = group_size(group)
+    if world == 1:
+        return Pending(x)
+    x = x.contiguous()
+    out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    fn = lambda: dist.all_gather_into_tensor(out, x, group, async_op=True)  # noqa: E731
+    return _launch("all_gather", purpose, x, out.numel() * out.element_size(), group, fn, out, blocking)
+
+
+def reduce_scatter(x: torch.Tensor, group: Group, purpose: str) -> torch.Tensor:
+    """Sum over ranks and keep this rank's shard of dim 0."""
+    if group_size(group) > 1 and torch.compiler.is_compiling():
+        return torch.ops.tpbench.reduce_scatter(x, group.group_name, purpose)
+    return _reduce_scatter(x, group, purpose, blocking=True).wait()
+
+
+def reduce_scatter_async(x: torch.Tensor, group: Group, purpose: str) -> Pending:
+    """reduce_scatter without waiting: `.wait()` returns this rank's shard."""
+    return _reduce_scatter(x, group, purpose, blocking=False)
+
+
+def _reduce_scatter(x: torch.Tensor, group: Group, purpose: str, blocking: bool) -> Pending:
+    world = group_size(group)
+    if world == 1:
+        return Pending(x)
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    fn = lambda: dist.reduce_scatter_tensor(out, x, group=group, async_op=True)  # noqa: E731
+    return _launch("reduce_scatter", purpose, x, x.numel() * x.element_size(), group, fn, out, blocking)
+
+
+# --- the same collectives as registered custom ops, for torch.compile (train.compile) --------------
+# A compiled graph calls each as an opaque op, with no graph break: the op runs the eager collective
+# above, so it is counted, timed and settled exactly as without compile. Out of place: a graph's op
+# must not mutate its input.
+
+
+@torch.library.custom_op("tpbench::all_reduce", mutates_args=())
+def _all_reduce_op(x: torch.Tensor, group_name: str, purpose: str) -> torch.Tensor:
+    return all_reduce(x.clone(), _group(group_name), purpose)
+
+
+@_all_reduce_op.register_fake
+def _(x: torch.Tensor, group_name: str, purpose: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("tpbench::all_gather", mutates_args=())
+def _all_gather_op(x: torch.Tensor, group_name: str, purpose: str, site: str) -> torch.Tensor:
+    return all_gather(x, _group(group_name), purpose)
+
+
+@_all_gather_op.register_fake
+def _(x: torch.Tensor, group_name: str, purpose: str, site: str) -> torch.Tensor:
+    return x.new_empty((group_size(_group(group_name)) * x.shape[0], *x.shape[1:]))
+
+
+@torch.library.custom_op("tpbench::reduce_scatter", mutates_args=())
+def _reduce_scatter_op(x: torch.Tensor, group_name: str, purpose: str) -> torch.Tensor:
+    return reduce_scatter(x, _group(group_name), purpose)
+
+
+@_reduce_scatter_op.register_fake
+def _(x: torch.Tensor, group_name: str, purpose: str) -> torch.Tensor:
+    return x.new_empty((x.shape[0] // group_size(_group(group_name)), *x.shape[1:]))
+
+
+def _group(name: str) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+# --- built on them: many tensors in one, DDP's buckets -----------------------------------------
+
+
+def all_reduce_coalesced(
+    tensors: list[torch.Tensor], group: Group, purpose: str, average: bool = False
+) -> None:
+    """Sum (or average) many tensors over the group in one all-reduce of their concatenation, in place."""
+    if not tensors or group_size(group) == 1:
+        return
+    # 1-D tensors (the norms' gradients) as they are: one op fewer each on an emulated rank
+    flat = all_reduce(torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in tensors]), group, purpose)
+    if average:
+        flat /= group_size(group)
+    pieces = flat.split([t.numel() for t in tensors])  # views of flat, one per tensor
+    shaped = [p if t.dim() == 1 else p.view_as(t) for p, t in zip(pieces, tensors, strict=True)]
+    torch._foreach_copy_(tensors, shaped)
+
+
+def all_reduce_bucket(x: torch.Tensor, group: Group, purpose: str) -> tuple[Pending, torch.futures.Future]:
+    """DDP's all-reduce of one gradient bucket, from its comm hook (experiments.training), in place:
+    counted and timed as `all_reduce_async` is. Returns the Pending, for a timed step to wait on where
+    DDP waits, and the future DDP is handed (on the fake backend, one already holding `x`)."""
+    works: list[dist.Work] = []
+
+    def fn() -> dist.Work:
+        works.append(dist.all_reduce(x, group=group, async_op=True))
+        return works[-1]
+
+    if group_size(group) == 1:
+        pending = Pending(x)
+        fn()
+    else:
+        pending = _launch("all_reduce", purpose, x, x.numel() * x.element_size(), group, fn, None, False)
+    if fake_backend(group):  # an emulated rank: the fake work's future holds no value
+        future = torch.futures.Future()
+        future.set_result(x)
+        return pending, future
+    return pending, works.pop().get_future().then(lambda fut: fut.value()[0])
+
+
+def fake_backend(group: Group) -> bool:
+    """torch's fake process group: "fake", or bound to one device ("cuda:fake", which an emulated GPU
+    rank runs on: tests/fake_cuda_checks.py)."""
+    return dist.get_backend(group).split(":")[-1] == "fake"
+
+
+# --- over the whole job, for headline figures ---------------------------------------------------
+
+
+def world_device() -> torch.device:
+    """The device whose tensors the default group's backend takes: CUDA for NCCL (which refuses CPU
+    tensors), the CPU for gloo. The same rule torch uses for its object collectives."""
+    kind = dist.distributed_c10d._get_object_coll_device()
+    if kind == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
+def reduce_over_world(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """A figure every rank computed, reduced over the whole job (sum, max, ...) for its headline value:
+    issued on a copy on `world_device()`, returned on the device it came from. Not counted: it is no
+    part of a training step."""
+    device = world_device()
+    on_backend = x.detach().clone() if x.device.type == device.type else x.detach().to(device)
+    dist.all_reduce(on_backend, op)
+    return on_backend if x.device.type == device.type else on_backend.to(x.device)
+
+
+def reduce_floats(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+    """Python numbers reduced over the whole job, on a float64 tensor of `world_device()`."""
+    return reduce_over_world(torch.tensor(values, dtype=torch.float64, device=world_device()), op).tolist()

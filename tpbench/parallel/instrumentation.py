@@ -1,0 +1,222 @@
+"""What tpbench measures of its collectives, and the modes they run in.
+
+Every collective of `tpbench.parallel.collectives` reports to the active `CommCounter` (`counting`):
+count and per-rank ring bytes on the wire (`ring_bytes`), by op and purpose, an async one the same as
+its blocking twin; timed, also its total time and the part of it the caller spent waiting (exposed: a
+blocking collective is all exposed), by the counter's `tpbench.parallel.timing` timer: the wall clock
+on gloo, CUDA events on NCCL. With `log=True` it keeps each one, in the order issued, as a `CommEvent`
+(what `tpbench diagram` draws). `tpbench.theory` predicts the same bytes with the same `ring_bytes`.
+
+Two modes change how a collective issued now runs: `recomputing` counts it under the purpose
+"recompute", `settling` makes its wait return only once gloo has let go of its tensors (for a memory
+tracker).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from tpbench.parallel import timing
+from tpbench.results import CommRow
+
+
+def ring_bytes(op: str, full_bytes: int, world: int) -> int:
+    """Per-rank bytes on the wire of one ring collective over `world` ranks, N = `full_bytes` (the full
+    tensor's: the all-reduced one, the gathered one, the one reduce-scattered): all-reduce 2(T-1)/T * N,
+    all-gather and reduce-scatter (T-1)/T * N. Rounded to whole bytes per collective."""
+    factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
+    return round(full_bytes * factor)
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    """One collective as this rank issued it."""
+
+    op: str
+    purpose: str
+    shape: tuple[int, ...]  # the tensor handed to the collective on this rank
+    dtype: str
+    ranks: tuple[int, ...]  # the group, as global ranks
+    bytes: int  # per-rank ring bytes, as counted
+
+
+class CommCounter:
+    """Counts the collectives issued while active, in per-rank ring bytes (`ring_bytes`).
+    `timed=True` also times them with `timer` (the wall clock unless given); `log=True` also keeps
+    every collective in issue order in `events`."""
+
+    def __init__(self, timed: bool = False, log: bool = False, timer: timing.CollectiveTimer | None = None):
+        self.timed = timed
+        self.timer: timing.CollectiveTimer = timer or timing.WallClockTimer()
+        # (op, purpose) -> [count, bytes, seconds, exposed seconds]
+        self.stats: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
+        self.events: list[CommEvent] | None = [] if log else None
+
+    def record(
+        self,
+        op: str,
+        purpose: str,
+        full_bytes: int,
+        world: int,
+        seconds: float,
+        shape: tuple[int, ...] = (),
+        dtype: str = "",
+        ranks: tuple[int, ...] = (),
+        exposed: float | None = None,
+    ) -> None:
+        """One collective issued. `exposed`: the seconds the caller waited on it (None: all of them)."""
+        wire = ring_bytes(op, full_bytes, world)
+        entry = self.stats[(op, purpose)]
+        entry[0] += 1
+        entry[1] += wire
+        self.add_time(op, purpose, seconds, seconds if exposed is None else exposed)
+        if self.events is not None:
+            self.events.append(CommEvent(op, purpose, shape, dtype, ranks, wire))
+
+    def add_time(self, op: str, purpose: str, seconds: float, exposed: float) -> None:
+        entry = self.stats[(op, purpose)]
+        entry[2] += seconds
+        entry[3] += exposed
+
+    def rows(self, steps: int = 1) -> list[CommRow]:
+        """Per (op, purpose), per step. Call it after the step: the timer's unread times are read here
+        (with CUDA events, after one synchronisation)."""
+        if self.timed:
+            self.timer.resolve()
+        return [
+            CommRow(
+                op,
+                purpose,
+                int(n // steps),
+                int(b // steps),
+                t / steps if self.timed else None,
+                e / steps if self.timed else None,
+            )
+            for (op, purpose), (n, b, t, e) in sorted(self.stats.items())
+        ]
+
+    def reset(self) -> None:
+        self.stats.clear()
+        if self.events is not None:
+            self.events.clear()
+
+
+_counter: CommCounter | None = None
+
+
+@contextlib.contextmanager
+def counting(counter: CommCounter) -> Iterator[CommCounter]:
+    """Inside, every collective issued reports to `counter` (the innermost `counting`'s)."""
+    global _counter
+    previous, _counter = _counter, counter
+    try:
+        yield counter
+    finally:
+        _counter = previous
+
+
+def active_counter() -> CommCounter | None:
+    """The counter a collective issued now reports to, if any."""
+    return _counter
+
+
+def timed() -> bool:
+    """Whether the active counter times the collectives issued now."""
+    return _counter is not None and _counter.timed
+
+
+_recomputing = False
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """Collectives issued inside are counted under the purpose "recompute": a block's forward run
+    again in backward by activation recompute (tpbench.parallel.recompute)."""
+    global _recomputing
+    previous, _recomputing = _recomputing, True
+    try:
+        yield
+    finally:
+        _recomputing = previous
+
+
+def counted_purpose(purpose: str) -> str:
+    """The purpose a collective issued now for `purpose` is counted under."""
+    return "recompute" if _recomputing else purpose
+
+
+# --- settling: gloo letting go of a collective's tensors ---------------------------------------
+
+_settling = False
+
+
+@contextlib.contextmanager
+def settling() -> Iterator[None]:
+    """Each collective returns only once its backend has let go of its tensors, for a memory tracker.
+
+    gloo runs a collective on a worker thread that wakes the caller as soon as the result is ready,
+    then drops its own references to the input and output a moment later. When the caller's were the
+    other references, the tensor is freed at a moment the thread scheduler chooses: measured here, a
+    gathered [S, B, H] freed after the LM head's next op made MemTracker's peak 12.5-14 KB higher on one
+    random rank in a few percent of steps (tp 4, SP + VP). Inside, waiting on a collective (a blocking
+    one, or `Pending.wait()`) also waits for the worker to drop them (microseconds), so every rank
+    frees at the same op.
+
+    gloo's reduce-scatter also makes a tensor of its own: it all-reduces a clone of the input, and its
+    wait(), on the caller's thread, copies this rank's chunk out of it (the chunk is the op a memory
+    tracker sees). The worker drops its reference to the clone a moment after the all-reduce, so the
+    clone too outlived the wait now and then: a [S, B, H] 16 KB more at the final norm's backward on
+    one random rank, in 7 of 10 steps on a faster CPU (dp 2 x tp 2, SP + VP). Every storage the wait
+    makes visible is waited on as well, until it is freed or is the result's."""
+    global _settling
+    previous, _settling = _settling, True
+    try:
+        yield
+    finally:
+        _settling = previous
+
+
+def is_settling() -> bool:
+    """Whether a collective issued now settles (inside `settling`)."""
+    return _settling
+
+
+class MadeStorages(TorchDispatchMode):
+    """Weak references to the storages of what ops return while it is on (a backend's wait())."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.storages.append(weakref.ref(t.untyped_storage()))
+        return out
+
+
+def settle_released(
+    tensors: tuple[torch.Tensor, ...], before: tuple[int, ...], made: Sequence[weakref.ref] = ()
+) -> None:
+    """Until the backend holds no more references to `tensors` than before the collective, and the
+    storages its wait made (`made`) are freed, bar the result's."""
+    deadline = time.perf_counter() + 1.0  # never hangs: a backend that keeps them longer is let be
+    kept = {t.untyped_storage()._cdata for t in tensors}
+
+    def held() -> bool:
+        if any(t._use_count() > n for t, n in zip(tensors, before, strict=True)):
+            return True
+        return any((s := ref()) is not None and s._cdata not in kept for ref in made)
+
+    while held() and time.perf_counter() < deadline:
+        time.sleep(0)
