@@ -2,6 +2,19 @@
 term by term) and outside the blocks (`model_activations`), under each precision and recompute
 setting. Where each term comes from, with the paper's per-layer coefficients beside tpbench's, is in
 docs/theory.md, "Activation memory per layer".
+
+The terms of a block (recompute none), as shapes on this rank (Ns tokens of the stream, N gathered):
+  input_layernorm, post_attention_layernorm   lean: the input [Ns, H]; else its fp32 copy [Ns, H],
+                     rsqrt [Ns, 1] and the fp32 normed tensor [Ns, H]
+  attention input, mlp input   [N, H] shared by q, k, v (gate, up); SP with the re-gather: [Ns, H];
+                     one each where each linear casts or gathers its own
+  q_norm, k_norm     the same over [N, Nq/T, D] and [N, Nkv/T, D]
+  rope tables        cos, sin [S, D] in p, for q and for k
+  q, k, v            [N, Nq/T D] each, k and v repeated out to the query heads (`kv_widths`)
+  attention core     SDPA: its output [N, Nq/T D] and logsumexp [B, Nq/T, S] (fp32); manual: the
+                     fp32 softmax [B, Nq/T, S, S], its cast, and o_proj's input [N, Nq/T D]
+  swiglu             gate, up and their product [N, I/T] (MiniMind's unfused ops: silu(gate) too)
+  weight casts       mixed precision: each linear's bf16 weight
 """
 
 from __future__ import annotations
@@ -23,9 +36,8 @@ def layer_activations(d: Dims) -> dict[str, int]:
 
     A lean RMSNorm (model.lean_rmsnorm) keeps its input instead of its fp32 copy, rsqrt and fp32
     result. selective keeps gate and up instead of the three SwiGLU tensors (down_proj's weight cast,
-    made inside, is remade too); full
-    keeps the block's input only (under mixed precision the casts it remakes are still held, by
-    autocast's cache, until the forward ends: `forward_only_casts`)."""
+    made inside, is remade too); full keeps the block's input only (under mixed precision the casts
+    it remakes are still held, by autocast's cache, until the forward ends: `forward_only_casts`)."""
     N, Ns, S, B, H, p = d.N, d.Ns, d.S, d.B, d.H, d.p
     if d.recompute == "full":  # the stream entering the block, [S(/T), B, H]
         return {"block input": d.s * Ns * H, "weight casts": 0}

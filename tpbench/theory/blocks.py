@@ -45,8 +45,8 @@ def final_norm_backward(
 ) -> Moment:
     """The final RMSNorm's backward. MiniMind's RMSNorm computes in fp32, and its backward (pow's,
     mean's and mul's gradients and their sum) holds 5 fp32 [Ns, H] temporaries at once beside its
-    saved fp32 input (MemTracker on the norm alone, bf16 and fp32 alike). The loss and the head have
-    run their backward: their saved tensors are freed, the head's gradient made (a tied head's waits,
+    saved fp32 input (as measured: docs/theory.md, "How the model is checked"). The loss and the head
+    have run their backward: their saved tensors are freed, the head's gradient made (a tied head's waits,
     as a temporary, for the embedding's share); the norm's weight gradient is made too.
     A lean norm has made its fp32 copy of the input again (unless the input is fp32: x.float() is x),
     and its normed result and rsqrt, which are freed by then as they are without it."""
@@ -175,8 +175,7 @@ def head_norm_backward(
     only then k_proj and q_proj. The block's MLP, post-attention norm, o_proj, attention core, RoPE
     tables and v_proj have run their backward and freed what they saved; the norms keep their inputs
     until theirs. At k_norm's, q_norm's incoming gradient waits; at q_norm's, k_norm's result, the
-    gradient of k_proj's output [N, Hkv], waits for k_proj (measured at head_dim 16, where q_norm's is
-    the peak: k_proj's weight gradient not made yet)."""
+    gradient of k_proj's output [N, Hkv], waits for k_proj, whose weight gradient is not made yet."""
     layer = layer_activations(d)
     width = d.Hkv if norm == "k_norm" else d.Hq
     freed = sum(layer[k] for k in ("post_attention_layernorm", "mlp input", "swiglu", "attention core"))

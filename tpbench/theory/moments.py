@@ -38,8 +38,8 @@ def loss_extra(d: Dims) -> tuple[int, int]:
     bookkeeping and one fp32 slice of LOSS_CHUNKS of the tokens (`loss_slice`); its backward is
     `loss_backward`.
     The seed's logits.float().mean(): the logits and their fp32 copy (unless they are fp32), with the
-    loss and the gradient backward starts from (ones_like): MemTracker sees all four at backward's
-    first op (tp 4, SP + VP); its backward is the logits' gradient of the head's backward."""
+    loss and the gradient backward starts from (ones_like), all four alive at backward's first op;
+    its backward is the logits' gradient of the head's backward."""
     nv = d.N * d.V_l
     if d.logits_mean:
         return d.p * nv + (FP32 * nv if d.p != FP32 else 0) + LOSS_AND_GRAD, 0
