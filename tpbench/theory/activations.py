@@ -1,0 +1,139 @@
+"""Activations: the bytes the forward saves for backward on one rank, per block (`layer_activations`,
+term by term) and outside the blocks (`model_activations`), under each precision and recompute
+setting. Where each term comes from, with the paper's per-layer coefficients beside tpbench's, is in
+docs/theory.md, "Activation memory per layer".
+
+The terms of a block (recompute none), as shapes on this rank (Ns tokens of the stream, N gathered):
+  input_layernorm, post_attention_layernorm   lean: the input [Ns, H]; else its fp32 copy [Ns, H],
+                     rsqrt [Ns, 1] and the fp32 normed tensor [Ns, H]
+  attention input, mlp input   [N, H] shared by q, k, v (gate, up); SP with the re-gather: [Ns, H];
+                     one each where each linear casts or gathers its own
+  q_norm, k_norm     the same over [N, Nq/T, D] and [N, Nkv/T, D]
+  rope tables        cos, sin [S, D] in p, for q and for k
+  q, k, v            [N, Nq/T D] each, k and v repeated out to the query heads (`kv_widths`)
+  attention core     SDPA: its output [N, Nq/T D] and logsumexp [B, Nq/T, S] (fp32); manual: the
+                     fp32 softmax [B, Nq/T, S, S], its cast, and o_proj's input [N, Nq/T D]
+  swiglu             gate, up and their product [N, I/T] (MiniMind's unfused ops: silu(gate) too)
+  weight casts       mixed precision: each linear's bf16 weight
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tpbench.theory.dims import FP32, INT64, Dims
+from tpbench.theory.weights import block_linears
+
+
+def layer_activations(d: Dims) -> dict[str, int]:
+    """Bytes one block saves for backward on this rank, term by term, under d.recompute.
+
+    p is the activation dtype: train.dtype, or the autocast dtype under mixed precision, where the
+    stream and the norms stay fp32 (d.s) and every autocast op saves its own bf16 casts: the linears'
+    weights are cast once per forward (and kept, saved, until their backward); with T > 1 each region
+    entry casts its input once for all its linears, while the dense model's (T = 1) q, k, v (gate,
+    up) each cast it.
+
+    A lean RMSNorm (model.lean_rmsnorm) keeps its input instead of its fp32 copy, rsqrt and fp32
+    result. selective keeps gate and up instead of the three SwiGLU tensors (down_proj's weight cast,
+    made inside, is remade too); full keeps the block's input only (under mixed precision the casts
+    it remakes are still held, by autocast's cache, until the forward ends: `forward_only_casts`)."""
+    N, Ns, S, B, H, p = d.N, d.Ns, d.S, d.B, d.H, d.p
+    if d.recompute == "full":  # the stream entering the block, [S(/T), B, H]
+        return {"block input": d.s * Ns * H, "weight casts": 0}
+    selective, lean = d.recompute == "selective", d.lean_rmsnorm
+    # fp32 input, rsqrt [Ns, 1], fp32 normed (the weight's mul saves it); lean: the input
+    rmsnorm = d.s * Ns * H if lean else 2 * FP32 * Ns * H + FP32 * Ns
+    if (d.mixed and not d.cast_once) or (d.per_linear and not d.block_regather):
+        # q, k, v each save their own copy, gate and up too: a cast of the fp32 input (dense, mixed),
+        # or the [S, B, H] each all-gathered (SP with parallel.sp_gather=linear, no re-gather)
+        attn_input, mlp_input = 3 * p * N * H, 2 * p * N * H
+    else:  # one tensor q/k/v (gate/up) share: under SP with the re-gather, only this rank's shard
+        attn_input = mlp_input = p * d.saved_input_tokens * H
+    k_width, v_width = kv_widths(d)
+    if d.flash:  # SDPA saves its output (o_proj's input is a view of it) and the logsumexp
+        core = p * N * d.Hq + FP32 * B * d.Nq_l * S
+    else:  # fp32 softmax output, its cast (unless it is fp32 already), o_proj's input copy
+        core = (FP32 + (p if p != FP32 else 0)) * B * d.Nq_l * S * S + p * N * d.Hq
+
+    def head_norm(width: int, heads: int) -> int:  # q_norm / k_norm over [N, heads, D]
+        return p * N * width if lean else 2 * FP32 * N * width + FP32 * N * heads
+
+    terms = {
+        "input_layernorm": rmsnorm,
+        "attention input": attn_input,
+        "q_norm": head_norm(d.Hq, d.Nq_l) if d.qk_norm else 0,
+        "k_norm": head_norm(d.Hkv, d.Nkv_l) if d.qk_norm else 0,
+        "rope tables": 4 * S * d.D * p if p != FP32 else 0,  # cos, sin cast to p, for q and for k
+        "q, k, v": p * N * (d.Hq + k_width + v_width),
+        "attention core": core,
+        "post_attention_layernorm": rmsnorm,
+        "mlp input": mlp_input,
+        # gate, up; the product (down_proj's input); MiniMind's unfused ops keep silu(gate) too
+        "swiglu": (2 if selective else 3 if d.fused_swiglu else 4) * p * N * d.I_l,
+    }
+    if d.mixed:
+        terms["weight casts"] = p * block_linears(d) - forward_only_casts(d) // d.L
+    return terms
+
+
+def forward_only_casts(d: Dims) -> int:
+    """Mixed precision: bf16 weight casts that autocast's cache holds until the forward ends but
+    backward does not keep, since recompute makes them again: every block linear's under full,
+    down_proj's under selective (made inside its checkpointed SwiGLU)."""
+    if not d.mixed or d.recompute == "none":
+        return 0
+    per_layer = block_linears(d) if d.recompute == "full" else d.H * d.I_l
+    return d.L * d.p * per_layer
+
+
+def bias_casts(d: Dims) -> int:
+    """Mixed precision with q/k/v biases: their bf16 casts, which autocast's cache holds until the
+    forward ends (no backward saves a bias: its gradient is the output gradient's sum)."""
+    return d.L * d.p * (d.Hq + 2 * d.Hkv) if d.mixed and d.bias else 0
+
+
+def kv_widths(d: Dims) -> tuple[int, int]:
+    """Widths of the k and v that attention saves. repeat_kv's expand + reshape copies them out to the
+    query heads, unless this rank has one KV head: then the expanded size-1 dim merges into a
+    stride-0 view and nothing is copied. SDPA saves that view; manual attention's matmuls reshape it
+    to [B Nq, S, D], which copies it (and saves the copy) unless B is 1: a size-1 batch dim merges
+    with the stride-0 head dim into a view."""
+    n_rep = d.Nq_l > d.Nkv_l
+    v_width = d.Hq if n_rep and (d.Nkv_l > 1 or not d.flash and d.B > 1) else d.Hkv
+    return v_width, v_width
+
+
+def model_activations(d: Dims) -> dict[str, int]:
+    """Bytes saved for backward outside the blocks, and the tensors the step holds all along. The
+    logits are not here: the loss holds them while it runs (`loss_extra`), nothing after it."""
+    N, Ns, H, p = d.N, d.Ns, d.H, d.p
+    # the LM head's input: the shard under SP + VP with the re-gather (cast once under mixed
+    # precision, as a region entry), else the whole [S, B, H] (the dense head's own cast, if mixed)
+    head_input = p * (Ns if d.sp and d.vp and d.regather else N) * H
+    return {
+        "blocks": d.L * sum(layer_activations(d).values()),
+        "embedding": (INT64 + 1) * d.N if d.vp else 0,  # VP: masked local ids (int64), out-of-range mask
+        "rope tables": 2 * FP32 * d.S * d.D,  # cos, sin [S, D] fp32, built once and kept by the model
+        "final norm": d.s * Ns * H if d.lean_rmsnorm else 2 * FP32 * Ns * H + FP32 * Ns,
+        "head input": head_input,
+        "head weight cast": p * d.V_l * H if d.mixed else 0,
+        "batch": 2 * INT64 * d.B * d.dp * d.S,  # ids and labels of the global batch (sliced views)
+    }
+
+
+def recomputed(d: Dims) -> dict[str, int]:
+    """What a block recomputed under full recompute saves while its backward runs, beyond its input:
+    everything of `none`, the whole gathered region inputs included (the re-gather is off inside the
+    blocks). A lean first norm keeps the block input, held already; so does a norm's fp32 copy of an
+    fp32 stream (x.float() is x)."""
+    terms = layer_activations(replace(d, recompute="none", regather=False))
+    if d.lean_rmsnorm or d.s == FP32:
+        terms["input_layernorm"] -= d.s * d.Ns * d.H
+    return terms
+
+
+def after_head(acts: dict[str, int]) -> int:
+    """What the step still saves once the final norm's backward is done: the head's input and weight
+    cast and the final norm's tensors are freed."""
+    return sum(acts.values()) - acts["final norm"] - acts["head input"] - acts["head weight cast"]

@@ -1,0 +1,74 @@
+"""Collectives: what tpbench.parallel.instrumentation.CommCounter counts on one rank per training
+step, by op and purpose: each collective's count and its ring bytes (the counter's own `ring_bytes`).
+The counts per mode are in docs/theory.md, "Communication per step".
+"""
+
+from __future__ import annotations
+
+from tpbench.config import RunConfig
+from tpbench.parallel.instrumentation import ring_bytes
+from tpbench.results import CommRow
+from tpbench.theory.dims import FP32, dims
+from tpbench.theory.weights import ddp_buckets, params
+
+
+def comm_rows(cfg: RunConfig) -> list[CommRow]:
+    """(op, purpose, count, bytes) of one training step on one rank, as CommCounter counts them."""
+    d = dims(cfg)
+    rows: dict[tuple[str, str], list[int]] = {}
+
+    def add(op: str, purpose: str, full_bytes: int, world: int, count: int = 1) -> None:
+        if world > 1 and count > 0:
+            row = rows.setdefault((op, purpose), [0, 0])
+            row[0] += count
+            row[1] += count * ring_bytes(op, full_bytes, world)  # the counter's own formula
+
+    skip = set(cfg.debug.skip_grad_sum)
+    if d.ddp:
+        cap = int(cfg.parallel.ddp_bucket_mb * 2**20)
+        for size in ddp_buckets(d, cap, rebuilt=cfg.train.warmup > 0):
+            add("all_reduce", "dp_grad", size, d.dp)
+        return _sorted(rows)
+
+    T, L, N, H = d.T, d.L, d.N, d.H
+    # Element bytes: `a` of what crosses a region's boundary (its entry's input, cast to the autocast
+    # dtype under mixed precision, a row-parallel output, their gradients); `e` of the stream at the
+    # edges (the embedding's output, the replicated head's input), fp32 under mixed precision.
+    a, e = d.p, d.s
+    g = d.entries  # entries per block: 2 regions, or SP's 5 column linears (sp_gather=linear)
+    regions, vp = g * L + (1 if d.vp else 0), 1 if d.vp else 0  # entries per block, the VP head
+    if not d.sp:  # f-bar forward at 2L exits, f backward at every entry; VP: the embedding's f-bar
+        add("all_reduce", "activation", N * H * a, T, 2 * L + regions)
+        add("all_reduce", "activation", N * H * e, T, vp)
+    else:  # g all-gathers forward, reduce-scatters backward; g-bar the other way round
+        add("all_gather", "activation", N * H * a, T, regions + 2 * L)
+        add("reduce_scatter", "activation", N * H * a, T, regions + 2 * L)
+        # the embedding: VP's g-bar (reduce-scatter, all-gather backward), else the split's backward
+        # all-gather; without VP, the replicated head's all-gather
+        add("all_gather", "activation", N * H * e, T, 1 if d.vp else 2)
+        add("reduce_scatter", "activation", N * H * e, T, vp)
+        if d.regather:  # backward all-gathers each saved shard again: g per block, + the VP head
+            add("all_gather", "regather", N * H * a, T, (g * L if d.block_regather else 0) + vp)
+    if d.recompute == "full":  # each block's forward again, to down_proj: every entry (SP: g),
+        if d.sp:  # and the attention's exit
+            add("all_gather", "recompute", N * H * a, T, g * L)
+            add("reduce_scatter", "recompute", N * H * a, T, L)
+        else:
+            add("all_reduce", "recompute", N * H * a, T, L)
+    if d.vp and not d.logits_mean:  # the loss: max, target logit, sum of exp, [S, B] fp32 each
+        add("all_reduce", "loss", N * FP32, T, 3)
+    if T > 1:
+        tp_sums = (2 * L * d.D if d.qk_norm and "qk_norm" not in skip else 0) + (
+            (2 * L + 1) * H if d.sp and "sp_norms" not in skip else 0
+        )  # q/k norm weights (each rank saw its heads), SP norms (each rank saw its tokens)
+        if tp_sums:
+            add("all_reduce", "grad_sum", tp_sums * d.w, T)
+        if d.Nkv % T and "kv_replicas" not in skip:  # ranks sharing one KV head sum k/v grads
+            add("all_reduce", "grad_sum", 2 * L * d.D * (H + d.bias) * d.w, T // d.Nkv)
+    if "dp" not in skip:
+        add("all_reduce", "dp_grad", sum(n for _, n in params(d)) * d.w, d.dp)
+    return _sorted(rows)
+
+
+def _sorted(rows: dict[tuple[str, str], list[int]]) -> list[CommRow]:
+    return [CommRow(op, purpose, n, b) for (op, purpose), (n, b) in sorted(rows.items())]

@@ -1,0 +1,79 @@
+"""A moment of the step (`Moment`: its live bytes by MemTracker's categories), and what the loss holds
+at its moments beyond the saved activations: its peak (backward, or the vocab-parallel loss's forward
+at a slice), a dense loss's forward end and the vocab-parallel loss's backward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tpbench.parallel.cross_entropy import LOSS_CHUNKS
+from tpbench.theory.dims import FP32, INT64, LOSS_AND_GRAD, Dims
+
+
+@dataclass
+class Moment:
+    """The live bytes at one moment of the step, by MemTracker's categories."""
+
+    name: str
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    temporaries: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.temporaries
+
+
+def loss_extra(d: Dims) -> tuple[int, int]:
+    """(activation, temporary) bytes of the loss at its peak, beyond the saved activations.
+
+    Dense loss (F.cross_entropy on logits.float()): the peak is log_softmax's backward, holding its
+    fp32 output (saved), the fp32 gradient from nll_loss and the fp32 gradient it makes: 3 x 4 N V
+    (the logits themselves are gone by then: nothing saves them), and the loss and its gradient.
+    Vocab-parallel loss (tpbench.parallel.cross_entropy): its forward holds the logits, the [N]
+    bookkeeping and one fp32 slice of LOSS_CHUNKS of the tokens (`loss_slice`); its backward is
+    `loss_backward`.
+    The seed's logits.float().mean(): the logits and their fp32 copy (unless they are fp32), with the
+    loss and the gradient backward starts from (ones_like), all four alive at backward's first op;
+    its backward is the logits' gradient of the head's backward."""
+    nv = d.N * d.V_l
+    if d.logits_mean:
+        return d.p * nv + (FP32 * nv if d.p != FP32 else 0) + LOSS_AND_GRAD, 0
+    if not d.vp:
+        return FP32 * nv + LOSS_AND_GRAD, 2 * FP32 * nv
+    # at a slice: targets and local ids (int64); row max, target logit, sum of exp (fp32); valid and
+    # owned masks (bool)
+    small = (2 * INT64 + 3 * FP32 + 2) * d.N
+    return d.p * nv + small, loss_slice(d)
+
+
+def loss_forward(d: Dims) -> int:
+    """Bytes of a dense loss at the end of its forward, beyond the saved activations: the logits and
+    their fp32 copy (unless they are fp32); cross entropy's log_softmax output, the shifted targets
+    (int64 [N]), the loss and nll's total weight; the mean's scalar. Only beside the forward-only
+    weight casts (mixed precision with recompute) can it outgrow the loss's backward."""
+    nv = d.N * d.V_l
+    logits = d.p * nv + (FP32 * nv if d.p != FP32 else 0)
+    if d.logits_mean:
+        return logits + FP32
+    return logits + FP32 * nv + INT64 * d.N + 2 * FP32
+
+
+def loss_slice(d: Dims) -> int:
+    """Bytes of the vocab-parallel loss's fp32 work on one slice of the tokens: [N / LOSS_CHUNKS, V/T]."""
+    return FP32 * math.ceil(d.N / LOSS_CHUNKS) * d.V_l
+
+
+def loss_backward(d: Dims) -> tuple[int, int]:
+    """(activation, temporary) bytes of the vocab-parallel loss's backward at a slice's one-hot, beyond
+    the saved activations: the logits it keeps (becoming their own gradient, slice by slice), each
+    row's max and sum of exp and the gradient's scale (fp32), the local ids and the count of valid
+    targets (int64), valid and owned masks, the loss and its gradient; the slice, and the slice's
+    owned mask in fp32 and negated (scatter_add_'s source)."""
+    rows = math.ceil(d.N / LOSS_CHUNKS)
+    act = d.p * d.N * d.V_l + (INT64 + 3 * FP32 + 2) * d.N + INT64 + LOSS_AND_GRAD
+    return act, loss_slice(d) + 2 * FP32 * rows

@@ -1,0 +1,97 @@
+"""The moments of one training step in order, each a `Moment` (tpbench.theory.moments):
+  zero_grad(set_to_none) -> forward -> loss -> backward -> gradient sums -> AdamW step.
+The peak is the largest of them; docs/theory.md, "The moments of a step", lists them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tpbench.theory import blocks, weights
+from tpbench.theory.activations import bias_casts, forward_only_casts, model_activations
+from tpbench.theory.dims import FP32, LOSS_AND_GRAD, Dims
+from tpbench.theory.moments import Moment, loss_backward, loss_extra, loss_forward
+
+
+def moments(d: Dims) -> list[Moment]:
+    """Every moment of the step where the peak can fall, in the step's order."""
+    P, O = weights.param_bytes(d), weights.optimizer_bytes(d)  # noqa: E741
+    buckets, G = weights.bucket_bytes(d), weights.grad_bytes(d)
+    acts = model_activations(d)
+    A = sum(acts.values())
+    # what outlives the backward: the batch, the model's RoPE tables and the loss the step returns
+    kept = acts["batch"] + acts["rope tables"] + FP32
+
+    loss_act, loss_temp = loss_extra(d)
+    casts = forward_only_casts(d) + bias_casts(d)  # autocast's cache holds them to the forward's end
+    if d.vp and not d.logits_mean:  # the vocab-parallel loss: its forward (casts held), its backward
+        back_act, back_temp = loss_backward(d)
+        out = [
+            Moment("loss", P, buckets, O, A + casts + loss_act, loss_temp),
+            Moment("loss backward", P, buckets, O, A + back_act, back_temp),
+        ]
+    else:  # the dense losses peak in their backward, the casts gone; their forward, beside the casts
+        out = [Moment("loss", P, buckets, O, A + loss_act, loss_temp)]
+        if casts:
+            out.append(Moment("loss forward", P, buckets, O, A + casts + loss_forward(d), 0))
+
+    # the LM head's backward: the logits' gradient, the head's weight gradient (not yet accumulated
+    # into .grad; in the matmul's dtype: under mixed precision the bf16 weight cast's, cast to fp32
+    # once the logits' gradient is freed) and its input gradient, with every activation still saved
+    temp = d.p * d.N * d.V_l + d.V_l * d.H * d.p + d.p * d.N * d.H
+    if d.sp and d.vp and d.regather:  # the head's input, all-gathered again
+        temp += d.p * d.N * d.H
+    out.append(Moment("head backward", P, buckets, O, A + LOSS_AND_GRAD, temp))
+    if d.mixed:  # the head's weight gradient cast to fp32, beside its bf16 one and the input's gradient
+        after = A - acts["head input"] - acts["head weight cast"] + LOSS_AND_GRAD
+        cast = d.V_l * d.H * (d.p + d.w) + d.s * d.N * d.H
+        out.append(Moment("head weight cast's backward", P, buckets, O, after, cast))
+    out.append(blocks.final_norm_backward(d, acts, P, O, buckets, G > 0))
+    if d.recompute == "full":
+        out += [blocks.recomputed_block(d, acts, P, O, buckets, G > 0, i) for i in sorted({d.L - 1, 0})]
+    else:
+        out += blocks.down_backward(d, acts, P, O, buckets, G > 0)
+        out.append(blocks.swiglu_backward(d, acts, P, O, buckets, G > 0))
+        out.append(blocks.post_attention_norm_backward(d, acts, P, O, buckets, G > 0))
+        if d.qk_norm:
+            out += [blocks.head_norm_backward(d, acts, P, O, buckets, G > 0, n) for n in ("k_norm", "q_norm")]
+        out.append(blocks.mlp_backward(d, acts, P, O, buckets, G > 0))
+    if not d.flash and d.recompute != "full":
+        out.append(blocks.attention_forward(d, acts, P, O, buckets))
+        out.append(blocks.attention_backward(d, acts, P, O, buckets, G > 0, d.L - 1))
+    elif not d.flash:
+        out += [blocks.attention_backward(d, acts, P, O, buckets, G > 0, i) for i in sorted({d.L - 1, 0})]
+
+    if d.tied:  # the LM head's gradient waits for the embedding's; the two are summed into a third
+        E = d.V_l * d.H * d.w
+        own = G - E if G else 0
+        out.append(Moment("backward end", P, buckets + own, O, kept + LOSS_AND_GRAD - FP32, 3 * E))
+    else:  # the embedding's backward: its gradient being made from the stream's [S, B, H] gradient
+        # (gathered whole under SP), every other gradient made; the fused AdamW's moment is below it
+        E = d.V_l * d.H * d.w
+        own = G - E if G else 0
+        temps = E + d.s * d.N * d.H
+        out.append(Moment("embedding backward", P, buckets + own, O, kept + LOSS_AND_GRAD - FP32, temps))
+    if d.dp > 1 and not d.ddp:  # megatron's DP sum concatenates every gradient into one flat copy
+        out.append(Moment("gradient sums", P, buckets + G, O, kept, P))
+    adam_temp = weights.optimizer_temporaries(d)
+    out.append(Moment("optimizer", P, buckets + G, O, kept, adam_temp))
+    return kept_output(d, acts, out) if d.keep_output else out
+
+
+def kept_output(d: Dims, acts: dict[str, int], out: list[Moment]) -> list[Moment]:
+    """train.keep_output: the step holds the model's output to its end, as the seed's and
+    minimind-tron's benchmarks hold `output`: the logits [S, B, V/T] (p) and the final hidden states
+    (the decoder's output: whole, or this rank's shard under SP with VP, whose head gathers itself; in
+    the stream's dtype, fp32 under mixed precision). Where the LM head saves that very tensor (pure
+    precision; under SP with VP, with the re-gather) it is held from the head's backward on, which would
+    free it; otherwise (the head saves its own cast, or its own gathered copy) from the forward on.
+    The logits are held at every moment after the forward; at the loss, the dense loss's peak is its
+    backward, where the logits would be gone (cross entropy), or the mean's gradient in fp32 and its
+    cast (logits_mean): held beside them. (The vocab-parallel cross entropy turns the logits into their
+    gradient in place: compose refuses keep_output with it.)"""
+    logits = d.p * d.N * d.V_l
+    hidden = d.s * (d.Ns if d.sp and d.vp else d.N) * d.H
+    early = hidden if d.mixed or (d.sp and d.vp and not d.regather) else 0
+    held = {"attention forward": 0, "loss": logits + early, "head backward": logits + early}
+    return [replace(m, activations=m.activations + held.get(m.name, logits + hidden)) for m in out]

@@ -1,0 +1,131 @@
+"""Weights, their gradients and AdamW's state on one rank: each parameter's elements in module order,
+the order backward finishes their gradients (DDP's buckets follow it), and the bytes of each.
+
+Shapes are [out, in] per linear on this rank: q_proj [Nq D / T, H], k_proj and v_proj [Nkv D / T, H]
+(one replicated KV head when T does not divide Nkv), o_proj [H, Nq D / T], gate_proj and up_proj
+[I / T, H], down_proj [H, I / T]; the norms' weights [H] (q_norm, k_norm [D]); the embedding and the
+LM head [V / T, H] under VP, else [V, H].
+"""
+
+from __future__ import annotations
+
+from tpbench.theory.dims import FP32, Dims
+
+
+def layer_params(d: Dims) -> list[tuple[str, int]]:
+    """(name, elements on this rank) of one block, in module order: a linear's weight under the
+    linear's name, its bias (model.attention_bias: q, k, v) as `name.bias` after it."""
+    H, D = d.H, d.D
+    out = []
+    for name, width in (("q_proj", d.Hq), ("k_proj", d.Hkv), ("v_proj", d.Hkv)):
+        out.append((f"self_attn.{name}", width * H))
+        if d.bias:
+            out.append((f"self_attn.{name}.bias", width))
+    out.append(("self_attn.o_proj", H * d.Hq))
+    if d.qk_norm:
+        out += [("self_attn.q_norm", D), ("self_attn.k_norm", D)]
+    return out + [
+        ("mlp.gate_proj", d.I_l * H),
+        ("mlp.up_proj", d.I_l * H),
+        ("mlp.down_proj", H * d.I_l),
+        ("input_layernorm", H),
+        ("post_attention_layernorm", H),
+    ]
+
+
+def params(d: Dims) -> list[tuple[str, int]]:
+    """(name, elements on this rank) of every parameter, in module order; a tied head appears once."""
+    out = [("model.embed_tokens", d.V_l * d.H)]
+    for i in range(d.L):
+        out += [(f"model.layers.{i}.{name}", n) for name, n in layer_params(d)]
+    out.append(("model.norm", d.H))
+    if not d.tied:
+        out.append(("lm_head", d.V_l * d.H))
+    return out
+
+
+def grad_ready_order(d: Dims) -> list[tuple[str, int]]:
+    """The order in which backward finishes the gradients (DDP rebuilds its buckets in it): the head,
+    the final norm, then each block from the last, MLP before attention, and the (tied) embedding
+    last, since its gradient is complete only after the embedding's own backward. A linear's bias
+    is ready before its weight (the weight's gradient goes through the transpose's backward first)."""
+    by_name = dict(params(d))
+    order = ([] if d.tied else ["lm_head"]) + ["model.norm"]
+    block = [
+        "mlp.down_proj",
+        "mlp.up_proj",
+        "mlp.gate_proj",
+        "post_attention_layernorm",
+        "self_attn.o_proj",
+        "self_attn.v_proj.bias",
+        "self_attn.v_proj",
+        "self_attn.k_norm",
+        "self_attn.k_proj.bias",
+        "self_attn.k_proj",
+        "self_attn.q_norm",
+        "self_attn.q_proj.bias",
+        "self_attn.q_proj",
+        "input_layernorm",
+    ]
+    for i in reversed(range(d.L)):
+        order += [f"model.layers.{i}.{name}" for name in block]
+    order.append("model.embed_tokens")
+    return [(name, by_name[name]) for name in order if name in by_name]
+
+
+def ddp_buckets(d: Dims, cap_bytes: int, rebuilt: bool = True) -> list[int]:
+    """Bytes of each DDP gradient bucket. Without find_unused_parameters, DDP starts with one bucket
+    and, after the first backward, rebuilds them in gradient-ready order, closing a bucket as soon
+    as it reaches the cap (torch's compute_bucket_assignment_by_size; tpbench passes bucket_cap_mb,
+    so the first bucket's cap is the same as the others')."""
+    sizes = [n * d.w for _, n in grad_ready_order(d)]
+    if not rebuilt:
+        return [sum(sizes)]
+    buckets, current = [], 0
+    for size in sizes:
+        current += size
+        if current >= cap_bytes:
+            buckets.append(current)
+            current = 0
+    return buckets + ([current] if current else [])
+
+
+def block_linears(d: Dims) -> int:
+    """Elements of one block's linear weights on this rank (their biases left out)."""
+    return sum(n for name, n in layer_params(d) if not name.endswith(("norm", ".bias")))
+
+
+# --- the bytes of each ----------------------------------------------------------------------------
+
+
+def param_bytes(d: Dims) -> int:
+    """The parameters on this rank, in the parameter dtype (fp32 masters under mixed precision)."""
+    return sum(n for _, n in params(d)) * d.w
+
+
+def optimizer_bytes(d: Dims) -> int:
+    """AdamW's state: exp_avg and exp_avg_sq like the parameters, plus a 4-byte `step` per tensor on
+    the parameters' device (a GPU's non-fused AdamW keeps it on the host)."""
+    return 2 * param_bytes(d) + (0 if d.gpu and not d.fused_adam else FP32 * len(params(d)))
+
+
+def bucket_bytes(d: Dims) -> int:
+    """DDP's gradient buckets, alive from its construction on."""
+    return param_bytes(d) if d.ddp else 0
+
+
+def grad_bytes(d: Dims) -> int:
+    """The gradients backward makes: none of its own under DDP's gradient_as_bucket_view, which makes
+    them views of the buckets."""
+    return param_bytes(d) if not (d.ddp and d.bucket_view) else 0
+
+
+def optimizer_temporaries(d: Dims) -> int:
+    """AdamW's temporaries at its step. On the CPU it runs one tensor at a time, in the parameters'
+    order: a tensor's sqrt(exp_avg_sq) and its quotient by the bias correction live together beside
+    the previous tensor's `denom`, which the loop's variable holds until the new one is assigned;
+    foreach (GPU) makes them for all at once; the fused kernel updates each element in place and
+    makes none."""
+    sizes = [n for _, n in params(d)]
+    single = max(2 * n + before for n, before in zip(sizes, [0] + sizes[:-1], strict=True))
+    return 0 if d.fused_adam else param_bytes(d) if d.gpu else single * d.w
