@@ -61,12 +61,9 @@ from torch.distributed.tensor.parallel import (
 from tpbench.config import ParallelConfig
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindForCausalLM
 from tpbench.parallel import comm
-from tpbench.parallel.checks import check_dtensor_shardable
+from tpbench.parallel.checks import GRAD_SUMS, check_dtensor_shardable
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.plan import Layout, plan_layouts
-
-GRAD_SUMS = ("qk_norm", "sp_norms", "dp")  # what `skip_grad_sum` may switch off, to prove it is needed
-
 
 # --- the plan ----------------------------------------------------------------------------------
 
@@ -121,8 +118,9 @@ def parallelize_dtensor(
     """Shard `model` in place with parallelize_module on ctx.mesh["tp"]; return it with the
     ParallelModel interface (tpbench.parallel.plan.ParallelModel).
 
-    skip_grad_sum names gradient sums to leave out, only to prove each is needed: qk_norm (q/k norms
-    left plain replicated weights), sp_norms (their Partial gradients left as they are), dp.
+    skip_grad_sum names entries of GRAD_SUMS (tpbench.parallel.checks) to leave out, only to prove each
+    is needed: qk_norm (q/k norms left plain replicated weights), sp_norms (their Partial gradients left
+    as they are), dp; kv_replicas has nothing to leave out (check_dtensor_shardable refuses them).
     """
     cfg = model.config
     check_dtensor_shardable(cfg, replace(pcfg, engine="dtensor", tp=ctx.tp))
