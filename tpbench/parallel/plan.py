@@ -1,9 +1,10 @@
 """The plan that turns a dense MiniMind into its TP / SP / VP form, in place.
 
 Like torchtitan, the dense model knows nothing of parallelism: each `apply_*` step swaps sharded
-layers in (slicing the dense weights, so every tp starts from the same model) and wraps the entry of
-each region with its communication op. Each dense parameter gets a `Layout` that says how it is
-sharded, how the shards are put back together, and whether its gradient must be summed.
+layers in (slicing the dense weights, so every tp starts from the same model) and puts each region's
+entry op in front of it as a module of its own (tpbench.parallel.regions), where print(model) shows
+it. Each dense parameter gets a `Layout` that says how it is sharded, how the shards are put back
+together, and whether its gradient must be summed.
 
 With `parallel.overlap` (tpbench.parallel.overlap) each region's entry backward overlaps its collective
 with the region's column-parallel weight gradients, SP's re-gather is started early, and the DP
@@ -21,8 +22,6 @@ With parallel.sp_gather=linear, g moves from the region's entry into each of its
 from __future__ import annotations
 
 import dataclasses
-import types
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,8 +36,15 @@ from tpbench.parallel.cross_entropy import VocabParallelCrossEntropy
 from tpbench.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tpbench.parallel.overlap import DeferredWeightGrads, DPGradBuckets, defer_weight_grads
 from tpbench.parallel.recompute import apply_recompute
-
-GRAD_SUMS = ("qk_norm", "kv_replicas", "sp_norms", "dp")
+from tpbench.parallel.regions import (
+    PerLinearGathers,
+    SPGather,
+    SPGatherReplicated,
+    SPScatter,
+    TPCopy,
+    set_entry,
+    set_exit,
+)
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,7 @@ class Layout:
     dim: int | None = None
     num_shards: int = 1
     padded_rows: int | None = None
-    grad_sum: str | None = None  # the GRAD_SUMS entry that sums this gradient, if any
+    grad_sum: str | None = None  # the checks.GRAD_SUMS entry that sums this gradient, if any
 
     def shard(self, dense: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
         if self.dim is None:
@@ -215,7 +221,8 @@ def parallelize(
 ) -> ParallelModel:
     """Shard `model` in place for ctx.tp ranks and return it with its layouts and gradient sums.
 
-    skip_grad_sum names entries of GRAD_SUMS to leave out: only to prove that each one is needed;
+    skip_grad_sum names entries of GRAD_SUMS (tpbench.parallel.checks) to leave out: only to prove
+    that each one is needed;
     overlap_fault (debug.overlap_fault) breaks parallel.overlap for the same reason.
     recompute (train.recompute) is applied first; under `full` the blocks keep no gathered input, so
     SP's re-gather applies to the LM head only.
@@ -290,9 +297,8 @@ def apply_sp_edges(model: MiniMindForCausalLM, ctx: ParallelContext) -> None:
     """SP with a replicated vocab: the embedding output is split into the SP layout (backward:
     all-gather), and the final norm's shard is gathered for the full LM head (backward: split) as the
     norm's output: the decoder's final hidden states are whole, as minimind-tron's model gathers them."""
-    group = ctx.tp_group
-    _wrap(model.model.embed_tokens, after=lambda y: comm.scatter_to_sp_region(y, group))
-    _wrap(model.model.norm, after=lambda x: comm.gather_from_sp_region_replicated(x, group))
+    set_exit(model.model.embed_tokens, SPScatter(ctx.tp_group))
+    set_exit(model.model.norm, SPGatherReplicated(ctx.tp_group))
 
 
 def apply_compile(model: MiniMindForCausalLM, between_linears: bool = False) -> None:
@@ -354,35 +360,19 @@ class _Entry:
         return dataclasses.replace(self, regather=regather)
 
     def apply(self, module: nn.Module, regathers: list[comm.Regather] | None = None, site: str = "") -> None:
-        """Wrap `module`'s forward in its entry op. `regathers` (a column linear of a per-linear
-        region): each forward's re-gather is appended there, for the region to prefetch; `site`
-        (its name) keeps its all-gather apart from its siblings' under torch.compile."""
-        inner, group, sp, regather = module.forward, self.group, self.sp, self.regather
+        """Put `module`'s entry op in front of it (its `entry` child). `regathers` (a column linear of
+        a per-linear region): each forward's re-gather is appended there, for the region to prefetch;
+        `site` (its name) keeps its all-gather apart from its siblings' under torch.compile."""
         meanwhile = None
         if self.overlap:
             meanwhile = defer_weight_grads(module, self.wait)
             self.deferred.append(meanwhile)
-            inner = module.forward  # a column linear (the LM head): its own forward, now deferring
-
-        def forward(self, x: torch.Tensor, *args, **kwargs):
-            x = _autocast_input(x)
-            if not sp:
-                return inner(comm.copy_to_tp_region(x, group, meanwhile), *args, **kwargs)
-            full = comm.gather_from_sp_region(x, group, meanwhile, site)  # [S/T, B, H] -> [S, B, H]
-            if not regather:
-                return inner(full, *args, **kwargs)
-            with comm.saving_only_shard(full, x, group) as regathered:
-                y = inner(full, *args, **kwargs)
-            if meanwhile is None:
-                return y
-            if regathers is not None:
-                regathers.append(regathered)
-            elif not isinstance(module, ColumnParallelLinear):
-                _prefetch_after_backward(y, [regathered])
-            # the LM head has no exit: its first backward op needs the input
-            return y
-
-        module.forward = types.MethodType(forward, module)
+        if not self.sp:
+            set_entry(module, TPCopy(self.group, meanwhile))
+            return
+        # a block region starts its re-gather at its exit backward; the LM head has no exit
+        prefetch = regathers is None and not isinstance(module, ColumnParallelLinear)
+        set_entry(module, SPGather(self.group, self.regather, meanwhile, regathers, prefetch, site))
 
     def apply_per_linear(self, region: nn.Module, columns: tuple[str, ...]) -> None:
         """SP gathering per column linear: the region casts its input once (its linears gather the
@@ -391,46 +381,7 @@ class _Entry:
         regathers: list[comm.Regather] = []
         for name in columns:
             self.apply(getattr(region, name), regathers if self.overlap and self.regather else None, name)
-        inner = region.forward
-
-        def forward(self, x: torch.Tensor, *args, **kwargs):
-            regathers.clear()
-            y = inner(_autocast_input(x), *args, **kwargs)
-            if regathers:
-                _prefetch_after_backward(y, list(regathers))
-            return y
-
-        region.forward = types.MethodType(forward, region)
-
-
-def _prefetch_after_backward(y: torch.Tensor, regathers: list[comm.Regather]) -> None:
-    """Start the re-gathers once y's grad_fn has run: a block region's exit backward (g-bar's
-    all-gather of the output gradient), before the row layer's and the core's backward."""
-
-    def prefetch(*_) -> None:
-        for regathered in regathers:
-            regathered.prefetch()
-
-    if y.grad_fn is not None:
-        y.grad_fn.register_hook(prefetch)
-
-
-def _autocast_input(x: torch.Tensor) -> torch.Tensor:
-    """Under autocast, a region's linears would each save their own cast of its input: cast it once,
-    before the entry op, so that they share one tensor (SP's re-gather keeps the cast shard) and the
-    entry's collectives move the autocast dtype."""
-    device = x.device.type
-    return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
-
-
-def _wrap(module: nn.Module, before: Callable | None = None, after: Callable | None = None) -> None:
-    inner = module.forward
-
-    def forward(self, x: torch.Tensor, *args, **kwargs):
-        y = inner(before(x) if before else x, *args, **kwargs)
-        return after(y) if after else y
-
-    module.forward = types.MethodType(forward, module)
+        set_entry(region, PerLinearGathers(regathers))
 
 
 def _grad_sums(
