@@ -9,7 +9,7 @@ norm's gather) are modules of their own, children of the module they enter or le
       (entry): SPGather(all-gather over tp 2; backward reduce-scatter; saves the shard, re-gathers)
       (q_proj): ColumnParallelLinear(64 -> 32)
       ...
-      (o_proj): RowParallelLinear(64 -> 64, reduce_scatter over tp 2)
+      (o_proj): RowParallelLinear(32 -> 64; exit reduce_scatter over tp 2)
 
 A module takes on a behaviour by `wrap(module, Behaviour)`: its class becomes the (cached) subclass
 with the behaviours it has, in one fixed order whatever the order of the calls (as FSDP2's
