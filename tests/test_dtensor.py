@@ -177,3 +177,16 @@ def test_what_dtensor_cannot_express_is_refused_up_front():
 
 if __name__ == "__main__":
     _main(sys.argv[1])
+
+
+@pytest.mark.parametrize("sp,vp", [(False, False), (True, False), (False, True), (True, True)])
+def test_both_engines_read_one_module_table(sp, vp):
+    """The DTensor plan is the plan's table (plan.tp_styles) made ParallelStyles, module for module:
+    only SP with a replicated vocab puts the final norm's gather on the LM head's input."""
+    from tpbench.parallel.dtensor import tp_plan
+    from tpbench.parallel.plan import STYLES, tp_styles
+
+    styles = tp_styles(2, sp, vp)
+    assert set(styles.values()) <= set(STYLES)
+    assert set(tp_plan(2, sp, vp)) == set(styles) | ({"lm_head"} if sp and not vp else set())
+    assert "model.layers.1.mlp.down_proj" in styles and styles["model.layers.1.mlp"] == "entry"

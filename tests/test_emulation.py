@@ -82,7 +82,7 @@ def test_real_tensors_give_every_rank_of_the_job_byte_for_byte(real_job, name):
 
 @pytest.mark.parametrize("name", ["t2_tp_sp_vp", "t4_tp_vp", "t4_tp_sp_vp_kv1", "t4_qwen25_tp_sp_vp"])
 def test_fake_tensors_give_the_same_bytes(real_job, name):
-    rank = emulation.busiest_rank(run_config([*SMALL, *MODES[name]]))
+    rank = emulation.emulated_rank(run_config([*SMALL, *MODES[name]]))
     emulated = emulate(name, "fake", None)
     assert emulated["rank"] == rank
     assert emulated["peak"] == real_job[name][rank]["peak"]
@@ -92,13 +92,13 @@ def test_fake_tensors_give_the_same_bytes(real_job, name):
 @pytest.mark.parametrize("name", MODES)
 def test_the_default_rank_is_the_busiest(real_job, name):
     peaks = [r["peak"] for r in real_job[name]]
-    assert peaks[emulation.busiest_rank(run_config([*SMALL, *MODES[name]]))] == max(peaks)
+    assert peaks[emulation.emulated_rank(run_config([*SMALL, *MODES[name]]))] == max(peaks)
 
 
 def test_a_padded_vocab_makes_no_rank_busier(real_job):
     padded = real_job["t4_tp_vp"]  # 510 rows pad to 512: rank 3 masks its padded logits, in place
     assert len({r["peak"] for r in padded}) == 1
-    assert emulation.busiest_rank(run_config([*SMALL, *MODES["t4_tp_vp"]])) == 0
+    assert emulation.emulated_rank(run_config([*SMALL, *MODES["t4_tp_vp"]])) == 0
     assert len({r["peak"] for r in real_job["t4_tp_sp"]}) == 1
 
 

@@ -235,6 +235,34 @@ def test_layers_match_nn_linear_embedding_and_cross_entropy(units):
         assert value < 1e-5, name
 
 
+def test_print_model_shows_where_each_collective_sits(units):
+    """Each region's entry prints first in its module, each exit on the layer that ends the region."""
+    tp_sp_vp, tp_sp = units["regions"]["tp_sp_vp"], units["regions"]["tp_sp"]
+    gather = "SPGather(all-gather over tp 2; backward reduce-scatter; saves the shard, re-gathers)"
+    for region in ("(self_attn): Attention(\n", "(mlp): FeedForward(\n"):
+        assert tp_sp_vp.count(f"{region}          (entry): {gather}\n") == 1, region
+    assert tp_sp_vp.count("RowParallelLinear(") == tp_sp_vp.count("exit reduce_scatter over tp 2)") - 1 == 2
+    assert (
+        "(embed_tokens): VocabParallelEmbedding(vocab rows 0..127, 64; exit reduce_scatter over tp 2)"
+        in tp_sp_vp
+    )
+    assert f"(lm_head): ColumnParallelLinear(\n    64 -> 128\n    (entry): {gather}\n  )" in tp_sp_vp
+    assert "(exit): SPScatter(split over tp 2; backward all-gather)\n    )" in tp_sp
+    assert (
+        "(norm): RMSNorm(\n      (exit): SPGatherReplicated(all-gather over tp 2; backward split)\n" in tp_sp
+    )
+    assert tp_sp.count("(entry)") == 2  # the LM head is replicated: entered by the final norm's exit
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_and_the_plan_compose_in_either_order(units, mode):
+    regions = units["regions"]
+    assert regions[f"{mode}_same_classes"]
+    assert regions[f"{mode}_same_collectives"]
+    assert regions[f"{mode}_same_loss"]
+    assert regions[f"{mode}_same_grads"]
+
+
 def test_a_step_neither_syncs_the_host_nor_rebuilds_rope_tables(units):
     assert units["step_ops"] == {"host_syncs": 0, "rope_builds": 0}
 

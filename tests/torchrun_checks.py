@@ -39,6 +39,7 @@ from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.cross_entropy import VocabParallelCrossEntropy
 from tpbench.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tpbench.parallel.plan import parallelize, plan_layouts, shard_state_dict
+from tpbench.parallel.recompute import apply_recompute
 
 # The tiny model of the tests (H 64, L 2, heads 8/4, V 256, S 32): manual attention, short AdamW runs
 TINY = ["model.flash_attn=false", "validate.steps=6", "validate.every=3"]
@@ -436,6 +437,42 @@ def check_overlap_order(ctx: ParallelContext) -> dict[str, dict[str, list[int]]]
     return results
 
 
+def check_regions(ctx: ParallelContext) -> dict:
+    """print(model) of tp+sp+vp and tp+sp at L 1 (where each region's collective sits), and the
+    wrappers in either order: recompute applied before the plan's entries (and overlap's deferred
+    weight gradients) or after them gives the same classes, collectives, loss and gradients, bit
+    for bit."""
+    cfg = MiniMindConfig(hidden_size=H, num_hidden_layers=1, vocab_size=256, flash_attn=False)
+    out: dict = {}
+    for name, sp, vp in (("tp_sp_vp", True, True), ("tp_sp", True, False)):
+        out[name] = str(parallelize(build_model(cfg), ctx, ParallelConfig(tp=ctx.tp, sp=sp, vp=vp)).module)
+    ids = torch.randint(256, (B, S), generator=torch.Generator().manual_seed(3))
+    for mode in ("selective", "full"):
+        runs = []
+        for first in ("recompute", "plan"):
+            # under full the plan drops the blocks' re-gather (parallelize): off here for both orders
+            pcfg = ParallelConfig(tp=ctx.tp, sp=True, vp=True, overlap=True, sp_regather=mode != "full")
+            model = build_model(cfg)
+            pm = parallelize(model, ctx, pcfg, recompute=mode if first == "recompute" else "none")
+            if first == "plan":
+                apply_recompute(model, mode)
+            counter = instrumentation.CommCounter()
+            with instrumentation.counting(counter):
+                _, loss = pm(ids, ids)
+                loss.backward()
+            classes = [type(m).__mro__[:-1] for m in model.modules()]
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            runs.append((classes, {k: v[:2] for k, v in counter.stats.items()}, loss.detach(), grads))
+        (c1, s1, l1, g1), (c2, s2, l2, g2) = runs
+        out[f"{mode}_same_classes"] = [[c.__name__ for c in mro] for mro in c1] == [
+            [c.__name__ for c in mro] for mro in c2
+        ] and c1 == c2
+        out[f"{mode}_same_collectives"] = s1 == s2 and bool(s1)
+        out[f"{mode}_same_loss"] = bool(torch.equal(l1, l2))
+        out[f"{mode}_same_grads"] = g1.keys() == g2.keys() and all(torch.equal(g1[n], g2[n]) for n in g1)
+    return out
+
+
 def suite_units() -> dict:
     ctx = ParallelContext.from_world(dist.get_world_size(), 1, torch.device("cpu"))
     return {
@@ -447,6 +484,7 @@ def suite_units() -> dict:
         "async_timing": check_async_timing(ctx),
         "ddp_timing": check_ddp_timing(ctx),
         "overlap_order": check_overlap_order(ctx),
+        "regions": check_regions(ctx),
     }
 
 

@@ -31,7 +31,7 @@ from tpbench.config import CONF_DIR, RunConfig, local_world_size, register_schem
 from tpbench.emulation import EMULATED_KINDS, FLAVOURS
 from tpbench.experiments import KINDS
 from tpbench.faults import FAULTS
-from tpbench.parallel.checks import ConfigError, check_dtensor_shardable, check_shardable
+from tpbench.parallel.checks import GRAD_SUMS, ConfigError, check_dtensor_shardable, check_shardable
 
 # Short names for the keys people type most; any full key of `tpbench run --cfg` works as well.
 SHORT_NAMES = {
@@ -78,7 +78,6 @@ CHOICES = {
     "debug.ddp_fault": ("", "no_divide", "drop_bucket"),
     "debug.validate_fault": ("", "rank1_param"),
 }
-SKIPPABLE_GRAD_SUMS = ("qk_norm", "kv_replicas", "sp_norms", "dp")
 AT_LEAST_ONE = (
     "model.hidden_size",
     "model.num_hidden_layers",
@@ -237,8 +236,8 @@ def check(cfg: RunConfig) -> None:
             "accepted with kind=validate and tp x dp >= 2"
         )
     for name in cfg.debug.skip_grad_sum:
-        if name not in SKIPPABLE_GRAD_SUMS:
-            accepted = ", ".join(SKIPPABLE_GRAD_SUMS)
+        if name not in GRAD_SUMS:
+            accepted = ", ".join(GRAD_SUMS)
             raise ConfigError(f"debug.skip_grad_sum has {name!r}: accepted are {accepted}")
     _check_keep_output(cfg)
     _check_emulation(cfg)

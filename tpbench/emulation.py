@@ -63,17 +63,13 @@ def emulated(cfg: RunConfig) -> bool:
     return cfg.launch.emulate != "none"
 
 
-def busiest_rank(cfg: RunConfig) -> int:
-    """The rank whose memory is the largest: rank 0, since every rank of a mode holds the same shapes
-    (TP shards are equal, DP replicas are equal, a replicated KV head is one head on every rank, and
-    under VP with a padded vocabulary the ranks holding padded rows mask them in the loss's one fp32
-    buffer, in place)."""
-    return 0
-
-
 def emulated_rank(cfg: RunConfig) -> int:
+    """launch.emulate_rank, by default rank 0: the busiest, as every rank holds the same shapes (TP
+    shards are equal, DP replicas are equal, a replicated KV head is one head on every rank, and under
+    VP with a padded vocabulary the ranks holding padded rows mask them in the loss's one fp32 buffer,
+    in place)."""
     r = cfg.launch.emulate_rank
-    return busiest_rank(cfg) if r is None else r
+    return 0 if r is None else r
 
 
 def init_process_group(cfg: RunConfig) -> None:

@@ -32,6 +32,7 @@ from tpbench.experiments.training import Trainer
 from tpbench.models.minimind import FeedForward, MiniMindBlock
 from tpbench.parallel import instrumentation
 from tpbench.parallel.plan import Layout
+from tpbench.parallel.wrappers import Boundary
 
 
 @dataclass
@@ -208,6 +209,8 @@ class _Recorder(TorchFunctionMode):
     def hooked(self) -> Iterator[None]:
         handles = []
         for module in self.model.modules():
+            if isinstance(module, Boundary):  # a region's entry or exit: its ops belong to the region
+                continue
             handles += [
                 module.register_forward_pre_hook(self._pre, with_kwargs=True),
                 module.register_forward_hook(self._post, with_kwargs=True),
@@ -232,7 +235,7 @@ class _Recorder(TorchFunctionMode):
         self.stack.pop()
         if module is self.model:
             self.phase = "backward"
-        elif not any(True for _ in module.children()):
+        elif not any(not isinstance(c, Boundary) for c in module.children()):
             path = self.paths[module]
             shards = [self.shards[f"{path}.{n}"] for n, _ in module.named_parameters(recurse=False)]
             self._record(path, type(module).__name__, [*args, *kwargs.values()], output, shards)

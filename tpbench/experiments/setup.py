@@ -62,12 +62,15 @@ def place(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Mod
             if p is None:
                 continue
             if id(p) not in moved:
-                moved[id(p)] = nn.Parameter(_moved(p.detach(), device, dtype), p.requires_grad)
+                moved[id(p)] = nn.Parameter(moved_to(p.detach(), device, dtype), p.requires_grad)
             mod._parameters[name] = moved[id(p)]
     return module
 
 
-def _moved(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def moved_to(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`t` on `device` (in `dtype`; None: its own). A fake tensor holds no values: on another device
+    it is made there, empty (torch copies nothing across devices without a device guard)."""
+    dtype = t.dtype if dtype is None else dtype
     if isinstance(t, FakeTensor) and t.device.type != device.type:
         return torch.empty(t.shape, dtype=dtype, device=device)
     return t.to(device=device, dtype=dtype)
@@ -137,7 +140,7 @@ class Batches:
         ids = torch.randint(self.vocab, (self.local * self.dp, self.seq), generator=self.gen)
         labels = ids.clone()
         labels[:, 3::7] = IGNORE_INDEX
-        return _to(ids, self.device), _to(labels, self.device)
+        return moved_to(ids, self.device), moved_to(labels, self.device)  # fake tokens too
 
     def local_slice(self, t: torch.Tensor) -> torch.Tensor:
         return t[self.dp_rank * self.local : (self.dp_rank + 1) * self.local]
@@ -145,10 +148,3 @@ class Batches:
     def next_local(self) -> tuple[torch.Tensor, torch.Tensor]:
         ids, labels = self.next_global()
         return self.local_slice(ids), self.local_slice(labels)
-
-
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A batch on the rank's device. Fake tokens hold no values: on another device they are made there."""
-    if isinstance(t, FakeTensor) and t.device.type != device.type:
-        return torch.empty(t.shape, dtype=t.dtype, device=device)
-    return t.to(device)

@@ -35,7 +35,6 @@ class MiniMindConfig:
     rope_theta: float = 1e6
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 32768
-    dropout: float = 0.0
     hidden_act: str = "silu"
     tie_word_embeddings: bool = True
     qk_norm: bool = True  # RMSNorm of each query and key head before RoPE (Qwen3, MiniMind)

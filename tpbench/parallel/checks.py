@@ -5,6 +5,12 @@ from __future__ import annotations
 from tpbench.config import ModelConfig, ParallelConfig, RunConfig
 from tpbench.models.minimind import MiniMindConfig, default_intermediate_size
 
+# The gradient sums a sharded model needs (debug.skip_grad_sum may leave one out, to prove it is
+# needed), for both engines: the q/k norms' weights (each rank sees its heads), the replicated KV
+# heads' (megatron only: the DTensor engine refuses fewer KV heads than ranks), the norms' under SP
+# (each rank sees its sequence shard), and the DP average.
+GRAD_SUMS = ("qk_norm", "kv_replicas", "sp_norms", "dp")
+
 
 class ConfigError(ValueError):
     """One line naming the bad value and what is accepted."""

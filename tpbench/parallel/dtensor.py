@@ -28,7 +28,7 @@ the same holds for the norms under SP (Shard(0)). `finish_grads` redistributes t
 Replicate (an all-reduce each). Left Partial, DTensor's optimizer would reduce them inside every op
 that reads them, and the local gradients would not be the dense ones.
 
-DTensor's collectives are torch's functional collectives, not tpbench.parallel.collectives': `counting`
+DTensor's collectives are torch's functional collectives, not tpbench.parallel.comm's: `counting`
 counts them (through torch's CommDebugMode) into the same CommCounter, with the same ring bytes.
 
 What DTensor cannot express here, refused up front by `check_dtensor_shardable`: GQA with fewer KV
@@ -61,54 +61,49 @@ from torch.distributed.tensor.parallel import (
 from tpbench.config import ParallelConfig
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindForCausalLM
 from tpbench.parallel import collectives, instrumentation
-from tpbench.parallel.checks import check_dtensor_shardable
+from tpbench.parallel.checks import GRAD_SUMS, check_dtensor_shardable
 from tpbench.parallel.context import ParallelContext
-from tpbench.parallel.plan import Layout, plan_layouts
-
-GRAD_SUMS = ("qk_norm", "sp_norms", "dp")  # what `skip_grad_sum` may switch off, to prove it is needed
-
+from tpbench.parallel.plan import Layout, plan_layouts, tp_styles
 
 # --- the plan ----------------------------------------------------------------------------------
 
 
 def tp_plan(num_layers: int, sp: bool, vp: bool, qk_norm: bool = True) -> dict[str, object]:
-    """{module path: ParallelStyle} for parallelize_module; sequence shards are Shard(0). The q/k/v
-    biases (model.attention_bias) are ColwiseParallel's Shard(0), cut with their weights' heads;
-    model.qk_norm off: no q/k norms to place."""
+    """{module path: ParallelStyle} for parallelize_module: the plan's table (plan.tp_styles, which
+    our engine reads too), each style made DTensor's. Sequence shards are Shard(0). The q/k/v biases
+    (model.attention_bias) are ColwiseParallel's Shard(0), cut with their weights' heads."""
     stream = Shard(0) if sp else Replicate()  # the residual stream between regions
     plan: dict[str, object] = {}
-    if vp:  # embedding rows split over the vocab: partial sums all-reduced or reduce-scattered
-        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
-        plan["lm_head"] = ColwiseParallel(
-            input_layouts=stream, output_layouts=Shard(-1), use_local_output=False
-        )  # logits [S, B, V/T] stay a DTensor for loss_parallel
-    elif sp:  # replicated vocab: split the embedding output, gather the final norm's for the head
-        plan["model.embed_tokens"] = PrepareModuleOutput(
-            output_layouts=Replicate(), desired_output_layouts=Shard(0)
-        )
-        plan["lm_head"] = PrepareModuleInput(
-            input_layouts=Shard(0), desired_input_layouts=Replicate(), use_local_output=True
-        )
-    if sp:
-        plan["model.norm"] = SequenceParallel(sequence_dim=0)
-    for i in range(num_layers):
-        p = f"model.layers.{i}."
-        if sp:
-            plan[p + "input_layernorm"] = SequenceParallel(sequence_dim=0)
-            plan[p + "post_attention_layernorm"] = SequenceParallel(sequence_dim=0)
-        # one entry per region (all-gather under SP): q, k, v share it, so backward reduces once
-        plan[p + "self_attn"] = PrepareModuleInput(
-            input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)
-        )
-        plan[p + "mlp"] = PrepareModuleInput(input_layouts=stream, desired_input_layouts=Replicate())
-        for name in ("q_proj", "k_proj", "v_proj"):
-            plan[p + f"self_attn.{name}"] = ColwiseParallel()  # -> local [S, B, N/T * D]
-        plan[p + "self_attn.o_proj"] = RowwiseParallel(output_layouts=stream)
-        for name in ("q_norm", "k_norm") if qk_norm else ():  # [S, B, N/T, D]: this rank's heads, dim 2
-            plan[p + f"self_attn.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        plan[p + "mlp.gate_proj"] = ColwiseParallel()
-        plan[p + "mlp.up_proj"] = ColwiseParallel()
-        plan[p + "mlp.down_proj"] = RowwiseParallel(output_layouts=stream)
+    for path, style in tp_styles(num_layers, sp, vp, qk_norm).items():
+        if style == "vocab_embedding":  # embedding rows split: partial sums all-reduced or reduce-scattered
+            plan[path] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+        elif style == "vocab_head":  # logits [S, B, V/T] stay a DTensor for loss_parallel
+            plan[path] = ColwiseParallel(
+                input_layouts=stream, output_layouts=Shard(-1), use_local_output=False
+            )
+        elif style == "sp_split":
+            plan[path] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
+        elif style == "sp_gather":  # the final norm runs on the shard; the LM head's input is gathered
+            plan[path] = SequenceParallel(sequence_dim=0)
+            plan["lm_head"] = PrepareModuleInput(
+                input_layouts=Shard(0), desired_input_layouts=Replicate(), use_local_output=True
+            )
+        elif style == "sp_norm":
+            plan[path] = SequenceParallel(sequence_dim=0)
+        elif style == "entry" and path.endswith("self_attn"):  # (x, cos, sin)
+            plan[path] = PrepareModuleInput(
+                input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)
+            )
+        elif style == "entry":
+            plan[path] = PrepareModuleInput(input_layouts=stream, desired_input_layouts=Replicate())
+        elif style == "column":
+            plan[path] = ColwiseParallel()  # q/k/v -> local [S, B, N/T * D]
+        elif style == "row":
+            plan[path] = RowwiseParallel(output_layouts=stream)
+        elif style == "head_norm":  # [S, B, N/T, D]: this rank's heads, dim 2
+            plan[path] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        else:
+            raise AssertionError(f"{path}: style {style!r} has no DTensor form")
     return plan
 
 
@@ -121,8 +116,9 @@ def parallelize_dtensor(
     """Shard `model` in place with parallelize_module on ctx.mesh["tp"]; return it with the
     ParallelModel interface (tpbench.parallel.plan.ParallelModel).
 
-    skip_grad_sum names gradient sums to leave out, only to prove each is needed: qk_norm (q/k norms
-    left plain replicated weights), sp_norms (their Partial gradients left as they are), dp.
+    skip_grad_sum names entries of GRAD_SUMS (tpbench.parallel.checks) to leave out, only to prove each
+    is needed: qk_norm (q/k norms left plain replicated weights), sp_norms (their Partial gradients left
+    as they are), dp; kv_replicas has nothing to leave out (check_dtensor_shardable refuses them).
     """
     cfg = model.config
     check_dtensor_shardable(cfg, replace(pcfg, engine="dtensor", tp=ctx.tp))

@@ -16,18 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tpbench.parallel import collectives, regions
-
-INIT_STD = 0.02
-
-
-def master_shard(
-    out_features: int, in_features: int, dim: int, tp: int, tp_rank: int, seed: int
-) -> torch.Tensor:
-    """Build the full [out, in] master weight from one seed and keep this rank's chunk along `dim`,
-    so that the model is the same for every tp."""
-    gen = torch.Generator().manual_seed(seed)
-    full = torch.randn(out_features, in_features, generator=gen) * INIT_STD
-    return full.chunk(tp, dim=dim)[tp_rank].clone()
+from tpbench.parallel.wrappers import tp_size
 
 
 class ColumnParallelLinear(nn.Module):
@@ -40,13 +29,9 @@ class ColumnParallelLinear(nn.Module):
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
         self.bias = None if bias is None else nn.Parameter(bias)
 
-    @classmethod
-    def init(
-        cls, in_features: int, out_features: int, tp: int, tp_rank: int, seed: int = 0, bias: bool = False
-    ) -> ColumnParallelLinear:
-        weight = master_shard(out_features, in_features, 0, tp, tp_rank, seed)
-        b = torch.zeros(out_features).chunk(tp)[tp_rank].clone() if bias else None
-        return cls(weight, b)
+    def extra_repr(self) -> str:
+        out, in_ = self.weight.shape
+        return f"{in_} -> {out}" + (", bias" if self.bias is not None else "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)  # [..., in] -> [..., out/T]
@@ -72,20 +57,10 @@ class RowParallelLinear(nn.Module):
         self.group = group
         self.reduction = reduce
 
-    @classmethod
-    def init(
-        cls,
-        in_features: int,
-        out_features: int,
-        tp: int,
-        tp_rank: int,
-        group: collectives.Group,
-        seed: int = 0,
-        bias: bool = False,
-        reduce: str = "all_reduce",
-    ) -> RowParallelLinear:
-        weight = master_shard(out_features, in_features, 1, tp, tp_rank, seed)
-        return cls(weight, group, reduce, torch.zeros(out_features) if bias else None)
+    def extra_repr(self) -> str:
+        out, in_ = self.weight.shape
+        bias = ", bias" if self.bias is not None else ""
+        return f"{in_} -> {out}{bias}; exit {self.reduction} over tp {tp_size(self.group)}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.reduce(F.linear(x, self.weight))  # [S, B, out], a partial sum over the TP ranks
@@ -112,6 +87,12 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp_rank * weight.shape[0]
         self.group = group
         self.reduce = reduce
+
+    def extra_repr(self) -> str:
+        rows, h = self.weight.shape
+        start = self.vocab_start
+        exit_ = f"exit {self.reduce} over tp {tp_size(self.group)}"
+        return f"vocab rows {start}..{start + rows - 1}, {h}; {exit_}"
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start

@@ -34,6 +34,7 @@ from torch import nn
 
 from tpbench.parallel import collectives
 from tpbench.parallel.layers import ColumnParallelLinear
+from tpbench.parallel.wrappers import behaviour, wrap
 
 
 class DeferredWeightGrads:
@@ -96,13 +97,29 @@ def linear_deferred(
         return _LinearDeferredWeightGrad.apply(x, w, b, deferred, (weight,))
 
 
+class DeferringWeightGrad:
+    """A column-parallel layer's behaviour (tpbench.parallel.wrappers.wrap): its weight gradient goes
+    to its `deferred` queue instead of autograd's accumulation."""
+
+    deferred: DeferredWeightGrads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_deferred(x, self.weight, self.bias, self.deferred)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", weight gradient deferred to the entry's backward"
+
+
+behaviour(DeferringWeightGrad)  # innermost: the layer's own forward, behind its entry (per linear)
+
+
 def defer_weight_grads(region: nn.Module, wait: bool = True) -> DeferredWeightGrads:
     """Make every column-parallel layer of `region` (the region itself, for the LM head) leave its
     weight gradient to the returned queue, which the region's entry op runs in backward."""
     deferred = DeferredWeightGrads(wait)
     for layer in region.modules():
         if isinstance(layer, ColumnParallelLinear):
-            layer.forward = lambda x, layer=layer: linear_deferred(x, layer.weight, layer.bias, deferred)
+            wrap(layer, DeferringWeightGrad).deferred = deferred
     return deferred
 
 

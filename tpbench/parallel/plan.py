@@ -1,9 +1,11 @@
 """The plan that turns a dense MiniMind into its TP / SP / VP form, in place.
 
-Like torchtitan, the dense model knows nothing of parallelism: each `apply_*` step swaps sharded
-layers in (slicing the dense weights, so every tp starts from the same model) and wraps the entry of
-each region with its communication op. Each dense parameter gets a `Layout` that says how it is
-sharded, how the shards are put back together, and whether its gradient must be summed.
+Like torchtitan, the dense model knows nothing of parallelism: one table, {module path: style}
+(`tp_styles`, which the DTensor engine reads too), says what each module becomes; `apply_styles`
+swaps the sharded layers in (slicing the dense weights, so every tp starts from the same model) and
+puts each region's entry op in front of it as a module of its own (tpbench.parallel.wrappers), where
+print(model) shows it. Each dense parameter gets a `Layout` that says how it is sharded, how the
+shards are put back together, and whether its gradient must be summed.
 
 With `parallel.overlap` (tpbench.parallel.overlap) each region's entry backward overlaps its collective
 with the region's column-parallel weight gradients, SP's re-gather is started early, and the DP
@@ -21,8 +23,6 @@ With parallel.sp_gather=linear, g moves from the region's entry into each of its
 from __future__ import annotations
 
 import dataclasses
-import types
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,8 +37,15 @@ from tpbench.parallel.cross_entropy import VocabParallelCrossEntropy
 from tpbench.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tpbench.parallel.overlap import DeferredWeightGrads, DPGradBuckets, defer_weight_grads
 from tpbench.parallel.recompute import apply_recompute
-
-GRAD_SUMS = ("qk_norm", "kv_replicas", "sp_norms", "dp")
+from tpbench.parallel.wrappers import (
+    PerLinearGathers,
+    SPGather,
+    SPGatherReplicated,
+    SPScatter,
+    TPCopy,
+    set_entry,
+    set_exit,
+)
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,7 @@ class Layout:
     dim: int | None = None
     num_shards: int = 1
     padded_rows: int | None = None
-    grad_sum: str | None = None  # the GRAD_SUMS entry that sums this gradient, if any
+    grad_sum: str | None = None  # the checks.GRAD_SUMS entry that sums this gradient, if any
 
     def shard(self, dense: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
         if self.dim is None:
@@ -121,6 +128,48 @@ def plan_layouts(cfg: MiniMindConfig, tp: int, pcfg: ParallelConfig) -> dict[str
     if tp == 1:  # nothing is sharded; keep the names, drop the sums
         layouts = {n: Layout("replicated") for n in layouts}
     return layouts
+
+
+# The styles of the module table (`tp_styles`), read by both engines: ours (below) and the DTensor
+# engine's (tpbench.parallel.dtensor.tp_plan, which makes each a ParallelStyle).
+STYLES = {
+    "entry": "a region's entry: f (copy) under TP, g (all-gather) under SP",
+    "column": "column parallel: weight rows (output features) split",
+    "row": "row parallel: weight columns split; ends its region (f-bar: all-reduce, g-bar: reduce-scatter)",
+    "vocab_embedding": "vocab rows split; partial lookups summed (all-reduce) or reduce-scattered",
+    "vocab_head": "the LM head split over the vocab (column parallel), entered like a region",
+    "sp_split": "SP with a replicated vocab: the embedding's output split into the sequence shard",
+    "sp_gather": "SP with a replicated vocab: the final norm's output gathered for the whole LM head",
+    "sp_norm": "a norm on the sequence shard: weight replicated, gradient summed (sp_norms)",
+    "head_norm": "a q/k norm on this rank's heads: weight replicated, gradient summed (qk_norm)",
+}
+
+
+def tp_styles(num_layers: int, sp: bool, vp: bool, qk_norm: bool = True) -> dict[str, str]:
+    """{module path: style} (STYLES) of the TP / SP / VP plan, in the order the modules run; a module
+    not named stays replicated. Both engines read it."""
+    table: dict[str, str] = {}
+    if vp:
+        table["model.embed_tokens"] = "vocab_embedding"
+    elif sp:
+        table["model.embed_tokens"] = "sp_split"
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        if sp:
+            table[p + "input_layernorm"] = "sp_norm"
+        table[p + "self_attn"] = "entry"  # one per region: q, k, v share it, so backward reduces once
+        table |= {p + f"self_attn.{name}": "column" for name in ("q_proj", "k_proj", "v_proj")}
+        table |= {p + f"self_attn.{name}": "head_norm" for name in ("q_norm", "k_norm") if qk_norm}
+        table[p + "self_attn.o_proj"] = "row"
+        if sp:
+            table[p + "post_attention_layernorm"] = "sp_norm"
+        table[p + "mlp"] = "entry"
+        table |= {p + "mlp.gate_proj": "column", p + "mlp.up_proj": "column", p + "mlp.down_proj": "row"}
+    if sp:
+        table["model.norm"] = "sp_norm" if vp else "sp_gather"
+    if vp:
+        table["lm_head"] = "vocab_head"
+    return table
 
 
 @dataclass
@@ -215,7 +264,8 @@ def parallelize(
 ) -> ParallelModel:
     """Shard `model` in place for ctx.tp ranks and return it with its layouts and gradient sums.
 
-    skip_grad_sum names entries of GRAD_SUMS to leave out: only to prove that each one is needed;
+    skip_grad_sum names entries of GRAD_SUMS (tpbench.parallel.checks) to leave out: only to prove
+    that each one is needed;
     overlap_fault (debug.overlap_fault) breaks parallel.overlap for the same reason.
     recompute (train.recompute) is applied first; under `full` the blocks keep no gathered input, so
     SP's re-gather applies to the LM head only.
@@ -228,77 +278,70 @@ def parallelize(
     deferred: list[DeferredWeightGrads] = []
     if ctx.tp > 1:
         wait = overlap_fault != "no_wait"
-        per_linear = pcfg.sp and pcfg.sp_gather == "linear"
         entry = _Entry(ctx.tp_group, pcfg.sp, pcfg.sp_regather, pcfg.overlap, wait, deferred)
-        apply_tp(model, ctx, layouts, entry.but(regather=entry.regather and recompute != "full"), per_linear)
-        if pcfg.vp:
-            apply_vp(model, ctx, layouts, entry)
-        elif pcfg.sp:
-            apply_sp_edges(model, ctx)
+        styles = tp_styles(cfg.num_hidden_layers, pcfg.sp, pcfg.vp, cfg.qk_norm)
+        apply_styles(model, ctx, layouts, styles, entry, pcfg.sp and pcfg.sp_gather == "linear", recompute)
     pm = ParallelModel(model, ctx, pcfg, layouts, overlap_fault, deferred=deferred)
     pm.grad_sums = _grad_sums(model, ctx, layouts, skip_grad_sum)
     return pm
 
 
-def apply_tp(
+def apply_styles(
     model: MiniMindForCausalLM,
     ctx: ParallelContext,
     layouts: dict[str, Layout],
+    styles: dict[str, str],
     entry: _Entry,
     per_linear: bool = False,
+    recompute: str = "none",
 ) -> None:
-    """Attention and MLP: q/k/v/gate/up column parallel, o/down row parallel; heads split.
-    `per_linear` (SP only): each column linear all-gathers its own input instead of the region."""
+    """The table's styles on `model`, in two passes: first the sharded layers swapped in (column,
+    row, vocab), then the regions' entries and the SP edges' exits put in front of and behind them
+    (an entry needs its region's column layers in place: overlap defers their weight gradients).
+    `per_linear` (SP only): each column linear all-gathers its own input instead of its region.
+    Norms need no module of their own here: their layouts sum their gradients."""
     reduce = "reduce_scatter" if entry.sp else "all_reduce"
-    for i, block in enumerate(model.model.layers):
-        p = f"model.layers.{i}."
-        attn, mlp = block.self_attn, block.mlp
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, name, _column(getattr(attn, name), layouts[p + f"self_attn.{name}.weight"], ctx))
-        attn.o_proj = _row(attn.o_proj, layouts[p + "self_attn.o_proj.weight"], ctx, reduce)
-        for name in ("gate_proj", "up_proj"):
-            setattr(mlp, name, _column(getattr(mlp, name), layouts[p + f"mlp.{name}.weight"], ctx))
-        mlp.down_proj = _row(mlp.down_proj, layouts[p + "mlp.down_proj.weight"], ctx, reduce)
-        for region, columns in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
-            if per_linear:
-                entry.apply_per_linear(region, columns)
+    for path, style in styles.items():
+        parent, _, name = path.rpartition(".")
+        owner = model.get_submodule(parent)
+        dense = getattr(owner, name)
+        if style == "column":
+            setattr(owner, name, _column(dense, layouts[path + ".weight"], ctx))
+        elif style == "row":
+            setattr(owner, name, _row(dense, layouts[path + ".weight"], ctx, reduce))
+        elif style == "vocab_embedding":
+            layout = layouts[path + ".weight"]
+            shard = layout.shard(dense.weight, ctx.tp, ctx.tp_rank)
+            setattr(owner, name, VocabParallelEmbedding(shard, ctx.tp_rank, ctx.tp_group, reduce))
+        elif style == "vocab_head":
+            if model.config.tie_word_embeddings:  # the embedding's shard, swapped in above
+                model.lm_head = ColumnParallelLinear(model.model.embed_tokens.weight)
             else:
-                entry.apply(region)
-
-
-def apply_vp(
-    model: MiniMindForCausalLM, ctx: ParallelContext, layouts: dict[str, Layout], entry: _Entry
-) -> None:
-    """Embedding, LM head and loss split over the vocab; logits stay [S, B, V/T]."""
-    layout = layouts["model.embed_tokens.weight"]
-    emb = model.model.embed_tokens
-    model.model.embed_tokens = VocabParallelEmbedding(
-        layout.shard(emb.weight, ctx.tp, ctx.tp_rank),
-        ctx.tp_rank,
-        ctx.tp_group,
-        reduce="reduce_scatter" if entry.sp else "all_reduce",
-    )
-    if model.config.tie_word_embeddings:
-        model.lm_head = ColumnParallelLinear(model.model.embed_tokens.weight)
-    else:
-        model.lm_head = _column(model.lm_head, layouts["lm_head.weight"], ctx)
-    entry.apply(model.lm_head)
-    model.loss_fn = VocabParallelCrossEntropy(model.config.vocab_size, ctx.tp_rank, ctx.tp_group)
-
-
-def apply_sp_edges(model: MiniMindForCausalLM, ctx: ParallelContext) -> None:
-    """SP with a replicated vocab: the embedding output is split into the SP layout (backward:
-    all-gather), and the final norm's shard is gathered for the full LM head (backward: split) as the
-    norm's output: the decoder's final hidden states are whole, as minimind-tron's model gathers them."""
-    group = ctx.tp_group
-    _wrap(model.model.embed_tokens, after=lambda y: regions.scatter_to_sp_region(y, group))
-    _wrap(model.model.norm, after=lambda x: regions.gather_from_sp_region_replicated(x, group))
+                model.lm_head = _column(dense, layouts[path + ".weight"], ctx)
+            model.loss_fn = VocabParallelCrossEntropy(model.config.vocab_size, ctx.tp_rank, ctx.tp_group)
+    # under full recompute the blocks keep no gathered input: SP's re-gather for the LM head only
+    block_entry = entry.but(regather=entry.regather and recompute != "full")
+    for path, style in styles.items():
+        module = model.get_submodule(path)
+        if style == "entry" and per_linear:
+            columns = tuple(
+                p.rpartition(".")[2] for p, s in styles.items() if s == "column" and p.startswith(path + ".")
+            )
+            block_entry.apply_per_linear(module, columns)
+        elif style == "entry":
+            block_entry.apply(module)
+        elif style == "vocab_head":
+            entry.apply(module)
+        elif style == "sp_split":
+            set_exit(module, SPScatter(ctx.tp_group))
+        elif style == "sp_gather":  # the decoder's final hidden states are whole, as minimind-tron's
+            set_exit(module, SPGatherReplicated(ctx.tp_group))
 
 
 def apply_compile(model: MiniMindForCausalLM, between_linears: bool = False) -> None:
     """train.compile: each block compiled on its own, in place, as torchtitan does (the names of the
     parameters stay). fullgraph: a graph break is an error, not a silent fallback to eager. The blocks'
-    collectives go into the graph as tpbench's registered custom ops (tpbench.parallel.collectives), so they
+    collectives go into the graph as tpbench's registered custom ops (tpbench.parallel.comm), so they
     are counted as without compile. The blocks share one compiled graph (their parameters are its
     inputs). Graphs compiled earlier in this process, for another model, are dropped first (a test
     launch builds many), so that each model compiles within Dynamo's recompile limit, and Dynamo's
@@ -356,35 +399,19 @@ class _Entry:
     def apply(
         self, module: nn.Module, regathers: list[regions.Regather] | None = None, site: str = ""
     ) -> None:
-        """Wrap `module`'s forward in its entry op. `regathers` (a column linear of a per-linear
-        region): each forward's re-gather is appended there, for the region to prefetch; `site`
-        (its name) keeps its all-gather apart from its siblings' under torch.compile."""
-        inner, group, sp, regather = module.forward, self.group, self.sp, self.regather
+        """Put `module`'s entry op in front of it (its `entry` child). `regathers` (a column linear of
+        a per-linear region): each forward's re-gather is appended there, for the region to prefetch;
+        `site` (its name) keeps its all-gather apart from its siblings' under torch.compile."""
         meanwhile = None
         if self.overlap:
             meanwhile = defer_weight_grads(module, self.wait)
             self.deferred.append(meanwhile)
-            inner = module.forward  # a column linear (the LM head): its own forward, now deferring
-
-        def forward(self, x: torch.Tensor, *args, **kwargs):
-            x = _autocast_input(x)
-            if not sp:
-                return inner(regions.copy_to_tp_region(x, group, meanwhile), *args, **kwargs)
-            full = regions.gather_from_sp_region(x, group, meanwhile, site)  # [S/T, B, H] -> [S, B, H]
-            if not regather:
-                return inner(full, *args, **kwargs)
-            with regions.saving_only_shard(full, x, group) as regathered:
-                y = inner(full, *args, **kwargs)
-            if meanwhile is None:
-                return y
-            if regathers is not None:
-                regathers.append(regathered)
-            elif not isinstance(module, ColumnParallelLinear):
-                _prefetch_after_backward(y, [regathered])
-            # the LM head has no exit: its first backward op needs the input
-            return y
-
-        module.forward = types.MethodType(forward, module)
+        if not self.sp:
+            set_entry(module, TPCopy(self.group, meanwhile))
+            return
+        # a block region starts its re-gather at its exit backward; the LM head has no exit
+        prefetch = regathers is None and not isinstance(module, ColumnParallelLinear)
+        set_entry(module, SPGather(self.group, self.regather, meanwhile, regathers, prefetch, site))
 
     def apply_per_linear(self, region: nn.Module, columns: tuple[str, ...]) -> None:
         """SP gathering per column linear: the region casts its input once (its linears gather the
@@ -393,46 +420,7 @@ class _Entry:
         regathers: list[regions.Regather] = []
         for name in columns:
             self.apply(getattr(region, name), regathers if self.overlap and self.regather else None, name)
-        inner = region.forward
-
-        def forward(self, x: torch.Tensor, *args, **kwargs):
-            regathers.clear()
-            y = inner(_autocast_input(x), *args, **kwargs)
-            if regathers:
-                _prefetch_after_backward(y, list(regathers))
-            return y
-
-        region.forward = types.MethodType(forward, region)
-
-
-def _prefetch_after_backward(y: torch.Tensor, regathers: list[regions.Regather]) -> None:
-    """Start the re-gathers once y's grad_fn has run: a block region's exit backward (g-bar's
-    all-gather of the output gradient), before the row layer's and the core's backward."""
-
-    def prefetch(*_) -> None:
-        for regathered in regathers:
-            regathered.prefetch()
-
-    if y.grad_fn is not None:
-        y.grad_fn.register_hook(prefetch)
-
-
-def _autocast_input(x: torch.Tensor) -> torch.Tensor:
-    """Under autocast, a region's linears would each save their own cast of its input: cast it once,
-    before the entry op, so that they share one tensor (SP's re-gather keeps the cast shard) and the
-    entry's collectives move the autocast dtype."""
-    device = x.device.type
-    return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
-
-
-def _wrap(module: nn.Module, before: Callable | None = None, after: Callable | None = None) -> None:
-    inner = module.forward
-
-    def forward(self, x: torch.Tensor, *args, **kwargs):
-        y = inner(before(x) if before else x, *args, **kwargs)
-        return after(y) if after else y
-
-    module.forward = types.MethodType(forward, module)
+        set_entry(region, PerLinearGathers(regathers))
 
 
 def _grad_sums(

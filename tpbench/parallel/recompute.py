@@ -30,16 +30,15 @@ keeps nothing of the gathered input, the recomputed forward gathers it again.
 from __future__ import annotations
 
 import contextlib
-import types
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tpbench.models.minimind import FeedForward, MiniMindForCausalLM, swiglu
+from tpbench.models.minimind import MiniMindForCausalLM, swiglu
 from tpbench.parallel import instrumentation
 from tpbench.parallel.layers import RowParallelLinear
+from tpbench.parallel.wrappers import Region, behaviour, wrap
 
 MODES = ("none", "selective", "full")
 
@@ -52,9 +51,9 @@ def apply_recompute(model: MiniMindForCausalLM, mode: str) -> None:
         return
     for block in model.model.layers:
         if mode == "full":
-            _checkpoint(block)
+            wrap(block, Checkpointed)
         else:
-            _recompute_swiglu(block.mlp)
+            wrap(block.mlp, SelectiveSwiGLU)
 
 
 # --- full --------------------------------------------------------------------------------------
@@ -66,22 +65,25 @@ def _recompute_contexts() -> tuple[contextlib.AbstractContextManager, contextlib
     return contextlib.nullcontext(), instrumentation.recomputing()
 
 
-def _checkpoint(block: nn.Module) -> None:
-    inner = block.forward
+class Checkpointed:
+    """A block's behaviour (tpbench.parallel.wrappers.wrap) under full: its forward, the regions'
+    entries and exits in it included, runs under torch.utils.checkpoint (non-reentrant)."""
 
     def forward(self, x: torch.Tensor, *args):
-        return checkpoint(inner, x, *args, use_reentrant=False, context_fn=_recompute_contexts)
+        return checkpoint(super().forward, x, *args, use_reentrant=False, context_fn=_recompute_contexts)
 
-    block.forward = types.MethodType(forward, block)
+
+behaviour(Checkpointed, before=Region)  # outside the entries: the recomputation gathers again
 
 
 # --- selective ---------------------------------------------------------------------------------
 
 
-def _recompute_swiglu(mlp: FeedForward) -> None:
-    """Keep gate and up only. The checkpointed function ends with down_proj's local matmul, so that
-    its input, silu(gate) * up, is recomputed too; the recomputation stops early, when that matmul
-    saves its input, before the matmul itself runs. A row-parallel down_proj reduces after it."""
+class SelectiveSwiGLU:
+    """An MLP's behaviour (tpbench.parallel.wrappers.wrap) under selective: keep gate and up only. The
+    checkpointed function ends with down_proj's local matmul, so that its input, silu(gate) * up, is
+    recomputed too; the recomputation stops early, when that matmul saves its input, before the
+    matmul itself runs. A row-parallel down_proj reduces after it. Inside the region's entry."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
@@ -94,4 +96,5 @@ def _recompute_swiglu(mlp: FeedForward) -> None:
         y = checkpoint(swiglu_down, gate, up, use_reentrant=False, preserve_rng_state=False)
         return down.reduce(y) if row else y  # [S(/T), B, H]
 
-    mlp.forward = types.MethodType(forward, mlp)
+
+behaviour(SelectiveSwiGLU, before=None)  # inside the entry: the MLP's own forward, made again
