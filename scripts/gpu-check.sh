@@ -12,7 +12,9 @@
 #    allocator model's prediction (tpbench.theory with tpbench.allocator, for this GPU), beside
 #    MemTracker's live-tensor peak, and beside the same config emulated with fake tensors on the CPU
 #    (its allocation trace replayed through the allocator model: run at the same time, on the CPU);
-# 3. one throughput run with CUDA timing: MFU at H 2048, bf16, T = 1.
+# 3. one throughput run with CUDA timing: MFU at H 2048, bf16, T = 1 (its record says timing_cuda_events 1);
+# 4. scripts/cuda_timing_check.py: CUDA-event times of a one-rank NCCL group's collectives (blocking,
+#    hidden behind compute, waited at once) against NCCL's own per-work duration, printed at the end.
 # What one GPU cannot show: NCCL between ranks (every collective here is the fake backend's, which
 # moves no bytes and takes no time), hence neither the collectives' times and bandwidth, nor how much
 # of them overlap hides, nor NCCL's own buffers, nor the values of a T > 1 job (validate at T > 1).
@@ -47,6 +49,8 @@ tpbench run tp=1 device=cuda "$db" --json >"$out/t1.jsonl" || failed=1
 memory real >"$out/memory-real.jsonl" || failed=1
 tpbench run kind=throughput tp=1 model=seed_memory hidden=2048 heads=16 kv_heads=8 dtype=bfloat16 \
   device=cuda "$db" --json >"$out/mfu.jsonl" || failed=1
+# the CUDA-event timing of collectives against NCCL's own duration, on a one-rank NCCL group
+"$py" scripts/cuda_timing_check.py >"$out/cuda-timing.txt" 2>&1 || failed=1
 wait "$fake" || { failed=1; echo "the fake-tensor emulation failed: see $out/memory-fake.log" >&2; }
 
 "$py" - "$out" "$gpu" "$((SECONDS - started))" <<'PY'
@@ -100,4 +104,6 @@ print(f"{gpu} allocator model; {seconds} s in all. Not shown by one GPU: NCCL be
       "ranks are the fake backend's: no bytes moved, no time taken), so neither collective times, "
       "bandwidth, overlap's hiding, NCCL's buffers, nor a T > 1 job's values.")
 PY
+echo "CUDA-event timing of collectives (scripts/cuda_timing_check.py, one rank, NCCL):"
+cat "$out/cuda-timing.txt"
 exit $failed
