@@ -1,4 +1,6 @@
-"""Figures published elsewhere (REFERENCE.md section 6), with the config each was measured at.
+"""Figures published elsewhere, with the config each was measured at: the seed chapter (the tensor-parallel
+chapter of the MiniMind tutorial whose implementation is github.com/ANKer661/minimind, "minimind-tron";
+see docs/references.md).
 
 A report draws them beside ours only for runs of exactly that config, labelled as published.
 """

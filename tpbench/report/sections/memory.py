@@ -72,7 +72,10 @@ def _peak_table(group: pd.DataFrame, ref: pd.DataFrame, setting: str) -> Table:
         frame[published.SEED] = [ref_peak.get(k) for k in keys]
         frame["ours / published"] = frame["peak / rank"] / frame[published.SEED]
         formats |= {published.SEED: units.mib, "ours / published": units.percent}
-        note = f"{published.SEED}: REFERENCE.md section 6, measured on GPUs elsewhere; same config."
+        note = (
+            f"{published.SEED}: the tensor-parallel chapter of github.com/ANKer661/minimind, measured on "
+            "GPUs there; same config."
+        )
     return Table(f"Peak per rank: {setting}", frame, formats, note)
 
 

@@ -48,7 +48,10 @@ def section(data: ReportData) -> Section:
         row |= {label: seed.get(key) for label, (key, _) in columns.items() if key in seed}
         row["AdamW max |logits diff|"] = seed["adamw_logits_max_abs"]
         table.frame = pd.concat([table.frame, pd.DataFrame([row])], ignore_index=True)[table.frame.columns]
-        table.note = f"Last row: {published.SEED}, REFERENCE.md section 6, on the same config."
+        table.note = (
+            f"Last row: {published.SEED}, from the tensor-parallel chapter of "
+            "github.com/ANKer661/minimind, on the same config."
+        )
     section.blocks.append(table)
     if not curves.empty:
         section.blocks.append(
