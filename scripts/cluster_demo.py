@@ -1,5 +1,6 @@
-"""The README's "On a cluster" output: start the tests' one-node Slurm cluster and a PostgreSQL server
-(tests/slurm_cluster.py, tests/conftest.py), run the section's commands in a fresh folder, print them.
+"""The one-node cluster session of docs/clusters.md: start the tests' one-node Slurm cluster and a
+PostgreSQL server (tests/slurm_cluster.py, tests/conftest.py), run the section's commands in a fresh
+folder, print them.
 
     .venv/bin/python scripts/cluster_demo.py        # as root, after `bash scripts/setup.sh --tests`
 """

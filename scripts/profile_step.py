@@ -1,5 +1,5 @@
 """Where a training step's time goes, by op: torch.profiler over measured steps of rank 0, after warm-up,
-grouped as the README's speed section reads them (the GEMMs, attention, our collectives' autograd
+grouped as docs/results/speed.md reads them (the GEMMs, attention, our collectives' autograd
 functions, the optimizer, the rest), beside the step time measured without the profiler.
 Takes tpbench's overrides; run it as its job would run, one core per rank:
   OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 scripts/profile_step.py model=minimind layers=4 \\

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The README's speed loop (issue 16), balanced against the machine's drift: every setting once per
+# The speed loop of docs/results/speed.md, balanced against the machine's drift: every setting once per
 # repetition, the order reversed every other repetition, and the single-core GEMM rate measured before
 # every run and after the last (a run's GEMM limit takes the mean of the rates either side of it).
 # tpbench's runs go to DB; minimind-tron's steps (scripts/tron_step.py, from TRON's own venv) and the
-# rates go to the log on stdout. scripts/speed_table.py makes the README's table from both.
+# rates go to the log on stdout. scripts/speed_table.py makes its table from both.
 #
 #   bash scripts/speed_loop.sh > runs/speed.log      # REPS=4 SEED0=10 TRON=/tmp/tron DB=runs/speed.db
 #   .venv/bin/python scripts/speed_table.py runs/speed.log runs/speed.db

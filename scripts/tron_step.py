@@ -1,5 +1,5 @@
 """minimind-tron's TP step on CPU over gloo, timed as tpbench times its own (a barrier before and after
-each step, the median of the measured steps): the anchor of the README's speed table.
+each step, the median of the measured steps): the anchor of docs/results/speed.md's table.
 
 Needs a checkout of ANKer661/minimind's tp_demo branch (its model/ folder) and `transformers`, which
 tpbench does not depend on; run it from a venv of its own:

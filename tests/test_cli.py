@@ -78,7 +78,7 @@ BAD_INPUT = {
     "oom without a cap": (["+fault=oom_on_rank1", "launch.memory_cap_mb=0"], "needs a cap to exceed"),
     "a sweep given to run": (["layers=1,2"], "a sweep of 2 configs, `tpbench run` runs one"),
     "a bad key beside a sweep given to run": (["layers=1,2", "foo=1"], "foo=1: foo is not a tpbench setting"),
-    # issue 12: keys outside the schema, booleans, paths, and the rest of the class
+    # keys outside the schema, booleans, paths, and the rest of the class
     "an added key": (["+anything=1"], "+anything=1: anything is not a tpbench setting and cannot be added"),
     "an added nested key": (["+model.colour=red"], "model.colour is not a tpbench setting"),
     "an int for a bool": (["vp=2"], "vp=2: parallel.vp takes bool: accepted are true, false"),

@@ -164,7 +164,7 @@ def test_runs_lists_with_filters(swept):
     assert "0 runs" in work.invoke("runs", "--status", "FAILED", "--since", "1d").stdout
 
 
-# -- faults (issue 8) ----------------------------------------------------------------------------------
+# -- faults -----------------------------------------------------------------------------------------
 
 FAULTS = "raise_on_rank1,kill_on_rank1,hang_on_rank1,oom_on_rank1,print_flood,big_result"
 # Every run of the fault sweeps gets it: a hang waits it out (beside other tests). It bounds every other
