@@ -135,6 +135,7 @@ VALIDATE_T2 |= {
 
 FAMILY_MODES = {"tp": [], "tp_sp": ["parallel.sp=true"], "tp_vp": ["parallel.vp=true"]}
 FAMILY_MODES["tp_sp_vp"] = FAMILY_MODES["tp_sp"] + FAMILY_MODES["tp_vp"]
+FAMILY_MODES["tp_sp_linear"] = [*FAMILY_MODES["tp_sp"], "parallel.sp_gather=linear"]
 VALIDATE_T2 |= {
     f"{family}_{mode}": ["parallel.tp=2", *overrides, *FAMILY_MODES[mode]]
     for family, overrides in FAMILIES.items()
@@ -479,6 +480,7 @@ def expected_comm(
         ("qwen25_tp_sp", 2, True, False, True, False, 0),
         ("qwen3_tp", 2, False, False, True, False, 16),
         ("t4_qwen3_tp_sp_vp", 4, True, True, True, False, 16),
+        ("t4_qwen3_tp_sp_linear", 4, True, False, True, True, 16),
     ],
 )
 def test_collectives_per_step_match_the_math(validated, name, t, sp, vp, regather, per_linear, head_norms):
