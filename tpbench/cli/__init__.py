@@ -297,6 +297,7 @@ def plan(
     for c in (c for c in configs if c.kind == configs[0].kind):  # kind=all: one config per kind
         prediction = theory.predict(c)
         output.plan(c, prediction, theory.model_flops_per_step(c))
+        output.depth(c)
         if measure:
             result, seconds = memory.measure_busiest(c)
             output.measured(c, prediction, result, seconds, emulation.emulated_rank(c))

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tpbench.cli.arguments import usage
-from tpbench.config import RunConfig, mode_label, public_config
+from tpbench.config import RunConfig, mode_label, public_config, world_size
 
 if TYPE_CHECKING:  # pandas and the database (sqlalchemy) are imported where a command needs them:
     import pandas as pd  # `tpbench plan` starts without them
@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # pandas and the database (sqlalchemy) are imported where a c
     from tpbench.db import ResultsDB
     from tpbench.sweep import Ran
     from tpbench.theory import Prediction
+    from tpbench.theory.depth import Limit
 
 out = Console(width=None if sys.stdout.isatty() else 200, markup=False, highlight=False)
 err = Console(stderr=True, markup=False, highlight=False)
@@ -149,6 +150,56 @@ def plan(cfg: RunConfig, prediction: Prediction, flops: float) -> None:
             f"predicted max_memory_allocated on an {gpu} (the peak and 2 cuBLAS workspaces): "
             f"{prediction.max_memory_allocated_bytes(gpu) / 2**20:,.1f} MiB"
         )
+
+
+def depth(cfg: RunConfig) -> None:
+    """`tpbench plan`: each mode's predicted peak as F + L (a/T + r) (tpbench.theory.depth), and its
+    ratio to DDP's as L grows, in the config's world; the modes compose refuses, each with its line."""
+    limits, refused = _depth_limits(cfg)
+    T = max(lim.split.T for lim in limits)
+    table = Table(
+        title=f"depth: peak = F + L (a/T + r) per rank, T {T}, {world_size(cfg)} ranks (MiB; a, r per layer)"
+    )
+    columns = ("mode", "peak moment", "F", "a", "r", "a/T + r", f"peak at L{cfg.model.num_hidden_layers}")
+    for column in (*columns, "limit vs DDP", "(a/T+r)/(a+r)"):
+        table.add_column(column, justify="left" if column in columns[:2] else "right")
+    later = []
+    for lim in limits:
+        s = lim.split
+        mib = [f"{v / 2**20:,.2f}" for v in (s.F, s.a, s.r, s.per_layer, s.peak(s.layers))]
+        bold = "bold" if lim.mode == mode_label(cfg.parallel) else None
+        table.add_row(lim.mode, s.moment, *mib, f"{lim.vs_ddp:.2%}", f"{s.own_limit:.2%}", style=bold)
+        if s.steepest.moment != s.moment:
+            later.append(f"{lim.mode}: from L{s.steepest_from} on, the peak is at {s.steepest.moment}")
+    out.print(table)
+    notes = [
+        "a: per layer, what TP divides by T, counted whole (attention and MLP weights, their gradients "
+        "and AdamW state, the activations inside the TP regions); r: what every rank keeps whole (norm "
+        "weights, the gathered region inputs, the stream's norm tensors, which SP shards into a); F: what "
+        "does not grow with L (embedding, LM head, logits: VP shards them, so its a, r and limit are TP's)",
+        "limit vs DDP: the peaks' ratio as L grows, a/T + r over DDP's a + r (DDP's counts its gradient "
+        "buckets too); (a/T+r)/(a+r): over the same mode unsharded, the seed's form",
+        *later,
+        *(f"{mode}: refused ({why})" for mode, why in refused.items()),
+    ]
+    for note in notes:
+        out.print(note)
+
+
+def _depth_limits(cfg: RunConfig) -> tuple[list[Limit], dict[str, str]]:
+    """The config's depth split in each mode of the seed's comparison, and the modes compose refuses
+    for it (a KV head count T does not divide under the dtensor engine, ...), each with its line."""
+    from tpbench.compose import ConfigError, check
+    from tpbench.theory import depth
+
+    configs, refused = {}, {}
+    for mode, c in depth.mode_configs(cfg).items():
+        try:
+            check(c)
+            configs[mode] = c
+        except ConfigError as e:
+            refused[mode] = str(e)
+    return depth.limits(configs), refused
 
 
 def measured(

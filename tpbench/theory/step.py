@@ -32,7 +32,7 @@ def moments(d: Dims) -> list[Moment]:
         ]
     else:  # the dense losses peak in their backward, the casts gone; their forward, beside the casts
         out = [Moment("loss", P, buckets, O, A + loss_act, loss_temp)]
-        if casts:
+        if d.mixed and (d.recompute != "none" or d.bias):  # the casts exist (for any sizes: depth.py)
             out.append(Moment("loss forward", P, buckets, O, A + casts + loss_forward(d), 0))
 
     # the LM head's backward: the logits' gradient, the head's weight gradient (not yet accumulated

@@ -1,12 +1,18 @@
-"""Memory: the measured peak per rank against DDP's, its split by category, and the analytic prediction."""
+"""Memory: the measured peak per rank against DDP's, its split by category, the analytic prediction,
+and over depth: each mode's peak as F + L (a/T + r), fitted to the runs and predicted
+(tpbench.theory.depth), with its ratio to DDP's at each depth and as L grows."""
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
+from tpbench.config import RunConfig
 from tpbench.report import charts, published, units
 from tpbench.report.blocks import Chart, Section, Table, kind_empty
 from tpbench.report.data import ReportData, memory_breakdown, memory_peaks
+from tpbench.report.sections.diagrams import run_config
+from tpbench.theory import depth
 
 
 def section(data: ReportData) -> Section:
@@ -38,6 +44,8 @@ def section(data: ReportData) -> Section:
                 )
             )
             section.blocks.append(_breakdown_table(group_parts, setting))
+        if group["layers"].nunique() > 1:
+            section.blocks.append(depth_table(group, ref, data.configs, setting))
     section.blocks += _memory_predicted(peaks)
     return section
 
@@ -126,3 +134,76 @@ def _memory_predicted(peaks: pd.DataFrame) -> list[Table | Chart]:
     formats = {"measured": units.mib, "predicted": units.mib, "error": units.signed_percent}
     blocks.append(Table("Measured vs predicted peak", frame, formats))
     return blocks
+
+
+def depth_fit(layers: pd.Series, peaks: pd.Series) -> tuple[float, float, float]:
+    """The least-squares line through a mode's peaks over depth: F, the slope per layer, and its
+    largest miss, relative to the peak it misses."""
+    slope, F = np.polyfit(layers.astype(float), peaks.astype(float), 1)
+    miss = (peaks - (F + slope * layers)).abs() / peaks
+    return float(F), float(slope), float(miss.max())
+
+
+def depth_table(group: pd.DataFrame, ref: pd.DataFrame, configs: dict[int, dict], setting: str) -> Table:
+    """One row per mode with runs at several depths: its measured line (fitted), the split the theory
+    predicts for its deepest run, its ratio to DDP at each depth and as L grows; and the seed's
+    published DDP and TP beside, where the setting is the seed's."""
+    depths = sorted(group["layers"].unique())
+    ddp = group[group["mode"] == "ddp"]
+    ddp_slope = depth_fit(ddp["layers"], ddp["peak_bytes"])[1] if ddp["layers"].nunique() > 1 else np.nan
+    ddp_deepest = ddp.loc[ddp["layers"].idxmax(), "id"] if not ddp.empty else None
+    rows = []
+    for mode, runs in group.groupby("mode", sort=False):
+        if runs["layers"].nunique() < 2:
+            continue
+        F, slope, miss = depth_fit(runs["layers"], runs["peak_bytes"])
+        row = {"mode": mode, "F (fit)": F, "per layer (fit)": slope, "largest miss": miss}
+        deepest = runs.loc[runs["layers"].idxmax(), "id"]
+        row |= _predicted(_config(configs, deepest), _config(configs, ddp_deepest))
+        row |= {f"of DDP, L{L}": runs.loc[runs["layers"] == L, "of_ddp"].max() for L in depths}
+        row["slope / DDP's (fit)"] = slope / ddp_slope
+        rows.append(row)
+    for mode, runs in ref.groupby("mode", sort=False) if not ref.empty else ():
+        ref_ddp = ref[ref["mode"] == "ddp"].set_index("layers")["peak_bytes"]
+        F, slope, miss = depth_fit(runs["layers"], runs["peak_bytes"])
+        row = {
+            "mode": f"{mode}: {published.SEED}",
+            "F (fit)": F,
+            "per layer (fit)": slope,
+            "largest miss": miss,
+        }
+        row |= {
+            f"of DDP, L{L}": p / ref_ddp.get(L, np.nan)
+            for L, p in zip(runs["layers"], runs["peak_bytes"], strict=True)
+        }
+        row["slope / DDP's (fit)"] = slope / depth_fit(ref_ddp.index.to_series(), ref_ddp)[1]
+        rows.append(row)
+    frame = pd.DataFrame(rows)
+    mib = ("F (fit)", "per layer (fit)", "F", "a", "r", "a/T + r")
+    formats = {c: units.mib for c in mib} | {
+        c: units.percent for c in frame.columns if c.startswith("of DDP")
+    }
+    formats |= {"largest miss": lambda v: units.DASH if pd.isna(v) else f"{v:.2%}"}
+    formats |= {c: units.percent for c in ("slope / DDP's (fit)", "limit vs DDP (predicted)")}
+    note = (
+        "Peak per rank = F + L (a/T + r): F does not grow with depth, a is what each layer adds that TP "
+        "divides by T (counted whole), r what it leaves whole on every rank (tpbench.theory.depth). "
+        "Fit: least squares over the runs' depths (largest miss: the worst run off the line). F, a, r "
+        "and the limit are predicted for the deepest run; limit vs DDP = (a/T + r) over DDP's a + r, "
+        "the ratio of the peaks as L grows, which the measured ratios approach."
+    )
+    return Table(f"Peak over depth: {setting}", frame, formats, note)
+
+
+def _config(configs: dict[int, dict], run_id: object) -> RunConfig | None:
+    return run_config(configs[run_id]) if run_id in configs else None
+
+
+def _predicted(cfg: RunConfig | None, ddp: RunConfig | None) -> dict[str, float]:
+    """The theory's split of a run's peak, and its limit against the setting's DDP run (or, with
+    none, DDP in the run's world)."""
+    if cfg is None:
+        return {}
+    limit = depth.limits({"ddp": ddp or depth.mode_configs(cfg)["ddp"], "run": cfg})[-1]
+    s = limit.split
+    return {"F": s.F, "a": s.a, "r": s.r, "a/T + r": s.per_layer, "limit vs DDP (predicted)": limit.vs_ddp}
