@@ -179,6 +179,8 @@ def depth_table(group: pd.DataFrame, ref: pd.DataFrame, configs: dict[int, dict]
         row["slope / DDP's (fit)"] = slope / depth_fit(ref_ddp.index.to_series(), ref_ddp)[1]
         rows.append(row)
     frame = pd.DataFrame(rows)
+    limit = frame.pop("limit vs DDP (predicted)") if "limit vs DDP (predicted)" in frame else np.nan
+    frame["limit vs DDP (predicted)"] = limit  # beside the measured ratios it is the limit of
     mib = ("F (fit)", "per layer (fit)", "F", "a", "r", "a/T + r")
     formats = {c: units.mib for c in mib} | {
         c: units.percent for c in frame.columns if c.startswith("of DDP")
