@@ -17,6 +17,7 @@ follow the step:
                the gradient sums' and the optimizer's
   collectives  each collective's count and ring bytes per step
   flops        the model's FLOPs and what full recompute adds
+  depth        the peak as a line in the depth, F + L (a/T + r), per mode, and its limit against DDP
 """
 
 from __future__ import annotations

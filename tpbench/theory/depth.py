@@ -16,6 +16,7 @@ rest of it: the attention and MLP weights, their gradients and AdamW's state, th
 the TP regions; r holds the norms' weights, the region inputs TP gathers whole, the norms' fp32
 tensors of the stream (SP shards them, moving them into a), the per-layer RoPE casts. VP shards the
 embedding and the logits, which are in F: it leaves a and r as TP's, and so the limit.
+docs/theory.md, "The peak over depth", has the seed's shape measured beside it.
 """
 
 from __future__ import annotations
