@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from beside import beside
 from conftest import FAST, Workdir
 from torchrun_checks import (
@@ -24,7 +25,7 @@ from torchrun_checks import (
 )
 
 from tpbench.experiments.validate import CHECKS as VALIDATE_CHECKS
-from tpbench.experiments.validate import K
+from tpbench.experiments.validate import DRIFT, K, logits_drift
 
 CHECKS = Path(__file__).parent / "torchrun_checks.py"
 
@@ -123,6 +124,11 @@ PLANTED = {
     "planted_rank1_tp": [*MODES["tp"], "debug.validate_fault=rank1_param"],
 }
 VALIDATE_T2 |= PLANTED
+# validate.batch=fixed: the seed's check, every AdamW step on the forward check's batch; and a drift
+# bound below any fp32 drift, which must fail the run
+FIXED = {"tp_fixed": "tp", "tp_sp_vp_fixed": "tp_sp_vp"}  # fixed -> the same mode fresh
+VALIDATE_T2 |= {name: [*MODES[fresh], "validate.batch=fixed"] for name, fresh in FIXED.items()}
+VALIDATE_T2["tight_drift"] = [*MODES["tp"], "validate.tol_drift=1e-12"]
 VALIDATE_T2 |= {
     "broken_qk_norm_bf16": ["parallel.tp=2", "train.dtype=bfloat16", "debug.skip_grad_sum=[qk_norm]"],
     "broken_sp_norms_mixed": [
@@ -329,7 +335,7 @@ def test_checkpoint_round_trip_is_bit_exact(units):
 
 BROKEN = [k for k in (*VALIDATE_T2, *VALIDATE_W4) if k.startswith("broken")]
 IN_BF16 = [k for k in VALIDATE_T2 if k.endswith(("bf16", "mixed")) and k not in BROKEN]
-FP32 = [k for k in (*VALIDATE_T2, *VALIDATE_W4) if k not in (*BROKEN, *IN_BF16, *PLANTED)]
+FP32 = [k for k in (*VALIDATE_T2, *VALIDATE_W4) if k not in (*BROKEN, *IN_BF16, *PLANTED, "tight_drift")]
 
 
 @pytest.mark.parametrize("name", FP32)
@@ -378,6 +384,46 @@ def test_an_error_on_rank_1_fails_rank_0s_verdict_too(validated, name):
     assert m["adamw_param_max_abs"] == pytest.approx(1.0, abs=TOL_PARAM)
     assert m["passed"] == 0.0
     assert [f.split()[0] for f in validated[name]["failed"]] == ["adamw_param_max_abs"]
+
+
+@pytest.mark.parametrize("name", FIXED)
+def test_a_fixed_batch_check_trains_every_step_on_the_forward_checks_batch(validated, name):
+    """validate.batch=fixed draws one batch, the forward check's, for all 6 AdamW steps and the logits'
+    comparisons; fresh draws that one, one kept aside for the comparisons, and one per step."""
+    fixed, fresh = validated[name], validated[FIXED[name]]
+    assert (fixed["draws"], fresh["draws"]) == (1, 1 + 1 + 6)
+    for check in ("fwd_logits_max_abs", "loss_abs_diff", "grad_max_rel_l2"):  # the same first batch
+        assert fixed["metrics"][check] == fresh["metrics"][check], check
+    assert fixed["curves"] != fresh["curves"]  # trained on other batches, compared on another
+    assert fixed["failed"] == [] and fixed["metrics"]["passed"] == 1.0
+
+
+@pytest.mark.parametrize("name", [*FP32, *IN_BF16])
+def test_each_compared_step_records_the_logits_mean_max_and_relative_l2(validated, name):
+    """At steps 3 and 6, fresh and fixed alike; the check's figure is the max |diff|'s worst step."""
+    r = validated[name]
+    curves = {n: dict(map(tuple, c)) for n, c in r["curves"].items()}
+    mean, top, rel = (curves[n] for n in DRIFT)
+    assert list(mean) == list(top) == list(rel) == [3, 6]
+    for step in (3, 6):
+        assert 0 <= mean[step] <= top[step] and 0 <= rel[step] < 1, step
+    assert r["metrics"]["adamw_drift_max_abs"] == max(top.values())
+
+
+def test_logits_drift_figures():
+    """mean |diff|, max |diff| and ||diff|| / ||dense|| of a known pair: one element off by 2 of four."""
+    dense = torch.tensor([[[1.0, 2.0], [3.0, 6.0]]])
+    sharded = torch.tensor([[[1.0, 2.0], [3.0, 4.0]]], dtype=torch.bfloat16)
+    assert logits_drift(sharded, dense) == pytest.approx([0.5, 2.0, 2 / 50**0.5])
+
+
+def test_the_drift_bound_fails_the_run(validated):
+    """validate.tol_drift bounds the AdamW logits drift's worst step (K x the dense model's own drift in
+    pure fp32 is 0): below the drift, that check alone fails, and with it the run."""
+    r = validated["tight_drift"]
+    assert [f.split()[0] for f in r["failed"]] == ["adamw_drift_max_abs"]
+    assert r["metrics"]["passed"] == 0.0 and r["metrics"]["dense_adamw_drift_max_abs"] == 0.0
+    assert r["metrics"]["adamw_drift_max_abs"] == validated["tp"]["metrics"]["adamw_drift_max_abs"]
 
 
 @beside

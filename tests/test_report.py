@@ -1,9 +1,9 @@
 """`tpbench report` from a database of real runs (torchrun jobs of the tiny model on CPU), and the HTML
 opened in a real headless browser (Debian's chromium: missing, the browser tests skip, and fail under CI).
 
-One module fixture fills the database: memory of DDP and TP, throughput of TP (TP also with full
-activation recompute), validate of TP+SP+VP and one run that fails on purpose. A sweep name and the
-failed run's error hold a `<script>` that must reach the reader as text.
+One module fixture fills the database: memory of DDP and TP, throughput of DDP and TP at fixed_global
+(TP also with full activation recompute), validate of TP+SP+VP and one run that fails on purpose. A
+sweep name and the failed run's error hold a `<script>` that must reach the reader as text.
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ from matplotlib.figure import Figure
 from typer.testing import CliRunner
 
 from tpbench.cli import app
-from tpbench.report import published, render
-from tpbench.report.data import ReportData, Selection, mode_rank, model_label, setting_label
+from tpbench.db import ResultsDB
+from tpbench.report import published, render, sections
+from tpbench.report.blocks import Table
+from tpbench.report.data import ReportData, Selection, load, mode_rank, model_label, setting_label
 
 TPBENCH = str(Path(sys.executable).with_name("tpbench"))
 PAYLOAD = "<script>document.body.dataset.pwned = 'yes'</script>"
@@ -70,10 +72,10 @@ def filled(folder: Path) -> Filled:
         [
             ["sweep", "kind=memory", "mode=ddp,tp", *QUICK],
             ["run", "kind=memory", "mode=tp", "recompute=full", *QUICK],
-            ["run", "kind=throughput", "mode=tp", "recompute=full", *QUICK],
+            ["run", "kind=throughput", "mode=tp", "recompute=full", "batch=fixed_global", *QUICK],
         ],
         [
-            ["run", "kind=throughput", "mode=tp", *QUICK],
+            ["sweep", "kind=throughput", "mode=ddp,tp", "batch=fixed_global", *QUICK],
             [
                 "sweep",
                 "kind=validate",
@@ -97,6 +99,7 @@ def filled(folder: Path) -> Filled:
         ("memory", "ddp", "OK"),
         ("memory", "tp", "OK"),
         ("memory", "tp", "OK"),
+        ("throughput", "ddp", "OK"),
         ("throughput", "tp", "OK"),
         ("throughput", "tp", "OK"),
         ("validate", "tp", "FAILED"),
@@ -137,11 +140,9 @@ def expected_charts(filled: Filled) -> list[str]:
         *per_setting,
         *per_setting,
         *(["Measured vs predicted peak"] * 2 if predicted else []),
-        "Recompute",
-        "Throughput",
-        "Throughput",
-        "Collectives per step",
-        "Collectives per step",
+        *["Recompute"] * 2,  # memory at fixed_per_rank, throughput at fixed_global
+        *["Throughput"] * 2,
+        *["Collectives per step"] * 4,  # memory's two settings and throughput's two
         "AdamW drift",
     ]
 
@@ -217,6 +218,63 @@ def test_recompute_is_its_own_axis(filled, html_report):
     for figure in (f"{full / 2**20:,.1f} MiB", f"{none / 2**20:,.1f} MiB", f"{full / none:.1%}"):
         assert figure in section
     assert f"{value[('throughput', 'full')] * 1e3:,.2f} ms" in section
+
+
+def section_tables(data: ReportData, part) -> dict[str, object]:
+    return {block.title: block for block in part.section(data).blocks if isinstance(block, Table)}
+
+
+def test_throughput_compares_the_modes_at_one_global_batch(filled, html_report):
+    """At fixed_global DDP and TP train the same tokens per step: the table shows them, and each mode's
+    tokens/s against DDP's, from the database's figures."""
+    rows = filled.query(
+        "SELECT r.mode, m.name, MAX(m.value) FROM runs r JOIN measurements m ON m.run_id = r.id "
+        "WHERE r.kind = 'throughput' AND json_extract(r.config, '$.train.recompute') = 'none' "
+        "AND m.step IS NULL AND m.name IN ('tokens_per_s', 'tokens_per_step') GROUP BY r.id, m.name"
+    )
+    db = {(mode, name): value for mode, name, value in rows}
+    assert db[("ddp", "tokens_per_step")] == db[("tp", "tokens_per_step")] == 4 * 32  # global batch 4, S 32
+    data = load(ResultsDB(filled.url), Selection(kind="throughput"))
+    (table,) = [
+        t for title, t in section_tables(data, sections.throughput).items() if "recompute" not in title
+    ]
+    frame = table.frame.set_index("mode")
+    assert frame["tokens / step"].to_dict() == {"ddp": 128, "tp": 128}
+    assert frame.at["tp", "tokens/s"] == db[("tp", "tokens_per_s")]
+    assert frame["vs DDP"].to_dict() == {
+        "ddp": 1.0,
+        "tp": db[("tp", "tokens_per_s")] / db[("ddp", "tokens_per_s")],
+    }
+    html = unescape(html_report.read_text())
+    part = html[html.index('<section id="throughput">') : html.index('<section id="communication">')]
+    assert f"{frame.at['tp', 'vs DDP']:.1%}" in part and re.search(r">\s*128\s*<", part)
+    assert published.TRON not in html  # the tiny model is not minimind-tron's config
+
+
+def test_the_drift_table_holds_each_compared_steps_figures(filled, html_report):
+    """validate tp_sp_vp, 3 fresh-batch AdamW steps compared at each: per step the logits' mean and max
+    |diff| and relative L2 against dense (each the worst over ranks), and each one's worst."""
+    rows = filled.query(
+        "SELECT m.step, m.name, MAX(m.value) FROM runs r JOIN measurements m ON m.run_id = r.id "
+        "WHERE r.kind = 'validate' AND r.status = 'OK' AND m.step IS NOT NULL GROUP BY m.step, m.name"
+    )
+    db = {(int(step), name): value for step, name, value in rows}
+    assert {name for _, name in db} == {
+        "adamw_logits_mean_abs",
+        "adamw_logits_max_abs",
+        "adamw_logits_rel_l2",
+    }
+    data = load(ResultsDB(filled.url), Selection(kind="validate"))
+    (table,) = [t for title, t in section_tables(data, sections.validation).items() if "drift" in title]
+    assert table.title.startswith("AdamW drift against dense (fresh batch): tiny: H64 S32")
+    assert table.frame["step"].tolist() == [1, 2, 3, "worst"]
+    for name, what in (("mean_abs", "mean"), ("max_abs", "max"), ("rel_l2", "rel L2")):
+        column = table.frame[f"tp_sp_vp {what}"].tolist()
+        assert column == [*(db[(step, f"adamw_logits_{name}")] for step in (1, 2, 3)), max(column[:3])]
+    html = html_report.read_text()
+    assert (
+        f"{db[(2, 'adamw_logits_rel_l2')]:.2e}" in html and "AdamW drift against dense (fresh batch)" in html
+    )
 
 
 def test_html_is_self_contained_and_escapes_what_runs_hold(html_report):
@@ -365,7 +423,8 @@ def test_filters_select_runs(filled, tmp_path):
     assert filled.report("--kind", "memory", "--out", str(out)).exit_code == 0
     html = out.read_text()
     assert "No OK validate runs in this selection" in html and "No OK throughput runs" in html
-    assert html.count("<img") == len(expected_charts(filled)) - 3  # not throughput (2), not the drift
+    # not throughput's charts (2), its recompute (1) and collectives (2), nor the drift
+    assert html.count("<img") == len(expected_charts(filled)) - 6
     done = filled.report(
         "--format", "csv", "--where", "mode=tp", "--where", "sp=false", "--out", str(tmp_path / "tp.csv")
     )
@@ -405,9 +464,10 @@ def test_bad_filters_are_usage_errors(filled, tmp_path, args, message):
 # -- published figures -------------------------------------------------------------------------------
 
 
-def seed_runs() -> ReportData:
-    """Runs of the seed's two configs, as `load` would return them (no such run fits a CPU test):
-    memory DDP and TP at 8 layers, and a TP validate of the numerical check."""
+def seed_runs(batch: str = "fixed") -> ReportData:
+    """Runs of the seed's and minimind-tron's configs, as `load` would return them (no such run fits a
+    CPU test): memory DDP and TP at 8 layers, a TP validate of the numerical check (its AdamW steps on
+    `batch`), and tron's throughput comparison, DDP and TP."""
     base = {
         "status": "OK", "error": "", "sweep": "seed", "precision": "pure", "device": "cuda",
         "device_name": "H200", "device_count": 1, "backend": "nccl", "torch_version": "2.13",
@@ -416,12 +476,19 @@ def seed_runs() -> ReportData:
         "global_batch": 4, "world_size": 2, "hardware": "NVIDIA H200 · 2 GPUs per node · 1 node",
     }  # fmt: skip
     memory = dict(base, kind="memory", layers=8, **published.SEED_MEMORY_SETTING)
-    check = {k: v for k, v in published.SEED_CHECK_SETTING.items() if k != "adamw_steps"}
+    check = {
+        k: v for k, v in published.SEED_CHECK_SETTING.items() if k not in ("adamw_steps", "validate_batch")
+    }
+    speed = dict(
+        base, kind="throughput", global_batch=8, tokens_per_step=16384, **published.TRON_THROUGHPUT_SETTING
+    )
     runs = pd.DataFrame(
         [
             dict(memory, id=1, mode="ddp", tp=1, dp=2, peak_bytes=2400 * 2**20),
             dict(memory, id=2, mode="tp", tp=2, dp=1, peak_bytes=1500 * 2**20),
-            dict(base, id=3, kind="validate", mode="tp", batch_policy="fixed_per_rank", micro_batch=2,
+            dict(speed, id=3, mode="ddp", tp=1, dp=2, tokens_per_s=2e5, step_time_s=0.08),
+            dict(speed, id=4, mode="tp", tp=2, dp=1, tokens_per_s=5e4, step_time_s=0.32),
+            dict(base, id=5, kind="validate", mode="tp", batch_policy="fixed_per_rank", micro_batch=2,
                  fwd_logits_max_abs=1e-7, passed=1.0, **check),
         ]
     )  # fmt: skip
@@ -432,16 +499,38 @@ def seed_runs() -> ReportData:
         [{"run_id": i, "rank": r, "name": "peak_bytes", "value": runs.at[i - 1, "peak_bytes"]} for i in (1, 2)
          for r in (0, 1)]
     )  # fmt: skip
-    curves = pd.DataFrame({"run_id": [3], "name": ["adamw_logits_max_abs"], "step": [200], "value": [1e-3]})
+    curves = pd.DataFrame(
+        [{"run_id": 5, "name": f"adamw_logits_{name}", "step": step, "value": value * step / 200}
+         for step in (20, 200) for name, value in (("mean_abs", 1e-4), ("max_abs", 1e-3), ("rel_l2", 1e-5))]
+    )  # fmt: skip
     comm = pd.DataFrame(columns=["run_id", "rank", "op", "purpose", "count", "bytes", "time_s"])
-    return ReportData("sqlite://", Selection(), runs, curves, per_rank, comm, {3: {"validate.steps": 200}})
+    configs = {5: {"validate.steps": 200, "validate.batch": batch}}  # the TP run the diagram draws
+    return ReportData("sqlite://", Selection(), runs, curves, per_rank, comm, configs)
 
 
 def test_published_figures_are_drawn_beside_runs_of_their_config():
     html = render(seed_runs(), "html", Path("unused"))
-    assert html.count(published.SEED) >= 4  # memory chart legend, memory table, validation table, notes
+    assert html.count(published.SEED) >= 5  # memory chart legend and table, the checks, the drift, notes
     assert "1,509.5 MiB" in html and "2,377.7 MiB" in html  # the seed's TP and DDP peaks at 8 layers
     assert "6.60e-07" in html  # the seed's forward max |logits diff|
+    (drift,) = [
+        t for title, t in section_tables(seed_runs(), sections.validation).items() if "drift" in title
+    ]
+    assert drift.frame["tp max"].tolist() == [1e-4, 1e-3, 1e-3]  # steps 20, 200, worst
+    assert "max |logits diff| <= 1.3e-03 over the run" in drift.note and "T 2, H 128, L 6" in drift.note
+    (speed,) = section_tables(seed_runs(), sections.throughput).values()
+    tron = speed.frame[speed.frame["run"] == published.TRON].set_index("mode")
+    assert tron["tokens/s"].to_dict() == {"ddp": 179.1e3, "tp": 63.4e3}
+    assert tron.at["tp", "vs DDP"] == pytest.approx(63.4 / 179.1) and "RTX 4090D" in speed.note
+    assert speed.frame.set_index("run").at[4, "vs DDP"] == 0.25
+    assert "179,100 tokens/s" in html and "35.4%" in html and "25.0%" in html
+
+
+def test_a_fresh_batch_run_of_the_check_is_not_the_seeds_check():
+    """The seed's AdamW figures hold on one fixed batch: a fresh-batch run of its config gets none."""
+    validation = section_tables(seed_runs(batch="fresh"), sections.validation)
+    assert all(published.SEED not in t.note for t in validation.values())
+    assert published.SEED not in validation["Checks against dense"].frame["run"].tolist()
 
 
 def test_published_figures_join_only_their_own_config():

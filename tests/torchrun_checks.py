@@ -489,12 +489,24 @@ def suite_units() -> dict:
 
 
 def suite_validate() -> dict:
-    results = {}
+    """Per config: validate.run's figures, its curves, and how many batches it drew."""
+    results, draws = {}, []
+    next_global = validate.Batches.next_global
+
+    def counted(self):
+        draws.append(1)
+        return next_global(self)
+
+    validate.Batches.next_global = counted
     for name, overrides in json.loads(os.environ["TPBENCH_CHECKS"]).items():
+        draws.clear()
         r = validate.run(run_config(overrides))
+        curves = {n: [[m.step, m.value] for m in r.measurements if m.name == n] for n in validate.DRIFT}
         results[name] = {
             "metrics": {m.name: m.value for m in r.measurements if m.step is None},
-            "drift": [[m.step, m.value] for m in r.measurements if m.step is not None],
+            "drift": curves["adamw_logits_max_abs"],
+            "curves": curves,
+            "draws": len(draws),
             "comm": [[c.op, c.purpose, c.count, c.bytes] for c in r.comm],
             "semantics": sorted({p.semantics for p in r.params}),
             "failed": r.failed,

@@ -77,6 +77,7 @@ CHOICES = {
     "debug.overlap_fault": ("", "no_wait", "early_bucket"),
     "debug.ddp_fault": ("", "no_divide", "drop_bucket"),
     "debug.validate_fault": ("", "rank1_param"),
+    "validate.batch": ("fresh", "fixed"),
 }
 AT_LEAST_ONE = (
     "model.hidden_size",
@@ -123,6 +124,7 @@ AT_LEAST_ZERO_FLOAT = (
     "validate.tol_loss",
     "validate.tol_grad_rel",
     "validate.tol_param",
+    "validate.tol_drift",
 )
 MAX_SECONDS = 10**7  # timeouts: about 4 months; past 2**32 s the worker's alarm() and timedelta overflow
 

@@ -106,7 +106,11 @@ class TrainConfig:
 @dataclass
 class ValidateConfig:
     steps: int = 20  # AdamW steps compared against dense
-    every: int = 5  # compare logits every k steps
+    every: int = 5  # compare logits every k steps (and at the last)
+    # what the AdamW steps train on: fresh (a new batch every step, the logits compared on one more
+    # batch kept aside) | fixed (the seed chapter's check: every step on the forward check's batch,
+    # the logits compared on that same batch)
+    batch: str = "fresh"
     # MiniMind's pretraining learning rate. At 1e-3 the seed's check config itself turns chaotic after
     # ~120 AdamW steps, and any two fp32 summation orders (dense vs T=4) drift apart by ~1e-2.
     lr: float = 5e-4
@@ -116,6 +120,11 @@ class ValidateConfig:
     tol_loss: float = 1e-5
     tol_grad_rel: float = 1e-5  # max relative L2 of any gradient
     tol_param: float = 1e-3  # final max |param diff| after the AdamW steps
+    # max |logits diff| at any compared AdamW step (the drift's worst). A bound of its own, since the
+    # final parameters show only the end: on the seed's check (+preset=seed_check) the logits drifted
+    # up to 2.2e-4 at step 40 (tp_vp; tp 1.9e-4) and settled to 0.8-1.1e-4 by step 200, the final
+    # parameters 2.1e-5 apart. 2e-3: 9x that, above the 1.3e-3 the seed chapter accepts over its run
+    tol_drift: float = 2e-3
 
 
 @dataclass

@@ -74,6 +74,7 @@ def run(cfg: RunConfig) -> RankResult:
     median = statistics.median(times)
     world = cfg.parallel.dp * cfg.parallel.tp
     tokens = local_batch(cfg) * cfg.parallel.dp * cfg.train.seq_len
+    result.add("tokens_per_step", tokens, "tokens")  # the batch policy's: equal across modes at fixed_global
     result.add("step_time_s", median, "s")
     result.add("step_time_p10_s", _quantile(times, 0.1), "s")
     result.add("step_time_p90_s", _quantile(times, 0.9), "s")

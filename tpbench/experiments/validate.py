@@ -6,8 +6,10 @@ its slice):
 1. forward: max |logits diff| (vocab-sharded logits are gathered for the check only), |loss diff|;
 2. backward: per parameter, the error of the local gradient against the matching shard of the
    dense gradient, after the gradient sums (TP norms, KV replicas, DP average);
-3. AdamW: N steps on both; logits on a fixed batch compared every k steps; final parameters
-   compared, each rank's own against its shard of the dense model's.
+3. AdamW: N steps on both, each on a fresh batch (`validate.batch=fresh`) or all on the forward
+   check's batch (`fixed`, the seed chapter's check); every k steps the logits' mean and max |diff|
+   and relative L2 against dense, on a batch kept aside (fresh) or that same batch (fixed); final
+   parameters compared, each rank's own against its shard of the dense model's.
 
 Every figure is the worst over all ranks (each rank checks its own logits shard, DP slice, gradients
 and parameters), so every rank reaches the same verdict, and an error on any one rank fails the run.
@@ -72,7 +74,11 @@ CHECKS = (
     ("loss_abs_diff", "|loss diff|", "tol_loss", "dense_token_loss_mean_abs_diff"),
     ("grad_max_rel_l2", "max gradient relative L2", "tol_grad_rel", "dense_grad_max_rel_l2"),
     ("adamw_param_max_abs", "AdamW x{steps}: max |param diff|", "tol_param", "dense_adamw_param_max_abs"),
-)
+    ("adamw_drift_max_abs", "AdamW x{steps}: max |logits diff|, worst step", "tol_drift",
+     "dense_adamw_drift_max_abs"),
+)  # fmt: skip
+# The logits drift against dense at each compared AdamW step, each the worst over ranks, stored per step
+DRIFT = ("adamw_logits_mean_abs", "adamw_logits_max_abs", "adamw_logits_rel_l2")
 
 
 def run(cfg: RunConfig) -> RankResult:
@@ -126,16 +132,19 @@ def run(cfg: RunConfig) -> RankResult:
     figures["dense_grad_max_rel_l2"] = _dense_grad_error(dense, reference)
 
     # 3. AdamW steps on all of them
-    drift = _adamw(cfg, pm, dense, reference, batches)
+    drift = _adamw(cfg, pm, dense, reference, batches, (ids, labels))
     _plant_error(cfg, pm)
     figures["adamw_param_max_abs"] = _param_error(pm, dense)
     figures["dense_adamw_param_max_abs"] = _dense_param_error(dense, reference)
 
-    worst = _worst_over_ranks(figures)
+    worst = _worst_over_ranks(figures)  # the drift's figures are the worst over ranks already
+    worst["adamw_drift_max_abs"] = max(values[1] for _, values, _ in drift)
+    worst["dense_adamw_drift_max_abs"] = max(own for *_, own in drift)
     for name, value in worst.items():
         result.add(name, value)
-    for step, value in drift:
-        result.add("adamw_logits_max_abs", value, step=step)
+    for step, values, _ in drift:
+        for name, value in zip(DRIFT, values, strict=True):
+            result.add(name, value, step=step)
     verdicts = [_verdict(cfg, worst, *check) for check in CHECKS]
     passed = all(ok for *_, ok in verdicts)
     result.add("passed", float(passed))
@@ -198,15 +207,19 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
+def logits_drift(logits: torch.Tensor, dense: torch.Tensor) -> list[float]:
+    """The DRIFT figures of `logits` against `dense`: mean |diff|, max |diff| and the relative L2
+    ||logits - dense|| / ||dense||, all in fp32 over every element."""
+    a, b = logits.float(), dense.float()
+    diff = a - b
+    rel = diff.norm() / b.norm().clamp(min=1e-30)
+    return [diff.abs().mean().item(), diff.abs().max().item(), rel.item()]
+
+
 def _worst_over_ranks(figures: dict[str, float]) -> dict[str, float]:
     """Each figure's worst (largest) value over all ranks, in one all-reduce."""
     worst = collectives.reduce_floats(list(figures.values()), dist.ReduceOp.MAX)
     return dict(zip(figures, worst, strict=True))
-
-
-def _max_over_ranks(value: float) -> float:
-    """One figure's worst value over all ranks (the logits drift at one AdamW step)."""
-    return collectives.reduce_floats([value], dist.ReduceOp.MAX)[0]
 
 
 def _grad_rows(pm: ParallelModel | DDPModel, dense: torch.nn.Module) -> list[ParamRow]:
@@ -265,7 +278,12 @@ def _adamw(
     dense: torch.nn.Module,
     reference: torch.nn.Module | None,
     batches: Batches,
-) -> list[tuple[int, float]]:
+    first: tuple[torch.Tensor, torch.Tensor],
+) -> list[tuple[int, list[float], float]]:
+    """The AdamW steps; at every compared step (step, the DRIFT figures each the worst over ranks,
+    the dense model's own max |logits diff| against the fp32 dense model's, 0 in pure fp32).
+    validate.batch=fixed trains every step on `first`, the forward check's global batch, and
+    compares on it; fresh draws a batch to compare on, then one per step."""
     v = cfg.validate
     models = [m for m in (dense, reference) if m is not None]
     opt_p = adamw(cfg, pm.module.parameters(), v.lr)  # fused under train.fused_optimizer
@@ -273,10 +291,13 @@ def _adamw(
         torch.optim.AdamW(m.parameters(), lr=v.lr, weight_decay=cfg.train.weight_decay) for m in models
     ]
     device = batches.device
-    eval_ids, _ = batches.next_global()
+    fixed = v.batch == "fixed"
+    eval_ids = first[0] if fixed else batches.next_global()[0]
+    ids, labels = first
     drift = []
     for step in range(1, v.steps + 1):
-        ids, labels = batches.next_global()
+        if not fixed:
+            ids, labels = batches.next_global()
         for opt in (opt_p, *dense_opts):
             opt.zero_grad(set_to_none=True)
         for model in models:  # the fp32 reference runs without autocast
@@ -290,10 +311,13 @@ def _adamw(
         for opt in (opt_p, *dense_opts):
             opt.step()
         if step % v.every == 0 or step == v.steps:
-            with torch.no_grad(), precision(cfg, device):
-                full = pm.full_logits(pm(batches.local_slice(eval_ids))[0])
-                ref = batches.local_slice(dense(eval_ids)[0])
-            drift.append((step, _max_over_ranks(_max_abs(full, ref))))
+            with torch.no_grad():
+                with precision(cfg, device):
+                    full = pm.full_logits(pm(batches.local_slice(eval_ids))[0])
+                    ref = batches.local_slice(dense(eval_ids)[0])
+                own = 0.0 if reference is None else _max_abs(ref, batches.local_slice(reference(eval_ids)[0]))
+            worst = collectives.reduce_floats([*logits_drift(full, ref), own], dist.ReduceOp.MAX)
+            drift.append((step, worst[:-1], worst[-1]))
     return drift
 
 

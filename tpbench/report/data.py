@@ -299,7 +299,15 @@ def recompute(data: ReportData) -> pd.DataFrame:
 
 
 def throughput(data: ReportData) -> pd.DataFrame:
-    return latest(data, "throughput")
+    """The throughput runs shown, with of_ddp: tokens/s as a fraction of DDP's in the same setting,
+    layers and switches (NaN where no DDP run matches)."""
+    runs = latest(data, "throughput")
+    if runs.empty or "tokens_per_s" not in runs:
+        return runs
+    keys = ["setting", "layers", *(["switches"] if "switches" in runs else [])]
+    ddp = runs[runs["mode"] == "ddp"].drop_duplicates(keys, keep="last").set_index(keys)["tokens_per_s"]
+    runs = runs.join(ddp.rename("ddp_tokens_per_s"), on=keys)
+    return runs.assign(of_ddp=runs["tokens_per_s"] / runs["ddp_tokens_per_s"])
 
 
 def collectives(data: ReportData) -> pd.DataFrame:
@@ -347,8 +355,11 @@ def validation(data: ReportData) -> pd.DataFrame:
     runs = latest(data, "validate")
     if runs.empty:
         return runs
-    steps = [data.configs.get(i, {}).get("validate.steps") for i in runs["id"]]
-    return runs.assign(adamw_steps=steps)
+    configs = [data.configs.get(i, {}) for i in runs["id"]]
+    return runs.assign(
+        adamw_steps=[c.get("validate.steps") for c in configs],
+        validate_batch=[c.get("validate.batch", "fresh") for c in configs],  # runs before the option: fresh
+    )
 
 
 def drift(data: ReportData) -> pd.DataFrame:
@@ -358,6 +369,23 @@ def drift(data: ReportData) -> pd.DataFrame:
     keep = ["id", "mode", "mode_rank", "setting", "layers"]
     frame = runs[keep].rename(columns={"id": "run_id"}).merge(curve, on="run_id")
     return frame.sort_values(["mode_rank", "run_id", "step"]).reset_index(drop=True)
+
+
+DRIFT = {"adamw_logits_mean_abs": "mean", "adamw_logits_max_abs": "max", "adamw_logits_rel_l2": "rel_l2"}
+
+
+def drift_table(data: ReportData) -> pd.DataFrame:
+    """The logits drift of every validate run shown, one row per compared step: run_id, mode,
+    validate_batch, step, mean, max, rel_l2 (runs before the mean and relative L2 were recorded: NaN)."""
+    runs = validation(data)
+    curve = data.curves[data.curves["name"].isin(list(DRIFT))]
+    if runs.empty or curve.empty:
+        return pd.DataFrame()
+    wide = curve.pivot_table(index=["run_id", "step"], columns="name", values="value", aggfunc="max")
+    wide = wide.rename(columns=DRIFT).reindex(columns=list(DRIFT.values())).reset_index()
+    keep = ["id", "mode", "mode_rank", "setting", "layers", "validate_batch"]
+    frame = runs[keep].rename(columns={"id": "run_id"}).merge(wide, on="run_id")
+    return frame.sort_values(["setting", "mode_rank", "run_id", "step"]).reset_index(drop=True)
 
 
 # -- raw rows ----------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pandas as pd
 
 SEED = "published (seed chapter)"
+TRON = "published (minimind-tron)"
 
 # Per-rank peak memory (MiB), T = 2, fixed_per_rank, H 768, S 2048, heads 8/4, V 6400, micro-batch 2,
 # bf16, AdamW; DDP over 2 ranks against TP over 2 ranks.
@@ -31,7 +32,8 @@ SEED_MEMORY_MIB = {  # layers: (DDP, TP)
     64: (16766.42, 9956.83),
 }
 
-# The numerical check: T = 2, H 128, L 6, heads 8/4, V 6400, S 256, fp32, 200 AdamW steps.
+# The numerical check: T = 2, H 128, L 6, heads 8/4, V 6400, S 256, fp32, 200 AdamW steps on one fixed
+# batch (validate.batch=fixed), the logits compared every 20 steps.
 SEED_CHECK_SETTING = {
     "tp": 2,
     "dp": 1,
@@ -43,6 +45,7 @@ SEED_CHECK_SETTING = {
     "seq": 256,
     "dtype": "float32",
     "adamw_steps": 200,
+    "validate_batch": "fixed",
 }
 SEED_CHECK = {
     "fwd_logits_max_abs": 6.6e-7,
@@ -52,6 +55,23 @@ SEED_CHECK = {
     "adamw_logits_max_abs": 1.3e-3,  # the largest over the run
     "adamw_param_max_abs": 6.5e-5,
 }
+
+
+# minimind-tron's throughput comparison: 2 GPUs (RTX 4090D) over PCIe, H 768, L 8, heads 8/4, V 6400,
+# S 2048, bf16, fixed_global; its global batch is not stated, so any global batch matches.
+TRON_THROUGHPUT_SETTING = {
+    "world_size": 2,
+    "layers": 8,
+    "hidden": 768,
+    "heads": 8,
+    "kv_heads": 4,
+    "vocab": 6400,
+    "seq": 2048,
+    "batch_policy": "fixed_global",
+    "dtype": "bfloat16",
+    "device": "cuda",
+}
+TRON_TOKENS_PER_S = {"ddp": 179.1e3, "tp": 63.4e3}
 
 
 def matches(run: pd.Series, setting: dict) -> bool:
@@ -72,3 +92,7 @@ def seed_memory(peaks: pd.DataFrame) -> pd.DataFrame:
 
 def seed_check_matches(run: pd.Series) -> bool:
     return matches(run, SEED_CHECK_SETTING)
+
+
+def tron_throughput_matches(run: pd.Series) -> bool:
+    return matches(run, TRON_THROUGHPUT_SETTING)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from tpbench.report import charts, units
-from tpbench.report.blocks import Chart, Section, kind_empty, pick, timed_by
+import pandas as pd
+
+from tpbench.report import charts, published, units
+from tpbench.report.blocks import Chart, Section, Table, kind_empty, pick, timed_by
 from tpbench.report.data import ReportData, throughput
 
 
@@ -12,7 +14,8 @@ def section(data: ReportData) -> Section:
         "throughput",
         "Throughput",
         intro="Training steps after warm-up: median step time with its p10-p90 spread, and tokens/s. "
-        "Compare modes within one setting: under fixed_global every mode trains the same global batch. "
+        "Compare modes within one setting: under fixed_global every mode trains the same global batch, "
+        "the same tokens per step (`+preset=seed_throughput`); vs DDP is tokens/s against DDP's. "
         "Switches: parallel.overlap (backward collectives behind compute), train.fused_optimizer. "
         "Communication: the time of one step's collectives, the part the ranks waited on (exposed, "
         "the busiest rank) and the fraction hidden behind compute (the least-hidden rank). The first "
@@ -34,6 +37,8 @@ def section(data: ReportData) -> Section:
             "run": ("id", None),
             "tokens/s": ("tokens_per_s", units.tokens_per_s),
             "tokens/s per device": ("tokens_per_s_per_device", units.tokens_per_s),
+            "vs DDP": ("of_ddp", units.percent),
+            "tokens / step": ("tokens_per_step", units.count),
             "step time": ("step_time_s", units.ms),
             "p10": ("step_time_p10_s", units.ms),
             "p90": ("step_time_p90_s", units.ms),
@@ -45,5 +50,24 @@ def section(data: ReportData) -> Section:
             "MFU": ("mfu", units.percent),
             "timed by": ("timing_cuda_events", timed_by),
         }
-        section.blocks.append(pick(f"Throughput: {setting}", group, columns))
+        table = pick(f"Throughput: {setting}", group, columns)
+        if published.tron_throughput_matches(group.iloc[0]):
+            _beside_tron(table, group)
+        section.blocks.append(table)
     return section
+
+
+def _beside_tron(table: Table, group: pd.DataFrame) -> None:
+    """minimind-tron's DDP and TP tokens/s as rows of their own, at the layers of the runs."""
+    tron = published.TRON_TOKENS_PER_S
+    rows = [
+        {"layers": 8, "mode": mode, "run": published.TRON, "tokens/s": value, "vs DDP": value / tron["ddp"]}
+        for mode, value in tron.items()
+    ]
+    table.frame = pd.concat([table.frame, pd.DataFrame(rows)], ignore_index=True)[table.frame.columns]
+    table.note = (
+        f"Last rows: {published.TRON}, the unified benchmark of github.com/ANKer661/minimind "
+        "(book/src/unified_benchmark.qmd) on two RTX 4090D GPUs over PCIe: H 768, L 8, heads 8/4, "
+        "V 6400, S 2048, bf16, fixed_global; its global batch is not stated (`+preset=tron_throughput` "
+        "uses 8). Other hardware than ours: compare the ratios to DDP."
+    )
