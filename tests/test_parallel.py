@@ -123,6 +123,27 @@ PLANTED = {
     "planted_rank1_tp": [*MODES["tp"], "debug.validate_fault=rank1_param"],
 }
 VALIDATE_T2 |= PLANTED
+# model.dropout: each mask a hash of the element's dense position (tpbench.models.dropout), so every
+# mode, recompute and overlap draw the dense model's masks; with one dim's offset left out (every rank
+# drawing part 0's mask there: one seed where the shards need their own) validation fails
+DROPOUT = ["model.dropout=0.1"]
+VALIDATE_T2 |= {f"dropout_{mode}": [*MODES[mode], *DROPOUT] for mode in ("tp", "tp_sp", "tp_vp", "tp_sp_vp")}
+VALIDATE_T2 |= {
+    "dropout_tp_sp_linear": [*VALIDATE_T2["tp_sp_linear"], *DROPOUT],
+    "dropout_tp_sp_full": [*MODES["tp_sp"], "train.recompute=full", *DROPOUT],
+    "dropout_tp_sp_vp_selective_overlap": [
+        *MODES["tp_sp_vp"],
+        "train.recompute=selective",
+        *OVERLAP,
+        *DROPOUT,
+    ],
+    "dropout_ddp": [*DDP, *DROPOUT],
+}
+MISPLACED = {
+    "misplaced_dropout_no_seq_offset": [*MODES["tp_sp"], *DROPOUT, "debug.dropout_fault=no_seq_offset"],
+    "misplaced_dropout_no_head_offset": [*MODES["tp"], *DROPOUT, "debug.dropout_fault=no_head_offset"],
+}
+VALIDATE_T2 |= MISPLACED
 VALIDATE_T2 |= {
     "broken_qk_norm_bf16": ["parallel.tp=2", "train.dtype=bfloat16", "debug.skip_grad_sum=[qk_norm]"],
     "broken_sp_norms_mixed": [
@@ -197,7 +218,21 @@ VALIDATE_W4 = {
     ],
     "broken_sp_norms": ["parallel.tp=4", "parallel.sp=true", "debug.skip_grad_sum=[sp_norms]"],
     "broken_dp": ["parallel.tp=2", "parallel.dp=2", "debug.skip_grad_sum=[dp]"],
+    "dropout_t4_tp_sp_vp": ["parallel.tp=4", "parallel.sp=true", "parallel.vp=true", *DROPOUT],
+    "dropout_dp2_tp2_sp_vp": [
+        "parallel.tp=2",
+        "parallel.dp=2",
+        "parallel.sp=true",
+        "parallel.vp=true",
+        *DROPOUT,
+    ],
 }
+MISPLACED["misplaced_dropout_no_batch_offset"] = [
+    *VALIDATE_W4["dp2_tp2"],
+    *DROPOUT,
+    "debug.dropout_fault=no_batch_offset",
+]
+VALIDATE_W4 |= {"misplaced_dropout_no_batch_offset": MISPLACED["misplaced_dropout_no_batch_offset"]}
 
 
 VALIDATE_W4 |= {
@@ -329,7 +364,7 @@ def test_checkpoint_round_trip_is_bit_exact(units):
 
 BROKEN = [k for k in (*VALIDATE_T2, *VALIDATE_W4) if k.startswith("broken")]
 IN_BF16 = [k for k in VALIDATE_T2 if k.endswith(("bf16", "mixed")) and k not in BROKEN]
-FP32 = [k for k in (*VALIDATE_T2, *VALIDATE_W4) if k not in (*BROKEN, *IN_BF16, *PLANTED)]
+FP32 = [k for k in (*VALIDATE_T2, *VALIDATE_W4) if k not in (*BROKEN, *IN_BF16, *PLANTED, *MISPLACED)]
 
 
 @pytest.mark.parametrize("name", FP32)
@@ -368,6 +403,16 @@ def test_each_gradient_sum_is_needed(validated, name):
     assert m["grad_max_rel_l2"] > K * m["dense_grad_max_rel_l2"]
     assert m["passed"] == 0.0
     assert any(f.startswith("grad_max_rel_l2") for f in validated[name]["failed"])
+
+
+@pytest.mark.parametrize("name", MISPLACED)
+def test_each_dropout_offset_is_needed(validated, name):
+    """A shard that draws another part's mask (its sequence shard's under SP, its heads' in attention,
+    its DP slice of the batch) is a different model: every check fails, the forward first."""
+    m = validated[name]["metrics"]
+    assert m["fwd_logits_max_abs"] > 1e-2 and m["grad_max_rel_l2"] > 0.1
+    assert m["passed"] == 0.0
+    assert [f.split()[0] for f in validated[name]["failed"]][:2] == ["fwd_logits_max_abs", "loss_abs_diff"]
 
 
 @pytest.mark.parametrize("name", PLANTED)
