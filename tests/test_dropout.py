@@ -12,8 +12,11 @@ import torch
 from torchrun_checks import run_config
 from typer.testing import CliRunner
 
+from tpbench import theory
 from tpbench.cli import app
 from tpbench.compose import check
+from tpbench.experiments.setup import model_config
+from tpbench.experiments.throughput import LocalFlopCounter
 from tpbench.models.dropout import STREAM_DIMS, DropoutKey, PositionalDropout, mix32, mix32_int
 from tpbench.models.minimind import MiniMindConfig, build_model
 from tpbench.parallel.checks import ConfigError
@@ -125,6 +128,25 @@ def test_a_recomputed_block_draws_its_forwards_masks_again(mode):
     (loss0, grads0), (loss1, grads1) = runs
     assert torch.equal(loss0, loss1)
     assert all(torch.equal(grads0[n], grads1[n]) for n in grads0)
+
+
+def test_full_recompute_with_dropout_runs_down_proj_again_as_predicted():
+    """The MLP dropout's mask is a block's last save: full recompute's forward runs again through
+    down_proj to draw it (and, on a TP group, through its exit: tests/test_theory.py counts those
+    collectives), which tpbench.theory adds to the recompute FLOPs."""
+    cfg = run_config(["parallel.tp=1", "model.flash_attn=false", "model.dropout=0.1", "train.seq_len=32"])
+    ids = torch.randint(256, (2, 32), generator=torch.Generator().manual_seed(4))
+    flops = {}
+    for recompute in ("none", "full"):
+        model = build_model(model_config(cfg))
+        apply_recompute(model, recompute)
+        with LocalFlopCounter() as counter:
+            model(ids, ids)[1].backward()
+        flops[recompute] = counter.get_total_flops()
+    cfg.train.recompute = "full"
+    d = theory.dims(cfg)
+    assert flops["full"] - flops["none"] == theory.recompute_flops_per_step(cfg)
+    assert theory.recompute_flops_per_step(cfg) > d.L * 2 * d.N * d.H * 3 * d.I  # gate, up and down
 
 
 def test_a_copy_shares_its_key_among_its_own_dropouts():

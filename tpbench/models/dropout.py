@@ -80,8 +80,9 @@ def dense_mask_bits(
     for dim, (size, (index, _parts)) in enumerate(zip(shape, splits, strict=True)):
         view = [1] * len(shape)
         view[dim] = size
-        coord = torch.arange(index * size, (index + 1) * size, dtype=torch.int64, device=device).view(view)
-        h = mix32(h ^ coord)  # broadcast: only the last fold is the whole tensor's size
+        # broadcast: only the last fold is the whole tensor's size, the one before freed first
+        h = h ^ torch.arange(index * size, (index + 1) * size, dtype=torch.int64, device=device).view(view)
+        mix32(h)
     return h
 
 
