@@ -124,24 +124,22 @@ PLANTED = {
 }
 VALIDATE_T2 |= PLANTED
 # model.dropout: each mask a hash of the element's dense position (tpbench.models.dropout), so every
-# mode, recompute and overlap draw the dense model's masks; with one dim's offset left out (every rank
-# drawing part 0's mask there: one seed where the shards need their own) validation fails
+# mode, recompute and overlap draw the dense model's masks (each recompute setting and overlap folded
+# into a mode: one launch's seconds each); with one dim's offset left out (every rank drawing part 0's
+# mask there: one seed where the shards need their own) validation fails, at its first step already
 DROPOUT = ["model.dropout=0.1"]
-VALIDATE_T2 |= {f"dropout_{mode}": [*MODES[mode], *DROPOUT] for mode in ("tp", "tp_sp", "tp_vp", "tp_sp_vp")}
 VALIDATE_T2 |= {
-    "dropout_tp_sp_linear": [*VALIDATE_T2["tp_sp_linear"], *DROPOUT],
-    "dropout_tp_sp_full": [*MODES["tp_sp"], "train.recompute=full", *DROPOUT],
-    "dropout_tp_sp_vp_selective_overlap": [
-        *MODES["tp_sp_vp"],
-        "train.recompute=selective",
-        *OVERLAP,
-        *DROPOUT,
-    ],
+    "dropout_tp": [*MODES["tp"], *DROPOUT],
+    "dropout_tp_sp": [*MODES["tp_sp"], *DROPOUT],
+    "dropout_tp_sp_linear_overlap": [*VALIDATE_T2["tp_sp_linear"], *OVERLAP, *DROPOUT],
+    "dropout_tp_vp_selective": [*MODES["tp_vp"], "train.recompute=selective", *DROPOUT],
+    "dropout_tp_sp_vp_full": [*MODES["tp_sp_vp"], "train.recompute=full", *DROPOUT],
     "dropout_ddp": [*DDP, *DROPOUT],
 }
+ONE_STEP = ["validate.steps=1", "validate.every=1"]
 MISPLACED = {
-    "misplaced_dropout_no_seq_offset": [*MODES["tp_sp"], *DROPOUT, "debug.dropout_fault=no_seq_offset"],
-    "misplaced_dropout_no_head_offset": [*MODES["tp"], *DROPOUT, "debug.dropout_fault=no_head_offset"],
+    f"misplaced_dropout_no_{dim}_offset": [*mode, *DROPOUT, f"debug.dropout_fault=no_{dim}_offset", *ONE_STEP]
+    for dim, mode in (("seq", MODES["tp_sp"]), ("head", MODES["tp"]), ("batch", DDP))
 }
 VALIDATE_T2 |= MISPLACED
 VALIDATE_T2 |= {
@@ -218,7 +216,6 @@ VALIDATE_W4 = {
     ],
     "broken_sp_norms": ["parallel.tp=4", "parallel.sp=true", "debug.skip_grad_sum=[sp_norms]"],
     "broken_dp": ["parallel.tp=2", "parallel.dp=2", "debug.skip_grad_sum=[dp]"],
-    "dropout_t4_tp_sp_vp": ["parallel.tp=4", "parallel.sp=true", "parallel.vp=true", *DROPOUT],
     "dropout_dp2_tp2_sp_vp": [
         "parallel.tp=2",
         "parallel.dp=2",
@@ -227,12 +224,6 @@ VALIDATE_W4 = {
         *DROPOUT,
     ],
 }
-MISPLACED["misplaced_dropout_no_batch_offset"] = [
-    *VALIDATE_W4["dp2_tp2"],
-    *DROPOUT,
-    "debug.dropout_fault=no_batch_offset",
-]
-VALIDATE_W4 |= {"misplaced_dropout_no_batch_offset": MISPLACED["misplaced_dropout_no_batch_offset"]}
 
 
 VALIDATE_W4 |= {
