@@ -87,7 +87,7 @@ def test_each_dp_rank_draws_its_slice_of_the_global_batchs_masks():
 
 def test_dropout_drops_a_tenth_and_scales_the_rest():
     drop = PositionalDropout(0.1, 7, STREAM_DIMS, DropoutKey(seed=3, step=1))
-    x = torch.rand(256, 16, 256) + 0.5  # no zeros of its own
+    x = torch.rand(64, 16, 256) + 0.5  # no zeros of its own
     y = drop(x)
     kept = y != 0
     assert kept.float().mean().item() == pytest.approx(0.9, abs=0.003)
