@@ -129,6 +129,25 @@ VALIDATE_T2 |= PLANTED
 FIXED = {"tp_fixed": "tp", "tp_sp_vp_fixed": "tp_sp_vp"}  # fixed -> the same mode fresh
 VALIDATE_T2 |= {name: [*MODES[fresh], "validate.batch=fixed"] for name, fresh in FIXED.items()}
 VALIDATE_T2["tight_drift"] = [*MODES["tp"], "validate.tol_drift=1e-12"]
+# model.dropout: each mask a hash of the element's dense position (tpbench.models.dropout), so every
+# mode, recompute and overlap draw the dense model's masks (each recompute setting and overlap folded
+# into a mode: one launch's seconds each); with one dim's offset left out (every rank drawing part 0's
+# mask there: one seed where the shards need their own) validation fails, at its first step already
+DROPOUT = ["model.dropout=0.1"]
+VALIDATE_T2 |= {
+    "dropout_tp": [*MODES["tp"], *DROPOUT],
+    "dropout_tp_sp": [*MODES["tp_sp"], *DROPOUT],
+    "dropout_tp_sp_linear_overlap": [*VALIDATE_T2["tp_sp_linear"], *OVERLAP, *DROPOUT],
+    "dropout_tp_vp_selective": [*MODES["tp_vp"], "train.recompute=selective", *DROPOUT],
+    "dropout_tp_sp_vp_full": [*MODES["tp_sp_vp"], "train.recompute=full", *DROPOUT],
+    "dropout_ddp": [*DDP, *DROPOUT],
+}
+ONE_STEP = ["validate.steps=1", "validate.every=1"]
+MISPLACED = {
+    f"misplaced_dropout_no_{dim}_offset": [*mode, *DROPOUT, f"debug.dropout_fault=no_{dim}_offset", *ONE_STEP]
+    for dim, mode in (("seq", MODES["tp_sp"]), ("head", MODES["tp"]), ("batch", DDP))
+}
+VALIDATE_T2 |= MISPLACED
 VALIDATE_T2 |= {
     "broken_qk_norm_bf16": ["parallel.tp=2", "train.dtype=bfloat16", "debug.skip_grad_sum=[qk_norm]"],
     "broken_sp_norms_mixed": [
@@ -203,6 +222,13 @@ VALIDATE_W4 = {
     ],
     "broken_sp_norms": ["parallel.tp=4", "parallel.sp=true", "debug.skip_grad_sum=[sp_norms]"],
     "broken_dp": ["parallel.tp=2", "parallel.dp=2", "debug.skip_grad_sum=[dp]"],
+    "dropout_dp2_tp2_sp_vp": [
+        "parallel.tp=2",
+        "parallel.dp=2",
+        "parallel.sp=true",
+        "parallel.vp=true",
+        *DROPOUT,
+    ],
 }
 
 
@@ -335,7 +361,8 @@ def test_checkpoint_round_trip_is_bit_exact(units):
 
 BROKEN = [k for k in (*VALIDATE_T2, *VALIDATE_W4) if k.startswith("broken")]
 IN_BF16 = [k for k in VALIDATE_T2 if k.endswith(("bf16", "mixed")) and k not in BROKEN]
-FP32 = [k for k in (*VALIDATE_T2, *VALIDATE_W4) if k not in (*BROKEN, *IN_BF16, *PLANTED, "tight_drift")]
+EXPECTED_TO_FAIL = (*BROKEN, *PLANTED, *MISPLACED, "tight_drift")
+FP32 = [k for k in (*VALIDATE_T2, *VALIDATE_W4) if k not in (*EXPECTED_TO_FAIL, *IN_BF16)]
 
 
 @pytest.mark.parametrize("name", FP32)
@@ -374,6 +401,16 @@ def test_each_gradient_sum_is_needed(validated, name):
     assert m["grad_max_rel_l2"] > K * m["dense_grad_max_rel_l2"]
     assert m["passed"] == 0.0
     assert any(f.startswith("grad_max_rel_l2") for f in validated[name]["failed"])
+
+
+@pytest.mark.parametrize("name", MISPLACED)
+def test_each_dropout_offset_is_needed(validated, name):
+    """A shard that draws another part's mask (its sequence shard's under SP, its heads' in attention,
+    its DP slice of the batch) is a different model: every check fails, the forward first."""
+    m = validated[name]["metrics"]
+    assert m["fwd_logits_max_abs"] > 1e-2 and m["grad_max_rel_l2"] > 0.1
+    assert m["passed"] == 0.0
+    assert [f.split()[0] for f in validated[name]["failed"]][:2] == ["fwd_logits_max_abs", "loss_abs_diff"]
 
 
 @pytest.mark.parametrize("name", PLANTED)

@@ -219,6 +219,14 @@ CHECKS |= {
     "qwen3_dp2_tp_sp_vp_mixed": [*DP2, SP, VP, MIXED, *QWEN3],
     "qwen3_t4_tp_full": ["parallel.tp=4", "train.recompute=full", *QWEN3],
 }
+# model.dropout: each dropout's 1-byte mask and the attention's dropped probabilities saved; the peak
+# in the top block's attention-dropout hash (two int64 copies of the probabilities), under full
+# recompute in the bottom block's drawn again, whose forward runs on to the MLP dropout's mask
+DROPOUT = ["model.flash_attn=false", "model.dropout=0.1"]
+CHECKS |= {
+    "dp2_tp_sp_vp_mixed_dropout": [*DP2, SP, VP, MIXED, *DROPOUT],
+    "dp2_tp_sp_full_dropout": [*DP2, SP, "train.recompute=full", *DROPOUT],
+}
 
 
 def odd_shapes(n: int, seed: int = 12) -> dict[str, list[str]]:
@@ -313,8 +321,9 @@ def test_the_peak_moments_are_the_ones_measured(measured):
     post-attention norm's and k_norm's backward; an untied embedding under the fused AdamW, which makes
     no temporaries: the embedding's backward; few tokens: AdamW's loop, down_proj's backward and, mixed,
     its weight gradient's or the head's cast to fp32; mixed with recompute, a dense loss's forward
-    beside the forward-only weight casts; Qwen3's head_dim 16: q_norm's backward), so the test above
-    checks each moment, not only the loss. (The vocab-parallel loss's backward and the top MLP's at
+    beside the forward-only weight casts; Qwen3's head_dim 16: q_norm's backward; dropout: the top
+    block's attention-dropout hash, or the bottom block's drawn again under full recompute), so the
+    test above checks each moment, not only the loss. (The vocab-parallel loss's backward and the top MLP's at
     gate_proj are derived the same way; no config here peaks there, nor at down_proj's moments under
     TP.)"""
     names = {theory.predict(config(n)).peak.name for n in CHECKS}
@@ -337,6 +346,8 @@ def test_the_peak_moments_are_the_ones_measured(measured):
         "down_proj weight cast's backward",
         "head weight cast's backward",
         "loss forward",
+        "attention dropout",
+        "recomputed attention dropout 0",
     }
 
 

@@ -48,6 +48,10 @@ class ModelConfig:
     # ops again: the gradients bit for bit); False: MiniMind's ops as autograd saves them, two fp32
     # copies of the input's shape per norm: the seed's benchmark model
     lean_rmsnorm: bool = True
+    # MiniMind's dropouts (embedding output, attention probabilities, after o_proj and down_proj), each
+    # mask a hash of (train.seed, step, site, the element's dense position): TP, SP, VP, DP and
+    # recompute draw the dense model's masks (tpbench.models.dropout); needs flash_attn=false
+    dropout: float = 0.0
     # a Hugging Face config.json (or a folder holding one) that the fields above were read from
     # (tpbench.hf_config); "": none. Where the shape came from, not what is measured: not hashed
     hf_config: str = ""
@@ -185,6 +189,9 @@ class DebugConfig:
     # Plant an error where rank 0 cannot see it, to prove every validation figure is the worst over all
     # ranks: rank1_param (rank 1 adds 1 to one of its parameters after the AdamW steps; kind=validate)
     validate_fault: str = ""
+    # Leave one dim's offset out of every dropout's mask (each rank draws part 0's mask there), to prove
+    # validation catches it: no_seq_offset (SP) | no_head_offset (attention) | no_batch_offset (DP)
+    dropout_fault: str = ""
 
 
 @dataclass

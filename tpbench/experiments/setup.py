@@ -104,8 +104,10 @@ def build_parallel(
         pm = parallelize_dtensor(model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum))
         place(pm.module, ctx.device, param_dtype(cfg))
         return pm
+    debug = cfg.debug
+    skip = tuple(debug.skip_grad_sum)
     pm = parallelize(
-        model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum), cfg.train.recompute, cfg.debug.overlap_fault
+        model, ctx, cfg.parallel, skip, cfg.train.recompute, debug.overlap_fault, debug.dropout_fault
     )
     place(pm.module, ctx.device, param_dtype(cfg))
     if cfg.train.compile:

@@ -29,6 +29,7 @@ from tpbench.experiments.setup import (
 from tpbench.parallel import collectives, instrumentation
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.recompute import apply_recompute
+from tpbench.parallel.rng import place_dropouts
 
 
 class Trainer:
@@ -109,6 +110,8 @@ def build_ddp(
     p = cfg.parallel
     dense = place(build_dense(cfg), ctx.device, param_dtype(cfg))
     apply_recompute(dense, cfg.train.recompute)
+    # each DP rank draws its slice of the global batch's masks
+    place_dropouts(dense, 0, 1, ctx.dp_rank, ctx.dp, False, cfg.debug.dropout_fault)
     on_device(dense)
     fake = collectives.fake_backend(ctx.dp_group)
     ddp = DistributedDataParallel(

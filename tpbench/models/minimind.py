@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tpbench.models.dropout import PROBS_DIMS, SITES, STREAM_DIMS, DropoutKey, PositionalDropout
+
 IGNORE_INDEX = -100
 
 
@@ -47,8 +49,18 @@ class MiniMindConfig:
     flash_attn: bool = True
     fused_swiglu: bool = True  # keep gate and up only; False: MiniMind's silu and mul, as autograd saves
     lean_rmsnorm: bool = True  # RMSNorm keeps its input only; False: its fp32 internals, as autograd saves
+    # MiniMind's four dropouts (embedding output, attention probabilities, after o_proj, after down_proj),
+    # each mask a hash of the element's position (tpbench.models.dropout); needs the manual attention
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout}: accepted are probabilities in [0, 1)")
+        if self.dropout > 0 and self.flash_attn:
+            raise ValueError(
+                f"dropout={self.dropout} with flash_attn=True: SDPA draws its own attention mask, not "
+                "one keyed by position; accepted is flash_attn=False"
+            )
         if self.intermediate_size is None:
             self.intermediate_size = default_intermediate_size(self.hidden_size)
         if self.head_dim is None:
@@ -126,6 +138,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def dropout(cfg: MiniMindConfig, key: DropoutKey, layer: int, site: str) -> PositionalDropout | None:
+    """The dropout of block `layer`'s `site` (SITES; layer -1, site "embedding": the embedding's), or
+    None without dropout (the model then has no such module)."""
+    if cfg.dropout == 0.0:
+        return None
+    number = 0 if layer < 0 else 1 + layer * len(SITES) + SITES.index(site)
+    return PositionalDropout(cfg.dropout, number, PROBS_DIMS if site == "attention" else STREAM_DIMS, key)
+
+
+def drop(module: PositionalDropout | None, x: torch.Tensor) -> torch.Tensor:
+    return x if module is None else module(x)
+
+
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     # [S, B, N_kv, D] -> [S, B, N_kv * n_rep, D]
     if n_rep == 1:
@@ -138,7 +163,7 @@ class Attention(nn.Module):
     """GQA attention. Head counts are read off the projections' outputs, so a tensor-parallel plan
     that shards q/k/v by heads needs no change here."""
 
-    def __init__(self, cfg: MiniMindConfig):
+    def __init__(self, cfg: MiniMindConfig, key: DropoutKey | None = None, layer: int = 0):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.head_dim = d
@@ -152,6 +177,9 @@ class Attention(nn.Module):
         if cfg.qk_norm:  # off (Llama, Qwen2.5): no such parameters at all
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.lean_rmsnorm)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.lean_rmsnorm)
+        key = key or DropoutKey()
+        self.attn_dropout = dropout(cfg, key, layer, "attention")  # [B, N, S, S]: split by heads
+        self.resid_dropout = dropout(cfg, key, layer, "attention_output")  # [S(/T), B, H]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         d = self.head_dim
@@ -172,23 +200,24 @@ class Attention(nn.Module):
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(d)  # [B, N, S, S]
             causal = torch.full((s, s), float("-inf"), device=x.device).triu(1)
             probs = F.softmax(scores.float() + causal, dim=-1).type_as(q)
-            out = probs @ v  # [B, N, S, D]
+            out = drop(self.attn_dropout, probs) @ v  # [B, N, S, D]
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [S, B, N*D]
-        return self.o_proj(out)  # [S, B, H]
+        return drop(self.resid_dropout, self.o_proj(out))  # [S, B, H]; SP: the shard [S/T, B, H]
 
 
 class FeedForward(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: MiniMindConfig):
+    def __init__(self, cfg: MiniMindConfig, key: DropoutKey | None = None, layer: int = 0):
         super().__init__()
         self.fused = cfg.fused_swiglu
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.dropout = dropout(cfg, key or DropoutKey(), layer, "mlp_output")  # [S(/T), B, H]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        return drop(self.dropout, self.down_proj(self.act(self.gate_proj(x), self.up_proj(x))))
 
     def act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up, between the projections (under train.compile with parallel.overlap, a
@@ -218,10 +247,10 @@ class _SwiGLU(torch.autograd.Function):
 
 
 class MiniMindBlock(nn.Module):
-    def __init__(self, cfg: MiniMindConfig):
+    def __init__(self, cfg: MiniMindConfig, key: DropoutKey | None = None, layer: int = 0):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = FeedForward(cfg)
+        self.self_attn = Attention(cfg, key, layer)
+        self.mlp = FeedForward(cfg, key, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.lean_rmsnorm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.lean_rmsnorm)
 
@@ -231,10 +260,16 @@ class MiniMindBlock(nn.Module):
 
 
 class MiniMindModel(nn.Module):
+    """The decoder. Its dropouts share one DropoutKey, whose step advances at each forward in
+    training mode: a block recomputed in backward draws its forward's masks again."""
+
     def __init__(self, cfg: MiniMindConfig):
         super().__init__()
+        self.dropout_key = DropoutKey()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(MiniMindBlock(cfg) for _ in range(cfg.num_hidden_layers))
+        self.dropout = dropout(cfg, self.dropout_key, -1, "embedding")  # [S(/T), B, H]
+        blocks = (MiniMindBlock(cfg, self.dropout_key, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(blocks)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.lean_rmsnorm)
         self.config = cfg
         self.rope_cache: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -248,7 +283,9 @@ class MiniMindModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rope(input_ids.shape[1], input_ids.device)
-        x = self.embed_tokens(input_ids.t())  # [S, B, H]
+        if self.training:
+            self.dropout_key.step += 1
+        x = drop(self.dropout, self.embed_tokens(input_ids.t()))  # [S, B, H]; SP: [S/T, B, H]
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.norm(x)  # [S, B, H]
@@ -291,9 +328,11 @@ class MiniMindForCausalLM(nn.Module):
 
 def build_model(cfg: MiniMindConfig, seed: int = 0) -> MiniMindForCausalLM:
     """The dense model, initialised from one seed (normal(0, 0.02) linears, their biases (not zero, so
-    that a misplaced bias shows in the first forward) and embeddings)."""
+    that a misplaced bias shows in the first forward) and embeddings); its dropouts keyed by the same
+    seed."""
     gen = torch.Generator().manual_seed(seed)
     model = MiniMindForCausalLM(cfg)
+    model.model.dropout_key.seed = seed
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             continue

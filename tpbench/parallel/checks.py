@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tpbench.config import ModelConfig, ParallelConfig, RunConfig
 from tpbench.models.minimind import MiniMindConfig, default_intermediate_size
+from tpbench.parallel.rng import FAULTS
 
 # The gradient sums a sharded model needs (debug.skip_grad_sum may leave one out, to prove it is
 # needed), for both engines: the q/k norms' weights (each rank sees its heads), the replicated KV
@@ -18,6 +19,7 @@ class ConfigError(ValueError):
 
 def check_shardable(cfg: RunConfig) -> None:
     """Raise ConfigError if the model cannot be split as the parallel config asks."""
+    check_dropout(cfg)
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.tp < 1 or p.dp < 1:
         raise ConfigError(f"parallel.tp={p.tp}, parallel.dp={p.dp}: both must be >= 1")
@@ -89,6 +91,43 @@ def check_shardable(cfg: RunConfig) -> None:
         raise ConfigError(
             f"train.global_batch={t.global_batch} is not divisible by parallel.dp={p.dp} under fixed_global"
         )
+
+
+def check_dropout(cfg: RunConfig) -> None:
+    """model.dropout: a probability, and only where each mask can be the dense model's slice."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if not (0.0 <= m.dropout < 1.0):  # also refuses nan
+        raise ConfigError(f"model.dropout={m.dropout}: accepted are probabilities in [0, 1)")
+    if cfg.debug.dropout_fault not in ("", *FAULTS):
+        accepted = ", ".join(map(repr, ("", *FAULTS)))
+        raise ConfigError(f"debug.dropout_fault={cfg.debug.dropout_fault!r}: accepted are {accepted}")
+    if cfg.debug.dropout_fault and m.dropout == 0.0:
+        raise ConfigError(
+            f"debug.dropout_fault={cfg.debug.dropout_fault}: breaks the dropouts' offsets, accepted with "
+            "model.dropout > 0"
+        )
+    if m.dropout == 0.0:
+        return
+    blocked = [
+        (
+            m.flash_attn,
+            "model.flash_attn=true (SDPA draws its own mask, not one keyed by position)",
+            "model.flash_attn=false",
+        ),
+        (
+            p.engine == "dtensor",
+            "parallel.engine=dtensor (its plan tells no dropout where its shard sits)",
+            "parallel.engine=megatron or ddp",
+        ),
+        (
+            t.compile,
+            "train.compile=true (each step's new key would recompile the blocks)",
+            "train.compile=false",
+        ),
+    ]
+    for bad, what, accepted in blocked:
+        if bad:
+            raise ConfigError(f"model.dropout={m.dropout} with {what}: accepted is {accepted}")
 
 
 def check_dtensor_shardable(model: ModelConfig | MiniMindConfig, pcfg: ParallelConfig) -> None:

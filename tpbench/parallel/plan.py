@@ -37,6 +37,7 @@ from tpbench.parallel.cross_entropy import VocabParallelCrossEntropy
 from tpbench.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tpbench.parallel.overlap import DeferredWeightGrads, DPGradBuckets, defer_weight_grads
 from tpbench.parallel.recompute import apply_recompute
+from tpbench.parallel.rng import place_dropouts
 from tpbench.parallel.wrappers import (
     PerLinearGathers,
     SPGather,
@@ -261,12 +262,14 @@ def parallelize(
     skip_grad_sum: tuple[str, ...] = (),
     recompute: str = "none",
     overlap_fault: str = "",
+    dropout_fault: str = "",
 ) -> ParallelModel:
     """Shard `model` in place for ctx.tp ranks and return it with its layouts and gradient sums.
 
     skip_grad_sum names entries of GRAD_SUMS (tpbench.parallel.checks) to leave out: only to prove
     that each one is needed;
-    overlap_fault (debug.overlap_fault) breaks parallel.overlap for the same reason.
+    overlap_fault (debug.overlap_fault) breaks parallel.overlap for the same reason, and
+    dropout_fault (debug.dropout_fault) the dropouts' offsets (tpbench.parallel.rng).
     recompute (train.recompute) is applied first; under `full` the blocks keep no gathered input, so
     SP's re-gather applies to the LM head only.
     """
@@ -281,6 +284,7 @@ def parallelize(
         entry = _Entry(ctx.tp_group, pcfg.sp, pcfg.sp_regather, pcfg.overlap, wait, deferred)
         styles = tp_styles(cfg.num_hidden_layers, pcfg.sp, pcfg.vp, cfg.qk_norm)
         apply_styles(model, ctx, layouts, styles, entry, pcfg.sp and pcfg.sp_gather == "linear", recompute)
+    place_dropouts(model, ctx.tp_rank, ctx.tp, ctx.dp_rank, ctx.dp, pcfg.sp and ctx.tp > 1, dropout_fault)
     pm = ParallelModel(model, ctx, pcfg, layouts, overlap_fault, deferred=deferred)
     pm.grad_sums = _grad_sums(model, ctx, layouts, skip_grad_sum)
     return pm

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from tpbench.models.minimind import MiniMindForCausalLM, swiglu
+from tpbench.models.minimind import MiniMindForCausalLM, drop, swiglu
 from tpbench.parallel import instrumentation
 from tpbench.parallel.layers import RowParallelLinear
 from tpbench.parallel.wrappers import Region, behaviour, wrap
@@ -83,7 +83,8 @@ class SelectiveSwiGLU:
     """An MLP's behaviour (tpbench.parallel.wrappers.wrap) under selective: keep gate and up only. The
     checkpointed function ends with down_proj's local matmul, so that its input, silu(gate) * up, is
     recomputed too; the recomputation stops early, when that matmul saves its input, before the
-    matmul itself runs. A row-parallel down_proj reduces after it. Inside the region's entry."""
+    matmul itself runs. A row-parallel down_proj reduces after it, and the MLP's dropout follows, as
+    in FeedForward. Inside the region's entry."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
@@ -94,7 +95,7 @@ class SelectiveSwiGLU:
 
         gate, up = self.gate_proj(x), self.up_proj(x)  # [S, B, I/T] each
         y = checkpoint(swiglu_down, gate, up, use_reentrant=False, preserve_rng_state=False)
-        return down.reduce(y) if row else y  # [S(/T), B, H]
+        return drop(self.dropout, down.reduce(y) if row else y)  # [S(/T), B, H]
 
 
 behaviour(SelectiveSwiGLU, before=None)  # inside the entry: the MLP's own forward, made again

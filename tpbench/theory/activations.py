@@ -14,6 +14,9 @@ The terms of a block (recompute none), as shapes on this rank (Ns tokens of the 
   attention core     SDPA: its output [N, Nq/T D] and logsumexp [B, Nq/T, S] (fp32); manual: the
                      fp32 softmax [B, Nq/T, S, S], its cast, and o_proj's input [N, Nq/T D]
   swiglu             gate, up and their product [N, I/T] (MiniMind's unfused ops: silu(gate) too)
+  dropout (model.dropout > 0): each dropout's 1-byte mask: after o_proj and after down_proj [Ns, H]
+                     (`stream dropouts`); the attention probabilities' [B, Nq/T, S, S] and their
+                     dropped copy, which P V saves instead of the softmax's cast (in the core's term)
   weight casts       mixed precision: each linear's bf16 weight
 """
 
@@ -54,7 +57,7 @@ def layer_activations(d: Dims) -> dict[str, int]:
     if d.flash:  # SDPA saves its output (o_proj's input is a view of it) and the logsumexp
         core = p * N * d.Hq + FP32 * B * d.Nq_l * S
     else:  # fp32 softmax output, its cast (unless it is fp32 already), o_proj's input copy
-        core = (FP32 + (p if p != FP32 else 0)) * B * d.Nq_l * S * S + p * N * d.Hq
+        core = (FP32 + probs_saved(d)) * B * d.Nq_l * S * S + p * N * d.Hq
 
     def head_norm(width: int, heads: int) -> int:  # q_norm / k_norm over [N, heads, D]
         return p * N * width if lean else 2 * FP32 * N * width + FP32 * N * heads
@@ -74,7 +77,29 @@ def layer_activations(d: Dims) -> dict[str, int]:
     }
     if d.mixed:
         terms["weight casts"] = p * block_linears(d) - forward_only_casts(d) // d.L
+    if d.dropout:
+        terms["attention output dropout"] = terms["mlp output dropout"] = stream_mask(d)
     return terms
+
+
+def probs_saved(d: Dims) -> int:
+    """Bytes per attention probability that P V and its dropout keep beside the fp32 softmax output:
+    the cast (none in fp32: it is the softmax output); with dropout, its 1-byte mask and the dropped
+    copy (the cast, which the dropout does not keep, freed)."""
+    if d.dropout:
+        return 1 + d.p
+    return d.p if d.p != FP32 else 0
+
+
+def stream_mask(d: Dims) -> int:
+    """A stream dropout's 1-byte mask of [Ns, H] (the embedding's, and each block's two); 0 without."""
+    return d.Ns * d.H if d.dropout else 0
+
+
+def mask_bits(elements: int) -> int:
+    """What a dropout's hash holds at once while it draws a mask of `elements`: the int64 hash of
+    every element and one shifted int64 copy (tpbench.models.dropout)."""
+    return 2 * INT64 * elements
 
 
 def forward_only_casts(d: Dims) -> int:
@@ -114,6 +139,7 @@ def model_activations(d: Dims) -> dict[str, int]:
     return {
         "blocks": d.L * sum(layer_activations(d).values()),
         "embedding": (INT64 + 1) * d.N if d.vp else 0,  # VP: masked local ids (int64), out-of-range mask
+        "embedding dropout": stream_mask(d),
         "rope tables": 2 * FP32 * d.S * d.D,  # cos, sin [S, D] fp32, built once and kept by the model
         "final norm": d.s * Ns * H if d.lean_rmsnorm else 2 * FP32 * Ns * H + FP32 * Ns,
         "head input": head_input,

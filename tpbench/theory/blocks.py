@@ -16,7 +16,10 @@ from tpbench.theory.activations import (
     forward_only_casts,
     kv_widths,
     layer_activations,
+    mask_bits,
+    probs_saved,
     recomputed,
+    stream_mask,
 )
 from tpbench.theory.dims import FP32, LOSS_AND_GRAD, Dims
 from tpbench.theory.moments import Moment
@@ -28,16 +31,39 @@ def attention_forward(d: Dims, acts: dict[str, int], P: int, optim: int, buckets
     of the forward until it returns), their fp32 sum with the causal mask, the fp32 softmax output
     (saved) and the mask [S, S] itself. Under SP with the re-gather the gathered region input is alive
     too (only its shard stays saved; a column linear's own gathered input, parallel.sp_gather=linear,
-    is freed once it returns). The top block's MLP, o_proj and final norm have not run yet."""
+    is freed once it returns); under mixed precision the input norm's fp32 output, which the region's
+    forward holds while its linears keep their bf16 cast (measured with dropout, whose moment is this
+    one's). The top block's MLP, o_proj and final norm have not run yet."""
     layer = layer_activations(d)
     scores = d.B * d.Nq_l * d.S * d.S
     later = layer["post_attention_layernorm"] + layer["mlp input"] + layer["swiglu"] + layer["attention core"]
+    later += 2 * stream_mask(d)  # the dropouts after o_proj and down_proj
     if d.mixed:  # o_proj's and the MLP's weight casts are not made yet
         later += d.p * sum(n for name, n in layer_params(d) if name.startswith(("mlp.", "self_attn.o_proj")))
     gathered = d.p * d.N * d.H if d.sp and d.block_regather and not d.per_linear else 0
-    temps = d.p * scores + FP32 * scores + FP32 * d.S * d.S + gathered
+    temps = d.p * scores + FP32 * scores + FP32 * d.S * d.S + gathered + unsaved_norm_output(d)
     activations = after_head(acts) - later + FP32 * scores + bias_casts(d)
     return Moment("attention forward", P, buckets, optim, activations + temps, 0)
+
+
+def unsaved_norm_output(d: Dims) -> int:
+    """The input norm's output that the attention region's forward holds without its linears keeping
+    it: its fp32 result under mixed precision (they keep the bf16 cast), and under SP without the
+    re-gather (full recompute included) the shard that was gathered (they keep the whole)."""
+    fp32 = FP32 * d.Ns * d.H if d.mixed else 0
+    return fp32 + (d.p * d.Ns * d.H if d.sp and not d.block_regather else 0)
+
+
+def attention_dropout(d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int) -> Moment:
+    """model.dropout: the top block's attention-probability dropout drawing its mask, in its hash's
+    last fold (two int64 copies of the probabilities' shape: tpbench.models.dropout). As at the
+    softmax (`attention_forward`), but the fp32 sum is freed, the softmax output (saved) and its cast
+    (unless fp32) are made; the scores and the causal mask are the forward's locals still."""
+    at_softmax = attention_forward(d, acts, P, optim, buckets)
+    scores = d.B * d.Nq_l * d.S * d.S
+    cast = d.p * scores if d.p != FP32 else 0
+    total = at_softmax.activations - FP32 * scores + cast + mask_bits(scores)
+    return Moment("attention dropout", P, buckets, optim, total, 0)
 
 
 def final_norm_backward(
@@ -87,9 +113,11 @@ def down_backward(
     has made down's input (and weight cast) again for it, as full recompute does the block's."""
     ffn, weight = d.p * d.N * d.I_l, d.I_l * d.H
     incoming = d.s * d.Ns * d.H + (d.p * d.N * d.H if d.sp else 0)
+    if d.dropout and not d.mixed and not d.sp:  # the MLP dropout's input gradient, down's to take
+        incoming += d.p * d.N * d.H
     temps = ffn + d.p * weight + incoming + (d.V_l * d.H * d.w if d.tied else 0)
     grads = top_block_grads(d, (), buckets, own_grads)
-    activations = after_head(acts) + LOSS_AND_GRAD
+    activations = after_head(acts) + LOSS_AND_GRAD - stream_mask(d)  # the MLP dropout's backward ran
     if d.recompute == "selective":  # down's input (and weight cast) made again, not kept from forward
         activations += ffn + (d.p * weight if d.mixed else 0)
     cast_grad = d.p * d.N * d.H if d.mixed else 0
@@ -114,7 +142,7 @@ def swiglu_backward(
     gradient, waiting (a temporary) for the embedding's share. The fused SwiGLU still keeps gate and
     up, MiniMind's ops gate alone (mul's saved silu(gate) and up are freed once its backward ran)."""
     ffn = d.p * d.N * d.I_l
-    freed = layer_activations(d)["swiglu"] - (2 if d.fused_swiglu else 1) * ffn
+    freed = layer_activations(d)["swiglu"] - (2 if d.fused_swiglu else 1) * ffn + stream_mask(d)
     if d.mixed and d.recompute == "none":
         freed += d.p * d.I_l * d.H  # down's weight cast
     done = ("mlp.down_proj",)
@@ -132,7 +160,7 @@ def mlp_backward(d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int
     stream's gradient, SP's re-gathered MLP input, and a tied head's gradient, waiting (a temporary)
     for the embedding's share. The MLP input itself is still saved: gate's backward reads it."""
     layer = layer_activations(d)
-    freed = layer["swiglu"]
+    freed = layer["swiglu"] + stream_mask(d)  # with the MLP dropout's mask
     if d.mixed:
         freed += d.p * d.I_l * d.H * (2 if d.recompute == "none" else 1)  # up's (selective: down's is remade)
         freed += 0 if d.cast_once else d.p * d.N * d.H
@@ -151,7 +179,7 @@ def post_attention_norm_backward(
     norm has made its fp32 input again (unless the stream is fp32). The MLP has run its backward: its
     input, the SwiGLU's tensors (and, mixed, its weight casts) are freed, its weight gradients made."""
     layer = layer_activations(d)
-    freed = layer["mlp input"] + layer["swiglu"]
+    freed = layer["mlp input"] + layer["swiglu"] + stream_mask(d)  # with the MLP dropout's mask
     if d.mixed:
         freed += d.p * sum(n for name, n in layer_params(d) if name.startswith("mlp."))
         freed -= forward_only_casts(d) // d.L  # selective: down's cast was never kept
@@ -179,7 +207,7 @@ def head_norm_backward(
     layer = layer_activations(d)
     width = d.Hkv if norm == "k_norm" else d.Hq
     freed = sum(layer[k] for k in ("post_attention_layernorm", "mlp input", "swiglu", "attention core"))
-    freed += layer["q, k, v"] + layer["rope tables"]
+    freed += layer["q, k, v"] + layer["rope tables"] + 2 * stream_mask(d)  # and both stream dropouts'
     done = ["self_attn.o_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
     done += ["post_attention_layernorm", f"self_attn.{norm}"]  # its weight's gradient precedes pow's
     if norm == "q_norm":  # k_norm has run its backward, k_proj not yet
@@ -225,8 +253,8 @@ def attention_backward(
     saved = recomputed(d) if full else layer_activations(d)
     scores = d.B * d.Nq_l * d.S * d.S
     v_width = kv_widths(d)[1]
-    freed = saved["post_attention_layernorm"] + saved["mlp input"] + saved["swiglu"]
-    freed += (d.p * scores if d.p != FP32 else 0) + d.p * d.N * (d.Hq + v_width)  # probs, o in, v
+    freed = saved["post_attention_layernorm"] + saved["mlp input"] + saved["swiglu"] + 2 * stream_mask(d)
+    freed += probs_saved(d) * scores + d.p * d.N * (d.Hq + v_width)  # probs (dropped), o in, v
     done = ["mlp.", "post_attention_layernorm", "self_attn.o_proj"]
     if d.mixed:  # the weight casts of o_proj and the MLP (selective remakes down's: not kept)
         freed += d.p * sum(n for name, n in layer_params(d) if name.startswith(("mlp.", "self_attn.o_proj")))
@@ -241,6 +269,35 @@ def attention_backward(
     activations += sum(saved.values()) if full else 0
     name = f"recomputed attention {layer}" if full else "attention"
     return Moment(name, P, grads, optim, activations, 2 * FP32 * scores + tied_head + flowing)
+
+
+def recomputed_attention_dropout(
+    d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool, layer: int
+) -> Moment:
+    """Full recompute with dropout: block `layer`'s forward run again in its backward, at its attention
+    dropout's hash (as `attention_dropout`: the scores and the causal mask its locals, the softmax
+    output saved, its cast, two int64 copies of the probabilities' shape). The MLP dropout's backward,
+    the block's first, started the recomputation (its mask is the block's last save): what the
+    recomputation has saved up to the attention core is alive, as are the stream's gradient (and
+    its cast under mixed precision) and, as for `attention_backward`, what the blocks above left:
+    their gradients, not their inputs."""
+    saved = recomputed(d)
+    scores = d.B * d.Nq_l * d.S * d.S
+    above = d.L - 1 - layer
+    later = saved["post_attention_layernorm"] + saved["mlp input"] + saved["swiglu"] + saved["attention core"]
+    later += 2 * stream_mask(d)
+    if d.mixed:  # o_proj's and the MLP's weight casts are not made again yet
+        later += d.p * sum(n for name, n in layer_params(d) if name.startswith(("mlp.", "self_attn.o_proj")))
+    activations = after_head(acts) - above * (acts["blocks"] // d.L) + sum(saved.values()) - later
+    activations += FP32 * scores + LOSS_AND_GRAD
+    grads = d.H + above * sum(n for _, n in layer_params(d)) + (0 if d.tied else d.V_l * d.H)
+    grads = buckets + (grads * d.w if own_grads else 0)
+    cast = d.p * scores if d.p != FP32 else 0
+    # the stream's gradient (mixed: and its bf16 cast for the MLP dropout, whose backward started this)
+    flowing = d.s * d.Ns * d.H + (d.p * d.Ns * d.H if d.mixed else 0)
+    temps = d.p * scores + cast + FP32 * d.S * d.S + mask_bits(scores) + flowing
+    temps += unsaved_norm_output(d) + (d.V_l * d.H * d.w if d.tied else 0)
+    return Moment(f"recomputed attention dropout {layer}", P, grads, optim, activations, temps)
 
 
 def recomputed_block(
@@ -259,6 +316,7 @@ def recomputed_block(
     block_input = acts["blocks"] // d.L
     activations = after_head(acts) - above * block_input
     activations += sum(recomputed(d).values()) - ffn - (d.p * d.H * d.I_l if d.mixed else 0)
+    activations -= stream_mask(d)  # the MLP dropout's, whose backward ran first
     activations += LOSS_AND_GRAD
     block = sum(n for _, n in layer_params(d))
     grads = d.H + above * block + d.H * d.I_l + (0 if d.tied else d.V_l * d.H)

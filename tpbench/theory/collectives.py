@@ -50,11 +50,12 @@ def comm_rows(cfg: RunConfig) -> list[CommRow]:
         if d.regather:  # backward all-gathers each saved shard again: g per block, + the VP head
             add("all_gather", "regather", N * H * a, T, (g * L if d.block_regather else 0) + vp)
     if d.recompute == "full":  # each block's forward again, to down_proj: every entry (SP: g),
-        if d.sp:  # and the attention's exit
+        exits = 2 if d.dropout else 1  # the attention's exit (dropout: to the MLP mask, its exit too)
+        if d.sp:
             add("all_gather", "recompute", N * H * a, T, g * L)
-            add("reduce_scatter", "recompute", N * H * a, T, L)
+            add("reduce_scatter", "recompute", N * H * a, T, exits * L)
         else:
-            add("all_reduce", "recompute", N * H * a, T, L)
+            add("all_reduce", "recompute", N * H * a, T, exits * L)
     if d.vp and not d.logits_mean:  # the loss: max, target logit, sum of exp, [S, B] fp32 each
         add("all_reduce", "loss", N * FP32, T, 3)
     if T > 1:

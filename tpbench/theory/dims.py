@@ -57,6 +57,7 @@ class Dims:
     head_dim: int | None = None  # model.head_dim; None: H / Nq
     qk_norm: bool = True  # q/k RMSNorms over each head (model.qk_norm); off: none, nor their sums
     bias: bool = False  # q, k, v biases (model.attention_bias), sharded with their weights
+    dropout: bool = False  # model.dropout > 0: each dropout keeps a 1-byte mask (tpbench.models.dropout)
 
     @property
     def s(self) -> int:
@@ -164,4 +165,5 @@ def dims(cfg: RunConfig) -> Dims:
         head_dim=m.head_dim,
         qk_norm=m.qk_norm,
         bias=m.attention_bias,
+        dropout=m.dropout > 0,
     )

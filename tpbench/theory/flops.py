@@ -24,11 +24,13 @@ def recompute_flops_per_step(cfg: RunConfig) -> float:
     """FLOPs that activation recompute adds to one training step, summed over every rank (as
     flops_per_step counts them; model FLOPs leave them out). Selective remakes elementwise results
     only: no matmul. Full runs each block's forward again up to down_proj's input: every matmul of
-    the block but down_proj's, attention counted as the full S x S products."""
+    the block but down_proj's, attention counted as the full S x S products; with dropout, up to the
+    MLP dropout's mask, down_proj's matmul included."""
     d = dims(cfg)
     if d.recompute != "full":
         return 0.0
     N, H = d.N, d.H
-    weights = 2 * N * H * (2 * d.Hq + 2 * d.Hkv + 2 * d.I_l)  # q, o; k, v; gate, up
+    mlp = 3 if d.dropout else 2  # gate, up (and down)
+    weights = 2 * N * H * (2 * d.Hq + 2 * d.Hkv + mlp * d.I_l)  # q, o; k, v; the MLP's
     attention = 2 * 2 * d.B * d.Nq_l * d.S * d.S * d.D  # Q K^T and P V
     return float(d.L * (weights + attention) * d.T * d.dp)

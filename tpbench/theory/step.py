@@ -58,9 +58,14 @@ def moments(d: Dims) -> list[Moment]:
         out.append(blocks.mlp_backward(d, acts, P, O, buckets, G > 0))
     if not d.flash and d.recompute != "full":
         out.append(blocks.attention_forward(d, acts, P, O, buckets))
+        if d.dropout:
+            out.append(blocks.attention_dropout(d, acts, P, O, buckets))
         out.append(blocks.attention_backward(d, acts, P, O, buckets, G > 0, d.L - 1))
     elif not d.flash:
         out += [blocks.attention_backward(d, acts, P, O, buckets, G > 0, i) for i in sorted({d.L - 1, 0})]
+        if d.dropout:
+            layers = sorted({d.L - 1, 0})
+            out += [blocks.recomputed_attention_dropout(d, acts, P, O, buckets, G > 0, i) for i in layers]
 
     if d.tied:  # the LM head's gradient waits for the embedding's; the two are summed into a third
         E = d.V_l * d.H * d.w
@@ -93,5 +98,6 @@ def kept_output(d: Dims, acts: dict[str, int], out: list[Moment]) -> list[Moment
     logits = d.p * d.N * d.V_l
     hidden = d.s * (d.Ns if d.sp and d.vp else d.N) * d.H
     early = hidden if d.mixed or (d.sp and d.vp and not d.regather) else 0
-    held = {"attention forward": 0, "loss": logits + early, "head backward": logits + early}
+    held = {"attention forward": 0, "attention dropout": 0}
+    held |= {"loss": logits + early, "head backward": logits + early}
     return [replace(m, activations=m.activations + held.get(m.name, logits + hidden)) for m in out]

@@ -1,0 +1,137 @@
+"""Dropout keyed by position: each element's keep or drop is a hash of (seed, step, call site, the
+element's coordinates in the dense tensor), so a shard draws exactly its slice of the dense mask.
+
+Megatron keeps a CUDA RNG tracker so that the ranks of a TP group draw the same mask where an
+activation is replicated (the residual stream under plain TP: the default generator, seeded alike on
+every TP rank) and independent masks where it is sharded (attention probabilities, split by heads:
+a model-parallel generator seeded per rank); under SP the residual stream is split along the
+sequence, so its dropout must differ between the ranks too. Drawing the mask from the global
+position gives both properties by construction, and more: the sharded model's masks are the dense
+model's, so the sharded model equals the dense one exactly, dropout on (tests/test_dropout.py).
+
+The hash is counter based (Wellons' lowbias32) in plain integer tensor ops, on any device and under
+fake tensors: 32-bit values held in int64, every product of a value (< 2^32) and a constant
+(|c| < 2^31) below 2^63, so nothing overflows and the low 32 bits are exact. The coordinates are
+folded in one dimension at a time (a small broadcast tensor per dimension), so only the last fold
+runs over the whole tensor: an int64 [*shape] and one shifted int64 copy alive at once, 16 bytes an
+element, transient. Backward keeps the 1-byte mask of dropped elements, as torch's dropout does.
+
+A `PositionalDropout` knows its dims by name (`seq`, `batch`, `head`, ...); the parallel plan tells
+it which are split (tpbench.parallel.rng: `splits[name] = (index, parts)`); the model's
+`DropoutKey` says the seed and the step (advanced once per training forward of the whole model, so a
+recomputed block, run again in backward, draws the same masks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+MASK32 = 0xFFFFFFFF
+_C1 = 0x7FEB352D  # lowbias32's multipliers; the second, above 2^31, as its negative residue mod 2^32
+_C2 = 0x846CA68B - 2**32
+
+# the call sites of a block, in the order they run (the embedding's is its own, below the blocks)
+SITES = ("attention", "attention_output", "mlp_output")
+STREAM_DIMS = ("seq", "batch", "hidden")  # [S, B, H]
+PROBS_DIMS = ("batch", "head", "query", "key")  # [B, N, S, S]
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 of int64 `x` holding values in [0, 2^32), in place; returns x."""
+    x ^= x >> 16
+    x.mul_(_C1).bitwise_and_(MASK32)
+    x ^= x >> 15
+    x.mul_(_C2).bitwise_and_(MASK32)
+    x ^= x >> 16
+    return x
+
+
+def mix32_int(x: int) -> int:
+    """lowbias32 of a Python int (the key, hashed once per call on the host)."""
+    x &= MASK32
+    x ^= x >> 16
+    x = (x * _C1) & MASK32
+    x ^= x >> 15
+    x = (x * _C2) & MASK32
+    return x ^ (x >> 16)
+
+
+@dataclass
+class DropoutKey:
+    """The model's dropout seed and training step, shared by all its dropouts."""
+
+    seed: int = 0
+    step: int = 0
+
+    def site(self, site: int) -> int:
+        """A 32-bit key of (seed, step, site)."""
+        return mix32_int(mix32_int(mix32_int(self.seed) ^ self.step) ^ site)
+
+
+def dense_mask_bits(
+    key: int, shape: tuple[int, ...], splits: tuple[tuple[int, int], ...], device: torch.device
+) -> torch.Tensor:
+    """int64 [*shape]: the 32-bit hash of each element's global coordinates, where dim i of this shard
+    is part splits[i][0] of splits[i][1] equal parts of the dense dim."""
+    h = torch.full((1,) * len(shape), key, dtype=torch.int64, device=device)
+    for dim, (size, (index, _parts)) in enumerate(zip(shape, splits, strict=True)):
+        view = [1] * len(shape)
+        view[dim] = size
+        # broadcast: only the last fold is the whole tensor's size, the one before freed first
+        h = h ^ torch.arange(index * size, (index + 1) * size, dtype=torch.int64, device=device).view(view)
+        mix32(h)
+    return h
+
+
+class PositionalDropout(nn.Module):
+    """Zero each element with probability p, scale the rest by 1 / (1 - p), in training mode; the
+    decision a hash of the element's global position (see the module's docstring).
+
+    Args:
+        p: the drop probability, in [0, 1).
+        site: a number unique to this call site in the model (layer and which dropout).
+        dims: the names of the input's dims, in order (STREAM_DIMS, PROBS_DIMS).
+        key: the model's DropoutKey (seed and step), shared by all its dropouts.
+    """
+
+    def __init__(self, p: float, site: int, dims: tuple[str, ...], key: DropoutKey):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout={p}: accepted are probabilities in [0, 1)")
+        self.p, self.site, self.dims, self.key = p, site, dims, key
+        self.splits: dict[str, tuple[int, int]] = {}  # dim name -> (this shard's index, parts)
+        self.threshold = round((1.0 - p) * 2**32)  # keep where the hash is below it
+
+    def extra_repr(self) -> str:
+        split = ", ".join(f"{name} {i}/{n}" for name, (i, n) in self.splits.items() if n > 1)
+        return f"p={self.p}, dims [{', '.join(self.dims)}]" + (f"; split {split}" if split else "")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        return _Drop.apply(x, self.dropped(x.shape, x.device), 1.0 / (1.0 - self.p))
+
+    def dropped(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """bool [*shape]: True where this shard drops, its slice of the dense model's mask."""
+        splits = tuple(self.splits.get(name, (0, 1)) for name in self.dims)
+        bits = dense_mask_bits(self.key.site(self.site), tuple(shape), splits, device)
+        return bits >= self.threshold
+
+
+class _Drop(torch.autograd.Function):
+    """x * scale with the dropped elements zeroed; backward the same of the gradient, keeping only the
+    1-byte mask."""
+
+    @staticmethod
+    def forward(ctx, x, dropped, scale):
+        ctx.save_for_backward(dropped)
+        ctx.scale = scale
+        return x.mul(scale).masked_fill_(dropped, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (dropped,) = ctx.saved_tensors
+        return grad.mul(ctx.scale).masked_fill_(dropped, 0.0), None, None
