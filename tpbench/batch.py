@@ -162,7 +162,9 @@ class _Job:
             raise launch.JobFailed(Status.INTERRUPTED, f"interrupted by {self.interrupted.name}")
         shutil.copy(self.folder / "launcher.log", job_dir / "launcher.log")
         for error in self.folder.glob("logs/*/attempt_0/*/error.json"):
-            shutil.copy(error, job_dir / worker.BATCH_LOGS / error.parent.name / "error.json")
+            logs = job_dir / worker.BATCH_LOGS / error.parent.name
+            logs.mkdir(parents=True, exist_ok=True)
+            shutil.copy(error, logs / "error.json")
         if self.failure is None:  # every worker ended well, yet without this run: cannot be
             raise launch.JobFailed(Status.FAILED, "rank 0 ended the batch without this run's results", 0)
         raise launch.failure_of(self.failure, cfg, job_dir)
