@@ -13,8 +13,6 @@ import yaml
 from beside import beside
 from conftest import Workdir
 
-from tpbench import batch, compose
-
 # several modes, each kind; memory runs after the others, on the workers they ran on
 SWEEP = [
     "mode=tp_sp,tp_vp",
@@ -57,13 +55,6 @@ def warm_and_fresh(folder: Path) -> tuple[Workdir, Workdir]:
         done = work.run("sweep", *SWEEP, f"launch.reuse_workers={reuse}")
         assert done.returncode == 0, done.stderr
     return warm, fresh
-
-
-def test_the_sweep_is_one_batch():
-    assert [len(group) for group in batch.batches(compose.expand(SWEEP))] == [6]
-    assert [
-        len(group) for group in batch.batches(compose.expand([*SWEEP, "launch.reuse_workers=false"]))
-    ] == [1] * 6
 
 
 def test_warm_workers_measure_what_fresh_jobs_measure(warm_and_fresh):
