@@ -389,7 +389,7 @@ SWEEP = ["sweep", "kind=validate", "layers=1,2"]
 def machines(workdir, monkeypatch):
     """`on(name)` makes this process a machine of that CPU; every job it launches is recorded OK at once
     (what the job saw: this machine). Returns on and the list of (machine, layers) launched."""
-    from tpbench import launch, machine
+    from tpbench import batch, launch, machine
     from tpbench.results import Environment, Outcome, RankResult, Status
 
     launched = []
@@ -404,6 +404,7 @@ def machines(workdir, monkeypatch):
         return Outcome(Status.OK, now, now, env, [result])
 
     monkeypatch.setattr(launch, "run_job", run_job)
+    monkeypatch.setattr(batch, "batch_key", lambda cfg: None)  # every run a job of its own: run_job's
 
     def on(name: str) -> None:
         monkeypatch.setattr(machine, "here", lambda cfg: (name, 2))

@@ -11,7 +11,8 @@ The code is in layers, and a module imports only from its own layer or from the 
     experiments, faults                   what each rank runs (validate, memory, throughput)
     compose                               configs from conf/: composed, expanded, checked
     fit, diagram                          made from checked configs: a search, a drawing
-    launch, worker, db                    one run: a torchrun job and its workers; the results database
+    launch, worker, batch, db             one run: a torchrun job and its workers; consecutive runs in
+                                          one job on warm workers; the results database
     sweep, slurm                          many runs: what is left to run, each run recorded; Slurm jobs
     report                                tables and charts from the database
     cli, __main__                         the command line: parsing and printing
@@ -28,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("experiments", "faults"),
     ("compose",),
     ("fit", "diagram"),
-    ("launch", "worker", "db"),
+    ("launch", "worker", "batch", "db"),
     ("sweep", "slurm"),
     ("report",),
     ("cli", "__main__"),

@@ -163,6 +163,9 @@ class LaunchConfig:
     job_timeout_s: float = 3600.0  # a worker running longer is stopped and the run recorded TIMEOUT
     memory_cap_mb: int = 0  # per worker, 0: none; CPU: RLIMIT_AS, CUDA: a memory fraction of the GPU
     max_result_mb: float = 64.0  # a rank result file larger than this is refused, the run FAILED
+    # Consecutive runs of a sweep that fit one torchrun job run in it, its workers warm from one run to
+    # the next (tpbench.batch says which fit); false: a fresh torchrun job for every run
+    reuse_workers: bool = True
     # One process stands in for one rank of the tp x dp job, on torch's fake process group (see
     # tpbench.emulation): none | real (real tensors on this machine's device) | fake (FakeTensorMode)
     emulate: str = "none"
@@ -298,6 +301,7 @@ _UNHASHED_LAUNCH = (
     "collective_timeout_s",
     "job_timeout_s",
     "max_result_mb",
+    "reuse_workers",
 )
 
 

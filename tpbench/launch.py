@@ -16,6 +16,7 @@ code: a rank killed by a signal leaves no error file, and its peers fail after i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -81,26 +82,52 @@ class JobFailed(Exception):
 
 def run_job(cfg: RunConfig, on_progress: Callable[[str], None] = lambda line: None) -> Outcome:
     """Run `cfg` as a torchrun job on this node and wait for it; a failed job is an Outcome, not an error."""
-    job = Path(tempfile.mkdtemp(prefix="tpbench-job-"))
-    (job / "pids").mkdir()
-    save_run_config(cfg, job / "config.yaml")
-    env, started = probe(cfg), _now()
+    job = new_job(cfg)
+    env, started = probe(cfg), now()
     try:
         _launch(cfg, job, on_progress)
-        results = _read_results(cfg, job / "results")
-        status, error, rank = Status.OK, "", None
-        failed = [(r.rank, check) for r in results for check in r.failed]
-        if failed:  # the job ran, and what it measured says the run is wrong: kept, and FAILED
-            status, rank = Status.FAILED, failed[0][0]
-            error = f"{cfg.kind} out of bounds: " + "; ".join(check for _, check in failed)
+        status, error, rank, results = judged(cfg, job)
     except JobFailed as e:
         status, error, rank, results = e.status, e.message, e.rank, []
     finally:
         _reap(job)
-    env.device_name = machine.ranks_device_name(job) or env.device_name
     ran_rank0 = int(cfg.launch.nnodes) == 1 or (job / "pids" / "rank0.pid").exists()
+    return outcome(cfg, job, env, started, (status, error, rank, results), ran_rank0)
+
+
+def new_job(cfg: RunConfig) -> Path:
+    """A fresh job folder (under TMPDIR) holding the resolved config, and a folder for the pid files."""
+    job = Path(tempfile.mkdtemp(prefix="tpbench-job-"))
+    (job / "pids").mkdir()
+    save_run_config(cfg, job / "config.yaml")
+    return job
+
+
+def judged(cfg: RunConfig, job: Path) -> tuple[Status, str, int | None, list[RankResult]]:
+    """A job that ran to its end, judged by what its ranks wrote: status, error, failing rank and the
+    results. Raises JobFailed for a result missing, too big or unreadable."""
+    results = _read_results(cfg, job / "results")
+    failed = [(r.rank, check) for r in results for check in r.failed]
+    if failed:  # the job ran, and what it measured says the run is wrong: kept, and FAILED
+        error = f"{cfg.kind} out of bounds: " + "; ".join(check for _, check in failed)
+        return Status.FAILED, error, failed[0][0], results
+    return Status.OK, "", None, results
+
+
+def outcome(
+    cfg: RunConfig,
+    job: Path,
+    env: Environment,
+    started: datetime,
+    ended: tuple[Status, str, int | None, list[RankResult]],
+    ran_rank0: bool = True,
+) -> Outcome:
+    """The Outcome of the run of job folder `job`: `ended` is its status, error, failing rank and
+    results; the device name is the one its ranks saw, if they said."""
+    status, error, rank, results = ended
+    env = dataclasses.replace(env, device_name=machine.ranks_device_name(job) or env.device_name)
     kept = None if status is Status.OK else str(job)
-    return Outcome(status, started, _now(), env, results, error, rank, kept, ran_rank0, job)
+    return Outcome(status, started, now(), env, results, error, rank, kept, ran_rank0, job)
 
 
 def _launch(cfg: RunConfig, job: Path, on_progress: Callable[[str], None]) -> None:
@@ -108,22 +135,29 @@ def _launch(cfg: RunConfig, job: Path, on_progress: Callable[[str], None]) -> No
     handlers = {sig: signal.getsignal(sig) for sig in AGENT_SIGNALS}
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # until the agent takes over: as Ctrl-C
     try:
-        with _agent_log(job / "launcher.log"), _Tail(job / "logs", on_progress):
-            elastic_launch(_launch_config(cfg, job), sys.executable)("-m", "tpbench.worker", str(job))
-    except ChildFailedError as e:
-        raise _first_failure(e.failures, cfg, job) from None
-    except SignalException as e:
-        raise JobFailed(Status.INTERRUPTED, f"interrupted by {e.sigval.name}") from None
-    except KeyboardInterrupt:
-        raise JobFailed(Status.INTERRUPTED, "interrupted by SIGINT") from None
-    except Exception as e:  # the rendezvous or the agent failed: no worker ran to the end
-        raise JobFailed(Status.FAILED, f"launch failed: {type(e).__name__}: {e}") from None
+        with agent_log(job / "launcher.log"), Tail(job / "logs", on_progress):
+            elastic_launch(launch_config(cfg, job), sys.executable)("-m", "tpbench.worker", str(job))
+    except BaseException as e:
+        raise failure_of(e, cfg, job) from None
     finally:
         for sig, handler in handlers.items():  # the agent leaves its own handlers installed
             signal.signal(sig, handler)
 
 
-def _launch_config(cfg: RunConfig, job: Path) -> LaunchConfig:
+def failure_of(e: BaseException, cfg: RunConfig, job: Path) -> JobFailed:
+    """What an exception out of `elastic_launch` says of the run of `cfg` (job folder `job`: its logs)."""
+    if isinstance(e, ChildFailedError):
+        return _first_failure(e.failures, cfg, job)
+    if isinstance(e, SignalException):
+        return JobFailed(Status.INTERRUPTED, f"interrupted by {e.sigval.name}")
+    if isinstance(e, KeyboardInterrupt):
+        return JobFailed(Status.INTERRUPTED, "interrupted by SIGINT")
+    if isinstance(e, Exception):  # the rendezvous or the agent failed: no worker ran to the end
+        return JobFailed(Status.FAILED, f"launch failed: {type(e).__name__}: {e}")
+    raise e
+
+
+def launch_config(cfg: RunConfig, job: Path) -> LaunchConfig:
     launch, nnodes = cfg.launch, int(cfg.launch.nnodes)
     rdzv_configs: dict[str, object] = {"rank": launch.node_rank} if launch.rdzv_backend == "static" else {}
     return LaunchConfig(
@@ -224,7 +258,7 @@ def _reap(job: Path) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-class _Tail:
+class Tail:
     """Calls on_progress with the last line of rank 0's stdout, twice a second, while a job runs."""
 
     def __init__(self, logs: Path, on_progress: Callable[[str], None]):
@@ -232,7 +266,7 @@ class _Tail:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._follow, daemon=True)
 
-    def __enter__(self) -> _Tail:
+    def __enter__(self) -> Tail:
         self.thread.start()
         return self
 
@@ -256,7 +290,7 @@ def _last_line(path: Path, tail_bytes: int = 4096) -> str:
 
 
 @contextmanager
-def _agent_log(path: Path) -> Iterator[None]:
+def agent_log(path: Path) -> Iterator[None]:
     """Torch elastic's own log lines go to the job folder, not to the user's terminal."""
     logger = logging.getLogger("torch.distributed")
     handler = logging.FileHandler(path)
@@ -270,7 +304,7 @@ def _agent_log(path: Path) -> Iterator[None]:
         handler.close()
 
 
-def _now() -> datetime:
+def now() -> datetime:
     return datetime.now(UTC).replace(tzinfo=None)  # stored as naive UTC
 
 

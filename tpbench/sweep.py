@@ -3,8 +3,9 @@
 `configs` composes and checks the runs (tpbench.compose), then where their results go: the database
 URL (tpbench.db) and, for launcher=slurm, whether this machine can submit (tpbench.slurm).
 `databases` opens each run's database, `split_done` sets aside what a sweep skips (an OK run of the
-config on this node's hardware), and `run_each` launches the rest one by one (tpbench.launch),
-recording each as it ends and stopping at an interrupt. Under launcher=slurm,
+config on this node's hardware), and `run_each` launches the rest one by one (tpbench.launch), or
+consecutive ones that fit one torchrun job on its warm workers (tpbench.batch), recording each as it
+ends and stopping at an interrupt. Under launcher=slurm,
 `tpbench.slurm.submit_and_follow` runs them as Slurm jobs instead. Nothing here prints or exits:
 progress goes to callbacks and a line for the user to `say`; bad input is a ConfigError.
 """
@@ -16,10 +17,11 @@ from dataclasses import dataclass
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from tpbench import compose, launch, machine
+from tpbench import batch, compose, launch, machine
 from tpbench.config import RunConfig, config_hash, hide_password, run_label
 from tpbench.db import ResultsDB, url_refused
 from tpbench.parallel.checks import ConfigError
+from tpbench.results import Outcome
 from tpbench.slurm import check_slurm
 
 
@@ -94,23 +96,39 @@ def run_each(
     say: Callable[[str], None],
 ) -> Iterator[Ran]:
     """Launch and record each config in turn, yielding each as it ends; an interrupted run is the last.
+    Consecutive configs that fit one torchrun job run in one (tpbench.batch), each recorded as it ends.
     `on_start(cfg)` is called as a run starts and returns what takes its progress lines."""
-    for cfg in configs:
-        ran = run_one(cfg, dbs[cfg.db.url], on_start(cfg), say)
-        yield ran
-        if ran.status == "INTERRUPTED":
-            return
+    for group in batch.batches(configs):
+        for cfg, outcome in _outcomes(group, on_start):
+            ran = (
+                Ran(None, cfg, "INTERRUPTED")
+                if outcome is None
+                else record(cfg, dbs[cfg.db.url], outcome, say)
+            )
+            yield ran
+            if ran.status == "INTERRUPTED":
+                return
 
 
-def run_one(
-    cfg: RunConfig, db: ResultsDB, on_progress: Callable[[str], None], say: Callable[[str], None]
-) -> Ran:
-    """Launch one config and record it. The run id is None on a node other than the one of rank 0 in a
-    multi-node job, which leaves recording to that node, and when the database refused the record."""
+def _outcomes(
+    group: list[RunConfig], on_start: Callable[[RunConfig], Callable[[str], None]]
+) -> Iterator[tuple[RunConfig, Outcome | None]]:
+    """Each run of a batch as it ends; a batch of one in a job of its own (None: interrupted before
+    its agent started or after its job ended, nothing to record)."""
+    if len(group) > 1:
+        yield from batch.run_batch(group, on_start)
+        return
+    (cfg,) = group
     try:
-        outcome = launch.run_job(cfg, on_progress)
-    except KeyboardInterrupt:  # before the agent started or after the job ended: nothing ran to record
-        return Ran(None, cfg, "INTERRUPTED")
+        outcome = launch.run_job(cfg, on_start(cfg))
+    except KeyboardInterrupt:
+        outcome = None
+    yield cfg, outcome
+
+
+def record(cfg: RunConfig, db: ResultsDB, outcome: Outcome, say: Callable[[str], None]) -> Ran:
+    """Record one run's Outcome. The run id is None on a node other than the one of rank 0 in a
+    multi-node job, which leaves recording to that node, and when the database refused the record."""
     if not outcome.ran_rank0:
         say(f"{run_label(cfg)}: {outcome.status}; the node that ran rank 0 records it")
         outcome.release()

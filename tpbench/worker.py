@@ -1,13 +1,22 @@
-"""One rank of a tpbench job: `python -m tpbench.worker JOB_DIR`, started by the launcher's agent.
+"""One rank of a tpbench job, started by the launcher's agent: `python -m tpbench.worker JOB_DIR` runs
+one run, `python -m tpbench.worker --batch BATCH_DIR` the runs of a batch (tpbench.batch) one after the
+other, in this one process.
 
-Reads the resolved config from JOB_DIR/config.yaml (never from argv), joins the process group, runs the
-experiment and hands its RankResult to rank 0, which writes every rank's result to JOB_DIR/results/
-(so a multi-node job ends with all results on the node of rank 0). An exception reaches the launcher
-through torch elastic's error file (`@record`).
+Reads each run's resolved config from its job folder's config.yaml (never from argv), joins the process
+group, runs the experiment and hands its RankResult to rank 0, which writes every rank's result to the
+job folder's results/ (so a multi-node job ends with all results on the node of rank 0). An exception
+reaches the launcher through torch elastic's error file (`@record`).
+
+A batch's worker runs each run as a fresh worker would: its own process group (on a store prefix of its
+own, the keys of the run before untouched), its own job timeout, its stdout and stderr in the run's own
+log files, the global RNG as a fresh process has it, the cycle collector's leftovers collected; rank 0
+marks the run done (JOB_DIR/done) once every rank's result is written, and no rank starts the next run
+before that.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import math
@@ -15,6 +24,7 @@ import os
 import resource
 import signal
 import sys
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,6 +38,8 @@ from tpbench.experiments import experiment
 from tpbench.results import RankResult
 
 PR_SET_PDEATHSIG = 1
+DONE = "done"  # in a batch, rank 0 writes it into the job folder once the run's results are all there
+BATCH_LOGS = "logs/batch/attempt_0"  # a batched run's per-rank logs, laid out as torch elastic's
 
 
 @record
@@ -38,28 +50,31 @@ def main(job_dir: Path) -> None:
     signal.alarm(math.ceil(cfg.launch.job_timeout_s))  # SIGALRM ends the process: the run is TIMEOUT
     device = _device(cfg, local_rank)
     machine.write_rank_device(job_dir, rank, machine.rank_device_name(cfg, device))
-    if emulation.emulated(cfg):  # this one process is rank r of the whole job, on the fake backend
-        emulation.init_process_group(cfg)
-    else:
-        dist.init_process_group(
-            cfg.launch.backend,
-            timeout=timedelta(seconds=cfg.launch.collective_timeout_s),
-            device_id=device if device.type == "cuda" else None,
-        )
+    _init_group(cfg, device)
     _cap_memory(cfg, device)
-    faults.before_experiment(cfg, rank, device)
-    run = experiment(cfg.kind)
-    # what the imports made lives as long as the process: moved out of the cycle collector's way, a
-    # collection (memory.run's before its measured steps) scans only what the run made, in ms not 0.2 s
-    gc.freeze()
-    result = run(cfg)
-    faults.after_experiment(cfg, result)
-    if emulation.emulated(cfg):
-        (job_dir / "results").mkdir(exist_ok=True)
-        result.save(job_dir / "results")
-    else:
-        _hand_in(result, job_dir / "results")
-    dist.destroy_process_group()
+    _run(cfg, job_dir, rank, device)
+
+
+@record
+def main_batch(batch_dir: Path) -> None:
+    """Each job folder listed in BATCH_DIR/jobs, in order: runs the launcher found compatible
+    (tpbench.batch.batch_key), so that one process setup fits them all."""
+    jobs = [Path(line) for line in (batch_dir / "jobs").read_text().splitlines()]
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    fresh_rng = torch.get_rng_state()
+    device = None
+    for index, job_dir in enumerate(jobs):
+        cfg = load_run_config(str(job_dir / "config.yaml"))
+        with _logs_in(job_dir, local_rank):
+            _register(job_dir, rank)
+            signal.alarm(math.ceil(cfg.launch.job_timeout_s))
+            device = device or _device(cfg, local_rank)
+            machine.write_rank_device(job_dir, rank, machine.rank_device_name(cfg, device))
+            torch.set_rng_state(fresh_rng)
+            gc.collect()  # what the run before left in cycles: gone, as in a fresh process
+            _init_group(cfg, device, store_prefix=f"tpbench-run-{index}")
+            _run(cfg, job_dir, rank, device, done=job_dir / DONE)
+            signal.alarm(0)
 
 
 def _register(job_dir: Path, rank: int) -> None:
@@ -78,6 +93,45 @@ def _device(cfg: RunConfig, local_rank: int) -> torch.device:
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores between the ranks of this node
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     return torch.device("cpu")
+
+
+def _init_group(cfg: RunConfig, device: torch.device, store_prefix: str = "") -> None:
+    """Join the run's process group: the fake backend for an emulated rank; else launch.backend on
+    torchrun's store, under `store_prefix` if given (a batch's runs each have their own)."""
+    if emulation.emulated(cfg):  # this one process is rank r of the whole job, on the fake backend
+        emulation.init_process_group(cfg)
+        return
+    timeout = timedelta(seconds=cfg.launch.collective_timeout_s)
+    store = {}
+    if store_prefix:
+        base, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        store = {"store": dist.PrefixStore(store_prefix, base), "rank": rank, "world_size": world}
+    dist.init_process_group(
+        cfg.launch.backend, timeout=timeout, device_id=device if device.type == "cuda" else None, **store
+    )
+
+
+def _run(cfg: RunConfig, job_dir: Path, rank: int, device: torch.device, done: Path | None = None) -> None:
+    """The experiment on this rank, its results handed in, the process group left; `done`: the
+    file rank 0 writes once every rank's result is in, which every rank waits for."""
+    faults.before_experiment(cfg, rank, device)
+    run = experiment(cfg.kind)
+    # what the imports made lives as long as the process: moved out of the cycle collector's way, a
+    # collection (memory.run's before its measured steps) scans only what the run made, in ms not 0.2 s
+    gc.freeze()
+    result = run(cfg)
+    faults.after_experiment(cfg, result)
+    if emulation.emulated(cfg):
+        (job_dir / "results").mkdir(exist_ok=True)
+        result.save(job_dir / "results")
+    else:
+        _hand_in(result, job_dir / "results")
+    del result
+    if done is not None:
+        if rank == 0:
+            done.touch()
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def _cap_memory(cfg: RunConfig, device: torch.device) -> None:
@@ -101,5 +155,28 @@ def _hand_in(result: RankResult, folder: Path) -> None:
             rank_result.save(folder)
 
 
+@contextlib.contextmanager
+def _logs_in(job_dir: Path, local_rank: int) -> Iterator[None]:
+    """This process's stdout and stderr (the file descriptors: C++'s lines too) in the run's own log
+    files while it runs, where its failure's "logs:" points; a failure's traceback too (@record prints
+    it on the way out)."""
+    folder = job_dir / BATCH_LOGS / str(local_rank)
+    folder.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush(), sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    for fd, name in ((1, "stdout.log"), (2, "stderr.log")):
+        log = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, fd)
+        os.close(log)
+    yield
+    sys.stdout.flush(), sys.stderr.flush()
+    for fd, copy in saved.items():
+        os.dup2(copy, fd)
+        os.close(copy)
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    if sys.argv[1] == "--batch":
+        main_batch(Path(sys.argv[2]))
+    else:
+        main(Path(sys.argv[1]))
