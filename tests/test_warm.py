@@ -13,10 +13,12 @@ import yaml
 from beside import beside
 from conftest import Workdir
 
-# several modes, each kind; memory runs after the others, on the workers they ran on
+# two modes, validate then memory: each memory run on workers that ran other runs before it (throughput
+# stores timings, and its byte figures, the collectives, are validate's too: left out, four fresh jobs
+# cost 40 s)
 SWEEP = [
     "mode=tp_sp,tp_vp",
-    "kind=throughput,validate,memory",
+    "kind=validate,memory",
     "validate.steps=2",
     "validate.every=1",
     "train.steps=2",
@@ -61,7 +63,7 @@ def test_warm_workers_measure_what_fresh_jobs_measure(warm_and_fresh):
     warm, fresh = warm_and_fresh
     # one job: each run starts as the one before it ends; fresh jobs start seconds later
     warm_runs, fresh_runs = timeline(warm), timeline(fresh)
-    assert [status for status, _, _ in warm_runs] == ["OK"] * 6
+    assert [status for status, _, _ in warm_runs] == ["OK"] * 4
     assert all(before[2] == after[1] for before, after in zip(warm_runs, warm_runs[1:], strict=False))
     assert not any(before[2] == after[1] for before, after in zip(fresh_runs, fresh_runs[1:], strict=False))
     warm_figures, fresh_figures = figures(warm), figures(fresh)
