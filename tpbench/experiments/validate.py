@@ -35,6 +35,7 @@ from rich.table import Table
 
 from tpbench import theory
 from tpbench.config import RunConfig, mode_label
+from tpbench.experiments.progress import StepProgress
 from tpbench.experiments.setup import (
     Batches,
     build_dense,
@@ -275,6 +276,7 @@ def _adamw(
     device = batches.device
     eval_ids, _ = batches.next_global()
     drift = []
+    progress = StepProgress("validate", v.steps)
     for step in range(1, v.steps + 1):
         ids, labels = batches.next_global()
         for opt in (opt_p, *dense_opts):
@@ -294,6 +296,7 @@ def _adamw(
                 full = pm.full_logits(pm(batches.local_slice(eval_ids))[0])
                 ref = batches.local_slice(dense(eval_ids)[0])
             drift.append((step, _max_over_ranks(_max_abs(full, ref))))
+        progress.step()
     return drift
 
 
