@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from tpbench import machine, theory
+from tpbench import emulation, machine, theory
 from tpbench.config import RunConfig, local_world_size, run_label
 from tpbench.experiments.memory import steady_after
 from tpbench.experiments.setup import DTYPES
@@ -130,8 +130,8 @@ def executed_flops(cfg: RunConfig) -> dict[str, float]:
 
 def worker_threads(cfg: RunConfig) -> int | None:
     """The CPU threads a worker of the run computes with (tpbench.worker): OMP_NUM_THREADS where it
-    is set, else the node's cores shared by its ranks; None for a real GPU."""
-    if cfg.launch.device == "cuda" and cfg.launch.emulate == "none":
+    is set, else the node's cores shared by its ranks; None for a GPU (not one emulated on the CPU)."""
+    if cfg.launch.device == "cuda" and not emulation.gpu_emulated(cfg):
         return None
     given = os.environ.get("OMP_NUM_THREADS", "")
     if given.isdecimal() and int(given) > 0:
@@ -230,7 +230,7 @@ def _key(dtype: str, cfg: RunConfig, threads: int | None) -> dict[str, object]:
 
 
 def _device_name(cfg: RunConfig) -> str:
-    if cfg.launch.device == "cuda" and cfg.launch.emulate == "none":
+    if cfg.launch.device == "cuda" and not emulation.gpu_emulated(cfg):
         return torch.cuda.get_device_name(0)
     return machine.cpu_name()
 

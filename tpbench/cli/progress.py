@@ -73,12 +73,20 @@ def say_estimates(configs: Sequence[RunConfig], sweep: bool) -> list[float]:
 class RunsProgress:
     """The progress of the runs of one command, as `run_each` reports them (on_start, ended)."""
 
-    def __init__(self, estimates: Sequence[float], quiet: bool, sweep: bool, skipped: int = 0):
+    def __init__(
+        self,
+        estimates: Sequence[float],
+        quiet: bool,
+        sweep: bool,
+        skipped: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.estimates, self.quiet, self.sweep, self.skipped = list(estimates), quiet, sweep, skipped
+        self.clock = clock
         self.live = not quiet and err.is_terminal
         self.counts = {"OK": 0, "failed": 0}
         self.took: list[float] = []  # seconds of each finished run
-        self.started = self.run_started = time.monotonic()
+        self.started = self.run_started = clock()
         self.label = ""
         self.said = 0.0
         self.lock = threading.Lock()  # progress lines come from the launcher's tail thread
@@ -97,10 +105,10 @@ class RunsProgress:
         if self.bar is not None:
             self.bar.stop()
         elif self.sweep and not self.quiet:
-            one_line(f"sweep: {self._counts()} · {_clock(time.monotonic() - self.started)} elapsed")
+            one_line(f"sweep: {self._counts()} · {_clock(self.clock() - self.started)} elapsed")
 
     def on_start(self, cfg: RunConfig) -> Callable[[str], None]:
-        self.label, self.run_started, self.said = run_label(cfg), time.monotonic(), 0.0
+        self.label, self.run_started, self.said = run_label(cfg), self.clock(), 0.0
         if self.status is not None:
             self.status.update(escape(f"{self.label}: starting"))
             self.status.start()
@@ -109,7 +117,7 @@ class RunsProgress:
         return self._line
 
     def ended(self, ran: Ran) -> None:
-        took = time.monotonic() - self.run_started
+        took = self.clock() - self.run_started
         self.took.append(took)
         self.counts["OK" if ran.status == "OK" else "failed"] += 1
         if self.status is not None:
@@ -129,7 +137,7 @@ class RunsProgress:
         done = len(self.took)
         if done >= len(self.estimates):
             return 0.0
-        current = max(0.0, self.estimates[done] - (time.monotonic() - self.run_started))
+        current = max(0.0, self.estimates[done] - (self.clock() - self.run_started))
         scale = sum(self.took) / sum(self.estimates[:done]) if done else 1.0
         return scale * (current + sum(self.estimates[done + 1 :]))
 
@@ -139,8 +147,8 @@ class RunsProgress:
                 self.status.update(escape(f"{self.label}: {line}"))
             elif self.bar is not None:
                 self.bar.update(self.task, description=escape(f"{self.label}: {line}"))
-            elif not self.quiet and (not self.said or time.monotonic() - self.said >= PLAIN_EVERY_S):
-                self.said = time.monotonic()
+            elif not self.quiet and (not self.said or self.clock() - self.said >= PLAIN_EVERY_S):
+                self.said = self.clock()
                 where = f"[{self._counts()} · ~{_clock(self.remaining())} left] " if self.sweep else ""
                 one_line(f"{where}{self.label}: {line}")
 
