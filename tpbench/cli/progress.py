@@ -11,6 +11,7 @@ scaled by how the finished runs compared with theirs.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -67,6 +68,12 @@ def say_estimates(configs: Sequence[RunConfig], sweep: bool) -> list[float]:
             slow.setdefault(dtype, estimate.slow_kernel_line(dtype, e.cfg, e.threads))
     for line in filter(None, slow.values()):
         one_line(line)
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if estimates and load > cores:
+        one_line(
+            f"this machine's load is {load:.1f} on {cores} cores: the runs will take longer than "
+            "estimated (the estimates are for a machine the run has to itself)"
+        )
     return [e.seconds for e in estimates]
 
 
