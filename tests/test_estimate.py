@@ -79,6 +79,7 @@ def test_the_rate_is_measured_once_then_read_from_the_cache(cache, monkeypatch):
         {"torch": "1.0.0"},  # another torch
         {"device_name": "AMD EPYC 9B14"},  # another CPU (a home folder shared between machines)
         {"threads": 2},
+        {"probe": "matmul, wall clock"},  # measured as an older tpbench did
     ],
 )
 def test_a_corrupt_or_foreign_entry_is_measured_again(cache, monkeypatch, stored):

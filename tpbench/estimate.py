@@ -42,7 +42,8 @@ from tpbench.config import RunConfig, local_world_size, run_label
 from tpbench.experiments.memory import steady_after
 from tpbench.experiments.setup import DTYPES
 
-PROBE_BUDGET_S = 0.5  # the most one rate's measurement may cost
+PROBE = "matmul, CPU time"  # how a rate is measured: a figure measured otherwise is measured again
+PROBE_BUDGET_S = 0.5  # the most one rate's measurement may cost (CPU time on the CPU)
 PROBE_SIZES = (128, 256, 512, 1024, 2048)  # square matmuls, the largest timed within the budget
 STEADY_S = 0.05  # one matmul this long is a steady figure: no larger size is timed
 # torchrun's start, a worker's imports of torch and tpbench, the process group and the results: a
@@ -227,6 +228,7 @@ def _key(dtype: str, cfg: RunConfig, threads: int | None) -> dict[str, object]:
     """What a measured rate is valid for."""
     device = "cuda" if threads is None else "cpu"
     return {
+        "probe": PROBE,
         "device": device,
         "device_name": _device_name(cfg),
         "torch": torch.__version__,
