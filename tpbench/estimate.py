@@ -11,8 +11,9 @@ imports). The FLOPs are the analytic model's (tpbench.theory), counted for what 
   throughput  train.warmup + 2 (the counted and the FLOP-counted step) + train.steps steps
 
 A rank's share of a step is its matmuls at its local sizes (heads and MLP columns divided by tp, the
-LM head too under VP, its DP slice of the batch), plus what full recompute adds. `launch.emulate=fake`
-runs no arithmetic: the launch alone.
+LM head too under VP, its DP slice of the batch), plus what full recompute adds; the rest of a step
+(norms, softmax, SwiGLU, AdamW) is STEP_OVERHEAD on top, as measured. `launch.emulate=fake` runs no
+arithmetic: the launch alone.
 
 The rate (`rate`) is timed on a square matmul in the setting a worker of the run gets (on the CPU its
 threads: the cores shared by the ranks of the node, or OMP_NUM_THREADS), measured once per device
@@ -20,9 +21,10 @@ name, torch version, thread count and dtype within PROBE_BUDGET_S, and cached in
 $TPBENCH_CACHE_DIR/rates.json (default ~/.cache/tpbench). An entry that does not parse or does not
 match is measured again, never trusted.
 
-Where it holds: models whose matmuls dominate the step (H >= 256 or so, fp32 or bf16). The tiny model's
-steps are mostly elementwise ops, optimizer and Python, which FLOPs do not count: its estimate is the
-launch's cost and a lower bound on the rest (docs/usage.md, "Estimates and progress", has the figures).
+Where it holds: a machine the run has to itself, and models whose matmuls dominate the step (H >= 256
+or so, fp32 or bf16: within ~25% of the compute measured, docs/usage.md, "Estimates and progress"). The
+tiny model's steps are mostly Python and small ops, which FLOPs do not count: its estimate is the
+launch's cost, and its compute a lower bound.
 """
 
 from __future__ import annotations
@@ -46,9 +48,15 @@ PROBE = "matmul, CPU time"  # how a rate is measured: a figure measured otherwis
 PROBE_BUDGET_S = 0.5  # the most one rate's measurement may cost (CPU time on the CPU)
 PROBE_SIZES = (128, 256, 512, 1024, 2048)  # square matmuls, the largest timed within the budget
 STEADY_S = 0.05  # one matmul this long is a steady figure: no larger size is timed
-# torchrun's start, a worker's imports of torch and tpbench, the process group and the results: a
-# tiny run on 2 cores (a 2-core Intel Xeon, OMP_NUM_THREADS=1) took 7.5-8.5 s in all
-LAUNCH_S = 7.0
+# torchrun's start, a worker's imports of torch and tpbench, the process group and the results: the
+# tiny validate run (0.03 s of matmuls) cost 12.9 s of CPU time on the 2-core Intel Xeon, the command
+# (compose, agent, database: ~4 s) and two workers side by side (~4.5 s each): ~8 s of an idle machine
+LAUNCH_S = 8.0
+# A training step's time over its matmuls' at the probe's rate: the rest of a step (attention's
+# softmax, norms, SwiGLU, the loss, AdamW) and matmul shapes less efficient than the square probe.
+# Measured here, one CPU thread, a dense step of the seed's shape (H 768, L 2, S 256-512, B 2) and of
+# MiniMind's: fp32 1.7-2.0, bf16 1.16; 1.6 keeps both within 25%.
+STEP_OVERHEAD = 1.6
 LONG_RUN_S = 60.0  # above this, a run gets a "long run" line
 # A 16-bit kernel, where there is one, is at least as fast as fp32's (half the bytes; AVX512-BF16 and
 # AMX or tensor cores many times faster): below half of fp32's rate the dtype is emulated.
@@ -68,7 +76,7 @@ class Estimate:
 
     @property
     def compute_s(self) -> float:
-        return sum(f / self.rates[dtype] for dtype, f in self.flops.items())
+        return STEP_OVERHEAD * sum(f / self.rates[dtype] for dtype, f in self.flops.items())
 
     @property
     def seconds(self) -> float:
@@ -86,7 +94,8 @@ class Estimate:
         work = " + ".join(parts) if parts else "no arithmetic (fake tensors)"
         return (
             f"estimate: {run_label(self.cfg)} {self.cfg.train.dtype}: ~{duration(self.seconds)} "
-            f"({work} on the busiest rank, {where}; + {LAUNCH_S:g} s to launch)"
+            f"({work} on the busiest rank, {where}, x {STEP_OVERHEAD:g} for the rest of a step; "
+            f"+ {LAUNCH_S:g} s to launch)"
         )
 
 
