@@ -222,6 +222,9 @@ def test_plain_progress_is_a_line_every_few_seconds_and_one_per_run_end(capsys):
         say("memory step 2/7 · 0.2 s elapsed · ~0.5 s left")  # within PLAIN_EVERY_S: not said
         now[0] += progress.PLAIN_EVERY_S
         say("memory step 7/7 · 0.7 s elapsed · ~0.0 s left")  # 14 s into a run estimated at 10 s
+        now[0] += progress.PLAIN_EVERY_S
+        say("memory step 7/7 · 0.7 s elapsed · ~0.0 s left")  # the same line: not again so soon
+        now[0] -= progress.PLAIN_EVERY_S
         now[0] += 6
         runs.ended(Ran(1, configs[0], "OK"))  # the first run took 20 s: twice its estimate
         runs.on_start(configs[1])

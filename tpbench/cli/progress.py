@@ -4,9 +4,9 @@ and remaining.
 
 On a terminal the progress is live (rich: a status line for `run`, a progress bar for `sweep`). Where
 stderr is not a terminal (a CI log, a pipe) it is plain lines instead: a run's progress at most every
-PLAIN_EVERY_S seconds, and a line at each run's end when there are several, so a long run in a log is
-never silent. Under --json nothing is said at all. A sweep's remaining time is its runs' estimates,
-scaled by how the finished runs compared with theirs.
+PLAIN_EVERY_S seconds (the same line again every SAME_EVERY_S), and a line at each run's end when
+there are several, so a long run in a log is never silent. Under --json nothing is said at all. A
+sweep's remaining time is its runs' estimates, scaled by how the finished runs compared with theirs.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from tpbench.sweep import Ran
 
 PLAIN_EVERY_S = 10.0
+SAME_EVERY_S = 60.0  # a step that lasts: its line again, so that a log is never silent for long
 
 
 def say_estimates(configs: Sequence[RunConfig], sweep: bool) -> list[float]:
@@ -94,7 +95,7 @@ class RunsProgress:
         self.counts = {"OK": 0, "failed": 0}
         self.took: list[float] = []  # seconds of each finished run
         self.started = self.run_started = clock()
-        self.label = ""
+        self.label = self.last = ""
         self.said = 0.0
         self.lock = threading.Lock()  # progress lines come from the launcher's tail thread
         self.status = err.status("") if self.live and not sweep else None
@@ -154,10 +155,15 @@ class RunsProgress:
                 self.status.update(escape(f"{self.label}: {line}"))
             elif self.bar is not None:
                 self.bar.update(self.task, description=escape(f"{self.label}: {line}"))
-            elif not self.quiet and (not self.said or self.clock() - self.said >= PLAIN_EVERY_S):
-                self.said = self.clock()
+            elif not self.quiet and self._due(line):
+                self.said, self.last = self.clock(), line
                 where = f"[{self._counts()} · ~{_clock(self.remaining())} left] " if self.sweep else ""
                 one_line(f"{where}{self.label}: {line}")
+
+    def _due(self, line: str) -> bool:
+        """A plain line: the run's first, then a new one every PLAIN_EVERY_S, the same every SAME_EVERY_S."""
+        since = self.clock() - self.said
+        return not self.said or since >= (PLAIN_EVERY_S if line != self.last else SAME_EVERY_S)
 
     def _counts(self) -> str:
         ok, failed = self.counts["OK"], self.counts["failed"]
