@@ -189,7 +189,7 @@ def test_no_slow_kernel_line_for_fp32_nor_a_fast_dtype(cache, capsys, rates):
 
 def test_a_sweep_says_its_total_and_its_longest_run(cache, capsys):
     write_rates(cache, config("kind=memory"), {"float32": 1e10})
-    configs = compose.expand(["kind=memory", "layers=2,8"])
+    configs = [vary(config("kind=memory"), "model", num_hidden_layers=L) for L in (2, 8)]
     seconds = progress.say_estimates(configs, sweep=True)
     (line,) = capsys.readouterr().err.splitlines()
     total = estimate.duration(sum(seconds))
@@ -212,7 +212,7 @@ def test_a_busy_machine_is_said_to_make_runs_longer(cache, capsys, monkeypatch):
 
 
 def test_plain_progress_is_a_line_every_few_seconds_and_one_per_run_end(capsys):
-    configs = compose.expand(["kind=memory", "layers=1,2"])
+    configs = [vary(config("kind=memory"), "model", num_hidden_layers=L) for L in (1, 2)]
     now = [100.0]
     runs = progress.RunsProgress([10.0, 30.0], quiet=False, sweep=True, skipped=1, clock=lambda: now[0])
     with runs:
@@ -229,8 +229,8 @@ def test_plain_progress_is_a_line_every_few_seconds_and_one_per_run_end(capsys):
         runs.ended(Ran(1, configs[0], "OK"))  # the first run took 20 s: twice its estimate
         runs.on_start(configs[1])
         assert runs.remaining() == 2 * 30.0  # its estimate, scaled
-        now[0] += 5
-        assert runs.remaining() == 2 * 25.0
+        now[0] += 45  # past its estimate, not past the scaled one
+        assert runs.remaining() == 2 * 30.0 - 45
     lines = capsys.readouterr().err.splitlines()
     assert lines == [
         "[0/2 runs · ok 0 · failed 0 · skipped 1 · ~0:40 left] memory tp tp=2 dp=1 layers=1: "
@@ -238,12 +238,12 @@ def test_plain_progress_is_a_line_every_few_seconds_and_one_per_run_end(capsys):
         "[0/2 runs · ok 0 · failed 0 · skipped 1 · ~0:30 left] memory tp tp=2 dp=1 layers=1: "
         "memory step 7/7 · 0.7 s elapsed · ~0.0 s left",
         "memory tp tp=2 dp=1 layers=1: OK in 20.0 s (estimated ~10 s)",
-        "sweep: 1/2 runs · ok 1 · failed 0 · skipped 1 · 0:25 elapsed",
+        "sweep: 1/2 runs · ok 1 · failed 0 · skipped 1 · 1:05 elapsed",
     ]
 
 
 def test_quiet_progress_says_nothing(capsys):
-    (cfg,) = compose.expand(["kind=memory"])
+    cfg = config("kind=memory")
     with progress.RunsProgress([], quiet=True, sweep=True) as runs:
         runs.on_start(cfg)("memory step 1/7 · 0.1 s elapsed · ~0.6 s left")
         runs.ended(Ran(1, cfg, "OK"))

@@ -140,14 +140,14 @@ class RunsProgress:
             one_line(f"{self.label}: {ran.status} in {took:.1f} s (estimated ~{self.estimates[i]:.0f} s)")
 
     def remaining(self) -> float:
-        """Seconds left: the estimates of the runs to come and of what is left of this one, scaled by
-        the finished runs' time over their estimates."""
+        """Seconds left: the estimates of the runs to come and what is left of this one's, each scaled
+        by the finished runs' time over their estimates."""
         done = len(self.took)
         if done >= len(self.estimates):
             return 0.0
-        current = max(0.0, self.estimates[done] - (self.clock() - self.run_started))
         scale = sum(self.took) / sum(self.estimates[:done]) if done else 1.0
-        return scale * (current + sum(self.estimates[done + 1 :]))
+        current = max(0.0, scale * self.estimates[done] - (self.clock() - self.run_started))
+        return current + scale * sum(self.estimates[done + 1 :])
 
     def _line(self, line: str) -> None:
         with self.lock:
