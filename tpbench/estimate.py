@@ -32,6 +32,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -152,11 +154,12 @@ def worker_threads(cfg: RunConfig) -> int | None:
 def rate(dtype: str, cfg: RunConfig, threads: int | None) -> float:
     """This machine's matmul FLOP/s in `dtype` for a worker of `cfg`: cached, else measured and cached."""
     key = _key(dtype, cfg, threads)
+    device = torch.device(str(key["device"]))
     entries = _read_cache()
     for entry in entries:
         if {k: entry.get(k) for k in key} == key and _valid_rate(entry.get("flops_per_s")):
             return float(entry["flops_per_s"])
-    measured = probe(DTYPES[dtype], torch.device(key["device"]), threads)
+    measured = probe(DTYPES[dtype], device, threads) if device.type == "cpu" else probe_in_child(dtype)
     kept = [e for e in entries if {k: e.get(k) for k in key} != key]
     now = datetime.now(UTC).isoformat(timespec="seconds")
     _write_cache([*kept, {**key, "flops_per_s": measured, "measured_at": now}])
@@ -197,6 +200,17 @@ def probe(dtype: torch.dtype, device: torch.device, threads: int | None) -> floa
         return measured
     finally:
         torch.set_num_threads(saved)
+
+
+def probe_in_child(dtype: str, device: str = "cuda") -> float:
+    """`probe` on `device` in a process of its own: a CUDA context made here would hold GPU 0's memory
+    for as long as the command runs, beside rank 0's."""
+    call = f"estimate.probe(torch.{dtype}, torch.device({device!r}), None)"
+    code = f"import torch; from tpbench import estimate; print({call})"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    return float(done.stdout.split()[-1])
 
 
 def slow_kernel_line(dtype: str, cfg: RunConfig, threads: int | None) -> str | None:
