@@ -51,9 +51,8 @@ PROBE_BUDGET_S = 0.5  # the most one rate's measurement may cost (CPU time on th
 PROBE_SIZES = (128, 256, 512, 1024, 2048)  # square matmuls, the largest timed within the budget
 STEADY_S = 0.05  # one matmul this long is a steady figure: no larger size is timed
 # torchrun's start, a worker's imports of torch and tpbench, the process group and the results: the
-# tiny validate run (0.03 s of matmuls) cost 12.9 s of CPU time on the 2-core Intel Xeon, the command
-# (compose, agent, database: ~4 s) and two workers side by side (~4.5 s each): ~8 s of an idle machine
-LAUNCH_S = 8.0
+# tiny validate run (0.03 s of matmuls) took 12.1 s on the idle 2-core Intel Xeon, 0.5 s of it its steps
+LAUNCH_S = 11.0
 # A training step's time over its matmuls' at the probe's rate: the rest of a step (attention's
 # softmax, norms, SwiGLU, the loss, AdamW) and matmul shapes less efficient than the square probe.
 # Measured here, one CPU thread, a dense step of the seed's shape (H 768, L 2, S 256-512, B 2) and of
