@@ -49,6 +49,7 @@ def swept(tmp_path_factory) -> tuple[Workdir, object, list[dict]]:
 def test_sweep_records_every_run(swept):
     work, done, printed = swept
     assert done.returncode == 0, done.stderr
+    assert "estimate" not in done.stderr and "sweep:" not in done.stderr  # --json: no progress
     rows = work.query(
         "SELECT id, status, mode, tp, dp, sp, vp, layers, hidden, seq, world_size, backend, device, "
         "kind, batch_policy, error, failed_rank, sweep FROM runs ORDER BY id"
@@ -398,6 +399,7 @@ def test_the_default_run_is_the_tiny_model_with_every_kind(tmp_path):
     assert done.returncode == 0, done.stderr
     printed = [json.loads(line) for line in done.stdout.splitlines()]
     assert [p["kind"] for p in printed] == ["validate", "memory", "throughput"]
+    assert "estimate" not in done.stderr and " step " not in done.stderr  # --json: no progress either
     every = {"comm_bytes_per_step", "predicted_comm_bytes_per_step"}
     expected = {
         "validate": VALIDATE_METRICS,

@@ -10,7 +10,7 @@ The code is in layers, and a module imports only from its own layer or from the 
     hf_config                             emulated in one process
     experiments, faults                   what each rank runs (validate, memory, throughput)
     compose                               configs from conf/: composed, expanded, checked
-    fit, diagram                          made from checked configs: a search, a drawing
+    fit, diagram, estimate                made from checked configs: a search, a drawing, a run's time
     launch, worker, batch, db             one run: a torchrun job and its workers; consecutive runs in
                                           one job on warm workers; the results database
     sweep, slurm                          many runs: what is left to run, each run recorded; Slurm jobs
@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("allocator", "theory", "emulation", "hf_config"),
     ("experiments", "faults"),
     ("compose",),
-    ("fit", "diagram"),
+    ("fit", "diagram", "estimate"),
     ("launch", "worker", "batch", "db"),
     ("sweep", "slurm"),
     ("report",),

@@ -8,21 +8,9 @@ nothing launched and nothing written; a failed run exits 1, an interrupted one 1
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
-from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
-from rich.table import Column
 
 from tpbench.cli import output
 from tpbench.cli.arguments import (
@@ -39,7 +27,8 @@ from tpbench.cli.arguments import (
     usage,
 )
 from tpbench.cli.output import err, out
-from tpbench.config import DbConfig, RunConfig, run_label
+from tpbench.cli.progress import RunsProgress, say_estimates
+from tpbench.config import DbConfig, RunConfig
 
 if TYPE_CHECKING:  # pandas and the database (sqlalchemy) are imported where a command needs them:
     from tpbench.db import ResultsDB  # `tpbench plan` starts without them
@@ -78,23 +67,14 @@ def run(overrides: Overrides = None, cfg: ShowCfg = False, as_json: AsJson = Fal
     dbs = _databases(configs)
     if on_slurm:
         _on_slurm(configs, dbs, force=True, wait_only=False, as_json=as_json, sweep=False)
-    status = err.status("")
-
-    def on_start(c: RunConfig) -> Callable[[str], None]:
-        label = run_label(c)
-        status.update(f"{label}: starting")
-        status.start()
-        return lambda line: status.update(escape(f"{label}: {line}"))
-
+    estimates = [] if as_json else say_estimates(configs, sweep=False)
     ran = []
-    try:
-        for r in sweeping.run_each(configs, dbs, on_start, one_line):
-            status.stop()
+    with RunsProgress(estimates, quiet=as_json, sweep=False) as progress:
+        for r in sweeping.run_each(configs, dbs, progress.on_start, one_line):
+            progress.ended(r)
             ran.append(r)
             if r.run_id is not None:
                 output.run(dbs[r.cfg.db.url], r.run_id, as_json)
-    finally:
-        status.stop()
     raise typer.Exit(_exit_code(ran))
 
 
@@ -141,29 +121,10 @@ def sweep(
     if on_slurm:
         _on_slurm(configs, dbs, force=force, wait_only=wait, as_json=as_json, sweep=True)
     todo, ran = sweeping.split_done(configs, dbs, force)
-    counts = {"OK": 0, "failed": 0}
-    with Progress(
-        SpinnerColumn(),
-        TextColumn(
-            "{task.description}", table_column=Column(max_width=60, no_wrap=True, overflow="ellipsis")
-        ),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn(f"ok {{task.fields[ok]}} · failed {{task.fields[failed]}} · skipped {len(ran)}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=err,
-    ) as progress:
-        task = progress.add_task("sweep", total=len(todo), ok=0, failed=0)
-
-        def on_start(c: RunConfig) -> Callable[[str], None]:
-            label = run_label(c)
-            progress.update(task, description=label)
-            return lambda line: progress.update(task, description=escape(f"{label}: {line}"))
-
-        for r in sweeping.run_each(todo, dbs, on_start, one_line):
-            counts["OK" if r.status == "OK" else "failed"] += 1
-            progress.update(task, advance=1, ok=counts["OK"], failed=counts["failed"], description="sweep")
+    estimates = [] if as_json else say_estimates(todo, sweep=True)
+    with RunsProgress(estimates, quiet=as_json, sweep=True, skipped=len(ran)) as progress:
+        for r in sweeping.run_each(todo, dbs, progress.on_start, one_line):
+            progress.ended(r)
             ran.append(r)
     output.sweep(ran, dbs, as_json)
     raise typer.Exit(_exit_code(ran))

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from tpbench import allocator, emulation, theory
 from tpbench.config import RunConfig
+from tpbench.experiments.progress import StepProgress
 from tpbench.experiments.setup import context, counting
 from tpbench.experiments.training import Trainer
 from tpbench.parallel import instrumentation
@@ -161,8 +162,11 @@ def _tracker(cfg: RunConfig, mode) -> tuple[PeakTracker, contextlib.AbstractCont
 
 def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace | None, mode) -> RankResult:
     result = RankResult(rank=trainer.ctx.rank)
-    for _ in range(max(cfg.train.warmup, _steady_after(cfg))):
+    warmup = max(cfg.train.warmup, steady_after(cfg))
+    progress = StepProgress("memory", warmup + cfg.train.steps)
+    for _ in range(warmup):
         trainer.step()
+        progress.step()
 
     on_gpu = trainer.ctx.device.type == "cuda"
     if on_gpu:
@@ -187,6 +191,7 @@ def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace 
                 with counting(cfg, counter) if step == 0 else contextlib.nullcontext():
                     trainer.step()
                 tracker.reset_mod_stats()  # per-module stats are per iteration; the peak is kept
+                progress.step()
     finally:
         gc.enable()
     result.comm = counter.rows()
@@ -217,7 +222,7 @@ def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace 
     return result
 
 
-def _steady_after(cfg: RunConfig) -> int:
+def steady_after(cfg: RunConfig) -> int:
     """Steps after which every step allocates alike: one (AdamW's state exists), two under DDP, whose
     second forward rebuilds its gradient buckets in the order gradients arrived (old and new buckets
     live at once: 312 KB more than a steady step on the tiny model)."""

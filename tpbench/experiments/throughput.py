@@ -33,6 +33,7 @@ from torch.utils.flop_counter import (
 
 from tpbench import hardware, theory
 from tpbench.config import RunConfig, local_batch
+from tpbench.experiments.progress import StepProgress
 from tpbench.experiments.setup import counting
 from tpbench.experiments.training import Trainer
 from tpbench.parallel import collectives, instrumentation, timing
@@ -45,16 +46,19 @@ def run(cfg: RunConfig) -> RankResult:
     device, backend = trainer.ctx.device, dist.get_backend()
     clock = timing.step_clock(device, backend)
     result.add("timing_cuda_events", clock.method == timing.CUDA_EVENTS)
+    progress = StepProgress("throughput", cfg.train.warmup + 2 + cfg.train.steps)
     for i in range(cfg.train.warmup):
         if i == 0:  # with train.compile: compiling, apart from the step times below
             result.add("first_step_s", _slowest(clock, [_timed_step(clock, trainer)])[0], "s")
         else:
             trainer.step()
+        progress.step()
 
     # on a step of its own: the FLOP counter slows compute
     counter = instrumentation.CommCounter(timed=True, timer=timing.collective_timer(device, backend))
     with counting(cfg, counter):
         trainer.step()
+    progress.step()
     result.comm = counter.rows()
     if cfg.parallel.engine in ("megatron", "ddp"):  # DTensor's own collectives are counted, not timed
         total, exposed = (sum(getattr(r, f) for r in result.comm) for f in ("time_s", "exposed_s"))
@@ -67,10 +71,15 @@ def run(cfg: RunConfig) -> RankResult:
     # the same)
     with torch.compiler.set_stance("force_eager"), flops:
         trainer.step()
+    progress.step()
     result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")
     result.add("flops_per_step", _summed_over_ranks(flops.get_total_flops()), "FLOP")
 
-    times = _slowest(clock, [_timed_step(clock, trainer) for _ in range(cfg.train.steps)])
+    times = []
+    for _ in range(cfg.train.steps):
+        times.append(_timed_step(clock, trainer))
+        progress.step()  # between the timed steps' barriers: outside their times
+    times = _slowest(clock, times)
     median = statistics.median(times)
     world = cfg.parallel.dp * cfg.parallel.tp
     tokens = local_batch(cfg) * cfg.parallel.dp * cfg.train.seq_len

@@ -37,6 +37,7 @@ from rich.table import Table
 
 from tpbench import theory
 from tpbench.config import RunConfig, mode_label
+from tpbench.experiments.progress import StepProgress
 from tpbench.experiments.setup import (
     Batches,
     build_dense,
@@ -295,6 +296,7 @@ def _adamw(
     eval_ids = first[0] if fixed else batches.next_global()[0]
     ids, labels = first
     drift = []
+    progress = StepProgress("validate", v.steps)
     for step in range(1, v.steps + 1):
         if not fixed:
             ids, labels = batches.next_global()
@@ -318,6 +320,7 @@ def _adamw(
                 own = 0.0 if reference is None else _max_abs(ref, batches.local_slice(reference(eval_ids)[0]))
             worst = collectives.reduce_floats([*logits_drift(full, ref), own], dist.ReduceOp.MAX)
             drift.append((step, worst[:-1], worst[-1]))
+        progress.step()
     return drift
 
 

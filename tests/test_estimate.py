@@ -1,0 +1,267 @@
+"""Estimates before a run and progress during it (tpbench.estimate, tpbench.cli.progress,
+tpbench.experiments.progress): the rate is measured once and cached, never trusted when corrupt or
+foreign; the estimate follows the FLOPs a run executes; a dtype with no fast kernel here gets its line;
+a real `tpbench run` shows its steps on stderr, and nothing of it under --json."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import time
+
+import pytest
+from beside import beside
+from conftest import Workdir
+
+from tpbench import compose, estimate, theory
+from tpbench.cli import progress
+from tpbench.sweep import Ran
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty rate cache of its own; returns its file."""
+    monkeypatch.setenv("TPBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(progress.os, "getloadavg", lambda: (0.5, 0.5, 0.5))  # an idle machine
+    return estimate.cache_file()
+
+
+@functools.cache
+def config(line: str):
+    """One run's config (composing costs ~0.3 s: each line once): kind=memory unless it says another."""
+    (cfg,) = compose.expand([*(["kind=memory"] if "kind=" not in line else []), *line.split()])
+    return cfg
+
+
+def vary(cfg, section: str, **fields):
+    """`cfg` with fields of one section changed, without composing again."""
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **fields)})
+
+
+def write_rates(path, cfg, rates: dict[str, float]) -> None:
+    """The cache as a measurement of these rates on this machine would have left it."""
+    entries = [{**estimate._key(dtype, cfg, 1), "flops_per_s": r} for dtype, r in rates.items()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rates": entries}))
+
+
+def no_probe(*args):
+    raise AssertionError("measured again: the cached rate was not used")
+
+
+# -- the rate -------------------------------------------------------------------------------------
+
+
+def test_the_rate_is_measured_once_then_read_from_the_cache(cache, monkeypatch):
+    cfg = config("kind=memory")
+    start = time.process_time()  # the budget is CPU time: other processes do not count
+    measured = estimate.rate("float32", cfg, 1)
+    assert time.process_time() - start < 2 * estimate.PROBE_BUDGET_S
+    (entry,) = json.loads(cache.read_text())["rates"]
+    assert entry["flops_per_s"] == measured > 1e8
+    assert (entry["dtype"], entry["threads"], entry["device"]) == ("float32", 1, "cpu")
+    monkeypatch.setattr(estimate, "probe", no_probe)
+    assert estimate.rate("float32", cfg, 1) == measured
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        "{not json",
+        json.dumps([1, 2]),
+        json.dumps({"rates": "fast"}),
+        {"flops_per_s": -1.0},
+        {"flops_per_s": "1e12"},
+        {"flops_per_s": True},
+        {"flops_per_s": float("inf")},
+        {"torch": "1.0.0"},  # another torch
+        {"device_name": "AMD EPYC 9B14"},  # another CPU (a home folder shared between machines)
+        {"threads": 2},
+        {"probe": "matmul, wall clock"},  # measured as an older tpbench did
+    ],
+)
+def test_a_corrupt_or_foreign_entry_is_measured_again(cache, monkeypatch, stored):
+    cfg = config("kind=memory")
+    cache.parent.mkdir(parents=True)
+    if isinstance(stored, dict):  # an entry of this machine but for the changed field(s)
+        entry = {**estimate._key("float32", cfg, 1), "flops_per_s": 5e12, **stored}
+        cache.write_text(json.dumps({"rates": [entry]}))
+    else:
+        cache.write_text(stored)
+    monkeypatch.setattr(estimate, "probe", lambda *args: 3e10)
+    assert estimate.rate("float32", cfg, 1) == 3e10
+    rates = json.loads(cache.read_text())["rates"]
+    assert {e["flops_per_s"] for e in rates if e.get("torch") == estimate.torch.__version__} >= {3e10}
+    monkeypatch.setattr(estimate, "probe", no_probe)  # and the new figure is read back
+    assert estimate.rate("float32", cfg, 1) == 3e10
+
+
+def test_the_threads_are_those_a_worker_of_the_run_gets(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(estimate.os, "cpu_count", lambda: 16)
+    four_ranks = vary(config("kind=memory"), "parallel", dp=2)
+    assert estimate.worker_threads(four_ranks) == 4
+    assert estimate.worker_threads(vary(four_ranks, "launch", emulate="real")) == 16  # one process
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert estimate.worker_threads(four_ranks) == 3
+
+
+# -- the estimate ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "line",
+    ["mode=ddp tp=1 dp=1", "model=seed_memory layers=2 tp=1", "model=minimind2_small seq=64 tp=1 vp=true"],
+)
+def test_one_rank_alone_executes_the_model_flops(line):
+    assert estimate.rank_step_flops(config(line)) == pytest.approx(theory.model_flops_per_step(config(line)))
+
+
+def test_a_rank_executes_its_share_of_the_step():
+    whole = estimate.rank_step_flops(config("model=seed_memory tp=1"))
+    tp2, vp = (estimate.rank_step_flops(config(f"model=seed_memory tp=2 {x}")) for x in ("", "vp=true"))
+    assert vp == pytest.approx(whole / 2) and vp < tp2 < whole  # without VP the LM head is replicated
+    ddp = config("model=seed_memory mode=ddp dp=2")  # each rank its micro-batch of the global batch
+    assert estimate.rank_step_flops(ddp) == pytest.approx(theory.model_flops_per_step(ddp) / 2)
+
+
+def test_the_estimate_follows_the_flops_of_steps_and_layers(cache):
+    def compute_s(cfg, section: str = "train", **fields) -> float:
+        return estimate.estimate(vary(cfg, section, **fields)).compute_s
+
+    write_rates(cache, config("kind=memory"), {"float32": 1e10, "bfloat16": 1e9})
+    for kind, extra in (("memory", 0), ("throughput", 2)):  # throughput's counted and FLOP-counted steps
+        cfg = vary(config(f"kind={kind}"), "train", warmup=1)
+        assert compute_s(cfg, steps=11) == pytest.approx(compute_s(cfg, steps=5) * (12 + extra) / (6 + extra))
+    one_rank = config("tp=1")
+    flops = {L: theory.model_flops_per_step(vary(one_rank, "model", num_hidden_layers=L)) for L in (2, 4, 8)}
+    for layers in (4, 8):
+        assert compute_s(one_rank, "model", num_hidden_layers=layers) == pytest.approx(
+            flops[layers] / flops[2] * compute_s(one_rank, "model", num_hidden_layers=2)
+        )
+    cfg = config("kind=memory")
+    assert compute_s(cfg, dtype="bfloat16") == pytest.approx(10 * compute_s(cfg))
+    fake = vary(cfg, "launch", emulate="fake")
+    assert estimate.estimate(fake).flops == {} and estimate.estimate(fake).seconds == estimate.LAUNCH_S
+
+
+def test_validate_counts_the_dense_model_the_shard_and_the_fp32_reference(cache):
+    cfg = vary(config("kind=validate"), "validate", steps=9, every=3)
+    dense, share = theory.model_flops_per_step(cfg), estimate.rank_step_flops(cfg)
+    assert share < dense  # tp=2
+    # 1 + 9 steps of both models, and 3 comparisons (steps 3, 6, 9): a forward of each
+    assert estimate.executed_flops(cfg) == {"float32": pytest.approx((dense + share) * (10 + 3 / 3))}
+    bf16 = estimate.executed_flops(vary(cfg, "train", dtype="bfloat16"))
+    assert bf16["float32"] == pytest.approx(dense * 10) and bf16["bfloat16"] > 0
+
+
+# -- what the command line says before it launches -------------------------------------------------
+
+SEED_BF16 = "kind=memory mode=ddp model=seed_memory seq=512 layers=8 dtype=bfloat16"
+
+
+def test_a_dtype_with_no_fast_kernel_gets_a_line_with_the_figures_and_what_to_do(cache, capsys):
+    write_rates(cache, config("kind=memory"), {"float32": 82e9, "bfloat16": 0.4e9})
+    seconds = progress.say_estimates([config(SEED_BF16)], sweep=False)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("estimate: memory ddp tp=1 dp=2 layers=8 bfloat16: ~3.4 h (")
+    assert seconds[0] > 3600 and lines[1].startswith("long run: memory ddp tp=1 dp=2 layers=8 bfloat16")
+    (slow,) = [line for line in lines if "no fast matmul kernel" in line]
+    assert slow.startswith("bfloat16 has no fast matmul kernel here: 0.4 GFLOP/s against float32's 82 (")
+    assert "dtype=float32 (the same run's matmuls 205x faster)" in slow and "launch.emulate=fake" in slow
+    if "avx512_bf16" not in estimate._cpu_flags():
+        assert "/proc/cpuinfo has no avx512_bf16" in slow
+
+
+@pytest.mark.parametrize(
+    "rates", [{"float32": 82e9, "bfloat16": 160e9}, {"float32": 82e9, "bfloat16": 0.4e9}]
+)
+def test_no_slow_kernel_line_for_fp32_nor_a_fast_dtype(cache, capsys, rates):
+    write_rates(cache, config("kind=memory"), rates)
+    fast_bf16 = rates["bfloat16"] > rates["float32"]
+    progress.say_estimates([config(SEED_BF16 if fast_bf16 else "kind=memory")], sweep=False)
+    said = capsys.readouterr().err
+    assert "no fast matmul kernel" not in said and "estimate: memory" in said
+    assert fast_bf16 or "long run" not in said  # the tiny fp32 run is seconds
+
+
+def test_a_sweep_says_its_total_and_its_longest_run(cache, capsys):
+    write_rates(cache, config("kind=memory"), {"float32": 1e10})
+    configs = [vary(config("kind=memory"), "model", num_hidden_layers=L) for L in (2, 8)]
+    seconds = progress.say_estimates(configs, sweep=True)
+    (line,) = capsys.readouterr().err.splitlines()
+    total = estimate.duration(sum(seconds))
+    longest = "memory tp tp=2 dp=1 layers=8 float32"
+    assert line == f"estimate: 2 runs, ~{total} in all; the longest ~{seconds[1]:.0f} s ({longest})"
+
+
+def test_a_busy_machine_is_said_to_make_runs_longer(cache, capsys, monkeypatch):
+    write_rates(cache, config("kind=memory"), {"float32": 1e10})
+    monkeypatch.setattr(progress.os, "getloadavg", lambda: (26.4, 20.0, 10.0))
+    monkeypatch.setattr(progress.os, "cpu_count", lambda: 2)
+    progress.say_estimates([config("kind=memory")], sweep=False)
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "this machine's load is 26.4 on 2 cores: the runs will take longer than estimated (the "
+        "estimates are for a machine the run has to itself)"
+    )
+
+
+# -- progress --------------------------------------------------------------------------------------
+
+
+def test_plain_progress_is_a_line_every_few_seconds_and_one_per_run_end(capsys):
+    configs = [vary(config("kind=memory"), "model", num_hidden_layers=L) for L in (1, 2)]
+    now = [100.0]
+    runs = progress.RunsProgress([10.0, 30.0], quiet=False, sweep=True, skipped=1, clock=lambda: now[0])
+    with runs:
+        say = runs.on_start(configs[0])
+        say("memory step 1/7 · 0.1 s elapsed · ~0.6 s left")
+        now[0] += 4
+        say("memory step 2/7 · 0.2 s elapsed · ~0.5 s left")  # within PLAIN_EVERY_S: not said
+        now[0] += progress.PLAIN_EVERY_S
+        say("memory step 7/7 · 0.7 s elapsed · ~0.0 s left")  # 14 s into a run estimated at 10 s
+        now[0] += progress.PLAIN_EVERY_S
+        say("memory step 7/7 · 0.7 s elapsed · ~0.0 s left")  # the same line: not again so soon
+        now[0] -= progress.PLAIN_EVERY_S
+        now[0] += 6
+        runs.ended(Ran(1, configs[0], "OK"))  # the first run took 20 s: twice its estimate
+        runs.on_start(configs[1])
+        assert runs.remaining() == 2 * 30.0  # its estimate, scaled
+        now[0] += 45  # past its estimate, not past the scaled one
+        assert runs.remaining() == 2 * 30.0 - 45
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "[0/2 runs · ok 0 · failed 0 · skipped 1 · ~0:40 left] memory tp tp=2 dp=1 layers=1: "
+        "memory step 1/7 · 0.1 s elapsed · ~0.6 s left",
+        "[0/2 runs · ok 0 · failed 0 · skipped 1 · ~0:30 left] memory tp tp=2 dp=1 layers=1: "
+        "memory step 7/7 · 0.7 s elapsed · ~0.0 s left",
+        "memory tp tp=2 dp=1 layers=1: OK in 20.0 s (estimated ~10 s)",
+        "sweep: 1/2 runs · ok 1 · failed 0 · skipped 1 · 1:05 elapsed",
+    ]
+
+
+def test_quiet_progress_says_nothing(capsys):
+    cfg = config("kind=memory")
+    with progress.RunsProgress([], quiet=True, sweep=True) as runs:
+        runs.on_start(cfg)("memory step 1/7 · 0.1 s elapsed · ~0.6 s left")
+        runs.ended(Ran(1, cfg, "OK"))
+    assert capsys.readouterr().err == ""
+
+
+@beside
+def ran_with_progress(folder):
+    """A real `tpbench run` whose steps last a few seconds, stderr not a terminal. (Under --json, stderr
+    has none of it: tests/test_runner.py's default run checks that on its own launch.)"""
+    return Workdir(folder).run("run", "kind=validate", "validate.steps=100", "validate.every=100")
+
+
+def test_a_real_run_says_its_estimate_and_its_steps_on_stderr(ran_with_progress):
+    done = ran_with_progress
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith("estimate: validate tp tp=2 dp=1 layers=2 float32: ~")
+    steps = [line for line in lines if line.startswith("validate tp tp=2 dp=1 layers=2: validate step ")]
+    assert steps and all(" s elapsed · ~" in line and line.endswith(" s left") for line in steps)
+    assert "validate step" not in done.stdout
