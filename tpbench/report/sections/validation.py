@@ -60,8 +60,10 @@ def section(data: ReportData) -> Section:
         table.frame = pd.concat([table.frame, pd.DataFrame([row])], ignore_index=True)[table.frame.columns]
         table.note = f"Last row: {SEED_NOTE}"
     section.blocks.append(table)
-    steps = drift_table(data)
-    for (setting, batch), group in steps.groupby(["setting", "validate_batch"], sort=False):
+    steps = drift_table(data)  # empty when no run recorded a drift curve (a run of 0 AdamW steps)
+    for (setting, batch), group in (
+        () if steps.empty else steps.groupby(["setting", "validate_batch"], sort=False)
+    ):
         section.blocks.append(_drift_table(group, setting, batch, runs))
     if not curves.empty:
         section.blocks.append(
