@@ -190,11 +190,27 @@ def test_no_slow_kernel_line_for_fp32_nor_a_fast_dtype(cache, capsys, rates):
 def test_a_sweep_says_its_total_and_its_longest_run(cache, capsys):
     write_rates(cache, config("kind=memory"), {"float32": 1e10})
     configs = [vary(config("kind=memory"), "model", num_hidden_layers=L) for L in (2, 8)]
+    configs = [vary(c, "launch", reuse_workers=False) for c in configs]  # a launch each
     seconds = progress.say_estimates(configs, sweep=True)
     (line,) = capsys.readouterr().err.splitlines()
     total = estimate.duration(sum(seconds))
     longest = "memory tp tp=2 dp=1 layers=8 float32"
     assert line == f"estimate: 2 runs, ~{total} in all; the longest ~{seconds[1]:.0f} s ({longest})"
+
+
+def test_runs_on_warm_workers_pay_one_launch(cache, capsys):
+    """Consecutive runs that share a torchrun job (tpbench.batch) pay its launch once; a run that runs
+    alone (launch.reuse_workers=false) pays its own."""
+    write_rates(cache, config("kind=memory"), {"float32": 1e10})
+    first, second = (vary(config("kind=memory"), "model", num_hidden_layers=L) for L in (2, 3))
+    alone = vary(second, "launch", reuse_workers=False)
+    warm = progress.say_estimates([first, second], sweep=False)
+    cold = progress.say_estimates([first, alone], sweep=False)
+    lines = capsys.readouterr().err.splitlines()
+    compute = estimate.estimate(second).compute_s
+    assert warm[1] == pytest.approx(estimate.WARM_RUN_S + compute)
+    assert cold[1] == pytest.approx(estimate.LAUNCH_S + compute) and warm[0] == cold[0]
+    assert lines[1].endswith("on the run before's workers)") and lines[3].endswith("s to launch)")
 
 
 def test_a_busy_machine_is_said_to_make_runs_longer(cache, capsys, monkeypatch):

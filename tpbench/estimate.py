@@ -53,6 +53,10 @@ STEADY_S = 0.05  # one matmul this long is a steady figure: no larger size is ti
 # torchrun's start, a worker's imports of torch and tpbench, the process group and the results: the
 # tiny validate run (0.03 s of matmuls) took 12.1 s on the idle 2-core Intel Xeon, 0.5 s of it its steps
 LAUNCH_S = 11.0
+# a run on the warm workers of the run before it (launch.reuse_workers, tpbench.batch): its own process
+# group, model and results. The default tpbench run's memory and throughput runs, after its validate
+# run on the same workers: 0.6 s and 0.5 s from start to end on the idle 2-core Intel Xeon
+WARM_RUN_S = 0.5
 # A training step's time over its matmuls' at the probe's rate: the rest of a step (attention's
 # softmax, norms, SwiGLU, the loss, AdamW) and matmul shapes less efficient than the square probe.
 # Measured here, one CPU thread, a dense step of the seed's shape (H 768, L 2, S 256-512, B 2) and of
@@ -74,6 +78,11 @@ class Estimate:
     flops: dict[str, float]  # dtype -> FLOPs of the busiest rank
     rates: dict[str, float]  # dtype -> this machine's matmul FLOP/s for a worker of the run
     threads: int | None  # CPU threads of a worker (None on a GPU)
+    warm: bool = False  # runs on the warm workers of the run before it: no launch of its own
+
+    @property
+    def launch_s(self) -> float:
+        return WARM_RUN_S if self.warm else LAUNCH_S
 
     @property
     def compute_s(self) -> float:
@@ -81,7 +90,7 @@ class Estimate:
 
     @property
     def seconds(self) -> float:
-        return LAUNCH_S + self.compute_s
+        return self.launch_s + self.compute_s
 
     def line(self) -> str:
         """One line: the estimate and what it is made of."""
@@ -96,7 +105,11 @@ class Estimate:
         return (
             f"estimate: {run_label(self.cfg)} {self.cfg.train.dtype}: ~{duration(self.seconds)} "
             f"({work} on the busiest rank, {where}, x {STEP_OVERHEAD:g} for the rest of a step; "
-            f"+ {LAUNCH_S:g} s to launch)"
+            + (
+                f"+ {WARM_RUN_S:g} s on the run before's workers)"
+                if self.warm
+                else f"+ {LAUNCH_S:g} s to launch)"
+            )
         )
 
 

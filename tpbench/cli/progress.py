@@ -44,9 +44,15 @@ SAME_EVERY_S = 60.0  # a step that lasts: its line again, so that a log is never
 def say_estimates(configs: Sequence[RunConfig], sweep: bool) -> list[float]:
     """Print the runs' estimates on stderr (one line per run; a sweep's total and longest in one), a
     line for each run estimated long and for each dtype with no fast kernel here; their seconds."""
-    from tpbench import estimate
+    from dataclasses import replace
 
-    estimates = [estimate.estimate(c) for c in configs]
+    from tpbench import batch, estimate
+
+    estimates = [
+        replace(estimate.estimate(c), warm=i > 0)
+        for group in batch.batches(configs)
+        for i, c in enumerate(group)
+    ]
     if sweep and len(estimates) > 1:
         longest = max(estimates, key=lambda e: e.seconds)
         total = sum(e.seconds for e in estimates)
