@@ -189,7 +189,8 @@ def check_reductions() -> dict:
     """The metric reductions of validate and throughput, as their experiments call them."""
     audit = DeviceAudit()
     with FakeTensorMode(shape_env=ShapeEnv()), audit:  # their `item()`: symbolic
-        validate._max_over_ranks(0.5)
+        # a compared step's drift (mean, max, rel L2, the dense model's own), reduced as _adamw does
+        collectives.reduce_floats([0.1, 0.5, 0.01, 0.0], dist.ReduceOp.MAX)
         validate._worst_over_ranks({"fwd": 0.5, "param": 1.0})  # every figure of the verdict
         collectives.reduce_over_world(
             torch.zeros(3, 3, dtype=torch.float64, device="cuda"), dist.ReduceOp.MAX

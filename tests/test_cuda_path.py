@@ -85,7 +85,7 @@ def test_every_collective_of_sp_issued_on_cuda(fake_cuda, case):
 
 def test_metric_reductions_of_validate_and_throughput_on_cuda(fake_cuda):
     seen = fake_cuda["cases"]["reductions"]
-    # validate's max, its figures' worst and per-parameter worst, throughput's FLOPs sum
+    # validate's drift at a compared step, its figures' worst and per-parameter worst, throughput's FLOPs sum
     assert len(seen["collectives"]) == 4
     assert all(devices == ["cuda"] for _, devices in seen["collectives"])
     assert seen["mixed"] == []
