@@ -6,9 +6,11 @@ misplaced_dropout_* configs)."""
 from __future__ import annotations
 
 import copy
+import hashlib
 
 import pytest
 import torch
+from torch.distributed._tools.mem_tracker import MemTracker
 from torchrun_checks import run_config
 from typer.testing import CliRunner
 
@@ -17,11 +19,23 @@ from tpbench.cli import app
 from tpbench.compose import check
 from tpbench.experiments.setup import model_config
 from tpbench.experiments.throughput import LocalFlopCounter
-from tpbench.models.dropout import STREAM_DIMS, DropoutKey, PositionalDropout, mix32, mix32_int
+from tpbench.models.dropout import (
+    MASK32,
+    PROBS_DIMS,
+    STREAM_DIMS,
+    DropoutKey,
+    PositionalDropout,
+    dense_mask_bits,
+    dropped_where,
+    mix32,
+    mix32_int,
+    signed32,
+)
 from tpbench.models.minimind import MiniMindConfig, build_model
 from tpbench.parallel.checks import ConfigError
 from tpbench.parallel.recompute import apply_recompute
 from tpbench.parallel.rng import place_dropouts
+from tpbench.theory.activations import mask_bits
 
 S, B, H, N = 32, 4, 64, 8
 CFG = MiniMindConfig(hidden_size=H, num_hidden_layers=2, vocab_size=256, flash_attn=False, dropout=0.1)
@@ -44,13 +58,51 @@ def rank_masks(t: int, tp: int, sp: bool, dp_rank: int = 0, dp: int = 1) -> dict
     return masks(model)
 
 
-def test_the_hash_keeps_32_bits_exact_in_int64():
-    """lowbias32 on int64 tensors equals the same hash on Python's unbounded ints, values near 2^32
-    included (a product past 2^63 would wrap and break the low 32 bits' agreement somewhere here)."""
+def test_the_hash_keeps_32_bits_exact_in_int32():
+    """lowbias32 on int32 tensors (products wrapping modulo 2^32, the logical shifts made of int16
+    halves and masks) equals the same hash on Python's unbounded ints, values near 2^31 and 2^32
+    included; and so does the fallback that shifts and masks the 16-bit half too."""
     values = [0, 1, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1, *torch.randint(0, 2**32, (1000,)).tolist()]
-    hashed = mix32(torch.tensor(values, dtype=torch.int64)).tolist()
-    assert hashed == [mix32_int(v) for v in values]
-    assert len(set(hashed)) == len(values)  # a bijection on 32 bits
+    expected = [mix32_int(v) for v in values]
+    as_int32 = torch.tensor([signed32(v) for v in values], dtype=torch.int32)
+    assert [h & MASK32 for h in mix32(as_int32.clone()).tolist()] == expected
+    assert [h & MASK32 for h in mix32(as_int32.clone()[::1].t()).tolist()] == expected
+    strided = torch.stack([as_int32, as_int32], 1)[:, 0]  # not contiguous: the shift-and-mask path
+    assert [h & MASK32 for h in mix32(strided).tolist()] == expected
+    assert len(set(expected)) == len(values)  # a bijection on 32 bits
+
+
+# The masks of the int64 hash this int32 one replaced (commit a18794b), as a digest of the packed
+# mask and the count dropped: (seed, step, site), shape, splits, p -> (sha256[:16], dropped).
+PINNED = [
+    ((0, 0, 0), (32, 4, 64), ((0, 1), (0, 1), (0, 1)), 0.1, ("408818ab52cc9c8f", 877)),
+    ((0, 0, 0), (32, 4, 64), ((0, 1), (0, 1), (0, 1)), 0.5, ("9a75698a003e2f80", 4112)),
+    ((7, 3, 5), (2, 4, 16, 16), ((1, 2), (1, 2), (0, 1), (0, 1)), 0.1, ("808d4fe90662e7ad", 202)),
+    ((7, 3, 5), (2, 4, 16, 16), ((1, 2), (1, 2), (0, 1), (0, 1)), 0.5, ("9397d5ff74d20661", 1009)),
+    ((1234, 99, 2), (8, 3, 33), ((3, 4), (2, 5), (0, 1)), 0.1, ("fde1e3b5d8838670", 79)),
+    ((1234, 99, 2), (8, 3, 33), ((3, 4), (2, 5), (0, 1)), 0.5, ("d78406447c70a691", 411)),
+]
+
+
+@pytest.mark.parametrize(("key", "shape", "splits", "p", "digest"), PINNED)
+def test_the_masks_are_those_of_the_int64_hash(key, shape, splits, p, digest):
+    """Same seed, same masks as before the hash moved to int32: a recorded run's dropout stays."""
+    seed, step, site = key
+    bits = dense_mask_bits(DropoutKey(seed, step).site(site), shape, splits, torch.device("cpu"))
+    mask = dropped_where(bits, round((1 - p) * 2**32)).flatten()
+    assert (hashlib.sha256(mask.numpy().tobytes()).hexdigest()[:16], int(mask.sum())) == digest
+
+
+def test_the_hash_runs_in_int32_with_one_copy():
+    """The memory model's mask_bits: an int32 hash and one int32 copy at most while a mask is drawn
+    (the int64 hash held 16 bytes an element)."""
+    shape = torch.Size([4, 8, 16, 16])
+    drop = PositionalDropout(0.1, 0, PROBS_DIMS, DropoutKey(seed=1)).train()
+    tracker = MemTracker()
+    with tracker:
+        drop.dropped(shape, torch.device("cpu"))
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    assert peak == mask_bits(shape.numel()) == 8 * shape.numel()
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -220,9 +220,10 @@ CHECKS |= {
     "qwen3_t4_tp_full": ["parallel.tp=4", "train.recompute=full", *QWEN3],
 }
 # model.dropout: each dropout's 1-byte mask and the attention's dropped probabilities saved; the peak
-# in the top block's attention-dropout hash (two int64 copies of the probabilities), under full
-# recompute in the bottom block's drawn again, whose forward runs on to the MLP dropout's mask
-DROPOUT = ["model.flash_attn=false", "model.dropout=0.1"]
+# in the top block's attention-dropout hash (two int32 copies of the probabilities; 16 heads so that
+# it is the peak), under full recompute in the bottom block's drawn again, whose forward runs on to
+# the MLP dropout's mask
+DROPOUT = ["model.flash_attn=false", "model.dropout=0.1", "model.num_attention_heads=16"]
 CHECKS |= {
     "dp2_tp_sp_vp_mixed_dropout": [*DP2, SP, VP, MIXED, *DROPOUT],
     "dp2_tp_sp_full_dropout": [*DP2, SP, "train.recompute=full", *DROPOUT],

@@ -10,11 +10,17 @@ position gives both properties by construction, and more: the sharded model's ma
 model's, so the sharded model equals the dense one exactly, dropout on (tests/test_dropout.py).
 
 The hash is counter based (Wellons' lowbias32) in plain integer tensor ops, on any device and under
-fake tensors: 32-bit values held in int64, every product of a value (< 2^32) and a constant
-(|c| < 2^31) below 2^63, so nothing overflows and the low 32 bits are exact. The coordinates are
-folded in one dimension at a time (a small broadcast tensor per dimension), so only the last fold
-runs over the whole tensor: an int64 [*shape] and one shifted int64 copy alive at once, 16 bytes an
-element, transient. Backward keeps the 1-byte mask of dropped elements, as torch's dropout does.
+fake tensors, in int32: a product wraps modulo 2^32 (two's complement), which is the hash's own
+arithmetic, so the bits are those of the unsigned 32-bit hash. torch has no logical right shift of
+int32 (its >> copies the sign bit; uint32 has no shifts on CPU), so `x ^= x >>> 16` xors the high
+16-bit half of each element into its low half through an int16 view, in place (little-endian), and
+`x ^= x >>> 15` shifts and masks a copy. The drop decision compares the unsigned hash with the
+threshold as a signed compare of the hash with its top bit flipped. The coordinates are folded in
+one dimension at a time (a small broadcast tensor per dimension), so only the last fold runs over
+the whole tensor: an int32 [*shape] and one shifted int32 copy alive at once (`mask_bits` of the
+theory: 8 bytes an element), transient; the same masks as the int64 hash this replaced, at about
+half its passes' bytes (scripts/dropout_speed.py). Backward keeps the 1-byte mask of dropped
+elements, as torch's dropout does.
 
 A `PositionalDropout` knows its dims by name (`seq`, `batch`, `head`, ...); the parallel plan tells
 it which are split (tpbench.parallel.rng: `splits[name] = (index, parts)`); the model's
@@ -24,6 +30,7 @@ recomputed block, run again in backward, draws the same masks).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +39,8 @@ from torch import nn
 MASK32 = 0xFFFFFFFF
 _C1 = 0x7FEB352D  # lowbias32's multipliers; the second, above 2^31, as its negative residue mod 2^32
 _C2 = 0x846CA68B - 2**32
+_TOP = -(2**31)  # int32's top bit
+_LITTLE_ENDIAN = sys.byteorder == "little"  # CPUs tpbench runs on and CUDA devices are
 
 # the call sites of a block, in the order they run (the embedding's is its own, below the blocks)
 SITES = ("attention", "attention_output", "mlp_output")
@@ -40,13 +49,26 @@ PROBS_DIMS = ("batch", "head", "query", "key")  # [B, N, S, S]
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 of int64 `x` holding values in [0, 2^32), in place; returns x."""
-    x ^= x >> 16
-    x.mul_(_C1).bitwise_and_(MASK32)
-    x ^= x >> 15
-    x.mul_(_C2).bitwise_and_(MASK32)
-    x ^= x >> 16
+    """lowbias32 of contiguous int32 `x` (the unsigned 32-bit values, two's complement), in place;
+    returns x."""
+    _xor_high_half(x)
+    x.mul_(_C1)  # wraps modulo 2^32
+    shifted = x >> 15  # the sign copied into the top 15 bits: masked off, a logical shift
+    x ^= shifted.bitwise_and_(0x1FFFF)
+    del shifted
+    x.mul_(_C2)
+    _xor_high_half(x)
     return x
+
+
+def _xor_high_half(x: torch.Tensor) -> None:
+    """x ^= x >>> 16 on int32, in place: each element's high 16 bits into its low 16 (an int16 view,
+    no copy)."""
+    if _LITTLE_ENDIAN and x.is_contiguous():
+        halves = x.view(-1).view(torch.int16).view(-1, 2)  # [low, high] per element
+        halves[:, 0].bitwise_xor_(halves[:, 1])
+    else:
+        x ^= (x >> 16).bitwise_and_(0xFFFF)
 
 
 def mix32_int(x: int) -> int:
@@ -71,19 +93,33 @@ class DropoutKey:
         return mix32_int(mix32_int(mix32_int(self.seed) ^ self.step) ^ site)
 
 
+def signed32(x: int) -> int:
+    """The int32 holding the 32 bits of `x`."""
+    x &= MASK32
+    return x - 2**32 if x >= 2**31 else x
+
+
 def dense_mask_bits(
     key: int, shape: tuple[int, ...], splits: tuple[tuple[int, int], ...], device: torch.device
 ) -> torch.Tensor:
-    """int64 [*shape]: the 32-bit hash of each element's global coordinates, where dim i of this shard
-    is part splits[i][0] of splits[i][1] equal parts of the dense dim."""
-    h = torch.full((1,) * len(shape), key, dtype=torch.int64, device=device)
+    """int32 [*shape]: the 32-bit hash of each element's global coordinates (two's complement), where
+    dim i of this shard is part splits[i][0] of splits[i][1] equal parts of the dense dim."""
+    h = torch.full((1,) * len(shape), signed32(key), dtype=torch.int32, device=device)
     for dim, (size, (index, _parts)) in enumerate(zip(shape, splits, strict=True)):
         view = [1] * len(shape)
         view[dim] = size
         # broadcast: only the last fold is the whole tensor's size, the one before freed first
-        h = h ^ torch.arange(index * size, (index + 1) * size, dtype=torch.int64, device=device).view(view)
+        h = h ^ torch.arange(index * size, (index + 1) * size, dtype=torch.int32, device=device).view(view)
         mix32(h)
     return h
+
+
+def dropped_where(bits: torch.Tensor, threshold: int) -> torch.Tensor:
+    """bool: where the unsigned hash `bits` (int32, from dense_mask_bits) is at least `threshold`
+    (in [0, 2^32]); flips the bits' top bit in place, for a signed compare."""
+    if threshold >= 2**32:
+        return torch.zeros_like(bits, dtype=torch.bool)
+    return bits.bitwise_xor_(_TOP) >= threshold - 2**31
 
 
 class PositionalDropout(nn.Module):
@@ -118,7 +154,7 @@ class PositionalDropout(nn.Module):
         """bool [*shape]: True where this shard drops, its slice of the dense model's mask."""
         splits = tuple(self.splits.get(name, (0, 1)) for name in self.dims)
         bits = dense_mask_bits(self.key.site(self.site), tuple(shape), splits, device)
-        return bits >= self.threshold
+        return dropped_where(bits, self.threshold)
 
 
 class _Drop(torch.autograd.Function):

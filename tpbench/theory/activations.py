@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tpbench.theory.dims import FP32, INT64, Dims
+from tpbench.theory.dims import FP32, INT32, INT64, Dims
 from tpbench.theory.weights import block_linears
 
 
@@ -97,9 +97,9 @@ def stream_mask(d: Dims) -> int:
 
 
 def mask_bits(elements: int) -> int:
-    """What a dropout's hash holds at once while it draws a mask of `elements`: the int64 hash of
-    every element and one shifted int64 copy (tpbench.models.dropout)."""
-    return 2 * INT64 * elements
+    """What a dropout's hash holds at once while it draws a mask of `elements`: the int32 hash of
+    every element and one shifted int32 copy (tpbench.models.dropout)."""
+    return 2 * INT32 * elements
 
 
 def forward_only_casts(d: Dims) -> int:

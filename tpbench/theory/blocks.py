@@ -56,7 +56,7 @@ def unsaved_norm_output(d: Dims) -> int:
 
 def attention_dropout(d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int) -> Moment:
     """model.dropout: the top block's attention-probability dropout drawing its mask, in its hash's
-    last fold (two int64 copies of the probabilities' shape: tpbench.models.dropout). As at the
+    last fold (two int32 copies of the probabilities' shape: tpbench.models.dropout). As at the
     softmax (`attention_forward`), but the fp32 sum is freed, the softmax output (saved) and its cast
     (unless fp32) are made; the scores and the causal mask are the forward's locals still."""
     at_softmax = attention_forward(d, acts, P, optim, buckets)
@@ -276,7 +276,7 @@ def recomputed_attention_dropout(
 ) -> Moment:
     """Full recompute with dropout: block `layer`'s forward run again in its backward, at its attention
     dropout's hash (as `attention_dropout`: the scores and the causal mask its locals, the softmax
-    output saved, its cast, two int64 copies of the probabilities' shape). The MLP dropout's backward,
+    output saved, its cast, two int32 copies of the probabilities' shape). The MLP dropout's backward,
     the block's first, started the recomputation (its mask is the block's last save): what the
     recomputation has saved up to the attention core is alive, as are the stream's gradient (and
     its cast under mixed precision) and, as for `attention_backward`, what the blocks above left:

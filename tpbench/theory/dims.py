@@ -15,7 +15,7 @@ from tpbench.models.minimind import default_intermediate_size
 from tpbench.parallel.plan import padded_vocab
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-FP32, INT64 = 4, 8
+FP32, INT32, INT64 = 4, 4, 8
 # the loss [] and its gradient [] (ones, made by backward()), alive from backward's start to its end;
 # the loss alone outlives it (the step returns it)
 LOSS_AND_GRAD = 2 * FP32
