@@ -15,6 +15,7 @@ import random
 import pytest
 import torch
 
+from tpbench.experiments import throughput
 from tpbench.parallel import collectives, instrumentation, timing
 
 MS = 1e-3
@@ -168,14 +169,32 @@ def test_a_blocking_collective_is_all_exposed(gpu, counter):
     assert times(counter) == {"blocking": (3.0, 3.0)}
 
 
-def test_a_collective_queued_behind_another_counts_from_its_launch(gpu, counter):
-    """Launch to completion, as on gloo: B waits on NCCL's stream behind A."""
+def test_a_collective_queued_behind_another_counts_from_when_its_stream_could_start_it(gpu, counter):
+    """B waits on NCCL's stream behind A: its time starts where A's ends (end of k minus max(launch
+    of k, end of k-1)), so 2 ms and 1 ms of collectives are 3 ms of comm, not 2 + 3 ms, and the
+    hidden fraction reads the 0.5 ms of 3 that compute hid (17%), not 50%."""
     a = launch(gpu, 2 * MS, "a")
     b = launch(gpu, 1 * MS, "b")
     gpu.run(0.5 * MS)
     a.wait()
     b.wait()
-    assert times(counter) == {"a": (2.0, 1.5), "b": (3.0, 1.0)}
+    assert times(counter) == {"a": (2.0, 1.5), "b": (1.0, 1.0)}
+    assert hidden_fraction(counter) == pytest.approx(0.5 / 3)
+
+
+def test_a_collective_launched_after_the_one_before_ended_counts_from_its_launch(gpu, counter):
+    a = launch(gpu, 2 * MS, "a")
+    gpu.run(3 * MS)
+    a.wait()
+    b = launch(gpu, 1 * MS, "b")
+    gpu.run(0.5 * MS)
+    b.wait()
+    assert times(counter) == {"a": (2.0, 0.0), "b": (1.0, 0.5)}
+
+
+def hidden_fraction(counter: instrumentation.CommCounter) -> float:
+    rows = counter.rows()
+    return 1 - sum(r.exposed_s for r in rows) / sum(r.time_s for r in rows)
 
 
 def test_a_work_without_a_future_is_timed_from_its_wait(gpu, counter):
@@ -302,3 +321,65 @@ def test_the_wall_clock_times_from_launch_to_done_or_to_the_wait(monkeypatch, do
         call()
     ((total, exposed),) = reported
     assert (round(total / MS, 9), round(exposed / MS, 9)) == expected
+
+
+@pytest.mark.parametrize(
+    ("a_done", "b_wait", "b_done", "expected_b"),
+    [
+        (2, 2, 3, (1, 1)),  # queued behind A on the group's worker: from A's end (2 ms), not its launch
+        (2, 6, 6.5, (4.5, 0.5)),  # waited on late (6 ms), done in its wait: from A's end to the return
+    ],
+)
+def test_the_wall_clock_times_a_queued_collective_from_the_end_of_the_one_before(
+    monkeypatch, a_done, b_wait, b_done, expected_b
+):
+    """gloo: A (2 ms) and B launched together on one group; A's wait at 0.5 ms, B's after it."""
+    clock, reported = Clock(), {}
+    monkeypatch.setattr(timing.time, "perf_counter", clock)
+    timer, group = timing.WallClockTimer(), object()
+    spans, works = {}, {}
+    for name in ("a", "b"):
+        spans[name] = timer.start(
+            torch.zeros(1), group, False, lambda t, e, n=name: reported.update({n: (t, e)})
+        )
+        works[name] = HostWork()
+        spans[name].launched(works[name])
+    events = [
+        (0.5, spans["a"].waiting),
+        (a_done, works["a"].finish),
+        (a_done, spans["a"].waited),
+        (b_wait, spans["b"].waiting),
+        (b_done, works["b"].finish),
+        (b_done, spans["b"].waited),
+    ]
+    for at, call in sorted(events, key=lambda e: e[0]):  # stable: at a tie, in the order listed
+        clock.now = at * MS
+        call()
+    got = {n: (round(t / MS, 9), round(e / MS, 9)) for n, (t, e) in reported.items()}
+    assert got == {"a": (2, 1.5), "b": expected_b}
+
+
+class Trainer:
+    """A training step of one DP gradient collective whose time grows by the step (1, 2, 3 ms)."""
+
+    def __init__(self, gpu: FakeGPU) -> None:
+        self.gpu, self.steps = gpu, 0
+
+    def step(self) -> None:
+        self.steps += 1
+        pending = launch(self.gpu, self.steps * MS, "dp_grad")
+        self.gpu.run(1 * MS)
+        pending.wait()
+
+    def sync(self) -> None:
+        self.gpu.synchronize()
+
+
+def test_a_throughput_run_times_its_collectives_over_every_timed_step(gpu):
+    """The comm rows are the average of the timed steps (2 ms of 1, 2, 3), not one step's."""
+    counter = instrumentation.CommCounter(timed=True, timer=timing.CudaEventTimer(gpu))
+    trainer = Trainer(gpu)
+    times_s = throughput.timed_steps(timing.CudaEventSteps(gpu), trainer, 3, counter)
+    assert times_s == pytest.approx([1 * MS, 2 * MS, 3 * MS])
+    ((row,),) = [counter.rows(steps=3)]
+    assert (row.count, round(row.time_s / MS, 9), round(row.exposed_s / MS, 9)) == (1, 2.0, 1.0)

@@ -8,7 +8,7 @@ imports). The FLOPs are the analytic model's (tpbench.theory), counted for what 
               dense model in fp32 (the reference), for 1 + validate.steps steps, and the forwards that
               compare their logits every validate.every steps
   memory      max(train.warmup, the steps to a steady state) + train.steps steps of the busiest rank
-  throughput  train.warmup + 2 (the counted and the FLOP-counted step) + train.steps steps
+  throughput  train.warmup + 1 (the FLOP-counted step) + train.steps steps, + 1 counted step for dtensor
 
 A rank's share of a step is its matmuls at its local sizes (heads and MLP columns divided by tp, the
 LM head too under VP, its DP slice of the batch), plus what full recompute adds; the rest of a step
@@ -141,7 +141,7 @@ def executed_flops(cfg: RunConfig) -> dict[str, float]:
     if cfg.kind == "memory":
         return {dtype: share * (max(t.warmup, steady_after(cfg)) + t.steps)}
     if cfg.kind == "throughput":
-        return {dtype: share * (t.warmup + 2 + t.steps)}
+        return {dtype: share * (t.warmup + 1 + (cfg.parallel.engine == "dtensor") + t.steps)}
     v = cfg.validate
     steps = 1 + v.steps  # the counted forward and backward, then the AdamW steps
     compared = sum(1 for s in range(1, v.steps + 1) if s % v.every == 0 or s == v.steps)

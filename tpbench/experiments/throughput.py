@@ -4,10 +4,12 @@ Each step starts and ends on a barrier (and a CUDA synchronize) and its time is 
 rank: barrier to barrier on the wall clock, or on NCCL the slowest rank's time between CUDA events on
 its compute stream around the step (tpbench.parallel.timing says what each number means where). The
 first warm-up step is reported apart (`first_step_s`: it includes torch.compile's compiling); the step
-time is the median over train.steps after train.warmup steps. One step of its own times every
-collective of our engine and DDP's buckets: its total time and the part waited on (exposed), so
-`comm_hidden_fraction` is how much of it parallel.overlap (or DDP) hid behind compute. The metric
-`timing_cuda_events` says how: 1 CUDA events, 0 the host's wall clock.
+time is the median over train.steps after train.warmup steps. Every collective of our engine and
+DDP's buckets is timed in those steps, averaged over them: its total time (from when its group could
+start it: tpbench.parallel.timing) and the part waited on (exposed), so `comm_hidden_fraction` is how
+much of it parallel.overlap (or DDP) hid behind compute. (The dtensor engine's collectives are counted
+on a step of its own: the counting mode would slow the timed ones.) The metric `timing_cuda_events`
+says how: 1 CUDA events, 0 the host's wall clock.
 
 Model FLOPs come from the analytic model; the FLOPs every rank really executes are counted on one
 step and summed over ranks (replicated work under TP counts on every rank), by `LocalFlopCounter`:
@@ -18,6 +20,7 @@ local shards as our engine's ops do, not the global shape on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 
 import torch
@@ -46,7 +49,8 @@ def run(cfg: RunConfig) -> RankResult:
     device, backend = trainer.ctx.device, dist.get_backend()
     clock = timing.step_clock(device, backend)
     result.add("timing_cuda_events", clock.method == timing.CUDA_EVENTS)
-    progress = StepProgress("throughput", cfg.train.warmup + 2 + cfg.train.steps)
+    timed_comm = cfg.parallel.engine in ("megatron", "ddp")  # DTensor's collectives: counted, not timed
+    progress = StepProgress("throughput", cfg.train.warmup + 1 + (not timed_comm) + cfg.train.steps)
     for i in range(cfg.train.warmup):
         if i == 0:  # with train.compile: compiling, apart from the step times below
             result.add("first_step_s", _slowest(clock, [_timed_step(clock, trainer)])[0], "s")
@@ -54,31 +58,29 @@ def run(cfg: RunConfig) -> RankResult:
             trainer.step()
         progress.step()
 
-    # on a step of its own: the FLOP counter slows compute
-    counter = instrumentation.CommCounter(timed=True, timer=timing.collective_timer(device, backend))
-    with counting(cfg, counter):
-        trainer.step()
-    progress.step()
-    result.comm = counter.rows()
-    if cfg.parallel.engine in ("megatron", "ddp"):  # DTensor's own collectives are counted, not timed
-        total, exposed = (sum(getattr(r, f) for r in result.comm) for f in ("time_s", "exposed_s"))
-        result.add("comm_time_s", total, "s")
-        result.add("comm_exposed_s", exposed, "s")
-        if total > 0:
-            result.add("comm_hidden_fraction", 1 - exposed / total)
+    counter = instrumentation.CommCounter(timed=timed_comm, timer=timing.collective_timer(device, backend))
+    if not timed_comm:  # on a step of its own: DTensor's counting mode slows compute
+        with counting(cfg, counter):
+            trainer.step()
+        progress.step()
+        result.comm = counter.rows()
     flops = LocalFlopCounter()
     # eager under train.compile: a dispatch mode cannot run inside a compiled graph (its matmuls are
     # the same)
     with torch.compiler.set_stance("force_eager"), flops:
         trainer.step()
     progress.step()
-    result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")
     result.add("flops_per_step", _summed_over_ranks(flops.get_total_flops()), "FLOP")
 
-    times = []
-    for _ in range(cfg.train.steps):
-        times.append(_timed_step(clock, trainer))
-        progress.step()  # between the timed steps' barriers: outside their times
+    times = timed_steps(clock, trainer, cfg.train.steps, counter if timed_comm else None, progress.step)
+    if timed_comm:
+        result.comm = counter.rows(steps=cfg.train.steps)  # per step, averaged over the timed steps
+        total, exposed = (sum(getattr(r, f) for r in result.comm) for f in ("time_s", "exposed_s"))
+        result.add("comm_time_s", total, "s")
+        result.add("comm_exposed_s", exposed, "s")
+        if total > 0:
+            result.add("comm_hidden_fraction", 1 - exposed / total)
+    result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")
     times = _slowest(clock, times)
     median = statistics.median(times)
     world = cfg.parallel.dp * cfg.parallel.tp
@@ -104,6 +106,24 @@ def run(cfg: RunConfig) -> RankResult:
 
 def _timed_step(clock: timing.StepClock, trainer: Trainer) -> float:
     return clock.time(trainer.step, trainer.sync)
+
+
+def timed_steps(
+    clock: timing.StepClock,
+    trainer: Trainer,
+    steps: int,
+    counter: instrumentation.CommCounter | None,
+    after_each=lambda: None,
+) -> list[float]:
+    """This rank's time of each of `steps` steps; with `counter`, every collective of them counted and
+    timed into it (its rows(steps) then the average step's). `after_each` runs between the steps'
+    barriers, outside their times."""
+    times = []
+    with instrumentation.counting(counter) if counter is not None else contextlib.nullcontext():
+        for _ in range(steps):
+            times.append(_timed_step(clock, trainer))
+            after_each()
+    return times
 
 
 def _slowest(clock: timing.StepClock, times: list[float]) -> list[float]:

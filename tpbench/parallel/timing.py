@@ -3,12 +3,15 @@ implementations, picked by `uses_cuda_events(device, backend)`.
 
 Wall clock (gloo, every backend but NCCL): `WallClockTimer` and `WallClockSteps`, the host's
 perf_counter.
-  total     launch to completion: from just before the launch to the moment the backend finished it,
-            which gloo tells by completing the Work's future on its worker thread (the future's done
-            callback), if that came before the wait; if the caller was waiting by then, to the return
-            of the wait (waking the caller is part of it: measured here under load, a wait returned
-            8 ms after the callback, 9 times the collective, and DDP's hidden fraction read -7.9). A
-            blocking collective: to the return of its wait.
+  total     from when the group could start it to the moment the backend finished it: from just
+            before the launch, or from the end of the group's previous collective if that came later
+            (a collective queued behind another of its group is not running yet: its wait there is
+            not communication), to its finish, which gloo tells by completing the Work's future on
+            its worker thread (the future's done callback), if that came before the wait; if the
+            caller was waiting by then, to the return of the wait (waking the caller is part of it:
+            measured here under load, a wait returned 8 ms after the callback, 9 times the
+            collective, and DDP's hidden fraction read -7.9). A blocking collective: to the return
+            of its wait.
   exposed   the time the caller spent in wait() (settling included), at most total; a blocking
             collective: all of it.
             A Work without a future (gloo's reduce_scatter_tensor, an all-reduce inside) is timed from
@@ -26,8 +29,11 @@ enqueued, so the host time of its callback says nothing of when the collective e
             Work's future (`Future.wait()` orders the current stream after the collective's kernels
             and returns at once): it fires when N has finished the collective;
   before, after   events on C just before and just after `wait()` (async collectives).
-  total     launch -> end: from C reaching the launch to N's end, the kernel's wait for its peers and
-            any earlier collective of the group still on N included (launch to completion, as on gloo).
+  total     start -> end, where start is the later of C reaching the launch and the end of the
+            group's previous collective on N (end of k minus max(launch of k, end of k-1)): the
+            kernel's wait for its peers included, its wait behind an earlier collective of its group
+            not (that one's time already counts it). Two collectives of 2 ms and 1 ms launched together
+            take 3 ms of comm, not 2 + 3 ms, so comm_hidden_fraction reads the truth.
   exposed   before -> after: how long C stalled at the wait, at most total (it starts after the launch
             and ends with N's end; only event latency could pass it, and is clamped), so
             comm_hidden_fraction lies in [0, 1]. A blocking collective: all of its total.
@@ -37,7 +43,8 @@ enqueued, so the host time of its callback says nothing of when the collective e
   elapsed times; nothing inside a timed step synchronises.
   Limits: exposed is an upper bound of what the collective cost the step where C was itself idle
   before the wait (a host behind the GPU: the stall then took the place of idle time, not of compute).
-  Collectives in flight together overlap in time, so their totals can add up to more than the step.
+  Collectives of different groups in flight together overlap in time, so their totals can add up to
+  more than the step (those of one group cannot: each starts its time where the one before ended).
   NCCL's own timing (TORCH_NCCL_ENABLE_TIMING=1, `Work._get_duration()`) measures from N's start of
   the kernel, after its wait on C; it needs each Work kept until after the step, and with it every
   tensor the Work holds, so it serves only as a cross-check (scripts/cuda_timing_check.py).
@@ -101,20 +108,39 @@ class StepClock(Protocol):
 class WallClockTimer:
     method = WALL_CLOCK
 
+    def __init__(self) -> None:
+        self._last: dict[int, _WallClockSpan] = {}  # id(group) -> its latest collective
+        self._groups: list[object] = []  # the groups keyed, kept alive so that no id is reused
+
     def start(self, x: torch.Tensor, group: object, blocking: bool, report: Report) -> Span:
-        return _WallClockSpan(x.device if x.is_cuda else None, blocking, report)
+        previous = self._last.get(id(group))
+        if previous is None:
+            self._groups.append(group)
+        span = _WallClockSpan(x.device if x.is_cuda else None, blocking, report, previous)
+        self._last[id(group)] = span
+        return span
 
     def resolve(self) -> None:
         pass  # every time was reported at its wait
 
 
 class _WallClockSpan:
-    def __init__(self, cuda: torch.device | None, blocking: bool, report: Report) -> None:
+    def __init__(
+        self, cuda: torch.device | None, blocking: bool, report: Report, previous: _WallClockSpan | None
+    ) -> None:
         self.cuda, self.blocking, self.report = cuda, blocking, report
         if cuda is not None:
             torch.cuda.synchronize(cuda)
         self.begin = time.perf_counter()
         self.done: list[float] = []  # when the backend finished, were it before the wait
+        self.previous = previous  # the group's collective before this one: this one queues behind it
+        self.finished: float | None = None  # when it finished, once known (its total's end)
+
+    def finished_at(self) -> float | None:
+        """When the backend finished it, if known yet: its future's callback, or its total's end."""
+        if self.finished is not None:
+            return self.finished
+        return self.done[0] if self.done and self.done[0] != math.inf else None
 
     def launched(self, work) -> None:
         if self.blocking:
@@ -136,11 +162,16 @@ class _WallClockSpan:
             torch.cuda.synchronize(self.cuda)
         end = time.perf_counter()
         if self.done and self.done[0] == math.inf:
-            total = end - self.waiting_at
-        elif self.blocking or not self.done or self.done[0] > self.waiting_at:
-            total = end - self.begin  # a collective that ended during its wait: to the wait's return
+            start, finish = self.waiting_at, end
         else:
-            total = self.done[0] - self.begin
+            # a collective that ended during its wait: to the wait's return
+            ended_early = not self.blocking and self.done and self.done[0] <= self.waiting_at
+            start, finish = self.begin, self.done[0] if ended_early else end
+            before = self.previous.finished_at() if self.previous is not None else None
+            if before is not None:  # queued behind the group's previous collective until it ended
+                start = min(max(start, before), finish)
+        self.finished, self.previous = finish, None  # the chain is not kept beyond one link
+        total = finish - start
         self.report(total, total if self.blocking else min(end - self.waiting_at, total))
 
 
@@ -209,6 +240,7 @@ class CudaEventTimer:
         self.source = source or CudaEvents()
         self._streams: dict[int, object] = {}  # id(group) -> its timing stream
         self._groups: list[object] = []  # the groups keyed, kept alive so that no id is reused
+        self._last_end: dict[int, Event] = {}  # id(group) -> the end event of its latest collective
         self._waited: list[_EventSpan] = []
 
     def start(self, x: torch.Tensor, group: object, blocking: bool, report: Report) -> Span:
@@ -222,6 +254,11 @@ class CudaEventTimer:
             self._streams[id(group)] = self.source.new_stream()
             self._groups.append(group)
         return self._streams[id(group)]
+
+    def queue_end(self, group: object, end: Event) -> Event | None:
+        """`end` is now the latest end on `group`'s stream; returns the one before it, if any."""
+        previous, self._last_end[id(group)] = self._last_end.get(id(group)), end
+        return previous
 
     def waited(self, span: _EventSpan) -> None:
         self._waited.append(span)
@@ -242,6 +279,7 @@ class _EventSpan:
         self.launch = source.event()
         self.launch.record(source.current_stream())
         self.end: Event | None = None  # None: a Work without a future, timed from its wait
+        self.previous_end: Event | None = None  # the end of the group's collective before it
 
     def launched(self, work) -> None:
         try:
@@ -254,6 +292,7 @@ class _EventSpan:
         with source.use(stream):
             future.wait()  # this stream waits on the collective's; the host does not
             self.end.record(stream)
+        self.previous_end = self.timer.queue_end(self.group, self.end)
 
     def waiting(self) -> None:
         if not self.blocking:
@@ -271,7 +310,9 @@ class _EventSpan:
             total = _seconds(self.launch if self.blocking else self.before, self.after)
             self.report(total, total)
             return
-        total = _seconds(self.launch, self.end)
+        total = _seconds(self.launch, self.end)  # end - max(launch, previous end) = the least of two
+        if self.previous_end is not None:
+            total = max(min(total, _seconds(self.previous_end, self.end)), 0.0)
         stalled = total if self.blocking else _seconds(self.before, self.after)
         self.report(total, min(max(stalled, 0.0), total))
 
