@@ -12,6 +12,13 @@ own, the keys of the run before untouched), its own job timeout, its stdout and 
 log files, the global RNG as a fresh process has it, the cycle collector's leftovers collected; rank 0
 marks the run done (JOB_DIR/done) once every rank's result is written, and no rank starts the next run
 before that.
+
+An overlap run on CUDA (parallel.overlap=true, launch.device=cuda, a real GPU) sets
+CUDA_DEVICE_MAX_CONNECTIONS=1 in its workers before CUDA starts, as Megatron does: with one hardware
+queue the GPU runs kernels in the order they were launched, so a collective launched before the GEMM
+it should hide behind is not queued behind it. The run records the value it ran under (the metric
+`cuda_device_max_connections`, from rank 0's result like every metric). CUDA runs always start fresh
+workers (tpbench.batch), so no run inherits another's setting.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ def main(job_dir: Path) -> None:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     _register(job_dir, rank)
     signal.alarm(math.ceil(cfg.launch.job_timeout_s))  # SIGALRM ends the process: the run is TIMEOUT
+    os.environ.update(worker_env(cfg))  # before CUDA starts: read when its context is made
     device = _device(cfg, local_rank)
     machine.write_rank_device(job_dir, rank, machine.rank_device_name(cfg, device))
     _init_group(cfg, device)
@@ -75,6 +83,15 @@ def main_batch(batch_dir: Path) -> None:
             _init_group(cfg, device, store_prefix=f"tpbench-run-{index}")
             _run(cfg, job_dir, rank, device, done=job_dir / DONE)
             signal.alarm(0)
+
+
+MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def worker_env(cfg: RunConfig) -> dict[str, str]:
+    """What the run's workers set in their environment before CUDA starts (see the module docstring)."""
+    real_cuda = cfg.launch.device == "cuda" and not emulation.gpu_emulated(cfg)
+    return {MAX_CONNECTIONS: "1"} if real_cuda and cfg.parallel.overlap else {}
 
 
 def _register(job_dir: Path, rank: int) -> None:
@@ -120,6 +137,8 @@ def _run(cfg: RunConfig, job_dir: Path, rank: int, device: torch.device, done: P
     # collection (memory.run's before its measured steps) scans only what the run made, in ms not 0.2 s
     gc.freeze()
     result = run(cfg)
+    if device.type == "cuda" and MAX_CONNECTIONS in os.environ:
+        result.add("cuda_device_max_connections", int(os.environ[MAX_CONNECTIONS]))
     faults.after_experiment(cfg, result)
     if emulation.emulated(cfg):
         (job_dir / "results").mkdir(exist_ok=True)
