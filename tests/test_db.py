@@ -5,6 +5,8 @@ Every test that is not about SQLite's file runs twice: on a SQLite file and on a
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 import multiprocessing
 import re
@@ -15,8 +17,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, inspect, text
 
-from tpbench import machine
-from tpbench.config import RunConfig
+from tpbench import machine, sweep
+from tpbench.config import RunConfig, TrainConfig, config_hash
 from tpbench.db import SCHEMA_VERSION, DatabaseRefused, NoDatabase, ResultsDB, _driver_url, schema
 from tpbench.results import CommRow, Environment, Outcome, ParamRow, RankResult, Status
 
@@ -64,6 +66,44 @@ def test_a_run_is_stored_whole_and_headlines_aggregate_over_ranks(db_url):
     record = db.run_record(run_id)
     assert record["metrics"]["peak_bytes"] == 1001 and record["config"]["train"]["seed"] == 0
     assert db.text(run_id) == "table of rank 0"
+
+
+# config(0)'s identity as the code of schema 6 (commit a18794b) stored it
+SCHEMA_6_HASH = "214010c7bd5ed45b"
+
+
+@dataclasses.dataclass
+class TrainWithANewField(TrainConfig):
+    """The train section as a later change may make it: one more field, with its default."""
+
+    new_knob: int = 0
+
+
+def with_new_field(cfg: RunConfig, value: int = 0) -> RunConfig:
+    cfg = copy.deepcopy(cfg)
+    cfg.train = TrainWithANewField(**dataclasses.asdict(cfg.train), new_knob=value)
+    return cfg
+
+
+def test_a_new_config_field_at_its_default_keeps_a_runs_identity():
+    assert config_hash(config()) == SCHEMA_6_HASH
+    assert config_hash(with_new_field(config())) == SCHEMA_6_HASH
+    assert config_hash(with_new_field(config(), 1)) != SCHEMA_6_HASH  # set: another experiment
+
+
+def test_a_sweep_skips_what_an_older_database_has(db_url, monkeypatch):
+    """A database written before a field was added (its run stored with the config and hash of then)
+    still counts the run as done for the config with the new field at its default."""
+    db = ResultsDB(db_url)
+    old = db.record(config(), outcome())
+    (stored_hash, hardware), *_ = db.finished()
+    assert stored_hash == SCHEMA_6_HASH
+    monkeypatch.setattr(sweep.machine, "here_key", lambda cfg: hardware)
+    configs = [with_new_field(config()), with_new_field(config(), 1)]
+    for c in configs:
+        c.db.url = db_url  # the database is no part of the identity
+    todo, done = sweep.split_done(configs, {db_url: db}, False)
+    assert [r.run_id for r in done] == [old] and [c.train.new_knob for c in todo] == [1]
 
 
 def test_finished_knows_only_ok_runs(db_url):

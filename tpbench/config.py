@@ -6,6 +6,7 @@ resolved config as a YAML file and turns it back into a `RunConfig` with `load_r
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -305,13 +306,71 @@ _UNHASHED_LAUNCH = (
 )
 
 
+# The keys the hash was made of when it last changed (the config of schema 6, commit a18794b): always
+# hashed. A key added since is hashed only where it is not at its default, so that a new field leaves
+# every recorded run's identity as it was (a sweep skips what a database has: tests/test_db.py). A
+# field that should change every identity is a reason to bump this list, and says so.
+_HASHED_KEYS = frozenset(
+    f"{section}.{key}" if key else section
+    for section, keys in {
+        "debug": ("ddp_fault", "dropout_fault", "overlap_fault", "skip_grad_sum", "validate_fault"),
+        "fault": ("",),
+        "kind": ("",),
+        "launch": (
+            "backend", "device", "emulate", "emulate_gpu", "emulate_rank", "memory_cap_mb", "nnodes",
+            "nproc_per_node",
+        ),
+        "model": (
+            "attention_bias", "dropout", "flash_attn", "fused_swiglu", "head_dim", "hidden_size",
+            "intermediate_size", "lean_rmsnorm", "max_position_embeddings", "name", "num_attention_heads",
+            "num_hidden_layers", "num_key_value_heads", "qk_norm", "rms_norm_eps", "rope_high_freq_factor",
+            "rope_low_freq_factor", "rope_original_max_position_embeddings", "rope_scaling_factor",
+            "rope_theta", "tie_word_embeddings", "vocab_size",
+        ),
+        "parallel": (
+            "ddp_bucket_mb", "ddp_gradient_as_bucket_view", "dp", "engine", "overlap", "sp", "sp_gather",
+            "sp_regather", "tp", "vocab_pad_multiple", "vp",
+        ),
+        "train": (
+            "batch", "compile", "dtype", "fused_optimizer", "global_batch", "keep_output", "loss", "lr",
+            "micro_batch", "precision", "recompute", "seed", "seq_len", "steps", "warmup", "weight_decay",
+        ),
+        "validate": (
+            "batch", "every", "lr", "steps", "tol_drift", "tol_fwd", "tol_grad_rel", "tol_loss", "tol_param",
+        ),
+    }.items()
+    for key in keys
+)  # fmt: skip
+
+
 def config_hash(cfg: RunConfig) -> str:
-    """Identity of an experiment: runs with the same hash measure the same thing."""
+    """Identity of an experiment: runs with the same hash measure the same thing. A key added to the
+    config since `_HASHED_KEYS` counts only where it is not at its default."""
     data = OmegaConf.to_container(OmegaConf.structured(cfg))
     del data["db"], data["sweep"], data["model"]["hf_config"]
     for key in _UNHASHED_LAUNCH:
         del data["launch"][key]
+    _drop_new_defaults(data, cfg, "")
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _drop_new_defaults(data: dict, obj: object, prefix: str) -> None:
+    """Remove from `data` (dataclass `obj` as a container) each key unknown to `_HASHED_KEYS` whose
+    value is its field's default; a known section is walked into."""
+    for f in dataclasses.fields(obj):
+        if f.name not in data:
+            continue
+        path, value = prefix + f.name, getattr(obj, f.name)
+        if path in _HASHED_KEYS:
+            continue
+        if dataclasses.is_dataclass(value) and any(k.startswith(path + ".") for k in _HASHED_KEYS):
+            _drop_new_defaults(data[f.name], value, path + ".")
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            default = OmegaConf.to_container(OmegaConf.structured(default))
+        if data[f.name] == default:
+            del data[f.name]
 
 
 def emulation_label(flat: dict) -> str:
