@@ -50,7 +50,7 @@ def row_exit_pipelined(x, w, chunks):
 def sp_exit_blocking(x, w):
     y = x @ w.t()
     out = torch.empty(y.shape[0] // T, y.shape[1])
-    dist.reduce_scatter_tensor(out, y)
+    dist.reduce_scatter_single(out, y)
     return out
 
 
@@ -59,7 +59,7 @@ def sp_exit_pipelined(x, w):
     for w_half in w.chunk(2):  # output columns
         y = x @ w_half.t()
         out = torch.empty(y.shape[0] // T, y.shape[1])
-        works.append(dist.reduce_scatter_tensor(out, y, async_op=True))
+        works.append(dist.reduce_scatter_single(out, y, async_op=True))
         halves.append(out)
     for work in works:
         work.wait()
@@ -68,13 +68,13 @@ def sp_exit_pipelined(x, w):
 
 def sp_entry_blocking(shard, w):
     full = torch.empty(shard.shape[0] * T, shard.shape[1])
-    dist.all_gather_into_tensor(full, shard)
+    dist.all_gather_single(full, shard)
     return full @ w.t()  # [N, H] x [H, I/T]
 
 
 def sp_entry_pipelined(shard, w):
     full = torch.empty(shard.shape[0] * T, shard.shape[1])
-    work = dist.all_gather_into_tensor(full, shard, async_op=True)
+    work = dist.all_gather_single(full, shard, async_op=True)
     y = torch.empty(full.shape[0], w.shape[0])
     rank, rows = dist.get_rank(), shard.shape[0]
     torch.mm(shard, w.t(), out=y.narrow(0, rank * rows, rows))  # the local rows, while gathering

@@ -135,7 +135,7 @@ def _all_gather(x: torch.Tensor, group: Group, purpose: str, blocking: bool) -> 
         return Pending(x)
     x = x.contiguous()
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    fn = lambda: dist.all_gather_into_tensor(out, x, group, async_op=True)  # noqa: E731
+    fn = lambda: dist.all_gather_single(out, x, group, async_op=True)  # noqa: E731
     return _launch("all_gather", purpose, x, out.numel() * out.element_size(), group, fn, out, blocking)
 
 
@@ -157,7 +157,7 @@ def _reduce_scatter(x: torch.Tensor, group: Group, purpose: str, blocking: bool)
         return Pending(x)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    fn = lambda: dist.reduce_scatter_tensor(out, x, group=group, async_op=True)  # noqa: E731
+    fn = lambda: dist.reduce_scatter_single(out, x, group=group, async_op=True)  # noqa: E731
     return _launch("reduce_scatter", purpose, x, x.numel() * x.element_size(), group, fn, out, blocking)
 
 

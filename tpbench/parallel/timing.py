@@ -14,7 +14,7 @@ perf_counter.
             of its wait.
   exposed   the time the caller spent in wait() (settling included), at most total; a blocking
             collective: all of it.
-            A Work without a future (gloo's reduce_scatter_tensor, an all-reduce inside) is timed from
+            A Work without a future (gloo's reduce_scatter_single, an all-reduce inside) is timed from
             its wait: total = exposed, never hidden.
   step      barrier to barrier: the slowest rank's.
   Limits: CUDA tensors on such a backend (gloo with launch.device=cuda) are timed with the device
@@ -147,7 +147,7 @@ class _WallClockSpan:
             return
         try:
             future = work.get_future()
-        except RuntimeError:  # gloo's reduce_scatter_tensor (an all-reduce inside) has no future
+        except RuntimeError:  # gloo's reduce_scatter_single (an all-reduce inside) has no future
             future = None
         if future is not None:
             future.add_done_callback(lambda _: self.done.append(time.perf_counter()))
