@@ -468,3 +468,24 @@ def test_runs_and_report_filter_by_hardware_and_a_report_says_it_mixes_them(mach
     xeon = (workdir / "xeon.md").read_text()
     assert "Mixed hardware" not in xeon and f"| hardware | {hardware_of(XEON)} |" in xeon
     assert "hardware holding 'xeon'" in xeon and EPYC not in xeon
+
+
+def test_plan_json_is_the_prediction_as_one_object():
+    """`plan --json`: one JSON object a config, the prediction's figures as theory gives them."""
+    import json
+
+    from tpbench import theory
+    from tpbench.compose import expand
+
+    overrides = ["tp=2", "sp=true", "kind=memory"]
+    result = CliRunner().invoke(app, ["plan", *overrides, "--json"])
+    assert result.exit_code == 0, result.output
+    (line,) = result.stdout.splitlines()
+    got = json.loads(line)
+    (cfg,) = expand(overrides, single=True)
+    prediction = theory.predict(cfg)
+    assert (got["tp"], got["sp"], got["mode"]) == (2, True, "tp_sp")
+    assert got["peak_bytes"] == prediction.peak_bytes and got["peak_moment"] == prediction.peak.name
+    assert [m["total"] for m in got["moments"]] == [m.total for m in prediction.moments]
+    assert got["comm_bytes_per_step"] == prediction.comm_bytes_per_step
+    assert sum(r["bytes"] for r in got["comm"]) == prediction.comm_bytes_per_step

@@ -236,7 +236,8 @@ def report(
     epilog="Examples:\n\n"
     "tpbench plan tp=8 sp=true vp=true model=minimind layers=64\n\n"
     "tpbench plan +preset=seed_tp_memory  (every config of the sweep)\n\n"
-    "tpbench plan mode=ddp,tp_sp_vp model=seed_memory precision=mixed",
+    "tpbench plan mode=ddp,tp_sp_vp model=seed_memory precision=mixed\n\n"
+    "tpbench plan model=qwen3_0_6b tp=4 --json",
 )
 def plan(
     overrides: Overrides = None,
@@ -248,6 +249,9 @@ def plan(
             "measured peak beside the prediction; with launch.device=cuda, the allocator's too.",
         ),
     ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print each config's prediction as one JSON object (a line).")
+    ] = False,
 ) -> None:
     """Print the analytic model's prediction, per rank, without running anything: memory at each moment
     of a training step (the peak marked), collective bytes per step, model FLOPs per step."""
@@ -257,11 +261,14 @@ def plan(
     configs = _compose([*(overrides or []), *(["launch.emulate=fake"] if measure else [])], single=False)
     for c in (c for c in configs if c.kind == configs[0].kind):  # kind=all: one config per kind
         prediction = theory.predict(c)
+        measured = memory.measure_busiest(c) if measure else None
+        if as_json:
+            print(json.dumps(output.plan_dict(c, prediction, theory.model_flops_per_step(c), measured)))
+            continue
         output.plan(c, prediction, theory.model_flops_per_step(c))
         output.depth(c)
-        if measure:
-            result, seconds = memory.measure_busiest(c)
-            output.measured(c, prediction, result, seconds, emulation.emulated_rank(c))
+        if measured is not None:
+            output.measured(c, prediction, *measured, emulation.emulated_rank(c))
 
 
 @app.command(

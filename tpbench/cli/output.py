@@ -6,6 +6,7 @@ Whatever a run stored is shown verbatim: no rich markup in cells ("[x]" stays "[
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tpbench.cli.arguments import usage
-from tpbench.config import RunConfig, mode_label, public_config, world_size
+from tpbench.config import RunConfig, config_hash, mode_label, public_config, world_size
 
 if TYPE_CHECKING:  # pandas and the database (sqlalchemy) are imported where a command needs them:
     import pandas as pd  # `tpbench plan` starts without them
@@ -200,6 +201,54 @@ def _depth_limits(cfg: RunConfig) -> tuple[list[Limit], dict[str, str]]:
         except ConfigError as e:
             refused[mode] = str(e)
     return depth.limits(configs), refused
+
+
+def plan_dict(
+    cfg: RunConfig, prediction: Prediction, flops: float, measured: tuple[dict, float] | None = None
+) -> dict:
+    """`tpbench plan --json`: the prediction's fields of one config, in bytes per rank (what `plan`
+    prints as tables); with --measure, the emulated busiest rank's figures under "measured"."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    moments = [
+        {"name": x.name, **{f: getattr(x, f) for f in MOMENT_FIELDS}, "total": x.total}
+        for x in prediction.moments
+    ]
+    out = {
+        "config_hash": config_hash(cfg),
+        "kind": cfg.kind,
+        "mode": mode_label(p),
+        "engine": p.engine,
+        "tp": p.tp,
+        "dp": p.dp,
+        "sp": p.sp,
+        "vp": p.vp,
+        "model": m.name,
+        "layers": m.num_hidden_layers,
+        "hidden": m.hidden_size,
+        "seq": t.seq_len,
+        "micro_batch": prediction.dims.B,
+        "dtype": t.dtype,
+        "precision": t.precision,
+        "recompute": t.recompute,
+        "peak_bytes": prediction.peak_bytes,
+        "peak_moment": prediction.peak.name,
+        "moments": moments,
+        "comm": [dataclasses.asdict(r) for r in prediction.comm_rows()],
+        "comm_bytes_per_step": prediction.comm_bytes_per_step,
+        "model_flops_per_step": flops,
+    }
+    if cfg.launch.device == "cuda":
+        gpu = cfg.launch.emulate_gpu
+        out |= {"gpu": gpu, "max_memory_allocated_bytes": prediction.max_memory_allocated_bytes(gpu)}
+    if measured is not None:
+        from tpbench.emulation import emulated_rank
+
+        result, seconds = measured
+        out["measured"] = {"rank": emulated_rank(cfg), "seconds": seconds, **result}
+    return out
+
+
+MOMENT_FIELDS = ("params", "grads", "optimizer", "activations", "temporaries")
 
 
 def measured(
