@@ -9,7 +9,10 @@ Three overlaps, each bit-identical to the blocking order (no sum is made in anot
   all-gather of the output gradient), behind the row-parallel layer's and the core's backward;
   waited at its first use (the column layers' saved input).
 - the DP gradient average of tp x dp runs (`DPGradBuckets`): per bucket, once backward has
-  accumulated all its gradients, behind the rest of backward; waited in finish_grads.
+  accumulated all its gradients, behind the rest of backward; waited in finish_grads. Each bucket is
+  one persistent flat buffer and its parameters' `.grad` are views into it (DDP's
+  gradient_as_bucket_view): the all-reduce runs on the buffer in place, with no copy of the
+  gradients (a `torch.cat` of them was one more gradient's worth of memory).
 
 Weight gradients of column-parallel layers are deferred (`DeferredWeightGrads`): their backward
 returns the input gradient only, the weight gradient is computed by the region's entry op after it
@@ -132,7 +135,14 @@ class DPGradBuckets:
     must see them first (q/k norms, SP norms, KV replicas), as the blocking order does, and so is a
     weight that gets gradients from two places (the LM head tied to the embedding under VP).
     Each element is summed over the same ranks as in one coalesced all-reduce: bit-identical for
-    dp=2 (a + b); for dp > 2 gloo's ring may add in another order where chunk boundaries move."""
+    dp=2 (a + b); for dp > 2 gloo's ring may add in another order where chunk boundaries move.
+
+    Each bucket has a flat buffer for good, made with the buckets (a bucket holds one dtype: a
+    parameter of another opens a new one). As a parameter's gradient of this backward is ready, it
+    is copied into its slot and `.grad` becomes the slot's view (autograd made the gradient: the
+    optimizer's zero_grad(set_to_none=True) dropped the view, as DDP's buckets see it), freeing what
+    autograd made; a later accumulation adds into the view in place. The all-reduce and the average
+    run on the buffer in place."""
 
     def __init__(
         self,
@@ -148,45 +158,69 @@ class DPGradBuckets:
         size = bucket_bytes + 1  # the first parameter opens a bucket
         for name in reversed([n for n in params if n not in late]):
             p = params[name]
-            if size + p.numel() * p.element_size() > bucket_bytes and size > 0:
+            other_dtype = self.buckets and params[self.buckets[-1][-1]].dtype != p.dtype
+            if (size + p.numel() * p.element_size() > bucket_bytes and size > 0) or other_dtype:
                 self.buckets.append([])
                 size = 0
             self.buckets[-1].append(name)
             size += p.numel() * p.element_size()
-        self.buckets.append([n for n in params if n in late])
-        self.bucket_of = {n: i for i, names in enumerate(self.buckets[:-1]) for n in names}
+        late_names = [n for n in params if n in late]
+        for dtype in dict.fromkeys(params[n].dtype for n in late_names) or [None]:  # the late ones
+            self.buckets.append([n for n in late_names if params[n].dtype == dtype])
+        self.bucket_of = {n: i for i, names in enumerate(self.buckets) for n in names}
+        self.late = {i for i, names in enumerate(self.buckets) if names and names[0] in late}
+        self.flat: list[torch.Tensor] = []
+        self.views: dict[str, torch.Tensor] = {}
+        for names in self.buckets:
+            first = params[names[0]] if names else None
+            flat = torch.zeros(
+                sum(params[n].numel() for n in names),
+                dtype=first.dtype if first is not None else torch.float32,
+                device=first.device if first is not None else None,
+            )
+            offset = 0
+            for n in names:
+                self.views[n] = flat.narrow(0, offset, params[n].numel()).view_as(params[n])
+                offset += params[n].numel()
+            self.flat.append(flat)
         self._reset()
 
     def _reset(self) -> None:
         self.missing = [len(names) for names in self.buckets]
-        self.pending: list[tuple[list[str], collectives.Pending] | None] = [None] * len(self.buckets)
+        self.pending: list[collectives.Pending | None] = [None] * len(self.buckets)
 
     def ready(self, name: str) -> None:
         """Parameter `name` has its gradient of this backward."""
         i = self.bucket_of.get(name)
-        if i is None:
+        if i is None or i in self.late:
             return
+        self._into_slot(name)
         self.missing[i] -= 1
         if self.missing[i] == 0 or self.early_launch:
             self._launch(i)
 
+    def _into_slot(self, name: str) -> None:
+        """`.grad` of `name` as the view of its slot, its value kept; without a gradient, the slot
+        zeroed and `.grad` left None (the optimizer skips it, as before)."""
+        param, view = self.params[name], self.views[name]
+        if param.grad is None:
+            view.zero_()
+        elif param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+            param.grad = view
+
     def _launch(self, i: int) -> None:
-        if self.pending[i] is not None:
+        if self.pending[i] is not None or not self.buckets[i]:
             return
-        names = [n for n in self.buckets[i] if self.params[n].grad is not None]
-        if names:
-            flat = torch.cat([self.params[n].grad.reshape(-1) for n in names])
-            self.pending[i] = names, collectives.all_reduce_async(flat, self.group, "dp_grad")
+        for name in self.buckets[i]:  # the late ones, and any whose gradient never came
+            self._into_slot(name)
+        self.pending[i] = collectives.all_reduce_async(self.flat[i], self.group, "dp_grad")
 
     def finish(self) -> None:
-        """Launch what is not launched yet (the late bucket), wait for all, average into `.grad`."""
+        """Launch what is not launched yet (the late buckets), wait for all, average in place (the
+        parameters' `.grad` are the buffers' views)."""
         for i in range(len(self.buckets)):
             self._launch(i)
-        for names, pending in filter(None, self.pending):
-            flat = pending.wait() / self.dp
-            offset = 0
-            for name in names:
-                grad = self.params[name].grad
-                grad.copy_(flat.narrow(0, offset, grad.numel()).view_as(grad))
-                offset += grad.numel()
+        for pending in filter(None, self.pending):
+            pending.wait().div_(self.dp)
         self._reset()
