@@ -325,3 +325,26 @@ def test_browser_overlap_probe_can_fail(tmp_path):
     )
     result = probe(svg, tmp_path)
     assert result["overlaps"] == [["all-gather", "reduce-scatter"]]
+
+
+def test_the_step_is_traced_on_fake_tensors(monkeypatch):
+    """Shapes and collectives, not values: the traced step's parameters are fake tensors, so a
+    report's diagram of a big run costs no real step at its shape."""
+    import importlib
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    tracing = importlib.import_module("tpbench.diagram.trace")  # the module, not the function
+
+    made = []
+
+    class Spy(tracing.Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(tracing, "Trainer", Spy)
+    (cfg,) = diagram.configs(["tp=2", "sp=true"])
+    tr = diagram.trace(cfg)
+    assert len(made) == 2 and len(tr.ranks) == 2
+    assert all(isinstance(p, FakeTensor) for t in made for p in t.module.parameters())

@@ -1,14 +1,16 @@
-"""Trace one real training step on every TP rank, each emulated in this process.
+"""Trace one training step on every TP rank, each emulated in this process on fake tensors.
 
-Rank r of T runs as rank r of torch's fake process group: its collectives are no-ops that keep their
-shapes, so the values are meaningless while every shape, shard and collective is the one a real job
-has. The real `Trainer` builds the sharded model and takes one step, while
+Rank r of T runs as rank r of torch's fake process group, its tensors fake (tpbench.emulation's
+FakeRank, a FakeTensorMode): they carry shapes, dtypes and storages but no values, and no op
+computes, so a step at any shape takes about as long as at a tiny one (a Qwen3-0.6B block at T 4:
+seconds, where a real CPU step took minutes), while every shape, shard and collective is the one a
+real job has. The real `Trainer` builds the sharded model and takes one step, while
   - module forward hooks record each module call: its inputs, its output, this rank's parameters;
   - a TorchFunctionMode records the functional ops between modules (attention, SwiGLU, residual adds);
   - module backward hooks say whose backward is running when a backward collective is issued;
   - instrumentation.CommCounter(log=True) records every collective in the order it was issued.
 Who feeds whom comes from the tensors themselves: a call's input is the output of the call that made
-its storage. Where shards sit in the dense weights comes from their values (same seed, same model).
+its storage. Where shards sit in the dense weights comes from the plan's layouts (`Layout.span`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tpbench.config import RunConfig
-from tpbench.experiments.setup import build_dense
+from tpbench.emulation import FakeRank
+from tpbench.experiments.setup import build_dense, context
 from tpbench.experiments.training import Trainer
 from tpbench.models.minimind import FeedForward, MiniMindBlock
 from tpbench.parallel import instrumentation
@@ -44,7 +47,7 @@ class Shard:
     dense_shape: tuple[int, ...]
     shape: tuple[int, ...]  # this rank's tensor (nn.Linear view: [out, in])
     dim: int | None  # the dim of the dense weight it is cut from; None: the whole of it
-    start: int = 0  # the dense indices along `dim` this rank holds, found by value
+    start: int = 0  # the dense indices along `dim` this rank holds (the plan's Layout.span)
     stop: int = 0
     grad_sum: str | None = None  # the gradient sum this parameter needs, if any
 
@@ -99,10 +102,8 @@ def trace(cfg: RunConfig) -> Trace:
     tp = cfg.parallel.tp
     ranks = []
     with warnings.catch_warnings():
-        # the embedding's full backward hook fires at its output (token ids need no gradient): as
-        # wanted; and torch's c10d names the tensor collectives collectives.py calls deprecated
+        # the embedding's full backward hook fires at its output (token ids need no gradient): as wanted
         warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
-        warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
         for rank in range(tp):
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=tp)
             try:
@@ -113,17 +114,19 @@ def trace(cfg: RunConfig) -> Trace:
 
 
 def _trace_rank(cfg: RunConfig, rank: int) -> RankTrace:
-    trainer = Trainer(cfg)
-    pm = trainer.model
-    dense = dict(build_dense(cfg).named_parameters(remove_duplicate=False))
-    recorder = _Recorder(trainer.module)
-    recorder.shards = {
-        name: _locate(name, p, dense[name], pm.layouts[name])
-        for name, p in trainer.module.named_parameters(remove_duplicate=False)
-    }
-    log = _Log(recorder)
-    with recorder.hooked(), instrumentation.counting(log):
-        trainer.step()
+    ctx = context(cfg)  # the groups read the store: made before any fake tensor
+    with FakeRank():
+        trainer = Trainer(cfg, ctx)
+        pm = trainer.model
+        dense = {n: tuple(p.shape) for n, p in build_dense(cfg).named_parameters(remove_duplicate=False)}
+        recorder = _Recorder(trainer.module)
+        recorder.shards = {
+            name: _locate(name, p, dense[name], pm.layouts[name], ctx.tp, ctx.tp_rank)
+            for name, p in trainer.module.named_parameters(remove_duplicate=False)
+        }
+        log = _Log(recorder)
+        with recorder.hooked(), instrumentation.counting(log):
+            trainer.step()
     # finish_grads issues one coalesced all-reduce per GradSum that has gradients, in order
     params = dict(trainer.module.named_parameters())
     sums = iter([gs for gs in pm.grad_sums if any(params[n].grad is not None for n in gs.params)])
@@ -151,23 +154,17 @@ class _Log(instrumentation.CommCounter):
         self.context.append(self.recorder.where())
 
 
-def _locate(name: str, param: torch.Tensor, dense: torch.Tensor, layout: Layout) -> Shard:
-    """Find this rank's shard in the dense weight by value: the indices along the cut dim (a padded
-    vocab's last shard ends in zero rows that are in no dense row)."""
-    shard = Shard(
-        name, layout.semantics, tuple(dense.shape), tuple(param.shape), layout.dim, grad_sum=layout.grad_sum
-    )
+def _locate(
+    name: str, param: torch.Tensor, dense: tuple[int, ...], layout: Layout, tp: int, tp_rank: int
+) -> Shard:
+    """This rank's shard of the dense weight: the indices along the cut dim, by the plan's layout (a
+    padded vocab's last shard ends in padded rows that are in no dense row)."""
+    shard = Shard(name, layout.semantics, dense, tuple(param.shape), layout.dim, grad_sum=layout.grad_sum)
     if layout.dim is None:
-        shard.stop = dense.shape[0]
+        shard.stop = dense[0]
         return shard
-    size, dim = param.shape[layout.dim], layout.dim
-    wanted = dense.detach().to(param.dtype)
-    for start in range(0, dense.shape[dim], size):
-        real = min(size, dense.shape[dim] - start)
-        if torch.equal(param.detach().narrow(dim, 0, real), wanted.narrow(dim, start, real)):
-            shard.start, shard.stop = start, start + real
-            return shard
-    raise AssertionError(f"{name}: this rank's shard {tuple(param.shape)} is no slice of the dense weight")
+    shard.start, shard.stop = layout.span(dense[layout.dim], tp, tp_rank)
+    return shard
 
 
 # The functional ops between modules worth a box of their own: (op, the enclosing module's class).
@@ -269,7 +266,7 @@ class _Recorder(TorchFunctionMode):
             parent = name.rsplit(".", 1)[0] if "." in name else ""
         sources: list[int] = []
         for t in tensors:
-            ptr = t.untyped_storage().data_ptr()
+            ptr = t.untyped_storage()._cdata  # the storage's identity, fake tensors' too
             if ptr in self.producer:
                 found = [self.producer[ptr]]
             else:  # made by ops that are no call (RoPE, a collective): read what is still unread
@@ -293,5 +290,5 @@ class _Recorder(TorchFunctionMode):
             )
         )
         self.unconsumed.append(call_id)
-        self.producer[output.untyped_storage().data_ptr()] = call_id
+        self.producer[output.untyped_storage()._cdata] = call_id
         self.keep += [*tensors, output]

@@ -77,6 +77,13 @@ class Layout:
         size = -(-length // self.num_shards)
         return dense.detach().narrow(self.dim, i * size, min(size, length - i * size)).clone()
 
+    def span(self, length: int, tp: int, tp_rank: int) -> tuple[int, int]:
+        """The dense indices along `dim` that rank `tp_rank`'s shard holds, of a dense dim of `length`
+        (as `shard` cuts it; padded rows are no dense index)."""
+        i = tp_rank // (tp // self.num_shards)
+        size = -(-max(length, self.padded_rows or 0) // self.num_shards)
+        return min(i * size, length), min((i + 1) * size, length)
+
     def unshard(self, shards: list[torch.Tensor], real_rows: int | None = None) -> torch.Tensor:
         """Inverse of shard, from the shards of all TP ranks in rank order; drops padded rows."""
         if self.dim is None:
