@@ -27,16 +27,8 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
 
-from tpbench import hardware
-from tpbench.config import (
-    CONF_DIR,
-    RunConfig,
-    field_type,
-    local_world_size,
-    register_schema,
-    schema_keys,
-    world_size,
-)
+from tpbench import config, hardware
+from tpbench.config import CONF_DIR, RunConfig, local_world_size, register_schema, world_size
 from tpbench.emulation import EMULATED_KINDS, FLAVOURS
 from tpbench.experiments import KINDS
 from tpbench.faults import FAULTS
@@ -349,7 +341,7 @@ def _check_added_keys(overrides: list[Override]) -> None:
 def _check_booleans(overrides: list[Override]) -> None:
     """A bool setting takes true or false only (OmegaConf would also take 2, yes, on, 1)."""
     for o in overrides:
-        if field_type(o.key_or_group, default="") != "bool":
+        if config.field_type(o.key_or_group, default="") != "bool":
             continue
         values = list(o.sweep_iterator()) if o.is_sweep_override() else [o.value()]
         for value in values:
@@ -395,7 +387,7 @@ def _explain(e: ConfigCompositionException, typed: dict[str, str]) -> str:
     cause = e.__cause__
     if isinstance(cause, ConfigAttributeError | ConfigKeyError):
         key = cause.full_key
-        near = difflib.get_close_matches(key, [*SHORT_NAMES, *schema_keys()], n=1)
+        near = difflib.get_close_matches(key, [*SHORT_NAMES, *config.schema_keys()], n=1)
         guess = f" (did you mean {near[0]}?)" if near else ""
         return (
             f"{typed.get(key, key)}: {key} is not a tpbench setting{guess}; "
@@ -404,7 +396,7 @@ def _explain(e: ConfigCompositionException, typed: dict[str, str]) -> str:
         )
     if isinstance(cause, ValidationError):
         key = cause.full_key
-        return f"{typed.get(key, key)}: {key} takes {field_type(key)} ({str(cause).splitlines()[0]})"
+        return f"{typed.get(key, key)}: {key} takes {config.field_type(key)} ({str(cause).splitlines()[0]})"
     return " ".join(str(e).split())
 
 
