@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import importlib.util
 import math
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
 
-from tpbench import hardware
+from tpbench import config, hardware
 from tpbench.config import CONF_DIR, RunConfig, local_world_size, register_schema, world_size
 from tpbench.emulation import EMULATED_KINDS, FLAVOURS
 from tpbench.experiments import KINDS
@@ -126,6 +127,7 @@ AT_LEAST_ZERO_FLOAT = (
     "validate.tol_param",
     "validate.tol_drift",
 )
+MODES = tuple(sorted(p.stem for p in (CONF_DIR / "mode").glob("*.yaml")))
 MAX_SECONDS = 10**7  # timeouts: about 4 months; past 2**32 s the worker's alarm() and timedelta overflow
 
 
@@ -155,6 +157,8 @@ def expand(overrides: Sequence[str], single: bool = False) -> list[RunConfig]:
                 f"{' '.join(overrides)}: a sweep of {len(combos)} configs, `tpbench run` runs one: "
                 f"use `tpbench sweep` with the same overrides"
             )
+        for combo in combos:
+            _check_mode(combo)
         runs = [run for combo in combos for run in _runs_of(_compose(combo, typed))]
     given = {o.key_or_group for o in preset + user}
     for run in runs:
@@ -310,6 +314,13 @@ def _parse(parser: OverridesParser, overrides: Sequence[str]) -> list[Override]:
         parsed = parser.parse_overrides(list(overrides))
     except OverrideParseException as e:
         raise ConfigError(f"{e.override}: not an override KEY=VALUE ({e.message.splitlines()[1]})") from None
+    for o in parsed:
+        if o.is_delete() or o.key_or_group.split(".")[0] == "hydra":
+            what = "removes a setting" if o.is_delete() else "Hydra's own setting, which tpbench never reads"
+            raise ConfigError(
+                f"{o.input_line}: {what} (results go to db.url); accepted are KEY=VALUE with the keys of "
+                "`tpbench run --cfg`"
+            )
     return [
         dataclasses.replace(o, key_or_group=SHORT_NAMES.get(o.key_or_group, o.key_or_group)) for o in parsed
     ]
@@ -330,12 +341,29 @@ def _check_added_keys(overrides: list[Override]) -> None:
 def _check_booleans(overrides: list[Override]) -> None:
     """A bool setting takes true or false only (OmegaConf would also take 2, yes, on, 1)."""
     for o in overrides:
-        if _field_type(o.key_or_group, default="") != "bool":
+        if config.field_type(o.key_or_group, default="") != "bool":
             continue
         values = list(o.sweep_iterator()) if o.is_sweep_override() else [o.value()]
         for value in values:
             if not isinstance(value, bool):
                 raise ConfigError(f"{o.input_line}: {o.key_or_group} takes bool: accepted are true, false")
+
+
+def _check_mode(combo: list[str]) -> None:
+    """mode=NAME with a switch that NAME sets otherwise (mode=tp_sp_vp sp=false) is a contradiction, not
+    a quiet change of mode: refused. The mode's sizes (tp, dp) may change."""
+    given = dict(o.split("=", 1) for o in combo)
+    if "mode" not in given:
+        return
+    mode = OmegaConf.load(CONF_DIR / "mode" / f"{given['mode']}.yaml") if given["mode"] in MODES else {}
+    for key in ("sp", "vp", "engine", "sp_gather"):
+        said = given.get(f"parallel.{key}")
+        if said is not None and key in mode and said.lower() != str(mode[key]).lower():
+            raise ConfigError(
+                f"mode={given['mode']} with parallel.{key}={said.lower()}: mode={given['mode']} sets "
+                f"parallel.{key}={str(mode[key]).lower()}; accepted is one of the two (another mode: "
+                f"{', '.join(MODES)})"
+            )
 
 
 def _as_string(o: Override) -> str:
@@ -359,13 +387,16 @@ def _explain(e: ConfigCompositionException, typed: dict[str, str]) -> str:
     cause = e.__cause__
     if isinstance(cause, ConfigAttributeError | ConfigKeyError):
         key = cause.full_key
+        near = difflib.get_close_matches(key, [*SHORT_NAMES, *config.schema_keys()], n=1)
+        guess = f" (did you mean {near[0]}?)" if near else ""
         return (
-            f"{typed.get(key, key)}: {key} is not a tpbench setting; accepted are the short names "
-            f"{', '.join(SHORT_NAMES)}, the groups {', '.join(GROUPS)} and the keys of `tpbench run --cfg`"
+            f"{typed.get(key, key)}: {key} is not a tpbench setting{guess}; "
+            f"accepted are the short names {', '.join(SHORT_NAMES)}, the groups {', '.join(GROUPS)} and the "
+            "keys of `tpbench run --cfg`"
         )
     if isinstance(cause, ValidationError):
         key = cause.full_key
-        return f"{typed.get(key, key)}: {key} takes {_field_type(key)} ({str(cause).splitlines()[0]})"
+        return f"{typed.get(key, key)}: {key} takes {config.field_type(key)} ({str(cause).splitlines()[0]})"
     return " ".join(str(e).split())
 
 
@@ -467,24 +498,3 @@ def _check_fault(cfg: RunConfig) -> None:
 
 def _get(cfg: RunConfig, key: str):
     return reduce(getattr, key.split("."), cfg)
-
-
-def _field_type(key: str, default: str | None = None) -> str:
-    """The annotation of a schema field, e.g. 'int' for parallel.tp; `default` for a key the schema
-    lacks (None: raise StopIteration)."""
-    cls: type = RunConfig
-    *parents, name = key.split(".")
-    try:
-        for part in parents:
-            cls = _field(cls, part).default_factory  # type: ignore[assignment]
-        return str(_field(cls, name).type)
-    except (StopIteration, TypeError):
-        if default is None:
-            raise
-        return default
-
-
-def _field(cls: type, name: str) -> dataclasses.Field:
-    if not dataclasses.is_dataclass(cls):
-        raise TypeError(f"{cls} has no fields")
-    return next(f for f in dataclasses.fields(cls) if f.name == name)

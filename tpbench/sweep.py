@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from sqlalchemy.exc import SQLAlchemyError
 
 from tpbench import batch, compose, launch, machine
-from tpbench.config import RunConfig, config_hash, hide_password, run_label
+from tpbench.config import RunConfig, config_hash, run_label
 from tpbench.db import ResultsDB, url_refused
 from tpbench.parallel.checks import ConfigError
 from tpbench.results import Outcome
@@ -45,10 +45,11 @@ def configs(overrides: Sequence[str], single: bool = False) -> list[RunConfig]:
 
 
 def name(configs: Sequence[RunConfig], given: str | None, overrides: Sequence[str]) -> None:
-    """The sweep name stored with each run: its own (a preset's), else `given`, else the overrides (a
-    URL's password hidden), else "default"."""
+    """The sweep name stored with each run: its own (a preset's), else `given`, else the overrides but
+    where the results go (db.url, db=), which names no setting of the runs, else "default"."""
+    named = [o for o in overrides if o.lstrip("+~").partition("=")[0] not in ("db", "db.url")]
     for c in configs:
-        c.sweep = c.sweep or given or " ".join(map(_shown, overrides)) or "default"
+        c.sweep = c.sweep or given or " ".join(named) or "default"
 
 
 def check_destination(cfg: RunConfig) -> None:
@@ -146,9 +147,3 @@ def record(cfg: RunConfig, db: ResultsDB, outcome: Outcome, say: Callable[[str],
     if outcome.status != "OK":
         say(f"run {run_id} {outcome.status}: {outcome.error} (logs: {outcome.log_dir})")
     return Ran(run_id, cfg, str(outcome.status))
-
-
-def _shown(override: str) -> str:
-    """An override as it may be stored (a sweep name): a URL's password hidden."""
-    key, sep, value = override.partition("=")
-    return f"{key}{sep}{hide_password(value)}" if "://" in value else override

@@ -29,6 +29,7 @@ from tpbench.cli.arguments import (
 from tpbench.cli.output import err, out
 from tpbench.cli.progress import RunsProgress, say_estimates
 from tpbench.config import DbConfig, RunConfig
+from tpbench.results import Status
 
 if TYPE_CHECKING:  # pandas and the database (sqlalchemy) are imported where a command needs them:
     from tpbench.db import ResultsDB  # `tpbench plan` starts without them
@@ -68,6 +69,7 @@ def run(overrides: Overrides = None, cfg: ShowCfg = False, as_json: AsJson = Fal
     if on_slurm:
         _on_slurm(configs, dbs, force=True, wait_only=False, as_json=as_json, sweep=False)
     estimates = [] if as_json else say_estimates(configs, sweep=False)
+    _say_where(dbs)
     ran = []
     with RunsProgress(estimates, quiet=as_json, sweep=False) as progress:
         for r in sweeping.run_each(configs, dbs, progress.on_start, one_line):
@@ -91,7 +93,8 @@ def sweep(
     name: Annotated[
         str | None,
         typer.Option(
-            help="Sweep name stored with each run [default: the preset's name, else the overrides]."
+            help="Sweep name stored with each run \\[default: the preset's name, else the overrides, "
+            "db.url left out]."
         ),
     ] = None,
     wait: Annotated[
@@ -122,6 +125,7 @@ def sweep(
         _on_slurm(configs, dbs, force=force, wait_only=wait, as_json=as_json, sweep=True)
     todo, ran = sweeping.split_done(configs, dbs, force)
     estimates = [] if as_json else say_estimates(todo, sweep=True)
+    _say_where(dbs)
     with RunsProgress(estimates, quiet=as_json, sweep=True, skipped=len(ran)) as progress:
         for r in sweeping.run_each(todo, dbs, progress.on_start, one_line):
             progress.ended(r)
@@ -141,7 +145,7 @@ def sweep(
 )
 def runs(
     ctx: typer.Context,
-    status: Annotated[str | None, typer.Option(help="OK, FAILED, OOM, TIMEOUT or INTERRUPTED.")] = None,
+    status: Annotated[str | None, typer.Option(help=f"{', '.join(Status)}; any case.")] = None,
     kind: Annotated[str | None, typer.Option(help="validate, memory or throughput.")] = None,
     mode: Annotated[str | None, typer.Option(help="ddp, tp, tp_sp, tp_vp, tp_sp_vp, ...")] = None,
     since: Annotated[str | None, typer.Option(help="An ISO date/time (UTC) or an age: 30m, 12h, 7d.")] = None,
@@ -157,6 +161,7 @@ def runs(
 
     from tpbench.db import parse_since
 
+    status = status.upper() if status else None
     check_filters(status=status, kind=kind, mode=mode)
     try:
         start = parse_since(since) if since else None
@@ -349,8 +354,8 @@ def diagram(
     ] = False,
 ) -> None:
     """Draw one transformer block at TP = T from a traced training step (every rank emulated in this
-    process on torch's fake process group): each module, each rank's weight shard (math view W [in, out]
-    and nn.Linear view [out, in]), each activation's per-rank shape, and every collective, forward and
+    process on torch's fake process group): each module, each rank's weight shard (math view W \\[in, out]
+    and nn.Linear view \\[out, in]), each activation's per-rank shape, and every collective, forward and
     backward, with its type, group and bytes. One layer is traced, whatever model.num_hidden_layers says."""
     from pathlib import Path
 
@@ -390,6 +395,11 @@ def _databases(configs: list[RunConfig]) -> dict[str, ResultsDB]:
         return sweeping.databases(configs)
     except DatabaseRefused as e:
         usage(str(e))
+
+
+def _say_where(dbs: dict[str, ResultsDB]) -> None:
+    """Where the runs are recorded, once on stderr: `tpbench runs --db URL` lists them."""
+    one_line(f"recording in {', '.join(db.url for db in dbs.values())}")
 
 
 def _read_db(url: str) -> ResultsDB:

@@ -80,7 +80,9 @@ def _usage_error_line(e: Exception, ctx: typer.Context) -> str:
     param = e.param if isinstance(e, typer.BadParameter) else None
     if not unknown_option and hasattr(e, "option_name"):  # BadOptionUsage
         param = next((p for p in params if e.option_name in p.opts), None)
-    if unknown_option:
+    if unknown_option and getattr(e, "option_name", "") in ("-m", "--multirun"):
+        accepted = "Hydra's multirun is `tpbench sweep` here: comma-separated values (tpbench sweep tp=2,4)"
+    elif unknown_option:
         names = [name for p in params if p.param_type_name == "option" for name in p.opts]
         accepted = "accepted options are " + ", ".join(names)
     elif param is not None and getattr(param, "is_flag", False):

@@ -117,8 +117,9 @@ def sweep(ran: list[Ran], dbs: dict[str, ResultsDB], as_json: bool) -> None:
 
 
 def configs(configs: list[RunConfig]) -> None:
-    """--cfg: the resolved config of every run, as YAML documents."""
-    print("\n---\n".join(OmegaConf.to_yaml(public_config(c)) for c in configs), end="")
+    """--cfg: the resolved config of every run, as YAML documents, each headed by its mode."""
+    shown = (f"# mode={mode_label(c.parallel)}\n" + OmegaConf.to_yaml(public_config(c)) for c in configs)
+    print("\n---\n".join(shown), end="")
 
 
 def plan(cfg: RunConfig, prediction: Prediction, flops: float) -> None:

@@ -51,11 +51,13 @@ from sqlalchemy import (
     Connection,
     Engine,
     Select,
+    and_,
     create_engine,
     event,
     func,
     insert,
     inspect,
+    or_,
     select,
     text,
 )
@@ -308,12 +310,18 @@ class ResultsDB:
         device: str | None = None,
     ) -> pd.DataFrame:
         """One row per run (every column but the config and the text), oldest first. `device`: runs whose
-        hardware holds it (case-insensitive), e.g. H100."""
+        hardware holds it (case-insensitive), e.g. H100. `sweep`: the sweep of that name, else every
+        sweep whose name starts with it (an automatic name is the sweep's overrides)."""
         columns = [c for c in Run.__table__.columns if c.name not in ("config", "text")]
         query = select(*columns).order_by(Run.id)
-        for column, value in ((Run.status, status), (Run.kind, kind), (Run.mode, mode), (Run.sweep, sweep)):
+        for column, value in ((Run.status, status), (Run.kind, kind), (Run.mode, mode)):
             if value is not None:
                 query = query.where(column == value)
+        if sweep is not None:  # the sweep of that name, else those whose name starts with it
+            named = select(Run.id).where(Run.sweep == sweep).limit(1)
+            query = query.where(
+                or_(Run.sweep == sweep, and_(~named.exists(), Run.sweep.startswith(sweep, autoescape=True)))
+            )
         if since is not None:
             query = query.where(Run.started_at >= since)
         if ids is not None:

@@ -139,7 +139,8 @@ def mode_configs(cfg: RunConfig) -> dict[str, RunConfig]:
     T = cfg.parallel.tp if cfg.parallel.tp > 1 else W
     p = cfg.parallel
     engine = "megatron" if p.engine == "ddp" else p.engine
-    out = {"ddp": dataclasses.replace(p, engine="ddp", tp=1, dp=W, sp=False, vp=False, overlap=False)}
+    ddp = dataclasses.replace(p, engine="ddp", tp=1, dp=W, sp=False, vp=False, overlap=False)
+    out = {"ddp": dataclasses.replace(ddp, sp_gather="region")}  # where SP gathers: no SP, no choice
     if T > 1:
         for name, (sp, vp) in MODES.items():
             out[name] = dataclasses.replace(

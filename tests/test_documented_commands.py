@@ -1,0 +1,212 @@
+"""Every `tpbench` command that README.md and docs/ quote runs, so that a documented command cannot
+break unseen: the commands are read from the markdown here, a new one is covered by being written.
+
+In one process (typer's CliRunner), in an empty folder, as on a node with 8 GPUs (torch's device
+count; nothing runs on them):
+- `run` and `sweep` are composed and checked (`--cfg`), not launched; one that the docs show refused
+  after composing (db.url) runs up to the launch, which is replaced by a stand-in (`Launched`);
+- `plan`, `fit`, `diagram`, `runs`, `report` run as typed, cut down where slow: a sweep keeps the
+  configs that together hold each swept value once (`_cover`), `--measure` emulates 2 layers;
+- a command the docs show refused (`$ tpbench ...` followed by its one line) must print that line
+  and exit 2; any other must exit 0. A bare `tpbench VERB` in a sentence names the verb: its --help.
+Placeholders are filled: shell variables from the block's assignments (`C="..."`, `for seed in 0`),
+`recompute=R` and `=T` with a value, a PostgreSQL URL with the folder's SQLite file,
+`path/to/config.json` with a small Llama config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = re.compile(r"^\s*(\$ )?tpbench\s(?!\w+: )")  # not `tpbench run: No such option ...`
+FENCE = re.compile(r"^\s*(```|~~~)")
+CODE_SPAN = re.compile(r"`(tpbench [^`]*)`")
+ASSIGNMENT = re.compile(r"""^\s*(\w+)=["']([^"']*)["']""")
+FOR_LOOP = re.compile(r"\bfor (\w+) in (\S+)")
+UNPARSED = {"order": "false,true"}  # order=$( ... ): a shell expression that picks one of the two
+FILLED = [
+    (re.compile(r"postgresql://\S+"), "sqlite:///runs/tpbench.db"),
+    (re.compile(r"\brecompute=R\b"), "recompute=full"),
+    (re.compile(r"=T\b"), "=2"),
+    (re.compile(r"\[(--\w+ \w+)\]"), r"\1"),  # an optional option, shown in brackets
+]
+
+
+@dataclass(frozen=True)
+class Documented:
+    where: str  # page:line
+    command: str
+    refusal: str | None  # the one line the docs show it refused with
+
+
+def documented(root: Path = ROOT) -> list[Documented]:
+    """Every `tpbench` command of the README and docs/: each line of a fenced block that starts with
+    `tpbench` or `$ tpbench` (a trailing backslash joins the next line), and each code span."""
+    found: dict[str, Documented] = {}
+    for page in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:
+        lines = page.read_text().splitlines()
+        variables = _variables(lines)
+        fenced = False
+        for number, line in enumerate(lines, 1):
+            where = f"{page.relative_to(root)}:{number}"
+            if FENCE.match(line):
+                fenced = not fenced
+            elif fenced and PROMPT.match(line):
+                command, refusal = _joined(lines, number - 1), _refusal(lines, number - 1)
+                _add(found, where, command, refusal, variables)
+            elif not fenced:
+                for span in CODE_SPAN.findall(line):
+                    _add(found, f"{where} span", span, None, variables)
+    return list(found.values())
+
+
+def _variables(lines: list[str]) -> dict[str, str]:
+    variables = dict(UNPARSED)
+    for line in lines:
+        variables.update({m.group(1): m.group(2) for m in [ASSIGNMENT.match(line)] if m})
+        variables.update({name: value for name, value in FOR_LOOP.findall(line)})
+    return variables
+
+
+def _joined(lines: list[str], i: int) -> str:
+    command = lines[i]
+    while command.rstrip().endswith("\\") and i + 1 < len(lines):
+        i += 1
+        command = command.rstrip()[:-1].rstrip() + " " + lines[i].strip()
+    return command
+
+
+def _refusal(lines: list[str], i: int) -> str | None:
+    """`$ tpbench ...` then one line, then the block's end or the next `$`: the refusal shown."""
+    if not lines[i].lstrip().startswith("$ ") or i + 2 >= len(lines):
+        return None
+    after = lines[i + 2]
+    if lines[i + 1].startswith("$ ") or not (after.startswith("$ ") or FENCE.match(after)):
+        return None
+    said = lines[i + 1]  # not a run's own line, nor the path a command wrote
+    return None if re.match(r"(run|sweep) \d+ ", said) or " " not in said.strip() else said
+
+
+def _add(found: dict, where: str, text: str, refusal: str | None, variables: dict[str, str]) -> None:
+    text = text.strip().removeprefix("$ ")
+    text = re.split(r"\s+#|;|\s2>|\s&$", text)[0].strip()  # a comment, a second command, a redirect
+    if "..." in text:  # `tpbench run ...`: any overrides
+        return
+    for name, value in variables.items():
+        text = re.sub(rf"\${name}\b", value, text)
+    for pattern, value in FILLED:
+        text = pattern.sub(value, text)
+    found.setdefault(text, Documented(where, text, refusal))
+
+
+def _cover(combos: list[list[str]]) -> list[list[str]]:
+    """The combos of a sweep that together hold every swept value, the first of each: a sweep of
+    layers=8,16,32,64 x 5 modes composes 5 configs, not 20."""
+    seen: set[str] = set()
+    kept = [c for c in combos if not set(c) <= seen and not seen.update(c)]
+    return kept or combos[:1]
+
+
+class Launched(Exception):
+    """Raised where a run would start torchrun or submit to Slurm."""
+
+
+COMMANDS = documented()
+
+
+def test_the_docs_quote_commands_of_every_verb():
+    verbs = {shlex.split(d.command)[1] for d in COMMANDS}
+    assert verbs >= {"run", "sweep", "runs", "report", "plan", "fit", "diagram"}
+    assert sum(d.refusal is not None for d in COMMANDS) >= 10
+
+
+def test_placeholders_are_filled_and_refusals_read():
+    page = [
+        "```",
+        'C="model=minimind layers=4"',
+        "for seed in 3 4; do",
+        "  tpbench sweep train.seed=$seed $C recompute=R \\",
+        "      tp=T   # a comment",
+        "$ tpbench run tp=0",
+        "parallel.tp=0: accepted are integers >= 1",
+        "$ tpbench run kind=validate",
+        "run 1 FAILED: validate out of bounds",
+        "```",
+        "and `tpbench run ...` with `tpbench runs --db postgresql://u:$PW@h/db`",
+    ]
+    found = {}
+    variables = _variables(page)
+    for i, line in enumerate(page):
+        if PROMPT.match(line):
+            _add(found, str(i), _joined(page, i), _refusal(page, i), variables)
+    for span in CODE_SPAN.findall(page[-1]):
+        _add(found, "span", span, None, variables)
+    assert [(d.command, d.refusal) for d in found.values()] == [
+        ("tpbench sweep train.seed=3 model=minimind layers=4 recompute=full tp=2", None),
+        ("tpbench run tp=0", "parallel.tp=0: accepted are integers >= 1"),
+        ("tpbench run kind=validate", None),
+        ("tpbench runs --db sqlite:///runs/tpbench.db", None),
+    ]
+    assert _cover([["a=1", "b=1"], ["a=2", "b=1"], ["a=1", "b=2"], ["a=2", "b=2"]]) == [
+        ["a=1", "b=1"],
+        ["a=2", "b=1"],
+        ["a=1", "b=2"],
+    ]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("documented")
+    llama = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
+    llama |= {"num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1024}
+    (path / "config.json").write_text(json.dumps(llama))
+    return path
+
+
+@pytest.mark.parametrize("doc", COMMANDS, ids=[d.command for d in COMMANDS])
+def test_documented_command(doc: Documented, folder: Path, monkeypatch):
+    import torch
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    from tpbench import slurm, sweep
+
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # launch.device=cuda: as on a GPU node
+    split = BasicSweeper.split_arguments
+    monkeypatch.setattr(
+        BasicSweeper, "split_arguments", staticmethod(lambda o, m: [_cover(c) for c in split(o, m)])
+    )
+    for module, name in ((sweep, "run_each"), (slurm, "submit_and_follow")):
+        monkeypatch.setattr(module, name, lambda *a, **k: (_ for _ in ()).throw(Launched()))
+    args = shlex.split(doc.command.replace("path/to/config.json", str(folder / "config.json")))[1:]
+    if len(args) == 1 and doc.where.endswith("span"):  # `tpbench fit` in a sentence names the verb
+        args.append("--help")
+    if "--measure" in args:  # the emulation's cost is per layer
+        args = [a for a in args if not a.startswith("layers=")] + ["layers=2"]
+    if "--out" in args and not doc.refusal:
+        i = args.index("--out") + 1
+        args[i] = str(folder / Path(args[i]).name)
+    composed = args[0] in ("run", "sweep") and "--cfg" not in args  # composed, checked, not run
+    result = _invoke([*args, "--cfg"] if composed else args)
+    where = f"{doc.where}: {doc.command}"
+    if doc.refusal is not None and composed and result.exit_code == 0:  # refused past --cfg
+        result = _invoke(args)
+    if doc.refusal is not None:
+        assert (result.exit_code, result.stderr.strip()) == (2, doc.refusal), where
+    elif not isinstance(result.exception, Launched):
+        assert result.exit_code == 0, f"{where}\n{result.stderr}{result.exception!r}"
+
+
+def _invoke(args: list[str]):
+    from typer.testing import CliRunner
+
+    from tpbench.cli import app
+
+    return CliRunner().invoke(app, args, prog_name="tpbench")

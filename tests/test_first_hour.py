@@ -1,0 +1,107 @@
+"""What a newcomer meets in the first hour (issue 35): overrides that are contradictions or do nothing
+refused in one line, a guess for a mistyped key, one spelling of the database and of sweep names,
+help texts as written. In one process, composing without launching."""
+
+from __future__ import annotations
+
+import pytest
+from test_db import config, outcome
+from typer.testing import CliRunner
+
+from tpbench import sweep
+from tpbench.cli import app
+from tpbench.compose import ConfigError, expand
+from tpbench.config import mode_label
+from tpbench.db import ResultsDB
+
+
+def _refusal(overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as e:
+        expand(overrides)
+    return str(e.value)
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(app, list(args), prog_name="tpbench", env={"COLUMNS": "300"})
+
+
+def test_a_mode_and_a_switch_it_sets_otherwise_are_refused():
+    said = _refusal(["mode=tp_sp_vp", "sp=false"])
+    assert said.startswith("mode=tp_sp_vp with parallel.sp=false: mode=tp_sp_vp sets parallel.sp=true;")
+    assert "dp=1" not in said
+    assert "engine=ddp" in _refusal(["mode=tp", "engine=ddp"])
+    # the mode's sizes may change, its switches be restated, a switch set without a mode
+    assert {mode_label(c.parallel) for c in expand(["mode=tp_sp_vp", "tp=4", "sp=true"])} == {"tp_sp_vp"}
+    assert {mode_label(c.parallel) for c in expand(["sp=true", "vp=true"])} == {"tp_sp_vp"}
+
+
+def test_cfg_heads_each_config_with_its_mode():
+    shown = _invoke("run", "--cfg", "mode=tp_vp").stdout
+    assert shown.startswith("# mode=tp_vp\n")
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("~model.dropout", "~model.dropout: removes a setting"),
+        ("hydra.run.dir=/tmp/x", "hydra.run.dir=/tmp/x: Hydra's own setting, which tpbench never reads"),
+        ("layer=4", "layer=4: layer is not a tpbench setting (did you mean layers?)"),
+        ("model.hiden_size=8", "model.hiden_size is not a tpbench setting (did you mean model.hidden_size?)"),
+    ],
+)
+def test_an_override_that_would_do_nothing_is_one_line(override, said):
+    assert said in _refusal([override])
+
+
+@pytest.mark.parametrize("flag", ["-m", "--multirun"])
+def test_hydras_multirun_points_to_sweep(flag):
+    result = _invoke("run", flag, "tp=2,4")
+    assert result.exit_code == 2
+    assert "`tpbench sweep`" in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_a_sweeps_automatic_name_leaves_where_it_records_out():
+    configs = expand(["layers=1,2", "db.url=sqlite:////tmp/x.db"])
+    sweep.name(configs, None, ["layers=1,2", "db.url=sqlite:////tmp/x.db"])
+    assert {c.sweep for c in configs} == {"layers=1,2"}
+
+
+def test_runs_sweep_matches_a_name_else_a_prefix(tmp_path):
+    db = ResultsDB(f"sqlite:///{tmp_path / 't.db'}")
+    for seed, name in enumerate(["layers=1,2 mode=tp,tp_sp", "layers=1,2 mode=tp,tp_sp", "layers", "other"]):
+        cfg = config(seed)
+        cfg.sweep = name
+        db.record(cfg, outcome(seed=seed))
+    assert db.runs(sweep="layers=1,2").id.tolist() == [1, 2]
+    assert db.runs(sweep="layers").id.tolist() == [3]  # a name of its own is that sweep alone
+    assert db.runs(sweep="layers=1,2 mode=tp,tp_sp").id.tolist() == [1, 2]
+    assert db.runs(sweep="x").empty
+
+
+def test_runs_status_takes_any_case_and_its_help_every_status(tmp_path):
+    from tpbench.results import Status
+
+    url = f"sqlite:///{tmp_path / 'none.db'}"
+    assert _invoke("runs", "--status", "ok", "--db", url).exit_code == 0  # no database yet: said, exit 0
+    assert _invoke("runs", "--status", "done", "--db", url).exit_code == 2
+    shown = " ".join(_invoke("runs", "--help").stdout.split())
+    assert all(status in shown for status in Status)
+
+
+@pytest.mark.parametrize(
+    ("command", "text"),
+    [
+        ("diagram", "math view W [in, out] and nn.Linear view [out, in]"),
+        ("sweep", "[default: the preset's name"),
+    ],
+)
+def test_help_keeps_its_square_brackets(command, text):
+    assert text in " ".join(_invoke(command, "--help").stdout.split())
+
+
+def test_run_says_once_where_it_records(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep, "run_each", lambda *a, **k: iter(()))  # composed and opened, not launched
+    url = f"sqlite:///{tmp_path / 'here.db'}"
+    result = _invoke("run", "kind=validate", f"db.url={url}")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.splitlines().count(f"recording in {url}") == 1
