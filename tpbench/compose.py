@@ -76,7 +76,7 @@ CHOICES = {
     "launch.emulate_gpu": hardware.allocator_names(),
     "debug.overlap_fault": ("", "no_wait", "early_bucket"),
     "debug.ddp_fault": ("", "no_divide", "drop_bucket"),
-    "debug.validate_fault": ("", "rank1_param"),
+    "debug.validate_fault": ("", "rank1_param", "rope_offset", "no_backward_sum"),
     "validate.batch": ("fresh", "fixed"),
 }
 AT_LEAST_ONE = (
@@ -236,6 +236,17 @@ def check(cfg: RunConfig) -> None:
             f"debug.validate_fault={cfg.debug.validate_fault} with kind={cfg.kind} and "
             f"{cfg.parallel.tp * cfg.parallel.dp} rank(s): plants an error on rank 1 of a validation, "
             "accepted with kind=validate and tp x dp >= 2"
+        )
+    if cfg.debug.validate_fault == "no_backward_sum" and (cfg.parallel.engine != "megatron" or cfg.parallel.tp < 2):
+        raise ConfigError(
+            f"debug.validate_fault=no_backward_sum with parallel.engine={cfg.parallel.engine} and tp="
+            f"{cfg.parallel.tp}: drops a region entry's backward collective, accepted with "
+            "parallel.engine=megatron and tp >= 2"
+        )
+    if cfg.debug.grad_scale != 1.0 and (cfg.kind != "validate" or not 0 < cfg.debug.grad_scale < float("inf")):
+        raise ConfigError(
+            f"debug.grad_scale={cfg.debug.grad_scale} with kind={cfg.kind}: scales one gradient of a "
+            "validation, accepted are finite numbers > 0 with kind=validate"
         )
     for name in cfg.debug.skip_grad_sum:
         if name not in GRAD_SUMS:
