@@ -120,6 +120,7 @@ POSITIVE = (
 AT_LEAST_ZERO_FLOAT = (
     "train.lr",
     "train.weight_decay",
+    "validate.k",
     "validate.tol_fwd",
     "validate.tol_loss",
     "validate.tol_grad_rel",
@@ -237,13 +238,17 @@ def check(cfg: RunConfig) -> None:
             f"{cfg.parallel.tp * cfg.parallel.dp} rank(s): plants an error on rank 1 of a validation, "
             "accepted with kind=validate and tp x dp >= 2"
         )
-    if cfg.debug.validate_fault == "no_backward_sum" and (cfg.parallel.engine != "megatron" or cfg.parallel.tp < 2):
+    if cfg.debug.validate_fault == "no_backward_sum" and (
+        cfg.parallel.engine != "megatron" or cfg.parallel.tp < 2
+    ):
         raise ConfigError(
             f"debug.validate_fault=no_backward_sum with parallel.engine={cfg.parallel.engine} and tp="
             f"{cfg.parallel.tp}: drops a region entry's backward collective, accepted with "
             "parallel.engine=megatron and tp >= 2"
         )
-    if cfg.debug.grad_scale != 1.0 and (cfg.kind != "validate" or not 0 < cfg.debug.grad_scale < float("inf")):
+    if cfg.debug.grad_scale != 1.0 and (
+        cfg.kind != "validate" or not 0 < cfg.debug.grad_scale < float("inf")
+    ):
         raise ConfigError(
             f"debug.grad_scale={cfg.debug.grad_scale} with kind={cfg.kind}: scales one gradient of a "
             "validation, accepted are finite numbers > 0 with kind=validate"

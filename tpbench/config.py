@@ -118,6 +118,9 @@ class ValidateConfig:
     # MiniMind's pretraining learning rate. At 1e-3 the seed's check config itself turns chaotic after
     # ~120 AdamW steps, and any two fp32 summation orders (dense vs T=4) drift apart by ~1e-2.
     lr: float = 5e-4
+    # How many times the run's own rounding drift a check may be off (tpbench.experiments.criterion:
+    # why 4)
+    k: float = 4.0
     # The floors: each check's bound is K x the dense model's own drift against the reference model
     # (fp64 for an fp32 run, fp32 for bf16 and mixed) + its floor (tpbench.experiments.criterion).
     # A floor is a difference too small to mean anything: it passes even where the reference is 0.

@@ -128,8 +128,12 @@ _PARAM_ERRORS = ParamErrorRow.__table__.c
 UPGRADES = {
     2: (CommRow.__table__.c.exposed_s,),
     3: (Run.__table__.c.hardware,),
-    4: (_PARAM_ERRORS.grad_ref_rel_l2, _PARAM_ERRORS.param_max_abs, _PARAM_ERRORS.param_rel_l2,
-        _PARAM_ERRORS.param_ref_rel_l2),
+    4: (
+        _PARAM_ERRORS.grad_ref_rel_l2,
+        _PARAM_ERRORS.param_max_abs,
+        _PARAM_ERRORS.param_rel_l2,
+        _PARAM_ERRORS.param_ref_rel_l2,
+    ),
 }
 
 

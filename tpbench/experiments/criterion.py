@@ -36,7 +36,7 @@ from rich.table import Table
 from tpbench.config import RunConfig, mode_label
 from tpbench.results import ParamRow
 
-K = 4.0
+K = 4.0  # ValidateConfig.k's default
 
 # (figure, what it is, the ValidateConfig floor, the reference figure, the ParamRow fields of a
 # per-parameter check). The loss is one scalar: the dense model's own error on it cancels by chance
@@ -63,10 +63,11 @@ class Verdict:
     value: float  # sharded vs dense
     reference: float  # dense vs the reference model
     floor: float
+    k: float = K
 
     @property
     def bound(self) -> float:
-        return K * self.reference + self.floor
+        return self.k * self.reference + self.floor
 
     @property
     def ok(self) -> bool:
@@ -82,7 +83,7 @@ class Verdict:
         where = f" {self.param}" if self.param else ""
         return (
             f"{self.check}{where} {self.value:.3g} > bound {self.bound:.3g} "
-            f"({K:g} x {self.reference:.3g} + {self.floor:.3g})"
+            f"({self.k:g} x {self.reference:.3g} + {self.floor:.3g})"
         )
 
 
@@ -90,13 +91,13 @@ def verdicts(cfg: RunConfig, figures: dict[str, float], rows: list[ParamRow]) ->
     """Every check's verdict: per parameter checks give their worst parameter (largest value / bound)."""
     out = []
     for check, what, floor, reference, fields in CHECKS:
-        floor_value = getattr(cfg.validate, floor)
+        floor_value, k = getattr(cfg.validate, floor), cfg.validate.k
         if fields is None:
-            out.append(Verdict(check, what, "", figures[check], figures[reference], floor_value))
+            out.append(Verdict(check, what, "", figures[check], figures[reference], floor_value, k))
             continue
         value, ref = fields
         per_param = [
-            Verdict(check, what, r.name, getattr(r, value), getattr(r, ref), floor_value)
+            Verdict(check, what, r.name, getattr(r, value), getattr(r, ref), floor_value, k)
             for r in rows
             if getattr(r, value) is not None
         ]
@@ -125,9 +126,12 @@ def table(cfg: RunConfig, checks: list[Verdict], rows: list[ParamRow], passed: b
             continue
         for r in rows:
             if getattr(r, fields[0]) is not None:
-                ranked.append(Verdict(check, "", r.name, getattr(r, fields[0]), getattr(r, fields[1]), floors[check]))
+                value, ref = getattr(r, fields[0]), getattr(r, fields[1])
+                ranked.append(Verdict(check, "", r.name, value, ref, floors[check], cfg.validate.k))
     for v in sorted(ranked, key=lambda v: -v.of_bound)[:5]:
-        nearest.add_row(v.check, v.param, f"{v.value:.2e}", f"{v.reference:.2e}", f"{v.bound:.1e}", f"{v.of_bound:.2f}")
+        nearest.add_row(
+            v.check, v.param, f"{v.value:.2e}", f"{v.reference:.2e}", f"{v.bound:.1e}", f"{v.of_bound:.2f}"
+        )
     by_sem = Table(title="gradient error by semantics")
     for col in ("semantics", "params", "max |diff|", "max rel L2"):
         by_sem.add_column(col, justify="right" if col != "semantics" else "left")
@@ -145,7 +149,7 @@ def table(cfg: RunConfig, checks: list[Verdict], rows: list[ParamRow], passed: b
     console.print(nearest)
     console.print(by_sem)
     console.print(
-        f"bound: {K:g} x (dense vs the dense model in {reference}) + floor, per parameter for the "
-        f"gradients and the AdamW parameters; verdict: {'PASSED' if passed else 'FAILED'}"
+        f"bound: {cfg.validate.k:g} x (dense vs the dense model in {reference}) + floor, per parameter "
+        f"for the gradients and the AdamW parameters; verdict: {'PASSED' if passed else 'FAILED'}"
     )
     return out.getvalue()

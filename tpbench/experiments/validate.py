@@ -235,7 +235,9 @@ def _param_errors(
         want = pm.shard_like(name, dense_params[name])
         exact = pm.shard_like(name, ref_params[name])
         moved = want.double() - pm.shard_like(name, initial[name]).double()
-        stats.append([(p.double() - want.double()).abs().max(), _rel_l2(p, want, moved), _rel_l2(want, exact, moved)])
+        stats.append(
+            [(p.double() - want.double()).abs().max(), _rel_l2(p, want, moved), _rel_l2(want, exact, moved)]
+        )
     return stats
 
 

@@ -296,8 +296,9 @@ class CausalLMLoss(nn.Module):
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # logits [S, B, V], targets [S, B] already shifted
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp64: validation's reference
         return F.cross_entropy(
-            logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
+            wide.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
         )
 
 
