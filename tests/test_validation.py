@@ -68,8 +68,14 @@ def test_other_seeds_pass_with_their_own_rounding_measured(validated, name):
     assert r["failed"] == [] and r["metrics"]["passed"] == 1.0
     for check, *_ in CHECKS:
         assert r["metrics"][f"{check}_of_bound"] <= 1, check
-    for own in ("dense_fwd_logits_max_abs", "dense_grad_max_rel_l2", "dense_adamw_param_max_rel_l2"):
-        assert 0 < r["metrics"][own] < 1e-5, own  # fp32 against fp64: measured, and tiny
+    # fp32 against fp64: measured (not 0), and under each check's floor
+    floors = {
+        "dense_fwd_logits_max_abs": 1e-5,
+        "dense_grad_max_rel_l2": 1e-5,
+        "dense_adamw_param_max_rel_l2": 1e-3,
+    }
+    for own, floor in floors.items():
+        assert 0 < r["metrics"][own] < floor, own
 
 
 def test_a_wrong_rope_offset_fails_the_forward(validated):
