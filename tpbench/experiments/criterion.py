@@ -48,7 +48,7 @@ CHECKS = (
     ("grad_rel_l2", "gradient relative L2", "tol_grad_rel", None, ("grad_rel_l2", "grad_ref_rel_l2")),
     ("adamw_param_rel_l2", "AdamW x{steps}: param diff / update", "tol_param", None,
      ("param_rel_l2", "param_ref_rel_l2")),
-    ("adamw_drift_max_abs", "AdamW x{steps}: max |logits diff|, worst step", "tol_drift",
+    ("adamw_drift_max_abs", "AdamW x{steps}: worst step's max |logits diff|", "tol_drift",
      "dense_adamw_drift_max_abs", None),
 )  # fmt: skip
 
@@ -112,13 +112,13 @@ def table(cfg: RunConfig, checks: list[Verdict], rows: list[ParamRow], passed: b
     title = f"validate {mode_label(p)}  tp={p.tp} dp={p.dp}  {t.dtype} {t.precision}"
     main = Table(title=title)
     for col in ("check", "worst parameter", "measured", f"dense vs {reference}", "bound", "ok"):
-        main.add_column(col, justify="left" if col in ("check", "worst parameter") else "right")
+        main.add_column(col, justify="left" if col in ("check", "worst parameter") else "right", no_wrap=True)
     for v in checks:
         cells = (f"{v.value:.2e}", f"{v.reference:.2e}", f"{v.bound:.1e}", "yes" if v.ok else "NO")
         main.add_row(v.what.format(steps=cfg.validate.steps), v.param or "-", *cells)
     nearest = Table(title="parameters nearest their bound")
     for col in ("check", "parameter", "measured", f"dense vs {reference}", "bound", "of bound"):
-        nearest.add_column(col, justify="left" if col in ("check", "parameter") else "right")
+        nearest.add_column(col, justify="left" if col in ("check", "parameter") else "right", no_wrap=True)
     floors = {check: getattr(cfg.validate, floor) for check, _, floor, _, _ in CHECKS}
     ranked = []
     for check, _, _, _, fields in CHECKS:
@@ -144,7 +144,7 @@ def table(cfg: RunConfig, checks: list[Verdict], rows: list[ParamRow], passed: b
             f"{max(r.grad_rel_l2 for r in group):.2e}",
         )
     out = io.StringIO()
-    console = Console(file=out, width=110, force_terminal=False)
+    console = Console(file=out, width=140, force_terminal=False)
     console.print(main)
     console.print(nearest)
     console.print(by_sem)
