@@ -9,6 +9,7 @@ of sharded-vs-dense to dense-vs-reference among the figures above their floor (w
 
     .venv/bin/python scripts/validation_grid.py --seeds 20 --parts tiny_fp32 tiny_t4_fp32
     .venv/bin/python scripts/validation_grid.py --report
+    .venv/bin/python scripts/validation_grid.py --planted --db sqlite:///runs/planted_bugs.db
 """
 
 from __future__ import annotations
@@ -41,6 +42,21 @@ PARTS = {
     for dtype in DTYPES
     for t, tp, modes in (("", 2, MODES_T2), ("t4_", 4, "tp_sp_vp"))
 }
+# The planted bugs, each a sweep of its own on the tiny model at T 2, mode tp_sp, in every precision
+# (sweep=bug_<name>_<precision>); each run must fail. grad_scale: one gradient off by 2, 5 and 10%
+PLANTED = {
+    "qk": ["debug.skip_grad_sum=[qk_norm]"],
+    "sp": ["debug.skip_grad_sum=[sp_norms]"],
+    "kv": ["kv_heads=1", "debug.skip_grad_sum=[kv_replicas]"],
+    "dp": ["dp=2", "debug.skip_grad_sum=[dp]"],
+    "fault": ["debug.validate_fault=rope_offset,no_backward_sum"],
+    "scale": ["debug.grad_scale=1.02,1.05,1.1"],
+}
+PRECISIONS = {
+    "dtypefloat32": ["dtype=float32"],
+    "dtypebfloat16": ["dtype=bfloat16"],
+    "dtypebfloat16precisionmixed": ["dtype=bfloat16", "precision=mixed"],
+}
 CHECKS = {  # check -> (its value, its reference) in the measurements, or None: per parameter
     "fwd_logits_max_abs": ("fwd_logits_max_abs", "dense_fwd_logits_max_abs"),
     "loss_abs_diff": ("loss_abs_diff", "dense_token_loss_mean_abs_diff"),
@@ -66,17 +82,33 @@ def main() -> None:
     )
     parser.add_argument("--modes", default="", help="override every part's mode list, e.g. tp,tp_sp_vp")
     parser.add_argument("--db", default="sqlite:///runs/validation_grid.db")
+    parser.add_argument("--planted", action="store_true", help="run the planted bugs (PLANTED) instead")
     parser.add_argument("--report", action="store_true", help="only read the database")
     args = parser.parse_args()
     if unknown := set(args.parts) - set(PARTS):
         sys.exit(f"--parts {sorted(unknown)}: accepted are {', '.join(PARTS)}")
-    if not args.report:
+    if args.planted and not args.report:
+        for name, overrides in PLANTED.items():
+            for tag, precision in PRECISIONS.items():
+                sweep = [
+                    "kind=validate",
+                    "tp=2",
+                    "mode=tp_sp",
+                    *precision,
+                    *overrides,
+                    f"sweep=bug_{name}_{tag}",
+                ]
+                tpbench = str(Path(sys.executable).parent / "tpbench")
+                subprocess.run(
+                    [tpbench, "sweep", *sweep, f"db.url={args.db}"], stdout=subprocess.DEVNULL, check=False
+                )
+    elif not args.report:
         with tempfile.TemporaryDirectory() as tmp:
             llama = Path(tmp) / "config.json"
             llama.write_text(json.dumps(LLAMA))
             for part in args.parts:
                 run_part(part, args, llama)
-    print(report(args.db))
+    print(planted(args.db) if args.planted else report(args.db))
 
 
 def run_part(part: str, args: argparse.Namespace, llama: Path) -> None:
@@ -96,6 +128,44 @@ def run_part(part: str, args: argparse.Namespace, llama: Path) -> None:
     ]
     print("+", " ".join(command), flush=True)
     subprocess.run(command, stdout=subprocess.DEVNULL, check=False)
+
+
+def planted(url: str) -> str:
+    """A markdown table of the planted bugs: each run's status and the checks it failed, the worst
+    parameter's gradient error against the dense model's own, and the scaled parameter's."""
+    from tpbench.db import ResultsDB
+
+    db = ResultsDB(url)
+    runs = db.runs(kind="validate")
+    runs = runs[runs["sweep"].fillna("").str.startswith("bug_")]
+    metrics = db.metrics(runs["id"].tolist())
+    params = db.param_errors(runs["id"].tolist())
+    scaled = params[(params["rank"] == 0) & (params["name"] == "model.layers.0.self_attn.q_proj.weight")]
+    scaled = scaled.set_index("run_id")
+    lines = [
+        "| bug | precision | status | failed checks | max grad rel L2 (dense's own) | scaled grad / bound |",
+        "|---" * 6 + "|",
+    ]
+    for _, run in runs.iterrows():
+        _, name, tag = run["sweep"].split("_", 2)
+        debug = db.run_record(int(run["id"]))["config"]["debug"]
+        name = {"fault": debug["validate_fault"], "scale": f"grad x {debug['grad_scale']:g}"}.get(name, name)
+        m = metrics.loc[run["id"]] if run["id"] in metrics.index else {}
+        failed = sorted(
+            {
+                part.split()[0]
+                for part in (run["error"] or "").removeprefix("validate out of bounds: ").split("; ")
+            }
+        )
+        q = scaled.loc[run["id"]] if run["id"] in scaled.index else None
+        bound = 4 * q["grad_ref_rel_l2"] + FLOORS["grad_rel_l2"] if q is not None else float("nan")
+        q_cell = f"{q['grad_rel_l2']:.3g} / {bound:.3g}" if q is not None else "-"
+        grad, own = m.get("grad_max_rel_l2", float("nan")), m.get("dense_grad_max_rel_l2", float("nan"))
+        lines.append(
+            f"| {name} | {tag.removeprefix('dtype')} | {run['status']} | {', '.join(failed)} | "
+            f"{grad:.3g} ({own:.3g}) | {q_cell} |"
+        )
+    return "\n".join(lines)
 
 
 def report(url: str) -> str:
