@@ -30,6 +30,7 @@ from tpbench import hardware
 from tpbench.config import CONF_DIR, RunConfig, local_world_size, register_schema, world_size
 from tpbench.emulation import EMULATED_KINDS, FLAVOURS
 from tpbench.experiments import KINDS
+from tpbench.experiments.criterion import check_validate_faults
 from tpbench.faults import FAULTS
 from tpbench.parallel.checks import GRAD_SUMS, ConfigError, check_dtensor_shardable, check_shardable
 
@@ -232,27 +233,7 @@ def check(cfg: RunConfig) -> None:
             f"debug.ddp_fault={cfg.debug.ddp_fault}: breaks DDP's comm hook, "
             "accepted with parallel.engine=ddp"
         )
-    if cfg.debug.validate_fault and (cfg.kind != "validate" or cfg.parallel.tp * cfg.parallel.dp < 2):
-        raise ConfigError(
-            f"debug.validate_fault={cfg.debug.validate_fault} with kind={cfg.kind} and "
-            f"{cfg.parallel.tp * cfg.parallel.dp} rank(s): plants an error on rank 1 of a validation, "
-            "accepted with kind=validate and tp x dp >= 2"
-        )
-    if cfg.debug.validate_fault == "no_backward_sum" and (
-        cfg.parallel.engine != "megatron" or cfg.parallel.tp < 2
-    ):
-        raise ConfigError(
-            f"debug.validate_fault=no_backward_sum with parallel.engine={cfg.parallel.engine} and tp="
-            f"{cfg.parallel.tp}: drops a region entry's backward collective, accepted with "
-            "parallel.engine=megatron and tp >= 2"
-        )
-    if cfg.debug.grad_scale != 1.0 and (
-        cfg.kind != "validate" or not 0 < cfg.debug.grad_scale < float("inf")
-    ):
-        raise ConfigError(
-            f"debug.grad_scale={cfg.debug.grad_scale} with kind={cfg.kind}: scales one gradient of a "
-            "validation, accepted are finite numbers > 0 with kind=validate"
-        )
+    check_validate_faults(cfg)
     for name in cfg.debug.skip_grad_sum:
         if name not in GRAD_SUMS:
             accepted = ", ".join(GRAD_SUMS)

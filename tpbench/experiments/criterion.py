@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tpbench.config import RunConfig, mode_label
+from tpbench.parallel.checks import ConfigError
 from tpbench.results import ParamRow
 
 K = 4.0  # ValidateConfig.k's default
@@ -154,3 +155,29 @@ def table(cfg: RunConfig, checks: list[Verdict], rows: list[ParamRow], passed: b
         f"for the gradients and the AdamW parameters; verdict: {'PASSED' if passed else 'FAILED'}"
     )
     return out.getvalue()
+
+
+def check_validate_faults(cfg: RunConfig) -> None:
+    """The validation's planted faults (debug.validate_fault, debug.grad_scale) where they can act;
+    raises ConfigError naming the bad value and what is accepted (tpbench.compose calls it)."""
+    if cfg.debug.validate_fault and (cfg.kind != "validate" or cfg.parallel.tp * cfg.parallel.dp < 2):
+        raise ConfigError(
+            f"debug.validate_fault={cfg.debug.validate_fault} with kind={cfg.kind} and "
+            f"{cfg.parallel.tp * cfg.parallel.dp} rank(s): plants an error on rank 1 of a validation, "
+            "accepted with kind=validate and tp x dp >= 2"
+        )
+    if cfg.debug.validate_fault == "no_backward_sum" and (
+        cfg.parallel.engine != "megatron" or cfg.parallel.tp < 2
+    ):
+        raise ConfigError(
+            f"debug.validate_fault=no_backward_sum with parallel.engine={cfg.parallel.engine} and tp="
+            f"{cfg.parallel.tp}: drops a region entry's backward collective, accepted with "
+            "parallel.engine=megatron and tp >= 2"
+        )
+    if cfg.debug.grad_scale != 1.0 and (
+        cfg.kind != "validate" or not 0 < cfg.debug.grad_scale < float("inf")
+    ):
+        raise ConfigError(
+            f"debug.grad_scale={cfg.debug.grad_scale} with kind={cfg.kind}: scales one gradient of a "
+            "validation, accepted are finite numbers > 0 with kind=validate"
+        )
