@@ -249,7 +249,7 @@ def test_a_database_that_is_not_ours_is_refused_untouched(db_url, case):
 def _version_2(url: str) -> None:
     """A version-2 database with one run (two comm rows): on SQLite the file tpbench f89ba7b wrote
     (its dump, tests/data/schema_v2.sql); on PostgreSQL the same tables made by this tpbench, less the
-    columns versions 3 and 4 added."""
+    columns versions 3, 4 and 5 added."""
     if url.startswith("sqlite"):
         path = Path(url.removeprefix("sqlite:///"))
         path.parent.mkdir()
@@ -264,6 +264,8 @@ def _version_2(url: str) -> None:
     with engine.begin() as conn:
         conn.execute(text("ALTER TABLE comm DROP COLUMN exposed_s"))
         conn.execute(text("ALTER TABLE runs DROP COLUMN hardware"))
+        for column in ("grad_ref_rel_l2", "param_max_abs", "param_rel_l2", "param_ref_rel_l2"):
+            conn.execute(text(f"ALTER TABLE param_errors DROP COLUMN {column}"))
         conn.execute(text("UPDATE meta SET value = '2' WHERE key = 'schema_version'"))
     engine.dispose()
 
@@ -347,6 +349,9 @@ def test_a_version_3_database_is_upgraded_in_place_labelling_every_run(db_url):
     after = _tables(db_url)
     assert after.pop("meta") == [("app", "tpbench"), ("schema_version", str(SCHEMA_VERSION))]
     assert [row[:-1] for row in after.pop("runs")] == before.pop("runs")  # each row as it was, + hardware
+    # each row as it was, + version 5's four columns of the reference model's figures, empty
+    assert [row[-4:] for row in after["param_errors"]] == [(None,) * 4] * len(after["param_errors"])
+    after["param_errors"] = [row[:-4] for row in after["param_errors"]]
     assert after == {name: rows for name, rows in before.items() if name != "meta"}  # measurements, comm...
     runs = db.runs()
     assert runs["hardware"].tolist() == V3_HARDWARE

@@ -290,7 +290,7 @@ def test_a_validation_out_of_bounds_is_a_failed_run_and_a_sweep_runs_it_again(tm
     assert done.returncode == 1
     ((status, rank, error, log_dir),) = work.query("SELECT status, failed_rank, error, log_dir FROM runs")
     assert (status, rank) == ("FAILED", 0)
-    assert error.startswith("validate out of bounds: grad_max_rel_l2 ") and "> bound" in error
+    assert error.startswith("validate out of bounds: grad_rel_l2 model.") and "> bound" in error
     assert f"run 1 FAILED: {error}" in done.stderr
     assert (work.jobs / log_dir.rsplit("/", 1)[1] / "results" / "rank0.json").exists()  # kept for a look
     # what it measured is recorded: the failing figure beside the dense model's own error

@@ -31,6 +31,7 @@ from tpbench import config, hardware
 from tpbench.config import CONF_DIR, RunConfig, local_world_size, register_schema, world_size
 from tpbench.emulation import EMULATED_KINDS, FLAVOURS
 from tpbench.experiments import KINDS
+from tpbench.experiments.criterion import check_validate_faults
 from tpbench.faults import FAULTS
 from tpbench.parallel.checks import GRAD_SUMS, ConfigError, check_dtensor_shardable, check_shardable
 
@@ -77,7 +78,7 @@ CHOICES = {
     "launch.emulate_gpu": hardware.allocator_names(),
     "debug.overlap_fault": ("", "no_wait", "early_bucket"),
     "debug.ddp_fault": ("", "no_divide", "drop_bucket"),
-    "debug.validate_fault": ("", "rank1_param"),
+    "debug.validate_fault": ("", "rank1_param", "rope_offset", "no_backward_sum"),
     "validate.batch": ("fresh", "fixed"),
 }
 AT_LEAST_ONE = (
@@ -121,6 +122,7 @@ POSITIVE = (
 AT_LEAST_ZERO_FLOAT = (
     "train.lr",
     "train.weight_decay",
+    "validate.k",
     "validate.tol_fwd",
     "validate.tol_loss",
     "validate.tol_grad_rel",
@@ -235,12 +237,7 @@ def check(cfg: RunConfig) -> None:
             f"debug.ddp_fault={cfg.debug.ddp_fault}: breaks DDP's comm hook, "
             "accepted with parallel.engine=ddp"
         )
-    if cfg.debug.validate_fault and (cfg.kind != "validate" or cfg.parallel.tp * cfg.parallel.dp < 2):
-        raise ConfigError(
-            f"debug.validate_fault={cfg.debug.validate_fault} with kind={cfg.kind} and "
-            f"{cfg.parallel.tp * cfg.parallel.dp} rank(s): plants an error on rank 1 of a validation, "
-            "accepted with kind=validate and tp x dp >= 2"
-        )
+    check_validate_faults(cfg)
     for name in cfg.debug.skip_grad_sum:
         if name not in GRAD_SUMS:
             accepted = ", ".join(GRAD_SUMS)

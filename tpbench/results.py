@@ -37,7 +37,9 @@ class Measurement:
 
 @dataclass
 class ParamRow:
-    """One parameter's gradient error against the matching shard of the dense gradient."""
+    """One parameter's errors against the matching shard of the dense model (kind=validate): its
+    gradient's and, after the AdamW steps, its own; beside them the dense model's against the
+    reference model's (tpbench.experiments.criterion). None: not measured (a result of before)."""
 
     name: str
     semantics: str  # column, row, replicated, replicated_sum, vocab
@@ -45,6 +47,10 @@ class ParamRow:
     grad_mean_abs: float
     grad_max_abs: float
     grad_rel_l2: float
+    grad_ref_rel_l2: float | None = None  # the dense gradient against the reference's
+    param_max_abs: float | None = None  # after the AdamW steps
+    param_rel_l2: float | None = None  # ||sharded - dense|| / ||dense - initial||
+    param_ref_rel_l2: float | None = None  # ||dense - reference|| / ||dense - initial||
 
 
 @dataclass

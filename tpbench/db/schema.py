@@ -13,7 +13,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from tpbench import machine
 
 # 2: runs.slurm_job_id and runs.nodes; 3: comm.exposed_s; 4: runs.hardware
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 class Base(DeclarativeBase):
@@ -101,6 +101,11 @@ class ParamErrorRow(Base):
     grad_mean_abs: Mapped[float]
     grad_max_abs: Mapped[float]
     grad_rel_l2: Mapped[float]
+    # version 5 (tpbench.results.ParamRow): the reference model's figures and the AdamW parameters'
+    grad_ref_rel_l2: Mapped[float | None]
+    param_max_abs: Mapped[float | None]
+    param_rel_l2: Mapped[float | None]
+    param_ref_rel_l2: Mapped[float | None]
 
 
 class CommRow(Base):
@@ -119,7 +124,17 @@ class CommRow(Base):
 
 # version -> the columns its upgrade to version + 1 adds, as declared above (an upgrade only adds
 # nullable columns: the rows kept read as NULL there, unless FILLS fills them)
-UPGRADES = {2: (CommRow.__table__.c.exposed_s,), 3: (Run.__table__.c.hardware,)}
+_PARAM_ERRORS = ParamErrorRow.__table__.c
+UPGRADES = {
+    2: (CommRow.__table__.c.exposed_s,),
+    3: (Run.__table__.c.hardware,),
+    4: (
+        _PARAM_ERRORS.grad_ref_rel_l2,
+        _PARAM_ERRORS.param_max_abs,
+        _PARAM_ERRORS.param_rel_l2,
+        _PARAM_ERRORS.param_ref_rel_l2,
+    ),
+}
 
 
 def _label_hardware(conn: Connection) -> None:

@@ -4,12 +4,13 @@ Both are built from the same dense weights, run in the run's precision (`train.d
 `mixed` under autocast) and see the same tokens (the dense model the whole global batch, each DP rank
 its slice):
 1. forward: max |logits diff| (vocab-sharded logits are gathered for the check only), |loss diff|;
-2. backward: per parameter, the error of the local gradient against the matching shard of the
-   dense gradient, after the gradient sums (TP norms, KV replicas, DP average);
+2. backward: per parameter, the relative L2 error of the local gradient against the matching shard
+   of the dense gradient, after the gradient sums (TP norms, KV replicas, DP average);
 3. AdamW: N steps on both, each on a fresh batch (`validate.batch=fresh`) or all on the forward
    check's batch (`fixed`, the seed chapter's check); every k steps the logits' mean and max |diff|
-   and relative L2 against dense, on a batch kept aside (fresh) or that same batch (fixed); final
-   parameters compared, each rank's own against its shard of the dense model's.
+   and relative L2 against dense, on a batch kept aside (fresh) or that same batch (fixed); per
+   parameter, the final difference against the dense model's, relative to how far the dense model's
+   parameter moved (||sharded - dense|| / ||dense - initial||), each rank's own against its shard.
 
 Every figure is the worst over all ranks (each rank checks its own logits shard, DP slice, gradients
 and parameters), so every rank reaches the same verdict, and an error on any one rank fails the run.
@@ -17,26 +18,25 @@ and parameters), so every rank reaches the same verdict, and an error on any one
 comm hook and buckets: tpbench.experiments.training.build_ddp): each DP rank its slice, the hook
 averaging the gradients, the dense model the whole batch.
 
-The criterion holds in every dtype. A third model, the dense one in pure fp32, measures the dense
-model's own rounding error in the run's precision (zero for a pure fp32 run). Each check passes when
-the sharded-vs-dense error is at most max(tolerance, K x that error): the sharded model may round
-like the dense one does, up to K times as much, and never needs to beat the absolute tolerance.
+One criterion holds for every check, in every precision (tpbench.experiments.criterion): the
+sharded-vs-dense figure is at most k x the same figure of the dense model against a reference +
+the check's floor. The reference is a third model stepped beside them, the dense model one precision
+up (fp64 for an fp32 run, pure fp32 for bf16 and mixed): its difference from the dense model is the
+run's own rounding drift, measured on the same weights, tokens and steps.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import io
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from rich.console import Console
-from rich.table import Table
 
 from tpbench import theory
-from tpbench.config import RunConfig, mode_label
+from tpbench.config import RunConfig
+from tpbench.experiments import criterion
 from tpbench.experiments.progress import StepProgress
 from tpbench.experiments.setup import (
     Batches,
@@ -50,45 +50,30 @@ from tpbench.experiments.setup import (
 )
 from tpbench.experiments.training import adamw, build_ddp
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindForCausalLM, shift_labels
-from tpbench.parallel import collectives, instrumentation
+from tpbench.parallel import collectives, instrumentation, regions
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.plan import ParallelModel
+from tpbench.parallel.wrappers import Boundary, SPGather, TPCopy
 from tpbench.results import ParamRow, RankResult
 
-# How many times the dense model's own rounding error (in the run's precision, against fp32) the
-# sharded model may be off the dense model. Two models that compute the same sums in different orders
-# each carry an error e against the exact result, so their difference is up to about 2e; the sharded
-# model rounds more often than the dense one (each rank's partial sums are rounded to the dtype before
-# the all-reduce adds them). Measured on the tiny model at T = 2, every mode, bf16 pure and mixed
-# (tests/test_parallel.py, MiniMind's fp32-scaled RMSNorm): the ratio is at most 0.93 for logits,
-# 0.98 for gradients, 1.04 for the AdamW parameters and 0.07 for the loss (against its per-token
-# scale, below). A missing gradient sum gives 50-64 (relative gradient error ~1 against bf16's
-# ~2e-2). 10 sits between.
-K = 10.0
-
-# (metric, what it is, the ValidateConfig tolerance that is its floor, the dense model's own error)
-# The loss is one scalar: the dense model's own error on it cancels by chance (2.9e-6 against a
-# sharded-vs-dense 4.0e-5 at tp 2, mixed), so its scale is the mean over tokens of the dense model's
-# |per-token loss error|, which bounds the scalar's error and cannot cancel.
-CHECKS = (
-    ("fwd_logits_max_abs", "forward max |logits diff|", "tol_fwd", "dense_fwd_logits_max_abs"),
-    ("loss_abs_diff", "|loss diff|", "tol_loss", "dense_token_loss_mean_abs_diff"),
-    ("grad_max_rel_l2", "max gradient relative L2", "tol_grad_rel", "dense_grad_max_rel_l2"),
-    ("adamw_param_max_abs", "AdamW x{steps}: max |param diff|", "tol_param", "dense_adamw_param_max_abs"),
-    ("adamw_drift_max_abs", "AdamW x{steps}: max |logits diff|, worst step", "tol_drift",
-     "dense_adamw_drift_max_abs"),
-)  # fmt: skip
 # The logits drift against dense at each compared AdamW step, each the worst over ranks, stored per step
 DRIFT = ("adamw_logits_mean_abs", "adamw_logits_max_abs", "adamw_logits_rel_l2")
+# The parameter whose gradient debug.grad_scale scales: a column shard in every tensor-parallel mode
+SCALED = "model.layers.0.self_attn.q_proj.weight"
+
+
+def reference_dtype(cfg: RunConfig) -> torch.dtype:
+    """The reference model's precision: one up from the run's (fp64 for fp32, fp32 for bf16/fp16)."""
+    return torch.float64 if cfg.train.dtype == "float32" else torch.float32
 
 
 def run(cfg: RunConfig) -> RankResult:
     ctx = context(cfg)
     dense = build_dense(cfg)
     pm = DDPModel(cfg, ctx) if cfg.parallel.engine == "ddp" else build_parallel(cfg, ctx, dense)
-    pure_fp32 = cfg.train.dtype == "float32"  # mixed precision needs a 16-bit dtype (compose checks)
-    reference = None if pure_fp32 else place(copy.deepcopy(dense), ctx.device, torch.float32)  # dense, fp32
+    reference = place(copy.deepcopy(dense), ctx.device, reference_dtype(cfg))
     place(dense, ctx.device, param_dtype(cfg))
+    _plant_model_fault(cfg, pm, ctx)
     batches = Batches(cfg, ctx)
     result = RankResult(rank=ctx.rank)
 
@@ -97,10 +82,8 @@ def run(cfg: RunConfig) -> RankResult:
     with precision(cfg, ctx.device):
         dense_logits, dense_loss = dense(ids, labels)
     dense_loss.backward()
-    ref_logits, ref_loss = dense_logits, dense_loss
-    if reference is not None:
-        ref_logits, ref_loss = reference(ids, labels)
-        ref_loss.backward()
+    ref_logits, ref_loss = reference(ids, labels)
+    ref_loss.backward()
     counter = instrumentation.CommCounter()
     with counting(cfg, counter):
         with precision(cfg, ctx.device):
@@ -108,6 +91,7 @@ def run(cfg: RunConfig) -> RankResult:
             logits = logits.detach().clone()  # the vocab-parallel loss's backward writes over the logits
         loss.backward()
         pm.finish_grads()
+    _scale_grad(cfg, pm)
     result.comm = counter.rows()
     result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")
     result.add("predicted_comm_bytes_per_step", theory.predict(cfg).comm_bytes_per_step, "B")
@@ -121,39 +105,43 @@ def run(cfg: RunConfig) -> RankResult:
     figures["fwd_logits_max_abs"] = _max_abs(pm.full_logits(logits), batches.local_slice(dense_logits))
     mean_loss = collectives.all_reduce(loss.detach().float().clone(), ctx.dp_group, "check") / ctx.dp
     figures["loss_abs_diff"] = (mean_loss - dense_loss.detach().float()).abs().item()
-    rows = _grad_rows(pm, dense)
-    if ctx.rank == 0:
-        result.params = rows
-    figures["grad_max_abs"] = max(r.grad_max_abs for r in rows)
-    figures["grad_max_rel_l2"] = max(r.grad_rel_l2 for r in rows)
-    # the dense model's own error against fp32
+    # the dense model's own error against the reference
     figures["dense_fwd_logits_max_abs"] = _max_abs(dense_logits, ref_logits)
-    figures["dense_loss_abs_diff"] = (dense_loss.detach().float() - ref_loss.detach()).abs().item()
+    figures["dense_loss_abs_diff"] = (dense_loss.detach().double() - ref_loss.detach().double()).abs().item()
     figures["dense_token_loss_mean_abs_diff"] = _token_loss_error(dense_logits, ref_logits, labels)
-    figures["dense_grad_max_rel_l2"] = _dense_grad_error(dense, reference)
+    grads = _grad_errors(pm, dense, reference)
 
-    # 3. AdamW steps on all of them
+    # 3. AdamW steps on all three
+    initial = {n: p.detach().clone() for n, p in dense.named_parameters()}
     drift = _adamw(cfg, pm, dense, reference, batches, (ids, labels))
     _plant_error(cfg, pm)
-    figures["adamw_param_max_abs"] = _param_error(pm, dense)
-    figures["dense_adamw_param_max_abs"] = _dense_param_error(dense, reference)
+    params = _param_errors(pm, dense, reference, initial)
+    rows = _rows(pm, grads, params)
+    if ctx.rank == 0:
+        result.params = rows
+    figures["adamw_param_max_abs"] = max(r.param_max_abs for r in rows)  # the seed chapter's figure
 
     worst = _worst_over_ranks(figures)  # the drift's figures are the worst over ranks already
+    worst["grad_max_abs"] = max(r.grad_max_abs for r in rows)
+    worst["grad_max_rel_l2"] = max(r.grad_rel_l2 for r in rows)
+    worst["dense_grad_max_rel_l2"] = max(r.grad_ref_rel_l2 for r in rows)
+    worst["adamw_param_max_rel_l2"] = max(r.param_rel_l2 for r in rows)
+    worst["dense_adamw_param_max_rel_l2"] = max(r.param_ref_rel_l2 for r in rows)
     worst["adamw_drift_max_abs"] = max(values[1] for _, values, _ in drift)
     worst["dense_adamw_drift_max_abs"] = max(own for *_, own in drift)
+    checks = criterion.verdicts(cfg, worst, rows)
+    for v in checks:  # each check's worst item against its bound: at most 1 passes
+        worst[f"{v.check}_of_bound"] = v.of_bound
     for name, value in worst.items():
         result.add(name, value)
     for step, values, _ in drift:
         for name, value in zip(DRIFT, values, strict=True):
             result.add(name, value, step=step)
-    verdicts = [_verdict(cfg, worst, *check) for check in CHECKS]
-    passed = all(ok for *_, ok in verdicts)
+    passed = all(v.ok for v in checks)
     result.add("passed", float(passed))
     if ctx.rank == 0:
-        result.failed = [
-            f"{m} {value:.3g} > bound {bound:.3g}" for m, _, value, _, bound, ok in verdicts if not ok
-        ]
-        result.text = _table(cfg, verdicts, rows, passed)
+        result.failed = [v.failure() for v in checks if not v.ok]
+        result.text = criterion.table(cfg, checks, rows, passed)
     return result
 
 
@@ -182,22 +170,13 @@ class DDPModel:
         return logits
 
 
-def _verdict(
-    cfg: RunConfig, metrics: dict[str, float], metric: str, what: str, tol: str, own_metric: str
-) -> tuple[str, str, float, float, float, bool]:
-    """(metric, what, sharded-vs-dense error, dense-vs-fp32 error, bound, ok)."""
-    value, own = metrics[metric], metrics[own_metric]
-    bound = max(getattr(cfg.validate, tol), K * own)
-    return metric, what, value, own, bound, value <= bound
-
-
 def _token_loss_error(logits: torch.Tensor, reference: torch.Tensor, labels: torch.Tensor) -> float:
     """Mean over the valid tokens of |cross entropy of `logits` - that of `reference`| (both [B, S, V],
     labels [B, S]): the per-token scale of the rounding error of the mean loss."""
     targets = shift_labels(labels).t().reshape(-1)  # [B S]
 
     def token_losses(x: torch.Tensor) -> torch.Tensor:
-        flat = x.detach().float().reshape(-1, x.shape[-1])
+        flat = x.detach().double().reshape(-1, x.shape[-1])
         return F.cross_entropy(flat, targets, ignore_index=IGNORE_INDEX, reduction="none")
 
     valid = targets != IGNORE_INDEX
@@ -205,7 +184,12 @@ def _token_loss_error(logits: torch.Tensor, reference: torch.Tensor, labels: tor
 
 
 def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
+    return (a.double() - b.double()).abs().max().item()
+
+
+def _rel_l2(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """||a - b|| / ||scale||, in fp64."""
+    return (a.double() - b.double()).norm() / scale.double().norm().clamp(min=1e-30)
 
 
 def logits_drift(logits: torch.Tensor, dense: torch.Tensor) -> list[float]:
@@ -223,35 +207,48 @@ def _worst_over_ranks(figures: dict[str, float]) -> dict[str, float]:
     return dict(zip(figures, worst, strict=True))
 
 
-def _grad_rows(pm: ParallelModel | DDPModel, dense: torch.nn.Module) -> list[ParamRow]:
-    """Gradient error of every parameter against its shard of the dense gradient, worst over ranks."""
-    dense_params = dict(dense.named_parameters())
-    names, stats = [], []
+def _grad_errors(pm: ParallelModel | DDPModel, dense: torch.nn.Module, reference: torch.nn.Module) -> list:
+    """Per parameter of this rank: the local gradient against its shard of the dense gradient (mean and
+    max |diff|, relative L2) and that shard of the dense gradient against the reference's (relative L2)."""
+    dense_params, ref_params = dict(dense.named_parameters()), dict(reference.named_parameters())
+    stats = []
     for name, p in pm.module.named_parameters():
-        ref = pm.shard_like(name, dense_params[name].grad).float()
-        diff = p.grad.float() - ref
-        rel = diff.norm() / ref.norm().clamp(min=1e-30)
-        names.append(name)
-        stats.append(torch.stack([diff.abs().mean(), diff.abs().max(), rel]).double())
-    stacked = collectives.reduce_over_world(torch.stack(stats), dist.ReduceOp.MAX).cpu()  # [params, 3]
+        want = pm.shard_like(name, dense_params[name].grad)
+        exact = pm.shard_like(name, ref_params[name].grad)
+        diff = (p.grad.double() - want.double()).abs()
+        stats.append([diff.mean(), diff.max(), _rel_l2(p.grad, want, want), _rel_l2(want, exact, exact)])
+    return stats
+
+
+def _param_errors(
+    pm: ParallelModel | DDPModel,
+    dense: torch.nn.Module,
+    reference: torch.nn.Module,
+    initial: dict[str, torch.Tensor],
+) -> list:
+    """Per parameter of this rank after the AdamW steps: max |diff| against its shard of the dense
+    model's, and the relative L2 of that diff and of the dense model's against the reference's, both
+    against how far the dense model's shard moved (every replica of a replicated weight counts)."""
+    dense_params, ref_params = dict(dense.named_parameters()), dict(reference.named_parameters())
+    stats = []
+    for name, p in pm.module.named_parameters():
+        want = pm.shard_like(name, dense_params[name])
+        exact = pm.shard_like(name, ref_params[name])
+        moved = want.double() - pm.shard_like(name, initial[name]).double()
+        stats.append(
+            [(p.double() - want.double()).abs().max(), _rel_l2(p, want, moved), _rel_l2(want, exact, moved)]
+        )
+    return stats
+
+
+def _rows(pm: ParallelModel | DDPModel, grads: list, params: list) -> list[ParamRow]:
+    """Every parameter's figures, each the worst over ranks, in one all-reduce."""
+    stacked = torch.tensor([[*map(float, g), *map(float, q)] for g, q in zip(grads, params, strict=True)])
+    worst = collectives.reduce_over_world(stacked.double(), dist.ReduceOp.MAX).cpu().tolist()
     return [
-        ParamRow(n, pm.semantics(n), list(p.shape), *map(float, s))
-        for n, p, s in zip(names, pm.module.parameters(), stacked, strict=True)
+        ParamRow(n, pm.semantics(n), list(p.shape), *w)
+        for (n, p), w in zip(pm.module.named_parameters(), worst, strict=True)
     ]
-
-
-def _param_error(pm: ParallelModel | DDPModel, dense: torch.nn.Module) -> float:
-    """This rank's worst |param diff|: each of its parameters against its shard of the dense model's
-    (every replica of a replicated weight counts, not only the one a checkpoint keeps)."""
-    dense_params = dict(dense.named_parameters())
-    return max(_max_abs(p, pm.shard_like(n, dense_params[n])) for n, p in pm.module.named_parameters())
-
-
-def _dense_param_error(dense: torch.nn.Module, reference: torch.nn.Module | None) -> float:
-    if reference is None:
-        return 0.0
-    ref = dict(reference.named_parameters())
-    return max(_max_abs(p, ref[n]) for n, p in dense.named_parameters())
 
 
 def _plant_error(cfg: RunConfig, pm: ParallelModel | DDPModel) -> None:
@@ -262,34 +259,59 @@ def _plant_error(cfg: RunConfig, pm: ParallelModel | DDPModel) -> None:
             dict(pm.module.named_parameters())["model.norm.weight"].view(-1)[0].add_(1.0)
 
 
-def _dense_grad_error(dense: torch.nn.Module, reference: torch.nn.Module | None) -> float:
-    """The dense model's worst relative L2 gradient error against the fp32 dense model's."""
-    if reference is None:
-        return 0.0
-    ref = dict(reference.named_parameters())
-    return max(
-        ((p.grad.float() - ref[n].grad).norm() / ref[n].grad.norm().clamp(min=1e-30)).item()
-        for n, p in dense.named_parameters()
-    )
+class _NoBackwardSum(Boundary):
+    """debug.validate_fault=no_backward_sum: a region entered without its backward collective (the
+    all-reduce of f under TP; under SP the all-gather stays and backward keeps this rank's part, no
+    reduce-scatter)."""
+
+    def __init__(self, group: collectives.Group, sp: bool):
+        super().__init__()
+        self.group, self.sp = group, sp
+
+    def forward(self, x: torch.Tensor, body) -> torch.Tensor:
+        return body(regions.gather_from_sp_region_replicated(x, self.group) if self.sp else x)
+
+
+def _plant_model_fault(cfg: RunConfig, pm: ParallelModel | DDPModel, ctx: ParallelContext) -> None:
+    """The validate faults planted in the model before its first forward, to prove validation catches
+    them: rope_offset (tensor-parallel rank 1, or DP rank 1 without TP, computes RoPE one position
+    off) and no_backward_sum (the first region entered under TP or SP has no backward collective)."""
+    fault = cfg.debug.validate_fault
+    if fault == "rope_offset" and (ctx.tp_rank if ctx.tp > 1 else ctx.dp_rank) == 1:
+        decoder, rope = pm.module.model, pm.module.model.rope
+        decoder.rope = lambda seq_len, device: tuple(t.roll(1, 0) for t in rope(seq_len, device))
+    if fault == "no_backward_sum":
+        for module in pm.module.modules():
+            entry = module._modules.get("entry")
+            if isinstance(entry, TPCopy | SPGather):
+                module._modules["entry"] = _NoBackwardSum(entry.group, isinstance(entry, SPGather))
+                return
+
+
+def _scale_grad(cfg: RunConfig, pm: ParallelModel | DDPModel) -> None:
+    """debug.grad_scale: the gradient of SCALED multiplied by it on every rank after the gradient sums,
+    a relative gradient error of |scale - 1| (1: none)."""
+    if cfg.debug.grad_scale != 1.0:
+        dict(pm.module.named_parameters())[SCALED].grad.mul_(cfg.debug.grad_scale)
 
 
 def _adamw(
     cfg: RunConfig,
     pm: ParallelModel | DDPModel,
     dense: torch.nn.Module,
-    reference: torch.nn.Module | None,
+    reference: torch.nn.Module,
     batches: Batches,
     first: tuple[torch.Tensor, torch.Tensor],
 ) -> list[tuple[int, list[float], float]]:
     """The AdamW steps; at every compared step (step, the DRIFT figures each the worst over ranks,
-    the dense model's own max |logits diff| against the fp32 dense model's, 0 in pure fp32).
-    validate.batch=fixed trains every step on `first`, the forward check's global batch, and
-    compares on it; fresh draws a batch to compare on, then one per step."""
+    the dense model's own max |logits diff| against the reference's). validate.batch=fixed trains
+    every step on `first`, the forward check's global batch, and compares on it; fresh draws a batch
+    to compare on, then one per step."""
     v = cfg.validate
-    models = [m for m in (dense, reference) if m is not None]
     opt_p = adamw(cfg, pm.module.parameters(), v.lr)  # fused under train.fused_optimizer
     dense_opts = [
-        torch.optim.AdamW(m.parameters(), lr=v.lr, weight_decay=cfg.train.weight_decay) for m in models
+        torch.optim.AdamW(m.parameters(), lr=v.lr, weight_decay=cfg.train.weight_decay)
+        for m in (dense, reference)
     ]
     device = batches.device
     fixed = v.batch == "fixed"
@@ -302,7 +324,7 @@ def _adamw(
             ids, labels = batches.next_global()
         for opt in (opt_p, *dense_opts):
             opt.zero_grad(set_to_none=True)
-        for model in models:  # the fp32 reference runs without autocast
+        for model in (dense, reference):  # the reference runs without autocast
             with precision(cfg, device) if model is dense else contextlib.nullcontext():
                 loss = model(ids, labels)[1]
             loss.backward()
@@ -310,6 +332,7 @@ def _adamw(
             loss = pm(batches.local_slice(ids), batches.local_slice(labels))[1]
         loss.backward()
         pm.finish_grads()
+        _scale_grad(cfg, pm)
         for opt in (opt_p, *dense_opts):
             opt.step()
         if step % v.every == 0 or step == v.steps:
@@ -317,38 +340,8 @@ def _adamw(
                 with precision(cfg, device):
                     full = pm.full_logits(pm(batches.local_slice(eval_ids))[0])
                     ref = batches.local_slice(dense(eval_ids)[0])
-                own = 0.0 if reference is None else _max_abs(ref, batches.local_slice(reference(eval_ids)[0]))
+                own = _max_abs(ref, batches.local_slice(reference(eval_ids)[0]))
             worst = collectives.reduce_floats([*logits_drift(full, ref), own], dist.ReduceOp.MAX)
             drift.append((step, worst[:-1], worst[-1]))
         progress.step()
     return drift
-
-
-def _table(cfg: RunConfig, verdicts: list[tuple], rows: list[ParamRow], passed: bool) -> str:
-    p, t = cfg.parallel, cfg.train
-    table = Table(title=f"validate {mode_label(p)}  tp={p.tp} dp={p.dp}  {t.dtype} {t.precision}")
-    for col in ("check", "measured", "dense vs fp32", "bound", "ok"):
-        table.add_column(col, justify="right" if col != "check" else "left")
-    for _, what, value, own, bound, ok in verdicts:
-        cells = (f"{value:.2e}", f"{own:.2e}", f"{bound:.1e}", "yes" if ok else "NO")
-        table.add_row(what.format(steps=cfg.validate.steps), *cells)
-    by_sem = Table(title="gradient error by semantics")
-    for col in ("semantics", "params", "max |diff|", "max rel L2"):
-        by_sem.add_column(col, justify="right" if col != "semantics" else "left")
-    for sem in sorted({r.semantics for r in rows}):
-        group = [r for r in rows if r.semantics == sem]
-        by_sem.add_row(
-            sem,
-            str(len(group)),
-            f"{max(r.grad_max_abs for r in group):.2e}",
-            f"{max(r.grad_rel_l2 for r in group):.2e}",
-        )
-    out = io.StringIO()
-    console = Console(file=out, width=100, force_terminal=False)
-    console.print(table)
-    console.print(by_sem)
-    console.print(
-        f"bound: max(tolerance, {K:g} x the dense model's own error against fp32); "
-        f"verdict: {'PASSED' if passed else 'FAILED'}"
-    )
-    return out.getvalue()

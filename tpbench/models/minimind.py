@@ -111,7 +111,7 @@ class RMSNorm(nn.Module):
         return self._norm(x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32, or fp64 for validation's reference
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * normed).type_as(x)
 
@@ -296,8 +296,9 @@ class CausalLMLoss(nn.Module):
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # logits [S, B, V], targets [S, B] already shifted
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp64: validation's reference
         return F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
+            wide.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
         )
 
 

@@ -101,6 +101,8 @@ class ReportData:
     comm: pd.DataFrame  # run_id, rank, op, purpose, count, bytes, time_s, exposed_s
     configs: dict[int, dict] = field(default_factory=dict)  # run id -> flat config ("model.name": ...)
     generated_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    # per-parameter errors of the OK validate runs (tpbench.results.ParamRow), rank 0's: run_id, name, ...
+    params: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     @property
     def ok(self) -> pd.DataFrame:
@@ -138,7 +140,10 @@ def load(db: ResultsDB, selection: Selection) -> ReportData:
     per_rank = long[long["step"].isna()][["run_id", "rank", "name", "value"]]
     comm = db.comm(ok_ids)
     url = make_url(db.url).render_as_string(hide_password=True)  # a report may travel
-    return ReportData(url, s, runs.reset_index(drop=True), curves, per_rank, comm, configs)
+    validated = runs.loc[(runs["status"] == "OK") & (runs["kind"] == "validate"), "id"].tolist()
+    params = db.param_errors(validated)
+    params = params[params["rank"] == 0]
+    return ReportData(url, s, runs.reset_index(drop=True), curves, per_rank, comm, configs, params=params)
 
 
 def model_label(flat: dict) -> str:

@@ -47,9 +47,13 @@ def section(data: ReportData) -> Section:
         "AdamW batch": ("validate_batch", None),
         "AdamW max |logits diff|": ("drift_max", units.sci),
         "AdamW final max |param diff|": ("adamw_param_max_abs", units.sci),
+        "AdamW final max param diff / update": ("adamw_param_max_rel_l2", units.sci),
+        "worst check / bound": ("worst_of_bound", lambda v: units.text(v) if v != v else f"{v:.2f}"),
         "verdict": ("passed", units.passed),
     }
     runs = runs.assign(tp_dp=runs["tp"].astype(str) + "×" + runs["dp"].astype(str))
+    of_bound = [c for c in runs.columns if str(c).endswith("_of_bound")]  # runs before them: none
+    runs = runs.assign(worst_of_bound=runs[of_bound].max(axis=1) if of_bound else float("nan"))
     table = pick("Checks against dense", runs, columns)
     table.verdict = "verdict"
     if any(published.seed_check_matches(run) for _, run in runs.iterrows()):
@@ -60,6 +64,8 @@ def section(data: ReportData) -> Section:
         table.frame = pd.concat([table.frame, pd.DataFrame([row])], ignore_index=True)[table.frame.columns]
         table.note = f"Last row: {SEED_NOTE}"
     section.blocks.append(table)
+    if (nearest := _nearest_bound(data, runs)) is not None:
+        section.blocks.append(nearest)
     steps = drift_table(data)  # empty when no run recorded a drift curve (a run of 0 AdamW steps)
     for (setting, batch), group in (
         () if steps.empty else steps.groupby(["setting", "validate_batch"], sort=False)
@@ -74,6 +80,52 @@ def section(data: ReportData) -> Section:
             )
         )
     return section
+
+
+# per-parameter check -> (its figure, its reference, its floor's config key), as in
+# tpbench.experiments.criterion.CHECKS
+PER_PARAM = {
+    "gradient rel L2": ("grad_rel_l2", "grad_ref_rel_l2", "validate.tol_grad_rel", 1e-5),
+    "AdamW param diff / update": ("param_rel_l2", "param_ref_rel_l2", "validate.tol_param", 1e-3),
+}
+
+
+def _nearest_bound(data: ReportData, runs: pd.DataFrame, n: int = 8) -> Table | None:
+    """The `n` parameters nearest their bound (k x the dense model's own figure + the floor) over the
+    runs shown, both per-parameter checks together; None when no run recorded them (older runs)."""
+    params = data.params
+    if params.empty or "grad_ref_rel_l2" not in params or params["grad_ref_rel_l2"].isna().all():
+        return None
+    params = params[params["run_id"].isin(runs["id"])]
+    rows = []
+    for check, (value, ref, floor_key, floor_default) in PER_PARAM.items():
+        got = params.dropna(subset=[value, ref])
+        config = got["run_id"].map(lambda i: data.configs.get(i, {}))
+        k = config.map(lambda c: c.get("validate.k", 4.0))
+        bound = k * got[ref] + config.map(lambda c, key=floor_key, default=floor_default: c.get(key, default))
+        rows.append(got.assign(check=check, value=got[value], reference=got[ref], bound=bound))
+    frame = pd.concat(rows, ignore_index=True)
+    frame = frame.assign(of_bound=frame["value"] / frame["bound"]).nlargest(n, "of_bound")
+    mode = frame["run_id"].map(runs.set_index("id")["mode"])
+    frame = pd.DataFrame(
+        {
+            "run": frame["run_id"],
+            "mode": mode,
+            "check": frame["check"],
+            "parameter": frame["name"],
+            "measured": frame["value"],
+            "dense vs reference": frame["reference"],
+            "bound": frame["bound"],
+            "of bound": frame["of_bound"],
+        }
+    )
+    formats = {c: units.sci for c in ("measured", "dense vs reference", "bound")}
+    note = (
+        "Sharded against dense, per parameter, beside the dense model against the reference (itself one "
+        "precision up: fp64 for an fp32 run, fp32 for bf16 and mixed); bound = validate.k x that + the "
+        "check's floor; of bound above 1 fails."
+    )
+    return Table("Parameters nearest their bound", frame, formats | {"of bound": lambda v: f"{v:.2f}"}, note)
 
 
 def _drift_table(steps: pd.DataFrame, setting: str, batch: str, runs: pd.DataFrame) -> Table:

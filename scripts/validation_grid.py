@@ -1,0 +1,229 @@
+"""The validation grid: many seeds of three shapes, every tensor-parallel mode, fp32 and bf16, to show
+that a correct model never fails validation (docs/results/validation.md).
+
+Each part is one `tpbench sweep` (its runs on warm workers, `train.seed=` an axis), labelled with
+`sweep=grid_<part>` in the database; `--parts` picks which run (on a 2-core AVX2 CPU bf16 matmuls are
+~90x slower than fp32, so the bf16 parts of the larger shapes take hours there). `--report` only reads
+the database: per part the runs, the failures, each check's worst value / bound, and the largest ratio
+of sharded-vs-dense to dense-vs-reference among the figures above their floor (what K has to cover).
+
+    .venv/bin/python scripts/validation_grid.py --seeds 20 --parts tiny_fp32 tiny_t4_fp32
+    .venv/bin/python scripts/validation_grid.py --report
+    .venv/bin/python scripts/validation_grid.py --planted --db sqlite:///runs/planted_bugs.db
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+MODES_T2 = "tp,tp_sp,tp_sp_linear,tp_vp,tp_sp_vp,dtensor_tp,dtensor_tp_sp,dtensor_tp_vp,dtensor_tp_sp_vp"
+# The issue's Llama config.json: no intermediate_size, so transformers' default 11,008
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "vocab_size": 1000,
+}
+SHAPES = {"tiny": ["model=tiny"], "seed": ["model=seed_check"], "llama": ["model.hf_config={llama}"]}
+DTYPES = {"fp32": ["dtype=float32"], "bf16": ["dtype=bfloat16"]}
+# part name -> (shape, dtype, tp, modes)
+PARTS = {
+    f"{shape}_{t}{dtype}": (shape, dtype, tp, modes)
+    for shape in SHAPES
+    for dtype in DTYPES
+    for t, tp, modes in (("", 2, MODES_T2), ("t4_", 4, "tp_sp_vp"))
+}
+# The planted bugs, each a sweep of its own on the tiny model at T 2, mode tp_sp, in every precision
+# (sweep=bug_<name>_<precision>); each run must fail. grad_scale: one gradient off by 2, 5 and 10%
+PLANTED = {
+    "qk": ["debug.skip_grad_sum=[qk_norm]"],
+    "sp": ["debug.skip_grad_sum=[sp_norms]"],
+    "kv": ["kv_heads=1", "debug.skip_grad_sum=[kv_replicas]"],
+    "dp": ["dp=2", "debug.skip_grad_sum=[dp]"],
+    "fault": ["debug.validate_fault=rope_offset,no_backward_sum"],
+    "scale": ["debug.grad_scale=1.02,1.05,1.1"],
+}
+PRECISIONS = {
+    "dtypefloat32": ["dtype=float32"],
+    "dtypebfloat16": ["dtype=bfloat16"],
+    "dtypebfloat16precisionmixed": ["dtype=bfloat16", "precision=mixed"],
+}
+CHECKS = {  # check -> (its value, its reference) in the measurements, or None: per parameter
+    "fwd_logits_max_abs": ("fwd_logits_max_abs", "dense_fwd_logits_max_abs"),
+    "loss_abs_diff": ("loss_abs_diff", "dense_token_loss_mean_abs_diff"),
+    "grad_rel_l2": None,
+    "adamw_param_rel_l2": None,
+    "adamw_drift_max_abs": ("adamw_drift_max_abs", "dense_adamw_drift_max_abs"),
+}
+FLOORS = {  # ValidateConfig's defaults, the floors (tpbench.experiments.criterion)
+    "fwd_logits_max_abs": 1e-5,
+    "loss_abs_diff": 1e-5,
+    "grad_rel_l2": 1e-5,
+    "adamw_param_rel_l2": 1e-3,
+    "adamw_drift_max_abs": 2e-3,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=20, help="train.seed=0..N-1 (default 20)")
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument(
+        "--parts", nargs="*", default=list(PARTS), help=f"of {', '.join(PARTS)} (default all)"
+    )
+    parser.add_argument("--modes", default="", help="override every part's mode list, e.g. tp,tp_sp_vp")
+    parser.add_argument("--db", default="sqlite:///runs/validation_grid.db")
+    parser.add_argument("--planted", action="store_true", help="run the planted bugs (PLANTED) instead")
+    parser.add_argument("--report", action="store_true", help="only read the database")
+    args = parser.parse_args()
+    if unknown := set(args.parts) - set(PARTS):
+        sys.exit(f"--parts {sorted(unknown)}: accepted are {', '.join(PARTS)}")
+    if args.planted and not args.report:
+        for name, overrides in PLANTED.items():
+            for tag, precision in PRECISIONS.items():
+                sweep = [
+                    "kind=validate",
+                    "tp=2",
+                    "mode=tp_sp",
+                    *precision,
+                    *overrides,
+                    f"sweep=bug_{name}_{tag}",
+                ]
+                tpbench = str(Path(sys.executable).parent / "tpbench")
+                subprocess.run(
+                    [tpbench, "sweep", *sweep, f"db.url={args.db}"], stdout=subprocess.DEVNULL, check=False
+                )
+    elif not args.report:
+        with tempfile.TemporaryDirectory() as tmp:
+            llama = Path(tmp) / "config.json"
+            llama.write_text(json.dumps(LLAMA))
+            for part in args.parts:
+                run_part(part, args, llama)
+    print(planted(args.db) if args.planted else report(args.db))
+
+
+def run_part(part: str, args: argparse.Namespace, llama: Path) -> None:
+    shape, dtype, tp, modes = PARTS[part]
+    seeds = ",".join(str(s) for s in range(args.first_seed, args.first_seed + args.seeds))
+    overrides = [o.format(llama=llama) for o in SHAPES[shape]] + DTYPES[dtype]
+    command = [
+        str(Path(sys.executable).parent / "tpbench"),
+        "sweep",
+        "kind=validate",
+        *overrides,
+        f"tp={tp}",
+        f"mode={args.modes or modes}",
+        f"train.seed={seeds}",
+        f"sweep=grid_{part}",
+        f"db.url={args.db}",
+    ]
+    print("+", " ".join(command), flush=True)
+    subprocess.run(command, stdout=subprocess.DEVNULL, check=False)
+
+
+def planted(url: str) -> str:
+    """A markdown table of the planted bugs: each run's status and the checks it failed, the worst
+    parameter's gradient error against the dense model's own, and the scaled parameter's."""
+    from tpbench.db import ResultsDB
+
+    db = ResultsDB(url)
+    runs = db.runs(kind="validate")
+    runs = runs[runs["sweep"].fillna("").str.startswith("bug_")]
+    metrics = db.metrics(runs["id"].tolist())
+    params = db.param_errors(runs["id"].tolist())
+    scaled = params[(params["rank"] == 0) & (params["name"] == "model.layers.0.self_attn.q_proj.weight")]
+    scaled = scaled.set_index("run_id")
+    lines = [
+        "| bug | precision | status | failed checks | max grad rel L2 (dense's own) | scaled grad / bound |",
+        "|---" * 6 + "|",
+    ]
+    for _, run in runs.iterrows():
+        _, name, tag = run["sweep"].split("_", 2)
+        debug = db.run_record(int(run["id"]))["config"]["debug"]
+        name = {"fault": debug["validate_fault"], "scale": f"grad x {debug['grad_scale']:g}"}.get(name, name)
+        m = metrics.loc[run["id"]] if run["id"] in metrics.index else {}
+        failed = sorted(
+            {
+                part.split()[0]
+                for part in (run["error"] or "").removeprefix("validate out of bounds: ").split("; ")
+            }
+        )
+        q = scaled.loc[run["id"]] if run["id"] in scaled.index else None
+        bound = 4 * q["grad_ref_rel_l2"] + FLOORS["grad_rel_l2"] if q is not None else float("nan")
+        q_cell = f"{q['grad_rel_l2']:.3g} / {bound:.3g}" if q is not None else "-"
+        grad, own = m.get("grad_max_rel_l2", float("nan")), m.get("dense_grad_max_rel_l2", float("nan"))
+        lines.append(
+            f"| {name} | {tag.removeprefix('dtype')} | {run['status']} | {', '.join(failed)} | "
+            f"{grad:.3g} ({own:.3g}) | {q_cell} |"
+        )
+    return "\n".join(lines)
+
+
+def report(url: str) -> str:
+    """A markdown table per part: runs, failures, the worst value / bound and the largest ratio above
+    the floor per check; then the parameters nearest their bound."""
+    from tpbench.db import ResultsDB
+
+    db = ResultsDB(url)
+    runs = db.runs(kind="validate")
+    runs = runs[runs["sweep"].fillna("").str.startswith("grid_")]
+    if runs.empty:
+        return "no grid runs in " + url
+    metrics = db.metrics(runs["id"].tolist())
+    params = db.param_errors(runs["id"].tolist())
+    params = params[params["rank"] == 0]
+    lines = [
+        "| part | runs | OK | failed | "
+        + " | ".join(f"{c} worst of bound (max ratio; above floor)" for c in CHECKS)
+        + " |",
+        "|---" * (4 + len(CHECKS)) + "|",
+    ]
+    for sweep, group in runs.groupby("sweep", sort=False):
+        ids = group["id"].tolist()
+        m = metrics.loc[metrics.index.isin(ids)]
+        cells = []
+        for check, pair in CHECKS.items():
+            of_bound = m[f"{check}_of_bound"].max() if f"{check}_of_bound" in m else float("nan")
+            if pair is None:
+                field = "grad" if check == "grad_rel_l2" else "param"
+                p = params[params["run_id"].isin(ids)]
+                value, ref = p[f"{field}_rel_l2"], p[f"{field}_ref_rel_l2"]
+            else:
+                value, ref = m[pair[0]], m[pair[1]]
+            ratio = (value / ref)[ref > 0].max()  # what K has to cover, where the floor does not
+            above = value > FLOORS[check]
+            over = (value[above] / ref[above]).max() if above.any() else float("nan")
+            cells.append(f"{of_bound:.2f} ({ratio:.2f}; {over:.2f})")
+        ok = int((group["status"] == "OK").sum())
+        lines.append(f"| {sweep[5:]} | {len(group)} | {ok} | {len(group) - ok} | " + " | ".join(cells) + " |")
+    worst = params.assign(
+        of_bound=params["grad_rel_l2"] / (4 * params["grad_ref_rel_l2"] + FLOORS["grad_rel_l2"])
+    )
+    worst = worst.merge(runs[["id", "sweep", "mode", "tp", "dtype"]], left_on="run_id", right_on="id")
+    lines += [
+        "",
+        "Gradients nearest their bound:",
+        "",
+        "| part | mode | run | parameter | rel L2 | reference | of bound |",
+    ]
+    lines.append("|---" * 7 + "|")
+    for _, r in worst.nlargest(5, "of_bound").iterrows():
+        lines.append(
+            f"| {r['sweep'][5:]} | {r['mode']} | {r['run_id']} | {r['name']} | {r['grad_rel_l2']:.3g} | "
+            f"{r['grad_ref_rel_l2']:.3g} | {r['of_bound']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    pd.set_option("display.width", 200)
+    main()

@@ -1,0 +1,147 @@
+"""Validation's criterion (tpbench.experiments.criterion): a correct model passes on other seeds, and
+each planted bug fails it, naming the check and the parameter.
+
+One torchrun job of 2 ranks runs every config below through validate.run (this file is its script);
+the scripts/validation_grid.py grid (docs/results/validation.md) runs the many seeds and shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from beside import beside
+from torchrun_checks import TINY, run_config, torchrun
+
+from tpbench import compose
+from tpbench.experiments.criterion import CHECKS, Verdict, verdicts
+from tpbench.experiments.validate import SCALED
+from tpbench.results import ParamRow
+
+TP_SP_VP = ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true"]
+SEEDS = {f"seed_{s}": [*TP_SP_VP, f"train.seed={s}"] for s in (1, 2, 3)}
+PLANTED = {  # each must fail
+    "rope_offset": ["parallel.tp=2", "debug.validate_fault=rope_offset"],
+    "no_backward_sum": ["parallel.tp=2", "debug.validate_fault=no_backward_sum"],
+    "no_backward_sum_sp": [*TP_SP_VP, "debug.validate_fault=no_backward_sum"],
+    "grad_scale_fp32": ["parallel.tp=2", "debug.grad_scale=1.05"],
+    "grad_scale_bf16": ["parallel.tp=2", "train.dtype=bfloat16", "debug.grad_scale=1.1"],
+}
+
+
+# --- the torchrun job ----------------------------------------------------------------------------
+
+
+def _main(out: str) -> None:
+    import torch.distributed as dist
+
+    from tpbench.experiments import validate
+
+    dist.init_process_group("gloo")
+    results: dict[str, dict] = {}
+    for name, overrides in (SEEDS | PLANTED).items():
+        r = validate.run(run_config(TINY + overrides))
+        metrics = {m.name: m.value for m in r.measurements if m.step is None}
+        params = {p.name: [p.grad_rel_l2, p.grad_ref_rel_l2] for p in r.params}
+        results[name] = {"metrics": metrics, "failed": r.failed, "params": params}
+    dist.barrier()
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+@beside
+def validated(folder: Path) -> dict:
+    return torchrun(Path(__file__), 2, folder / "validation.json")
+
+
+# --- the assertions ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SEEDS)
+def test_other_seeds_pass_with_their_own_rounding_measured(validated, name):
+    """Each check's worst item within its bound, the reference (the dense model in fp64) not 0."""
+    r = validated[name]
+    assert r["failed"] == [] and r["metrics"]["passed"] == 1.0
+    for check, *_ in CHECKS:
+        assert r["metrics"][f"{check}_of_bound"] <= 1, check
+    # fp32 against fp64: measured (not 0), and under each check's floor
+    floors = {
+        "dense_fwd_logits_max_abs": 1e-5,
+        "dense_grad_max_rel_l2": 1e-5,
+        "dense_adamw_param_max_rel_l2": 1e-3,
+    }
+    for own, floor in floors.items():
+        assert 0 < r["metrics"][own] < floor, own
+
+
+def test_a_wrong_rope_offset_fails_the_forward(validated):
+    r = validated["rope_offset"]
+    assert r["metrics"]["passed"] == 0.0 and r["metrics"]["fwd_logits_max_abs"] > 1e-3
+    assert r["failed"][0].startswith("fwd_logits_max_abs ")
+
+
+@pytest.mark.parametrize("name", ["no_backward_sum", "no_backward_sum_sp"])
+def test_a_missing_backward_collective_fails_the_gradients_not_the_forward(validated, name):
+    r = validated[name]
+    assert r["metrics"]["fwd_logits_max_abs_of_bound"] <= 1  # forward untouched
+    assert r["metrics"]["passed"] == 0.0
+    assert any(f.startswith("grad_rel_l2 model.") for f in r["failed"])
+
+
+@pytest.mark.parametrize("name", ["grad_scale_fp32", "grad_scale_bf16"])
+def test_one_gradient_scaled_fails_naming_that_parameter(validated, name):
+    """A relative error of 5% (fp32) and 10% (bf16) in one gradient: the failure names the parameter,
+    its figure and its bound, K x the dense model's own error + the floor."""
+    r = validated[name]
+    scale = 0.05 if name.endswith("fp32") else 0.1
+    value, reference = r["params"][SCALED]
+    assert value == pytest.approx(scale, rel=0.3)
+    assert r["metrics"]["passed"] == 0.0
+    (failure,) = [f for f in r["failed"] if f.startswith("grad_rel_l2")]
+    assert failure.startswith(f"grad_rel_l2 {SCALED} {value:.3g} > bound ")
+    assert f"(4 x {reference:.3g} + 1e-05)" in failure
+
+
+def test_the_bound_is_k_times_the_reference_plus_the_floor():
+    v = Verdict("grad_rel_l2", "", "w", value=0.05, reference=0.01, floor=1e-5, k=4.0)
+    assert v.bound == pytest.approx(0.04001) and not v.ok and v.of_bound == pytest.approx(0.05 / 0.04001)
+    assert v.failure() == "grad_rel_l2 w 0.05 > bound 0.04 (4 x 0.01 + 1e-05)"
+    assert Verdict("loss_abs_diff", "", "", value=1e-6, reference=0.0, floor=1e-5).ok  # under the floor
+
+
+def test_a_per_parameter_check_reports_the_parameter_nearest_its_bound_not_the_largest():
+    """A noisy parameter loosens no other's bound: b (0.01 against its own 1e-4) fails, though a
+    (0.05 against its own 0.02) is larger."""
+    rows = [
+        ParamRow("a", "column", [2], 0, 0, 0.05, 0.02, 0, 0, 0),
+        ParamRow("b", "column", [2], 0, 0, 0.01, 1e-4, 0, 0, 0),
+    ]
+    figures = dict.fromkeys(
+        (c for check in CHECKS for c in (check[0], check[3]) if c is not None),
+        0.0,
+    )
+    grads = next(v for v in verdicts(run_config([]), figures, rows) if v.check == "grad_rel_l2")
+    assert (grads.param, grads.ok) == ("b", False)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["validate.k=-1"], "validate.k=-1.0: accepted are finite numbers >= 0"),
+        (["debug.grad_scale=0"], "debug.grad_scale=0.0 with kind=validate: scales one gradient"),
+        (["kind=memory", "debug.grad_scale=1.05"], "debug.grad_scale=1.05 with kind=memory: scales"),
+        (["debug.validate_fault=no_backward_sum", "parallel.engine=dtensor"], "with parallel.engine=dtensor"),
+        (["debug.validate_fault=wrong"], "debug.validate_fault"),
+    ],
+)
+def test_bad_validation_settings_are_refused_before_launch(overrides, message):
+    with pytest.raises(compose.ConfigError, match=re.escape(message)):
+        compose.expand(["kind=validate", "tp=2", *overrides])
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])
