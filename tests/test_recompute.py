@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torchrun_checks import FAMILIES, TINY, run_config, torchrun
+from torchrun_checks import FAMILIES, TINY, run_config, same_on_every_rank, torchrun
 
 from tpbench import theory
 from tpbench.models.minimind import RMSNorm, swiglu
@@ -38,7 +38,8 @@ NAMES = [f"{mode}/{setting}" for mode in MODES for setting in SETTINGS]
 def checked(tmp_path_factory):
     out = tmp_path_factory.mktemp("recompute") / "recompute.json"
     checks = {name: overrides(name) for name in NAMES}
-    return torchrun(Path(__file__).parent / "torchrun_checks.py", 2, out, "recompute", checks=checks)
+    ranks = torchrun(Path(__file__).parent / "torchrun_checks.py", 2, out, "recompute", checks=checks)
+    return same_on_every_rank(ranks)  # the diffs and FLOPs reduced over the job, the collectives alike
 
 
 @pytest.mark.parametrize("name", NAMES)

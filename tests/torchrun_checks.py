@@ -1,11 +1,11 @@
-"""Checks that need real ranks, run inside one torchrun job; rank 0 writes the results as JSON.
+"""Checks that need real ranks, run inside one torchrun job; rank 0 writes every rank's results as JSON.
 
     torchrun --nproc-per-node N tests/torchrun_checks.py OUT.json units
     torchrun --nproc-per-node N tests/torchrun_checks.py OUT.json validate   (configs in TPBENCH_CHECKS)
     torchrun --nproc-per-node N tests/torchrun_checks.py OUT.json memory     (configs in TPBENCH_CHECKS)
 
-Each check only records numbers; the assertions live in the pytest files, which start the job with
-`torchrun(...)` below.
+Each check only records numbers, on every rank (a fault on rank 1 alone must show); the assertions
+live in the pytest files, which start the job with `torchrun(...)` below and read every rank's.
 """
 
 from __future__ import annotations
@@ -67,14 +67,37 @@ FAMILIES = {
 LLAMA31_ROPE = ["model.rope_scaling_factor=8", "model.rope_original_max_position_embeddings=16"]
 
 
-def torchrun(script: Path, nproc: int, out: Path, *args: str, checks: dict | None = None) -> dict:
-    """Run `script OUT ARGS...` as a real torchrun job over gloo and return the JSON rank 0 wrote."""
+def torchrun(script: Path, nproc: int, out: Path, *args: str, checks: dict | None = None) -> list:
+    """Run `script OUT ARGS...` as a real torchrun job over gloo and return the JSON rank 0 wrote:
+    a list of every rank's results, rank 0's first (`write_every_rank`)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TPBENCH_CHECKS=json.dumps(checks or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     proc = subprocess.run([*cmd, str(script), str(out), *args], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(Path(out).read_text())
+
+
+def write_every_rank(out_path: str, results: object) -> None:
+    """Every rank's `results`, gathered: rank 0 writes them as a JSON list, in rank order."""
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, results)
+    if dist.get_rank() == 0:
+        Path(out_path).write_text(json.dumps(ranks))
+    dist.barrier()
+
+
+def per_config(ranks: list[dict]) -> dict[str, list]:
+    """Every rank's results of a suite keyed by config -> per config, the list of its ranks' results."""
+    return {name: [rank[name] for rank in ranks] for name in ranks[0]}
+
+
+def same_on_every_rank(ranks: list[dict]) -> dict:
+    """Rank 0's results, once every other rank reported the same (figures reduced over the job)."""
+    for r, other in enumerate(ranks[1:], 1):
+        differs = sorted(k for k in ranks[0] if other.get(k) != ranks[0][k])
+        assert not differs, f"rank {r} reported otherwise than rank 0 for: {differs[:20]}"
+    return ranks[0]
 
 
 @functools.cache
@@ -500,6 +523,7 @@ def suite_validate() -> dict:
     validate.Batches.next_global = counted
     for name, overrides in json.loads(os.environ["TPBENCH_CHECKS"]).items():
         draws.clear()
+        cpu = time.process_time()
         r = validate.run(run_config(overrides))
         curves = {n: [[m.step, m.value] for m in r.measurements if m.name == n] for n in validate.DRIFT}
         results[name] = {
@@ -510,36 +534,25 @@ def suite_validate() -> dict:
             "comm": [[c.op, c.purpose, c.count, c.bytes] for c in r.comm],
             "semantics": sorted({p.semantics for p in r.params}),
             "failed": r.failed,
+            "cpu_s": round(time.process_time() - cpu, 2),  # this rank's, for `--durations`-like sums
         }
     return results
 
 
-def suite_memory(*flags: str) -> dict:
-    """The memory experiment per config: every rank's measured peak and counted collectives.
-
-    With the flag `remeasure_unequal` (the theory launch, where every rank of every config must measure
-    the model's peak): a config whose ranks measured unequal peaks is measured once more, and listed
-    under "_remeasured" for the test to bound. On a loaded machine a tensor is now and then freed a
-    moment late, behind an op that should have seen it free: a few KB more on one random rank (seen
-    in 1 of 30 configs at tp 4 with the two cores oversubscribed, 0 of 30 without). A wrong
-    prediction measures the same again, and still fails."""
-    results, remeasured = {}, []
+def suite_memory() -> dict:
+    """The memory experiment per config: this rank's measured peak and counted collectives, measured
+    once. Every rank of a config must measure the model's peak on the first try (tests/test_theory.py):
+    the late frees that once made one random rank a few KB higher (gloo's worker letting go of a
+    collective's tensors, of reduce-scatter's clone, the cycle collector) are settled in tpbench
+    (instrumentation.settling, memory.PeakTracker, memory._measure's gc), not measured again here."""
+    results = {}
     for name, overrides in json.loads(os.environ["TPBENCH_CHECKS"]).items():
-        for attempt in (0, 1):
-            r = memory.run(run_config(overrides))
-            mine = {
-                "peak": next(m.value for m in r.measurements if m.name == "peak_bytes"),
-                "breakdown": {m.name: m.value for m in r.measurements if m.name.startswith("mem_")},
-                "comm": sorted([c.op, c.purpose, c.count, c.bytes] for c in r.comm),
-            }
-            ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, mine)
-            if attempt or "remeasure_unequal" not in flags or len({rank["peak"] for rank in ranks}) == 1:
-                break
-            remeasured.append({"name": name, "peaks": [rank["peak"] for rank in ranks]})
-        results[name] = ranks
-    if "remeasure_unequal" in flags:
-        results["_remeasured"] = remeasured
+        r = memory.run(run_config(overrides))
+        results[name] = {
+            "peak": next(m.value for m in r.measurements if m.name == "peak_bytes"),
+            "breakdown": {m.name: m.value for m in r.measurements if m.name.startswith("mem_")},
+            "comm": sorted([c.op, c.purpose, c.count, c.bytes] for c in r.comm),
+        }
     return results
 
 
@@ -601,15 +614,11 @@ SUITES = {
 
 
 def main() -> None:
-    out_path, suite, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
+    out_path, suite = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     gc.freeze()  # as tpbench.worker does: memory.run's gc.collect() then scans only what the run made
-    results = SUITES[suite](*flags)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
+    write_every_rank(out_path, SUITES[suite]())
     dist.destroy_process_group()
 
 
