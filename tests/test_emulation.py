@@ -10,7 +10,7 @@ import pytest
 import torch
 from beside import beside
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torchrun_checks import FAMILIES, per_config, run_config, torchrun
+from torchrun_checks import FAMILIES, WORLD4, per_config, run_config
 
 from tpbench import allocator, emulation, theory
 from tpbench.allocator import CachingAllocator, replay
@@ -51,15 +51,13 @@ MODES = {
 }
 
 
+WORLD4.add("memory", "emulation", {name: SMALL + overrides for name, overrides in MODES.items()})
+
+
 @beside
 def real_job(folder: Path) -> dict:
-    """Every rank's peak and collectives in real torchrun jobs (gloo, 4 processes)."""
-    checks = {name: SMALL + overrides for name, overrides in MODES.items()}
-    return per_config(
-        torchrun(
-            Path(__file__).parent / "torchrun_checks.py", 4, folder / "real.json", "memory", checks=checks
-        )
-    )
+    """Every rank's peak and collectives in a real torchrun job (gloo, 4 processes: test_theory's)."""
+    return per_config(WORLD4.part(folder, "memory", "emulation"))
 
 
 def emulate(name: str, flavour: str, rank: int | None) -> dict:

@@ -16,11 +16,14 @@ from torchrun_checks import (
     TOL_FWD,
     TOL_GRAD,
     TOL_PARAM,
+    WORLD2,
+    WORLD4,
     B,
     D,
     H,
     L,
     S,
+    per_config,
     same_on_every_rank,
     torchrun,
 )
@@ -252,21 +255,26 @@ VALIDATE_T8 |= {
 VALIDATE_T8["broken_t8_sp_norms"] = [*T8, "parallel.sp=true", "debug.skip_grad_sum=[sp_norms]"]
 
 
+# the world-2 and world-4 jobs, shared with test_recompute, test_theory and test_emulation
+WORLD2.add("units", "parallel")
+WORLD2.add("validate", "parallel", {k: TINY + v for k, v in VALIDATE_T2.items()})
+WORLD4.add("validate", "parallel", {k: TINY + v for k, v in VALIDATE_W4.items()})
+
+
 @beside
 def units(folder: Path) -> list[dict]:
     """Every rank's unit checks (a list, rank 0's first): each test reads every rank's."""
-    return torchrun(CHECKS, 2, folder / "units.json", "units")
+    return WORLD2.part(folder, "units")
 
 
 @beside
 def validated_ranks(folder: Path) -> dict[str, list[dict]]:
     """Per config, every rank's validation results."""
-    out = {}
-    for world, configs in ((2, VALIDATE_T2), (4, VALIDATE_W4), (8, VALIDATE_T8)):
-        ranks = torchrun(CHECKS, world, folder / f"w{world}.json", "validate",
-                         checks={k: TINY + v for k, v in configs.items()})  # fmt: skip
-        out |= {name: [rank[name] for rank in ranks] for name in configs}
-    return out
+    t8 = torchrun(
+        CHECKS, 8, folder / "w8.json", "validate", checks={k: TINY + v for k, v in VALIDATE_T8.items()}
+    )
+    w2, w4 = (shared.part(folder, "validate", "parallel") for shared in (WORLD2, WORLD4))
+    return per_config(w2) | per_config(w4) | per_config(t8)
 
 
 @pytest.fixture(scope="module")
@@ -476,7 +484,7 @@ def test_a_fixed_batch_check_trains_every_step_on_the_forward_checks_batch(valid
     assert fixed["failed"] == [] and fixed["metrics"]["passed"] == 1.0
 
 
-@pytest.mark.parametrize("name", [*FP32, *IN_BF16])
+@pytest.mark.parametrize("name", [n for n in (*FP32, *IN_BF16) if n not in VALIDATE_T8])  # T 8: 2 steps
 def test_each_compared_step_records_the_logits_mean_max_and_relative_l2(validated, name):
     """At steps 3 and 6, fresh and fixed alike; the check's figure is the max |diff|'s worst step."""
     r = validated[name]

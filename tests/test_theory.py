@@ -10,7 +10,7 @@ import pytest
 import torch
 from beside import beside
 from torch.utils.flop_counter import FlopCounterMode
-from torchrun_checks import FAMILIES, per_config, run_config, same_on_every_rank, torchrun
+from torchrun_checks import FAMILIES, WORLD2, WORLD4, per_config, run_config, same_on_every_rank
 from typer.testing import CliRunner
 
 from tpbench import theory
@@ -267,17 +267,13 @@ def odd_shapes(n: int, seed: int = 12) -> dict[str, list[str]]:
 CHECKS |= odd_shapes(8)
 
 
+WORLD4.add("memory", "theory", {name: SMALL + overrides for name, overrides in CHECKS.items()})
+
+
 @beside
 def measured(folder: Path) -> dict:
-    checks = {name: SMALL + overrides for name, overrides in CHECKS.items()}
-    ranks = torchrun(
-        Path(__file__).parent / "torchrun_checks.py",
-        4,
-        folder / "theory.json",
-        "memory",
-        checks=checks,
-    )
-    return per_config(ranks)  # per config, every rank's
+    """Per config, every rank's measured peak and collectives (test_parallel's world-4 job)."""
+    return per_config(WORLD4.part(folder, "memory", "theory"))
 
 
 def config(name: str) -> RunConfig:
@@ -396,12 +392,12 @@ FLOP_CHECKS = {
 }
 
 
+WORLD2.add("flops", "theory", FLOP_CHECKS)
+
+
 @beside
 def flops(folder: Path) -> dict:
-    ranks = torchrun(
-        Path(__file__).parent / "torchrun_checks.py", 2, folder / "flops.json", "flops", checks=FLOP_CHECKS
-    )
-    return same_on_every_rank(ranks)  # summed over the job
+    return same_on_every_rank(WORLD2.part(folder, "flops", "theory"))  # summed over the job (test_parallel's)
 
 
 def test_every_engine_counts_the_flops_of_its_ranks_alike(flops):

@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node N tests/torchrun_checks.py OUT.json units
     torchrun --nproc-per-node N tests/torchrun_checks.py OUT.json validate   (configs in TPBENCH_CHECKS)
-    torchrun --nproc-per-node N tests/torchrun_checks.py OUT.json memory     (configs in TPBENCH_CHECKS)
+    torchrun --nproc-per-node N tests/torchrun_checks.py OUT.json validate memory ...   (several suites:
+        TPBENCH_CHECKS maps each to its configs; each rank's results map each to its own: `Shared`)
 
 Each check only records numbers, on every rank (a fault on rank 1 alone must show); the assertions
 live in the pytest files, which start the job with `torchrun(...)` below and read every rank's.
@@ -16,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -76,6 +78,41 @@ def torchrun(script: Path, nproc: int, out: Path, *args: str, checks: dict | Non
                           timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(Path(out).read_text())
+
+
+class Shared:
+    """One torchrun job of several suites, whose configs test modules add at import, each under its own
+    prefix (`add`); it runs once, for the first fixture that needs it (a job beside the tests), and each
+    module reads its part (`part`): the launches of several files in one, started once."""
+
+    def __init__(self, nproc: int) -> None:
+        self.nproc, self.checks = nproc, {}
+        self.lock, self.ranks, self.error = threading.Lock(), None, None
+
+    def add(self, suite: str, prefix: str, checks: dict[str, list[str]] | None = None) -> None:
+        self.checks.setdefault(suite, {}).update({f"{prefix}/{k}": v for k, v in (checks or {}).items()})
+
+    def part(self, folder: Path, suite: str, prefix: str = "") -> list:
+        """Every rank's results of `suite` under `prefix` (the prefix dropped), rank 0's first."""
+        with self.lock:
+            if self.ranks is None and self.error is None:
+                try:
+                    out = folder / f"shared_w{self.nproc}.json"
+                    self.ranks = torchrun(CHECKS, self.nproc, out, *self.checks, checks=self.checks)
+                except Exception as e:  # every module's fixture fails with it; none launches again
+                    self.error = e
+            if self.error is not None:
+                raise self.error
+        if not prefix:
+            return [rank[suite] for rank in self.ranks]
+        mine = f"{prefix}/"
+        return [
+            {k[len(mine) :]: v for k, v in rank[suite].items() if k.startswith(mine)} for rank in self.ranks
+        ]
+
+
+CHECKS = Path(__file__)
+WORLD2, WORLD4 = Shared(2), Shared(4)  # the world-2 and world-4 jobs of test_parallel and others
 
 
 def write_every_rank(out_path: str, results: object) -> None:
@@ -496,7 +533,7 @@ def check_regions(ctx: ParallelContext) -> dict:
     return out
 
 
-def suite_units() -> dict:
+def suite_units(checks: dict) -> dict:
     ctx = ParallelContext.from_world(dist.get_world_size(), 1, torch.device("cpu"))
     return {
         "collectives": check_collectives(ctx),
@@ -511,7 +548,7 @@ def suite_units() -> dict:
     }
 
 
-def suite_validate() -> dict:
+def suite_validate(checks: dict) -> dict:
     """Per config: validate.run's figures, its curves, and how many batches it drew."""
     results, draws = {}, []
     next_global = validate.Batches.next_global
@@ -521,7 +558,7 @@ def suite_validate() -> dict:
         return next_global(self)
 
     validate.Batches.next_global = counted
-    for name, overrides in json.loads(os.environ["TPBENCH_CHECKS"]).items():
+    for name, overrides in checks.items():
         draws.clear()
         cpu = time.process_time()
         r = validate.run(run_config(overrides))
@@ -539,14 +576,14 @@ def suite_validate() -> dict:
     return results
 
 
-def suite_memory() -> dict:
+def suite_memory(checks: dict) -> dict:
     """The memory experiment per config: this rank's measured peak and counted collectives, measured
     once. Every rank of a config must measure the model's peak on the first try (tests/test_theory.py):
     the late frees that once made one random rank a few KB higher (gloo's worker letting go of a
     collective's tensors, of reduce-scatter's clone, the cycle collector) are settled in tpbench
     (instrumentation.settling, memory.PeakTracker, memory._measure's gc), not measured again here."""
     results = {}
-    for name, overrides in json.loads(os.environ["TPBENCH_CHECKS"]).items():
+    for name, overrides in checks.items():
         r = memory.run(run_config(overrides))
         results[name] = {
             "peak": next(m.value for m in r.measurements if m.name == "peak_bytes"),
@@ -556,10 +593,10 @@ def suite_memory() -> dict:
     return results
 
 
-def suite_flops() -> dict:
+def suite_flops(checks: dict) -> dict:
     """FLOPs of one training step summed over ranks: LocalFlopCounter, and torch's FlopCounterMode."""
     results = {}
-    for name, overrides in json.loads(os.environ["TPBENCH_CHECKS"]).items():
+    for name, overrides in checks.items():
         trainer = Trainer(run_config(overrides))
         counts = []
         for counter in (LocalFlopCounter(), FlopCounterMode(display=False)):
@@ -572,12 +609,12 @@ def suite_flops() -> dict:
     return results
 
 
-def suite_recompute() -> dict:
+def suite_recompute(checks: dict) -> dict:
     """Per config: validation, two training steps with their collectives and FLOPs counted, and the
     largest difference of the losses and parameters against the same mode with train.recompute=none
     (the config named MODE/none, which comes first)."""
     results, reference = {}, {}
-    for name, overrides in json.loads(os.environ["TPBENCH_CHECKS"]).items():
+    for name, overrides in checks.items():
         cfg = run_config(overrides)
         passed = next(m.value for m in validate.run(cfg).measurements if m.name == "passed")
         trainer = Trainer(cfg)
@@ -586,7 +623,7 @@ def suite_recompute() -> dict:
         with instrumentation.counting(counter), flops:
             trainer.step()
         params = torch.cat([p.detach().float().reshape(-1) for p in trainer.module.parameters()])
-        mode, recompute = name.split("/")
+        mode, recompute = name.rsplit("/", 1)
         if recompute == "none":
             reference[mode] = (loss, params)
         loss0, params0 = reference[mode]
@@ -614,11 +651,15 @@ SUITES = {
 
 
 def main() -> None:
-    out_path, suite = sys.argv[1], sys.argv[2]
+    out_path, suites = sys.argv[1], sys.argv[2:]
+    checks = json.loads(os.environ["TPBENCH_CHECKS"])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     gc.freeze()  # as tpbench.worker does: memory.run's gc.collect() then scans only what the run made
-    write_every_rank(out_path, SUITES[suite]())
+    if len(suites) == 1:
+        write_every_rank(out_path, SUITES[suites[0]](checks))
+    else:
+        write_every_rank(out_path, {suite: SUITES[suite](checks.get(suite, {})) for suite in suites})
     dist.destroy_process_group()
 
 
