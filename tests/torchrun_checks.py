@@ -641,12 +641,34 @@ def suite_recompute(checks: dict) -> dict:
     return results
 
 
+def suite_comm_per_step(checks: dict) -> dict:
+    """Per config, one training step's collectives under the DTensor engine and under ours (megatron):
+    {engine: {op/purpose: [count, bytes]}}."""
+    from tpbench.experiments.setup import Batches, build_parallel, context, counting
+
+    results, ctx = {}, context(run_config(TINY))
+    for name, overrides in checks.items():
+        results[name] = {}
+        for engine in ("dtensor", "megatron"):
+            cfg = run_config([*overrides, f"parallel.engine={engine}"])
+            pm = build_parallel(cfg, ctx)
+            ids, labels = Batches(cfg, ctx).next_local()
+            counter = instrumentation.CommCounter()
+            with counting(cfg, counter):
+                pm(ids, labels)[1].backward()
+                pm.finish_grads()
+            key = "comm_dtensor" if engine == "dtensor" else "comm_ours"
+            results[name][key] = {f"{r.op}/{r.purpose}": [r.count, r.bytes] for r in counter.rows()}
+    return results
+
+
 SUITES = {
     "units": suite_units,
     "validate": suite_validate,
     "memory": suite_memory,
     "flops": suite_flops,
     "recompute": suite_recompute,
+    "comm_per_step": suite_comm_per_step,
 }
 
 
