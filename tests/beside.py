@@ -54,6 +54,10 @@ class Beside:
         self.start(key)
         return self.futures[key].result()  # the job's own exception, if it failed
 
+    def needs(self, item: pytest.Item, fixture: str) -> bool:
+        """Whether `fixture`, as `item` sees it, is a job beside the tests."""
+        return f"{getattr(getattr(item, 'module', None), '__name__', '')}::{fixture}" in self.jobs
+
     def start_for(self, items: list[pytest.Item]) -> None:
         """Start the jobs these tests need, first needed first."""
         for item in items:

@@ -92,6 +92,45 @@ class Workdir:
             return conn.execute(sql, params).fetchall()
 
 
+# -- The quick tier: `pytest -m quick`, the loop for an edit (docs/development.md) --------------------
+
+# Not quick: what waits on a torchrun job (every job beside the tests) or on a server, and the files
+# whose tests each launch `tpbench` (sweeps, faults, Slurm, PostgreSQL, the fake-CUDA job), bar the one
+# launch the tier keeps: a default `tpbench run`, end to end (runner, worker, every kind, the database).
+SLOW_FIXTURES = {"postgres", "slurm", "checked", "html_report", "ran_with_progress", "machines"}
+SLOW_FILES = {"test_runner.py", "test_warm.py", "test_slurm.py", "test_postgres.py", "test_cuda_path.py",
+              "test_setup.py"}  # fmt: skip
+QUICK_LAUNCHES = {"test_runner.py::test_the_default_run_is_the_tiny_model_with_every_kind"}
+SLOW_TESTS = {  # a few seconds or more each (`--durations` on the files), covered in the full suite
+    "test_depth.py::test_measured_peaks_are_the_split_line_in_every_mode_and_approach_the_limit",
+    "test_depth.py::test_measured_slopes_at_two_t_give_the_split_a_and_r",
+    "test_depth.py::test_the_report_fits_each_mode_over_depth_beside_the_split_and_the_seed",
+    "test_db.py::test_four_writers_at_once_lose_nothing",
+    "test_diagram.py::test_browser_renders_the_diagram_without_overlapping_labels",
+    "test_diagram.py::test_browser_overlap_probe_can_fail",
+    "test_report.py::test_browser_checks_catch_errors_and_blank_charts",
+    "test_report.py::test_markdown_has_the_tables_and_png_charts_beside_it",
+    "test_report.py::test_filters_select_runs",
+}
+
+
+def quick(item: pytest.Item) -> bool:
+    path, name = item.nodeid.split("/")[-1], item.nodeid.split("::")[-1].split("[")[0]
+    file = path.split("::")[0]
+    if f"{file}::{name}" in QUICK_LAUNCHES:
+        return True
+    if file in SLOW_FILES or f"{file}::{name}" in SLOW_TESTS or "[postgresql]" in item.nodeid:
+        return False
+    needs = set(getattr(item, "fixturenames", ()))
+    return not needs & SLOW_FIXTURES and not any(BESIDE.needs(item, n) for n in needs)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if quick(item):
+            item.add_marker(pytest.mark.quick)
+
+
 # -- Jobs beside the tests (tests/beside.py) ----------------------------------------------------------
 
 

@@ -1,22 +1,28 @@
 """The DTensor engine (torch.distributed.tensor.parallel) against dense and against ours.
 
-One real torchrun job over gloo (world 2) runs every case; this same file is its script:
-
-    torchrun --nproc-per-node 2 tests/test_dtensor.py OUT.json
-
-Rank 0 writes the measured numbers as JSON; the assertions live in the pytest functions below.
+Every case runs in test_parallel's world-2 torchrun job over gloo (tests/torchrun_checks.py `WORLD2`:
+its validate suite, and `comm_per_step` for each engine's collectives); the assertions live here.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
 from beside import beside
 from torchrun_checks import FAMILIES as PARALLEL_FAMILIES
-from torchrun_checks import TINY, TOL_FWD, TOL_GRAD, TOL_PARAM, B, H, L, S, run_config, torchrun
+from torchrun_checks import (
+    TINY,
+    TOL_FWD,
+    TOL_GRAD,
+    TOL_PARAM,
+    WORLD2,
+    B,
+    H,
+    L,
+    S,
+    same_on_every_rank,
+)
 
 from tpbench.experiments.criterion import CHECKS as VALIDATE_CHECKS
 from tpbench.experiments.criterion import K
@@ -26,6 +32,7 @@ F32 = 4  # bytes
 MODES = {
     "dtensor_tp": ["parallel.tp=2"],
     "dtensor_tp_sp": ["parallel.tp=2", "parallel.sp=true"],
+    "dtensor_tp_vp": ["parallel.tp=2", "parallel.vp=true"],
     "dtensor_tp_sp_vp": ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true"],
 }
 PRECISIONS = {
@@ -47,57 +54,27 @@ BROKEN = {  # each gradient sum switched off: validation must fail
 }
 
 
-# --- the torchrun job ----------------------------------------------------------------------------
+# --- the torchrun job: test_parallel's world-2 job (tests/torchrun_checks.py WORLD2) ----------------
 
-
-def _validate(overrides: list[str]) -> dict[str, float]:
-    """validate.run on the DTensor engine (debug.skip_grad_sum reaches parallelize_dtensor)."""
-    from tpbench.experiments import validate
-
-    result = validate.run(run_config(TINY + ["parallel.engine=dtensor"] + overrides))
-    return {m.name: m.value for m in result.measurements if m.step is None}
-
-
-def _comm_per_step(engine: str, overrides: list[str], ctx) -> dict[str, list[int]]:
-    """One training step under the engine's counter: {op/purpose: [count, bytes]}."""
-    from tpbench.experiments.setup import Batches, build_parallel, counting
-    from tpbench.parallel import instrumentation
-
-    cfg = run_config(TINY + [f"parallel.engine={engine}"] + overrides)
-    pm = build_parallel(cfg, ctx)
-    ids, labels = Batches(cfg, ctx).next_local()
-    counter = instrumentation.CommCounter()
-    with counting(cfg, counter):
-        pm(ids, labels)[1].backward()
-        pm.finish_grads()
-    return {f"{r.op}/{r.purpose}": [r.count, r.bytes] for r in counter.rows()}
-
-
-def _main(out: str) -> None:
-    import torch.distributed as dist
-
-    from tpbench.experiments.setup import context
-
-    dist.init_process_group("gloo")
-    results: dict[str, dict] = {}
-    for name, overrides in (MODES | IN_PRECISION | FAMILIES | BROKEN).items():
-        results[name] = {"metrics": _validate(overrides)}
-    ctx = context(run_config(TINY))
-    for name, overrides in MODES.items():
-        results[name]["comm_dtensor"] = _comm_per_step("dtensor", overrides, ctx)
-        results[name]["comm_ours"] = _comm_per_step("megatron", overrides, ctx)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
-
-
-# --- the assertions ------------------------------------------------------------------------------
+WORLD2.add(
+    "validate",
+    "dtensor",  # validate.run on the DTensor engine (debug.skip_grad_sum reaches parallelize_dtensor)
+    {
+        name: [*TINY, "parallel.engine=dtensor", *o]
+        for name, o in (MODES | IN_PRECISION | FAMILIES | BROKEN).items()
+    },
+)
+WORLD2.add("comm_per_step", "dtensor", {name: [*TINY, *o] for name, o in MODES.items()})
 
 
 @beside
 def measured(folder: Path) -> dict:
-    return torchrun(Path(__file__), 2, folder / "dtensor.json")
+    """Per case, rank 0's figures and each engine's collectives of a step, once rank 1 reported the same
+    (each figure is the worst over the job)."""
+    ranks = WORLD2.part(folder, "validate", "dtensor")
+    metrics = same_on_every_rank([{name: r["metrics"] for name, r in rank.items()} for rank in ranks])
+    comm = same_on_every_rank(WORLD2.part(folder, "comm_per_step", "dtensor"))
+    return {name: {"metrics": m, **comm.get(name, {})} for name, m in metrics.items()}
 
 
 @pytest.mark.parametrize("mode", [*MODES, *FAMILIES])
@@ -172,10 +149,6 @@ def test_what_dtensor_cannot_express_is_refused_up_front():
     check_dtensor_shardable(odd_vocab, ParallelConfig(tp=2, engine="dtensor"))  # replicated vocab: fine
     with pytest.raises(ConfigError, match="vocab_size=255"):
         check_dtensor_shardable(odd_vocab, ParallelConfig(tp=2, vp=True, engine="dtensor"))
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1])
 
 
 @pytest.mark.parametrize("sp,vp", [(False, False), (True, False), (False, True), (True, True)])

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torchrun_checks import FAMILIES, TINY, run_config, torchrun
+from beside import beside
+from torchrun_checks import FAMILIES, TINY, WORLD2, run_config, same_on_every_rank
 
 from tpbench import theory
 from tpbench.models.minimind import RMSNorm, swiglu
@@ -34,11 +35,13 @@ def overrides(name: str) -> list[str]:
 NAMES = [f"{mode}/{setting}" for mode in MODES for setting in SETTINGS]
 
 
-@pytest.fixture(scope="module")
-def checked(tmp_path_factory):
-    out = tmp_path_factory.mktemp("recompute") / "recompute.json"
-    checks = {name: overrides(name) for name in NAMES}
-    return torchrun(Path(__file__).parent / "torchrun_checks.py", 2, out, "recompute", checks=checks)
+WORLD2.add("recompute", "recompute", {name: overrides(name) for name in NAMES})  # test_parallel's job
+
+
+@beside
+def checked(folder: Path) -> dict:
+    ranks = WORLD2.part(folder, "recompute", "recompute")
+    return same_on_every_rank(ranks)  # the diffs and FLOPs reduced over the job, the collectives alike
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from beside import beside
 from torch.utils.flop_counter import FlopCounterMode
-from torchrun_checks import FAMILIES, run_config, torchrun
+from torchrun_checks import FAMILIES, WORLD2, WORLD4, per_config, run_config, same_on_every_rank
 from typer.testing import CliRunner
 
 from tpbench import theory
@@ -268,17 +268,13 @@ def odd_shapes(n: int, seed: int = 12) -> dict[str, list[str]]:
 CHECKS |= odd_shapes(8)
 
 
+WORLD4.add("memory", "theory", {name: SMALL + overrides for name, overrides in CHECKS.items()})
+
+
 @beside
 def measured(folder: Path) -> dict:
-    checks = {name: SMALL + overrides for name, overrides in CHECKS.items()}
-    return torchrun(
-        Path(__file__).parent / "torchrun_checks.py",
-        4,
-        folder / "theory.json",
-        "memory",
-        "remeasure_unequal",
-        checks=checks,
-    )
+    """Per config, every rank's measured peak and collectives (test_parallel's world-4 job)."""
+    return per_config(WORLD4.part(folder, "memory", "theory"))
 
 
 def config(name: str) -> RunConfig:
@@ -302,16 +298,10 @@ def test_ddp_counts_one_all_reduce_per_bucket(measured):
 @pytest.mark.parametrize("name", CHECKS)
 def test_peak_memory_is_predicted_to_the_byte(measured, name):
     """The model counts tensors, as MemTracker does: every rank's peak, to the byte (the loss scalar
-    and the VP loss's [S, B] bookkeeping included). (A jitter of a few KB on a random rank was gloo's
-    worker freeing collectives' tensors late: instrumentation.settling. The rest of it, rarely, on a loaded
-    machine is measured once more: tests/torchrun_checks.py suite_memory.)"""
+    and the VP loss's [S, B] bookkeeping included), measured once. (A jitter of a few KB on a random
+    rank was gloo's worker freeing collectives' tensors late: instrumentation.settling.)"""
     predicted = theory.predict(config(name)).peak_bytes
     assert [rank["peak"] for rank in measured[name]] == [predicted] * len(measured[name])
-
-
-def test_few_configs_measure_unequal_ranks_at_first(measured):
-    """A late free is rare and random; a config measured again for it is listed, and there are few."""
-    assert len(measured["_remeasured"]) <= len(CHECKS) // 8, measured["_remeasured"]
 
 
 def test_the_peak_moments_are_the_ones_measured(measured):
@@ -403,11 +393,12 @@ FLOP_CHECKS = {
 }
 
 
+WORLD2.add("flops", "theory", FLOP_CHECKS)
+
+
 @beside
 def flops(folder: Path) -> dict:
-    return torchrun(
-        Path(__file__).parent / "torchrun_checks.py", 2, folder / "flops.json", "flops", checks=FLOP_CHECKS
-    )
+    return same_on_every_rank(WORLD2.part(folder, "flops", "theory"))  # summed over the job (test_parallel's)
 
 
 def test_every_engine_counts_the_flops_of_its_ranks_alike(flops):

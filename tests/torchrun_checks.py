@@ -1,11 +1,12 @@
-"""Checks that need real ranks, run inside one torchrun job; rank 0 writes the results as JSON.
+"""Checks that need real ranks, run inside one torchrun job; rank 0 writes every rank's results as JSON.
 
     torchrun --nproc-per-node N tests/torchrun_checks.py OUT.json units
     torchrun --nproc-per-node N tests/torchrun_checks.py OUT.json validate   (configs in TPBENCH_CHECKS)
-    torchrun --nproc-per-node N tests/torchrun_checks.py OUT.json memory     (configs in TPBENCH_CHECKS)
+    torchrun --nproc-per-node N tests/torchrun_checks.py OUT.json validate memory ...   (several suites:
+        TPBENCH_CHECKS maps each to its configs; each rank's results map each to its own: `Shared`)
 
-Each check only records numbers; the assertions live in the pytest files, which start the job with
-`torchrun(...)` below.
+Each check only records numbers, on every rank (a fault on rank 1 alone must show); the assertions
+live in the pytest files, which start the job with `torchrun(...)` below and read every rank's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -67,14 +69,72 @@ FAMILIES = {
 LLAMA31_ROPE = ["model.rope_scaling_factor=8", "model.rope_original_max_position_embeddings=16"]
 
 
-def torchrun(script: Path, nproc: int, out: Path, *args: str, checks: dict | None = None) -> dict:
-    """Run `script OUT ARGS...` as a real torchrun job over gloo and return the JSON rank 0 wrote."""
+def torchrun(script: Path, nproc: int, out: Path, *args: str, checks: dict | None = None) -> list:
+    """Run `script OUT ARGS...` as a real torchrun job over gloo and return the JSON rank 0 wrote:
+    a list of every rank's results, rank 0's first (`write_every_rank`)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TPBENCH_CHECKS=json.dumps(checks or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     proc = subprocess.run([*cmd, str(script), str(out), *args], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(Path(out).read_text())
+
+
+class Shared:
+    """One torchrun job of several suites, whose configs test modules add at import, each under its own
+    prefix (`add`); it runs once, for the first fixture that needs it (a job beside the tests), and each
+    module reads its part (`part`): the launches of several files in one, started once."""
+
+    def __init__(self, nproc: int) -> None:
+        self.nproc, self.checks = nproc, {}
+        self.lock, self.ranks, self.error = threading.Lock(), None, None
+
+    def add(self, suite: str, prefix: str, checks: dict[str, list[str]] | None = None) -> None:
+        self.checks.setdefault(suite, {}).update({f"{prefix}/{k}": v for k, v in (checks or {}).items()})
+
+    def part(self, folder: Path, suite: str, prefix: str = "") -> list:
+        """Every rank's results of `suite` under `prefix` (the prefix dropped), rank 0's first."""
+        with self.lock:
+            if self.ranks is None and self.error is None:
+                try:
+                    out = folder / f"shared_w{self.nproc}.json"
+                    self.ranks = torchrun(CHECKS, self.nproc, out, *self.checks, checks=self.checks)
+                except Exception as e:  # every module's fixture fails with it; none launches again
+                    self.error = e
+            if self.error is not None:
+                raise self.error
+        if not prefix:
+            return [rank[suite] for rank in self.ranks]
+        mine = f"{prefix}/"
+        return [
+            {k[len(mine) :]: v for k, v in rank[suite].items() if k.startswith(mine)} for rank in self.ranks
+        ]
+
+
+CHECKS = Path(__file__)
+WORLD2, WORLD4 = Shared(2), Shared(4)  # the world-2 and world-4 jobs of test_parallel and others
+
+
+def write_every_rank(out_path: str, results: object) -> None:
+    """Every rank's `results`, gathered: rank 0 writes them as a JSON list, in rank order."""
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, results)
+    if dist.get_rank() == 0:
+        Path(out_path).write_text(json.dumps(ranks))
+    dist.barrier()
+
+
+def per_config(ranks: list[dict]) -> dict[str, list]:
+    """Every rank's results of a suite keyed by config -> per config, the list of its ranks' results."""
+    return {name: [rank[name] for rank in ranks] for name in ranks[0]}
+
+
+def same_on_every_rank(ranks: list[dict]) -> dict:
+    """Rank 0's results, once every other rank reported the same (figures reduced over the job)."""
+    for r, other in enumerate(ranks[1:], 1):
+        differs = sorted(k for k in ranks[0] if other.get(k) != ranks[0][k])
+        assert not differs, f"rank {r} reported otherwise than rank 0 for: {differs[:20]}"
+    return ranks[0]
 
 
 @functools.cache
@@ -473,7 +533,7 @@ def check_regions(ctx: ParallelContext) -> dict:
     return out
 
 
-def suite_units() -> dict:
+def suite_units(checks: dict) -> dict:
     ctx = ParallelContext.from_world(dist.get_world_size(), 1, torch.device("cpu"))
     return {
         "collectives": check_collectives(ctx),
@@ -488,7 +548,7 @@ def suite_units() -> dict:
     }
 
 
-def suite_validate() -> dict:
+def suite_validate(checks: dict) -> dict:
     """Per config: validate.run's figures, its curves, and how many batches it drew."""
     results, draws = {}, []
     next_global = validate.Batches.next_global
@@ -498,8 +558,9 @@ def suite_validate() -> dict:
         return next_global(self)
 
     validate.Batches.next_global = counted
-    for name, overrides in json.loads(os.environ["TPBENCH_CHECKS"]).items():
+    for name, overrides in checks.items():
         draws.clear()
+        cpu = time.process_time()
         r = validate.run(run_config(overrides))
         curves = {n: [[m.step, m.value] for m in r.measurements if m.name == n] for n in validate.DRIFT}
         results[name] = {
@@ -510,43 +571,32 @@ def suite_validate() -> dict:
             "comm": [[c.op, c.purpose, c.count, c.bytes] for c in r.comm],
             "semantics": sorted({p.semantics for p in r.params}),
             "failed": r.failed,
+            "cpu_s": round(time.process_time() - cpu, 2),  # this rank's, for `--durations`-like sums
         }
     return results
 
 
-def suite_memory(*flags: str) -> dict:
-    """The memory experiment per config: every rank's measured peak and counted collectives.
-
-    With the flag `remeasure_unequal` (the theory launch, where every rank of every config must measure
-    the model's peak): a config whose ranks measured unequal peaks is measured once more, and listed
-    under "_remeasured" for the test to bound. On a loaded machine a tensor is now and then freed a
-    moment late, behind an op that should have seen it free: a few KB more on one random rank (seen
-    in 1 of 30 configs at tp 4 with the two cores oversubscribed, 0 of 30 without). A wrong
-    prediction measures the same again, and still fails."""
-    results, remeasured = {}, []
-    for name, overrides in json.loads(os.environ["TPBENCH_CHECKS"]).items():
-        for attempt in (0, 1):
-            r = memory.run(run_config(overrides))
-            mine = {
-                "peak": next(m.value for m in r.measurements if m.name == "peak_bytes"),
-                "breakdown": {m.name: m.value for m in r.measurements if m.name.startswith("mem_")},
-                "comm": sorted([c.op, c.purpose, c.count, c.bytes] for c in r.comm),
-            }
-            ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(ranks, mine)
-            if attempt or "remeasure_unequal" not in flags or len({rank["peak"] for rank in ranks}) == 1:
-                break
-            remeasured.append({"name": name, "peaks": [rank["peak"] for rank in ranks]})
-        results[name] = ranks
-    if "remeasure_unequal" in flags:
-        results["_remeasured"] = remeasured
+def suite_memory(checks: dict) -> dict:
+    """The memory experiment per config: this rank's measured peak and counted collectives, measured
+    once. Every rank of a config must measure the model's peak on the first try (tests/test_theory.py):
+    the late frees that once made one random rank a few KB higher (gloo's worker letting go of a
+    collective's tensors, of reduce-scatter's clone, the cycle collector) are settled in tpbench
+    (instrumentation.settling, memory.PeakTracker, memory._measure's gc), not measured again here."""
+    results = {}
+    for name, overrides in checks.items():
+        r = memory.run(run_config(overrides))
+        results[name] = {
+            "peak": next(m.value for m in r.measurements if m.name == "peak_bytes"),
+            "breakdown": {m.name: m.value for m in r.measurements if m.name.startswith("mem_")},
+            "comm": sorted([c.op, c.purpose, c.count, c.bytes] for c in r.comm),
+        }
     return results
 
 
-def suite_flops() -> dict:
+def suite_flops(checks: dict) -> dict:
     """FLOPs of one training step summed over ranks: LocalFlopCounter, and torch's FlopCounterMode."""
     results = {}
-    for name, overrides in json.loads(os.environ["TPBENCH_CHECKS"]).items():
+    for name, overrides in checks.items():
         trainer = Trainer(run_config(overrides))
         counts = []
         for counter in (LocalFlopCounter(), FlopCounterMode(display=False)):
@@ -559,12 +609,12 @@ def suite_flops() -> dict:
     return results
 
 
-def suite_recompute() -> dict:
+def suite_recompute(checks: dict) -> dict:
     """Per config: validation, two training steps with their collectives and FLOPs counted, and the
     largest difference of the losses and parameters against the same mode with train.recompute=none
     (the config named MODE/none, which comes first)."""
     results, reference = {}, {}
-    for name, overrides in json.loads(os.environ["TPBENCH_CHECKS"]).items():
+    for name, overrides in checks.items():
         cfg = run_config(overrides)
         passed = next(m.value for m in validate.run(cfg).measurements if m.name == "passed")
         trainer = Trainer(cfg)
@@ -573,7 +623,7 @@ def suite_recompute() -> dict:
         with instrumentation.counting(counter), flops:
             trainer.step()
         params = torch.cat([p.detach().float().reshape(-1) for p in trainer.module.parameters()])
-        mode, recompute = name.split("/")
+        mode, recompute = name.rsplit("/", 1)
         if recompute == "none":
             reference[mode] = (loss, params)
         loss0, params0 = reference[mode]
@@ -591,25 +641,47 @@ def suite_recompute() -> dict:
     return results
 
 
+def suite_comm_per_step(checks: dict) -> dict:
+    """Per config, one training step's collectives under the DTensor engine and under ours (megatron):
+    {engine: {op/purpose: [count, bytes]}}."""
+    from tpbench.experiments.setup import Batches, build_parallel, context, counting
+
+    results, ctx = {}, context(run_config(TINY))
+    for name, overrides in checks.items():
+        results[name] = {}
+        for engine in ("dtensor", "megatron"):
+            cfg = run_config([*overrides, f"parallel.engine={engine}"])
+            pm = build_parallel(cfg, ctx)
+            ids, labels = Batches(cfg, ctx).next_local()
+            counter = instrumentation.CommCounter()
+            with counting(cfg, counter):
+                pm(ids, labels)[1].backward()
+                pm.finish_grads()
+            key = "comm_dtensor" if engine == "dtensor" else "comm_ours"
+            results[name][key] = {f"{r.op}/{r.purpose}": [r.count, r.bytes] for r in counter.rows()}
+    return results
+
+
 SUITES = {
     "units": suite_units,
     "validate": suite_validate,
     "memory": suite_memory,
     "flops": suite_flops,
     "recompute": suite_recompute,
+    "comm_per_step": suite_comm_per_step,
 }
 
 
 def main() -> None:
-    out_path, suite, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
+    out_path, suites = sys.argv[1], sys.argv[2:]
+    checks = json.loads(os.environ["TPBENCH_CHECKS"])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     gc.freeze()  # as tpbench.worker does: memory.run's gc.collect() then scans only what the run made
-    results = SUITES[suite](*flags)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-    dist.barrier()
+    if len(suites) == 1:
+        write_every_rank(out_path, SUITES[suites[0]](checks))
+    else:
+        write_every_rank(out_path, {suite: SUITES[suite](checks.get(suite, {})) for suite in suites})
     dist.destroy_process_group()
 
 
