@@ -1,10 +1,9 @@
 """The real headless browser the HTML tests open pages in (Debian's chromium), and the other system
 programs some tests need: missing, those tests skip with the reason (scripts/setup.sh skips Debian's
-packages without root), except under CI, whose set-up installs them: there they fail."""
+packages without root), except under CI, whose set-up installs them: there they fail (tests/ci_skips.py)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -37,10 +36,8 @@ def chromium(*args: str, page: Path, profile: Path) -> tuple[str, list[str]]:
 
 
 def need(program: str, package: str) -> None:
-    """Skip, or under CI fail, when `program` (a path or a command on PATH) is missing."""
-    if Path(program).exists() or shutil.which(program):
-        return
-    why = f"{program} is missing: Debian's {package} (`bash scripts/setup.sh --tests` as root installs it)"
-    if os.environ.get("CI"):
-        pytest.fail(why)
-    pytest.skip(why)
+    """Skip (under CI: fail, tests/ci_skips.py) when `program` (a path or a command on PATH) is missing."""
+    if not (Path(program).exists() or shutil.which(program)):
+        pytest.skip(
+            f"{program} is missing: Debian's {package} (`bash scripts/setup.sh --tests` as root installs it)"
+        )

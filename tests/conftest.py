@@ -19,6 +19,12 @@ from pathlib import Path
 
 import pytest
 from beside import BESIDE
+from ci_skips import (  # noqa: F401 (hooks: under CI a skip for a missing part fails)
+    pytest_configure,
+    pytest_make_collect_report,
+    pytest_runtest_makereport,
+    pytest_terminal_summary,
+)
 from slurm_cluster import OneNodeCluster, why_not
 from typer.testing import CliRunner, Result
 
@@ -220,7 +226,8 @@ def _postgres_bindir() -> Path | None:
 
 @pytest.fixture(scope="session")
 def postgres(tmp_path_factory) -> Iterator[PostgresServer]:
-    """Skipped, with the reason, only where this machine cannot run PostgreSQL."""
+    """Skipped, with the reason, only where this machine cannot run PostgreSQL (under CI: failed,
+    ci_skips.py)."""
     bindir = _postgres_bindir()
     if bindir is None:
         pytest.skip("PostgreSQL is not installed (no pg_ctl): `bash scripts/setup.sh --tests` installs it")
@@ -257,7 +264,7 @@ def db_url(request, tmp_path) -> str:
 
 @pytest.fixture(scope="session")
 def slurm() -> Iterator[OneNodeCluster]:
-    """Skipped, with the reason, only where this machine cannot run Slurm."""
+    """Skipped, with the reason, only where this machine cannot run Slurm (under CI: failed, ci_skips.py)."""
     reason = why_not()
     if reason:
         pytest.skip(reason)

@@ -14,11 +14,18 @@ tensors itself, never reaching it), and notes the devices of every collective's 
 mixes CPU and CUDA tensors (0-dim CPU tensors aside: scalars, such as AdamW's step counters; beneath,
 FakeTensorMode raises for those too), every CPU tensor made and every copy to the host (a scalar's
 too: a sync on a GPU); the case then records where each parameter, gradient and optimizer state
-lives. The assertions live in tests/test_cuda_path.py.
+lives, the last step's collectives as a memory run counts them, and how many bitwise xors ran
+(dropout's mask hashes). The assertions live in tests/test_cuda_path.py.
+
+torch.autocast("cuda") disables itself where torch.cuda.is_available() is False (here), and mixed
+precision would run fp32 unseen: main() tells it a GPU with bf16 is there. train.compile is not a
+case: inductor allocates real CUDA buffers while it compiles (a CPU-only torch has no CUDA kernel for
+`empty`), and Dynamo traces nothing under a dispatch mode such as DeviceAudit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -36,9 +43,9 @@ from torch.utils._pytree import tree_leaves
 from torchrun_checks import TINY, run_config
 
 from tpbench.experiments import throughput, validate
-from tpbench.experiments.setup import context
+from tpbench.experiments.setup import context, counting
 from tpbench.experiments.training import Trainer
-from tpbench.parallel import collectives
+from tpbench.parallel import collectives, instrumentation
 
 WORLD = 4  # dp 2 x tp 2: the dp and tp sub-groups are both real groups of the fake backend
 TP2 = ["parallel.tp=2", "parallel.dp=2"]
@@ -53,6 +60,8 @@ MODES = {
     "tp_sp_linear_vp": [*TP2, *SP, *LINEAR, *VP],
     "tp_sp_vp_kv1": [*TP2, *SP, *VP, "model.num_key_value_heads=1"],  # a replicated KV head
     "dtensor_tp": ["parallel.engine=dtensor", *TP2],
+    "dtensor_tp_sp": ["parallel.engine=dtensor", *TP2, *SP],
+    "dtensor_tp_vp": ["parallel.engine=dtensor", *TP2, *VP],
     "dtensor_tp_sp_vp": ["parallel.engine=dtensor", *TP2, *SP, *VP],
 }
 SWITCHES = {
@@ -62,6 +71,8 @@ SWITCHES = {
     "fused_adamw": ["train.fused_optimizer=true"],
     "logits_mean_keep_output": ["train.loss=logits_mean", "train.keep_output=true"],
     "flash": ["model.flash_attn=true"],
+    "dropout": ["model.dropout=0.1"],  # TINY's attention is manual already, as dropout needs
+    "no_regather": ["parallel.sp_regather=false"],
 }
 PRECISIONS = {
     "fp32": [],
@@ -75,15 +86,15 @@ _CASES = [
     *((mode, (), "bf16_mixed") for mode in ("ddp", "tp", "tp_sp_vp", "dtensor_tp_sp_vp")),
     ("tp_sp_vp", (), "fp32"),
     ("tp", ("overlap",), "bf16_mixed"),
-    ("tp_sp_linear_vp", ("overlap",), "bf16_pure"),
+    ("tp_sp_linear_vp", ("overlap", "no_regather"), "bf16_pure"),
     ("ddp", ("recompute_selective",), "bf16_pure"),
-    ("tp_sp_vp", ("recompute_selective",), "bf16_mixed"),
+    ("tp_sp_vp", ("recompute_selective", "dropout"), "bf16_mixed"),
     ("dtensor_tp", ("recompute_selective",), "bf16_pure"),
-    ("ddp", ("recompute_full",), "bf16_mixed"),
+    ("ddp", ("recompute_full", "dropout"), "bf16_mixed"),
     ("tp_sp_vp", ("recompute_full",), "bf16_pure"),
-    ("dtensor_tp_sp_vp", ("recompute_full",), "bf16_mixed"),
+    ("dtensor_tp_sp_vp", ("recompute_full", "dropout"), "bf16_mixed"),
     ("tp_sp_vp", ("overlap", "recompute_selective"), "bf16_mixed"),
-    ("tp_sp_vp", ("fused_adamw",), "bf16_pure"),
+    ("tp_sp_vp", ("fused_adamw", "no_regather"), "bf16_pure"),
     ("dtensor_tp", ("fused_adamw",), "bf16_mixed"),
     ("ddp", ("logits_mean_keep_output",), "bf16_mixed"),
     ("tp_sp_vp", ("logits_mean_keep_output",), "bf16_pure"),
@@ -118,6 +129,7 @@ class DeviceAudit(TorchDispatchMode):
         self.mixed: list[str] = []  # ops handed CPU and CUDA tensors (0-dim CPU tensors aside)
         self.cpu_made: Counter[str] = Counter()  # ops that made a CPU tensor of one or more dims
         self.to_host: list[str] = []  # ops that made a CPU tensor (any, a scalar too) from a CUDA one
+        self.xors = 0  # bitwise xors: the dropout masks' hashes (tpbench.models.dropout); VP masks by and/or
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         given = _tensors((args, kwargs))
@@ -130,6 +142,7 @@ class DeviceAudit(TorchDispatchMode):
         ):
             self.mixed.append(func.__name__)
         out = func(*args, **(kwargs or {}))
+        self.xors += func.__name__.startswith("bitwise_xor")
         made = [t for t in _tensors(out) if t.device.type == "cpu"]
         if any(t.dim() > 0 for t in made):
             self.cpu_made[func.__name__] += 1
@@ -172,10 +185,14 @@ def check_case(overrides: list[str]) -> dict:
         with batch:
             trainer.batches.next_local()
         trainer.batches = type(trainer.batches)(cfg, ctx)  # the same batches again for the steps
-        audit = DeviceAudit()
+        audit, counter, losses = DeviceAudit(), instrumentation.CommCounter(), []
         with audit:
-            losses = [trainer.step() for _ in range(STEPS)]
+            for step in range(STEPS):  # the last step's collectives counted, as a memory run counts them
+                with counting(cfg, counter) if step == STEPS - 1 else contextlib.nullcontext():
+                    losses.append(trainer.step())
         seen["loss"] = _devices(losses)
+        seen["comm"] = sorted([c.op, c.purpose, c.count, c.bytes] for c in counter.rows())
+        seen["xors"] = audit.xors
         seen["collectives"], seen["mixed"], seen["to_host"] = audit.collectives, audit.mixed, audit.to_host
         seen["cpu_made"] = dict(audit.cpu_made)
         seen["cpu_made_by_batches"] = {op: n * STEPS for op, n in batch.cpu_made.items()}
@@ -202,6 +219,10 @@ def check_reductions() -> dict:
 def main(out: Path, names: list[str]) -> None:
     if torch._C._accelerator_getAccelerator() != torch.device("cuda"):
         sys.exit("no CUDA here: run with tests/cuda_guard preloaded (LD_PRELOAD), see the docstring")
+    # torch.autocast("cuda") asks torch.cuda.is_available(), False here, and then silently runs fp32:
+    # mixed precision autocasts as on a GPU with bf16 (Ampere and later)
+    torch.cuda.amp.common.amp_definitely_not_available = lambda: False
+    torch.cuda.is_bf16_supported = lambda including_emulation=True: True
     dist.init_process_group("cuda:fake", store=FakeStore(), rank=0, world_size=WORLD)
     results: dict = {"cases": {}, "errors": {}, "seconds": {}}
     for name in names or ["reductions", *CASES]:

@@ -16,8 +16,12 @@ import cuda_guard
 import pytest
 import torch
 from beside import beside
-from fake_cuda_checks import CASES, MODES
+from fake_cuda_checks import CASES, MODES, SWITCHES
+from torchrun_checks import TINY, run_config
 
+from tpbench import theory
+
+pytestmark = pytest.mark.torch_build  # skips on a CUDA build of torch (ci_skips.py): scripts/gpu-check.sh
 CHECKS = Path(__file__).with_name("fake_cuda_checks.py")
 SP_OPS = {"_allgather_base_.default", "_reduce_scatter_base_.default", "allreduce_.default"}
 DTENSOR_SP_OPS = {"all_gather_into_tensor.default", "reduce_scatter_tensor.default", "all_reduce.default"}
@@ -36,7 +40,7 @@ def fake_cuda(folder: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, **cuda_guard.preload(so))
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, str(CHECKS), str(out)], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+                          timeout=1200)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())
     results["timing"] = {"build_s": built, "checks_s": time.perf_counter() - start}
@@ -48,9 +52,44 @@ def test_no_case_failed(fake_cuda):
     assert set(fake_cuda["cases"]) == {"reductions", *CASES}
 
 
-def test_every_mode_ran():
-    assert {name.split("/")[0].split("+")[0] for name in CASES} == set(MODES)
-    assert {"dtensor_tp", "tp_sp_linear", "tp_sp_vp"} <= set(MODES)
+def test_every_mode_and_switch_ran(fake_cuda):
+    ran = [name.split("/")[0].split("+") for name in fake_cuda["cases"] if name != "reductions"]
+    assert {mode for mode, *_ in ran} == set(MODES)
+    assert {switch for _, *switches in ran for switch in switches} == set(SWITCHES)
+    assert {"dtensor_tp_sp", "dtensor_tp_vp", "tp_sp_linear", "tp_sp_vp"} <= set(MODES)
+    assert {"dropout", "no_regather", "recompute_full", "overlap"} <= set(SWITCHES)
+
+
+def predicted_comm(case: str) -> list[list]:
+    """The model's collectives for the case's config as [op, purpose, bytes] (the bytes of a step: how
+    many calls carry them aside: the dtensor engine sums each replicated gradient on its own, overlap
+    splits DP's). The model counts tpbench's megatron engine; the dtensor engine keeps SP's gathered
+    input (no re-gather, as sp_regather=false) and re-issues none under full recompute (its
+    collectives are not counted again: CommDebugMode), and under mixed precision it sends some
+    activations in fp32: there its [op, purpose] only."""
+    mode = case.split("/")[0].split("+")[0]
+    dtensor, mixed = mode.startswith("dtensor"), case.endswith("mixed")
+    regather = ["parallel.sp_regather=false"] if dtensor and "_sp" in mode else []
+    rows = theory.predict(run_config([*TINY, *CASES[case], *regather])).comm_rows()
+    rows = [r for r in rows if not (dtensor and r.purpose == "recompute")]
+    return sorted([r.op, r.purpose] + ([] if dtensor and mixed else [r.bytes]) for r in rows)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_case_issued_the_collectives_of_its_mode_and_switches(fake_cuda, case):
+    """A step's collectives, counted as a memory run counts them, are the model's for the case's config:
+    SP's gathers and scatters, VP's loss all-reduces, the re-gathers (none with sp_regather=false),
+    the DP and gradient sums, in bytes (bf16, or fp32; autocast's bf16 under mixed precision)."""
+    seen = fake_cuda["cases"][case]["comm"]
+    predicted = predicted_comm(case)
+    assert sorted([op, purpose, size][: len(predicted[0])] for op, purpose, _, size in seen) == predicted
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dropout_hashes_its_masks_on_cuda_where_it_is_on(fake_cuda, case):
+    """The dropout masks are integer hashes (tpbench.models.dropout), on the device: no other op of a
+    step is a bitwise xor."""
+    assert (fake_cuda["cases"][case]["xors"] > 0) == ("dropout" in case)
 
 
 @pytest.mark.parametrize("case", list(CASES))

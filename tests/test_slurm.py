@@ -62,8 +62,8 @@ def test_a_sweep_runs_as_a_job_array_and_wait_follows_it_to_the_end(swept):
     rows = runs[["mode", "status", "slurm_job_id", "nodes", "world_size"]].values.tolist()
     host = socket.gethostname().split(".")[0]
     assert sorted(rows) == [["tp", "OK", jobs[0], host, 2], ["tp_sp", "OK", jobs[1], host, 2]]
-    for job in jobs:  # the follower said how each job went
-        assert f"{job} COMPLETED" in followed.stderr or f"{job} run " in followed.stderr
+    for job, run_id in runs[["slurm_job_id", "id"]].values.tolist():  # the follower said how each went
+        assert f"{job} run {run_id} OK: " in followed.stderr
     assert work.live_workers() == []
 
 

@@ -589,6 +589,7 @@ def suite_memory(checks: dict) -> dict:
             "peak": next(m.value for m in r.measurements if m.name == "peak_bytes"),
             "breakdown": {m.name: m.value for m in r.measurements if m.name.startswith("mem_")},
             "comm": sorted([c.op, c.purpose, c.count, c.bytes] for c in r.comm),
+            "peak_at": r.peak_at,
         }
     return results
 

@@ -73,6 +73,7 @@ class RankResult:
     comm: list[CommRow] = field(default_factory=list)
     text: str = ""  # a readable table, printed by the launcher (rank 0)
     failed: list[str] = field(default_factory=list)  # checks out of bounds: the run is FAILED
+    peak_at: str = ""  # memory runs: where the measured peak fell, "<phase> <module>" (memory.PeakTracker)
 
     def add(self, name: str, value: float, unit: str = "", step: int | None = None) -> None:
         self.measurements.append(Measurement(name, float(value), unit, step))
@@ -94,6 +95,7 @@ class RankResult:
             comm=[CommRow(**c) for c in raw["comm"]],
             text=raw["text"],
             failed=raw["failed"],
+            peak_at=raw["peak_at"],
         )
 
 

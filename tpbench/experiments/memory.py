@@ -56,6 +56,8 @@ class PeakTracker(MemTracker):
     def __init__(self) -> None:
         super().__init__()
         self._settle = dist.is_initialized() and dist.get_backend() == "gloo"
+        self.peak_at = ""  # where the peak fell: its phase of the step and innermost module (_where)
+        self._after_backward = False  # this step's backward has run
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         """As MemTracker; over gloo, a functional collective (the dtensor engine's) is waited on as it
@@ -76,10 +78,33 @@ class PeakTracker(MemTracker):
         return out
 
     def _update_peak_stats(self, peak_state) -> None:
+        backward = peak_state == _ModState.PEAK_BW
+        self._after_backward |= backward
         for device, snapshot in self._curr_mem_snap.items():
             if self._peak_mem.get(device, 0) < snapshot["Total"]:
                 self._peak_mem[device] = snapshot["Total"]
                 self._peak_mem_snap[device] = dict(snapshot)
+                self.peak_at = self._where(backward)
+
+    def _where(self, backward: bool) -> str:
+        """The moment of the step now: its phase (forward, backward, after backward: the gradient sums,
+        optimizer) and the innermost modules running, by name ("Global": none). In backward several
+        can run at once: SDPA's backward makes the gradients of q, k and v together, and v_proj's
+        backward begins while q_norm's and k_norm's run."""
+        if self._in_opt:
+            phase = "optimizer"
+        elif backward:
+            phase = "backward"
+        else:
+            phase = "after backward" if self._after_backward else "forward"
+        running = self._mod_tracker.parents - {"Global"}
+        innermost = sorted(m for m in running if not any(o.startswith(f"{m}.") for o in running))
+        return f"{phase} {' '.join(innermost) or 'Global'}"
+
+    def reset_mod_stats(self) -> None:
+        """After each step: the next one starts with its forward."""
+        super().reset_mod_stats()
+        self._after_backward = False
 
 
 class _Unpushed(TorchDispatchMode):
@@ -203,6 +228,7 @@ def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace 
     for category, name in CATEGORIES.items():
         result.add(name, peak.get(category, 0), "B")
     result.add("peak_bytes", peak["Total"], "B")
+    result.peak_at = tracker.peak_at
     if on_gpu:
         result.add("max_memory_allocated_bytes", torch.cuda.max_memory_allocated(), "B")
         result.add("max_memory_reserved_bytes", torch.cuda.max_memory_reserved(), "B")
