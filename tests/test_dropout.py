@@ -15,11 +15,11 @@ from typer.testing import CliRunner
 from tpbench import theory
 from tpbench.cli import app
 from tpbench.compose import check
+from tpbench.config import ConfigError
 from tpbench.experiments.setup import model_config
 from tpbench.experiments.throughput import LocalFlopCounter
 from tpbench.models.dropout import STREAM_DIMS, DropoutKey, PositionalDropout, mix32, mix32_int
 from tpbench.models.minimind import MiniMindConfig, build_model
-from tpbench.parallel.checks import ConfigError
 from tpbench.parallel.recompute import apply_recompute
 from tpbench.parallel.rng import place_dropouts
 

@@ -13,9 +13,8 @@ from typer.testing import CliRunner
 
 from tpbench import compose
 from tpbench.cli import app
-from tpbench.config import ModelConfig
+from tpbench.config import ConfigError, ModelConfig
 from tpbench.hf_config import model_fields
-from tpbench.parallel.checks import ConfigError
 
 pytest.importorskip("transformers")
 

@@ -27,11 +27,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
 
 from tpbench import hardware
-from tpbench.config import CONF_DIR, RunConfig, local_world_size, register_schema, world_size
+from tpbench.config import CONF_DIR, ConfigError, RunConfig, local_world_size, register_schema, world_size
 from tpbench.emulation import EMULATED_KINDS, FLAVOURS
 from tpbench.experiments import KINDS
 from tpbench.faults import FAULTS
-from tpbench.parallel.checks import GRAD_SUMS, ConfigError, check_dtensor_shardable, check_shardable
+from tpbench.parallel.checks import GRAD_SUMS, check_dtensor_shardable, check_shardable
 
 # Short names for the keys people type most; any full key of `tpbench run --cfg` works as well.
 SHORT_NAMES = {

@@ -17,6 +17,10 @@ from omegaconf import OmegaConf
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
+class ConfigError(ValueError):
+    """One line naming the bad value and what is accepted."""
+
+
 @dataclass
 class ModelConfig:
     """MiniMind's fields (see tpbench.models.minimind.MiniMindConfig) plus a preset name."""

@@ -44,7 +44,7 @@ import torch
 from tpbench import emulation, machine, theory
 from tpbench.config import RunConfig, local_world_size, run_label
 from tpbench.experiments.memory import steady_after
-from tpbench.experiments.setup import DTYPES
+from tpbench.models.minimind import DTYPES
 
 PROBE = "matmul, CPU time"  # how a rate is measured: a figure measured otherwise is measured again
 PROBE_BUDGET_S = 0.5  # the most one rate's measurement may cost (CPU time on the CPU)

@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from rich.table import Table
 
 from tpbench import compose, hardware, theory
-from tpbench.config import RunConfig
+from tpbench.config import ConfigError, RunConfig
 from tpbench.hardware import GPU
-from tpbench.parallel.checks import ConfigError
 
 MiB, GiB = 2**20, 2**30
 # The CUDA context of a PyTorch process, with its kernels loaded lazily (CUDA_MODULE_LOADING=LAZY,

@@ -41,10 +41,9 @@ from pathlib import Path
 from sqlalchemy.engine import URL, make_url
 
 from tpbench import machine
-from tpbench.config import RunConfig, config_hash, run_label
+from tpbench.config import ConfigError, RunConfig, config_hash, run_label
 from tpbench.db import ResultsDB
 from tpbench.launch import probe, run_job
-from tpbench.parallel.checks import ConfigError
 from tpbench.results import Outcome, Status
 
 # Slurm's job states that are not an ending (a requeued job passes through PREEMPTED and REQUEUED).

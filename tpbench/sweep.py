@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from sqlalchemy.exc import SQLAlchemyError
 
 from tpbench import batch, compose, launch, machine
-from tpbench.config import RunConfig, config_hash, hide_password, run_label
+from tpbench.config import ConfigError, RunConfig, config_hash, hide_password, run_label
 from tpbench.db import ResultsDB, url_refused
-from tpbench.parallel.checks import ConfigError
 from tpbench.results import Outcome
 from tpbench.slurm import check_slurm
 

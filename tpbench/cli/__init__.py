@@ -367,7 +367,7 @@ def diagram(
 
 def _compose(overrides: list[str], single: bool) -> list[RunConfig]:
     from tpbench import sweep as sweeping  # torch loads only for the commands that launch
-    from tpbench.parallel.checks import ConfigError
+    from tpbench.config import ConfigError
 
     try:
         return sweeping.configs(overrides, single=single)
@@ -407,7 +407,7 @@ def _no_such_device(db: ResultsDB, device: str) -> NoReturn:
 
 def _on_slurm_launcher(configs: list[RunConfig]) -> bool:
     from tpbench import sweep as sweeping
-    from tpbench.parallel.checks import ConfigError
+    from tpbench.config import ConfigError
 
     try:
         return sweeping.on_slurm(configs)

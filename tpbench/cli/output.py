@@ -189,7 +189,8 @@ def depth(cfg: RunConfig) -> None:
 def _depth_limits(cfg: RunConfig) -> tuple[list[Limit], dict[str, str]]:
     """The config's depth split in each mode of the seed's comparison, and the modes compose refuses
     for it (a KV head count T does not divide under the dtensor engine, ...), each with its line."""
-    from tpbench.compose import ConfigError, check
+    from tpbench.compose import check
+    from tpbench.config import ConfigError
     from tpbench.theory import depth
 
     configs, refused = {}, {}

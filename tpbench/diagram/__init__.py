@@ -13,10 +13,10 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from tpbench.config import RunConfig
+from tpbench.config import ConfigError, RunConfig
 from tpbench.diagram.draw import draw
 from tpbench.diagram.trace import Trace, trace
-from tpbench.parallel.checks import ConfigError, check_shardable
+from tpbench.parallel.checks import check_shardable
 
 FORMATS = ("svg", "png")
 DEFAULT_DIR = Path("runs")

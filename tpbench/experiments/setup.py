@@ -15,12 +15,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from tpbench.config import ModelConfig, RunConfig, local_batch
-from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, MiniMindForCausalLM, build_model
+from tpbench.models.minimind import DTYPES, IGNORE_INDEX, MiniMindConfig, MiniMindForCausalLM, build_model
 from tpbench.parallel import instrumentation
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.plan import ParallelModel, apply_compile, parallelize
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def model_config(cfg: RunConfig) -> MiniMindConfig:
