@@ -389,8 +389,9 @@ SWEEP = ["sweep", "kind=validate", "layers=1,2"]
 def machines(workdir, monkeypatch):
     """`on(name)` makes this process a machine of that CPU; every job it launches is recorded OK at once
     (what the job saw: this machine). Returns on and the list of (machine, layers) launched."""
-    from tpbench import batch, launch, machine
+    from tpbench import machine
     from tpbench.results import Environment, Outcome, RankResult, Status
+    from tpbench.run import batch, launch
 
     launched = []
 

@@ -368,7 +368,7 @@ def test_a_run_records_the_hardware_its_ranks_saw(tmp_path, monkeypatch):
     """The launching node's probe says one CPU; its ranks (here stood in for: nothing launches) say what
     they computed on, and that is what the run is recorded under. Ranks that saw different devices say
     so; a job whose ranks said nothing keeps the probe's."""
-    from tpbench import launch
+    from tpbench.run import launch
 
     names = {0: "Intel(R) Xeon(R) Platinum 8480+", 1: "Intel(R) Xeon(R) Platinum 8480+"}
 

@@ -1,4 +1,4 @@
-"""Estimates before a run and progress during it (tpbench.estimate, tpbench.cli.progress,
+"""Estimates before a run and progress during it (tpbench.sizing.estimate, tpbench.cli.progress,
 tpbench.experiments.progress): the rate is measured once and cached, never trusted when corrupt or
 foreign; the estimate follows the FLOPs a run executes; a dtype with no fast kernel here gets its line;
 a real `tpbench run` shows its steps on stderr, and nothing of it under --json."""
@@ -14,9 +14,11 @@ import pytest
 from beside import beside
 from conftest import Workdir
 
-from tpbench import compose, estimate, theory
 from tpbench.cli import progress
-from tpbench.sweep import Ran
+from tpbench.predict import theory
+from tpbench.run import compose
+from tpbench.run.sweep import Ran
+from tpbench.sizing import estimate
 
 
 @pytest.fixture
@@ -199,7 +201,7 @@ def test_a_sweep_says_its_total_and_its_longest_run(cache, capsys):
 
 
 def test_runs_on_warm_workers_pay_one_launch(cache, capsys):
-    """Consecutive runs that share a torchrun job (tpbench.batch) pay its launch once; a run that runs
+    """Consecutive runs that share a torchrun job (tpbench.run.batch) pay its launch once; a run that runs
     alone (launch.reuse_workers=false) pays its own."""
     write_rates(cache, config("kind=memory"), {"float32": 1e10})
     first, second = (vary(config("kind=memory"), "model", num_hidden_layers=L) for L in (2, 3))

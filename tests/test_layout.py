@@ -134,3 +134,10 @@ def test_no_import_of_a_higher_layer():
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_no_source_file_over_500_lines(path):
     assert len(path.read_text().splitlines()) <= MAX_LINES
+
+
+def test_every_entry_of_the_layers_names_a_module():
+    """A module moved or gone leaves no entry behind that names nothing (and so holds nothing)."""
+    known = modules()
+    stale = [entry for entries in tpbench.LAYERS for entry in entries if f"tpbench.{entry}" not in known]
+    assert not stale, f"entries of tpbench.LAYERS that name no module: {stale}"

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torchrun_checks import FAMILIES, TINY, run_config, torchrun
 
-from tpbench import theory
 from tpbench.models.minimind import RMSNorm, swiglu
+from tpbench.predict import theory
 
 MODES = {
     "ddp": ["parallel.engine=ddp", "parallel.tp=1", "parallel.dp=2"],

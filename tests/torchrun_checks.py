@@ -604,7 +604,7 @@ def main() -> None:
     out_path, suite, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    gc.freeze()  # as tpbench.worker does: memory.run's gc.collect() then scans only what the run made
+    gc.freeze()  # as tpbench.run.worker does: memory.run's gc.collect() then scans only what the run made
     results = SUITES[suite](*flags)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:

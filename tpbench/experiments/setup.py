@@ -36,7 +36,7 @@ def model_config(cfg: RunConfig) -> MiniMindConfig:
 
 def tensor_device(cfg: RunConfig) -> torch.device:
     """Where this rank's tensors live: its GPU under launch.device=cuda, else the CPU. A fake-tensor
-    emulation of a GPU rank keeps them on the CPU (see tpbench.emulation for why)."""
+    emulation of a GPU rank keeps them on the CPU (see tpbench.parallel.emulation for why)."""
     if cfg.launch.device == "cuda" and cfg.launch.emulate != "fake":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")

@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from tpbench import theory
 from tpbench.config import RunConfig, mode_label
 from tpbench.experiments.progress import StepProgress
 from tpbench.experiments.setup import (
@@ -53,6 +52,7 @@ from tpbench.models.minimind import IGNORE_INDEX, MiniMindForCausalLM, shift_lab
 from tpbench.parallel import collectives, instrumentation
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.plan import ParallelModel
+from tpbench.predict import theory
 from tpbench.results import ParamRow, RankResult
 
 # How many times the dense model's own rounding error (in the run's precision, against fp32) the

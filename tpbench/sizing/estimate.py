@@ -2,7 +2,7 @@
 
 A run's time is about the FLOPs of the matmuls its busiest rank executes, divided by this machine's
 matmul rate in the dtype they run in, plus the launch's fixed cost (torchrun's start and every worker's
-imports). The FLOPs are the analytic model's (tpbench.theory), counted for what each kind really runs:
+imports). The FLOPs are the analytic model's (tpbench.predict.theory), counted for what each kind really runs:
 
   validate    the dense model on the global batch, the sharded model's share of it and, off fp32, the
               dense model in fp32 (the reference), for 1 + validate.steps steps, and the forwards that
@@ -41,10 +41,12 @@ from pathlib import Path
 
 import torch
 
-from tpbench import emulation, machine, theory
+from tpbench import machine
 from tpbench.config import RunConfig, local_world_size, run_label
 from tpbench.experiments.memory import steady_after
 from tpbench.models.minimind import DTYPES
+from tpbench.parallel import emulation
+from tpbench.predict import theory
 
 PROBE = "matmul, CPU time"  # how a rate is measured: a figure measured otherwise is measured again
 PROBE_BUDGET_S = 0.5  # the most one rate's measurement may cost (CPU time on the CPU)
@@ -53,7 +55,7 @@ STEADY_S = 0.05  # one matmul this long is a steady figure: no larger size is ti
 # torchrun's start, a worker's imports of torch and tpbench, the process group and the results: the
 # tiny validate run (0.03 s of matmuls) took 12.1 s on the idle 2-core Intel Xeon, 0.5 s of it its steps
 LAUNCH_S = 11.0
-# a run on the warm workers of the run before it (launch.reuse_workers, tpbench.batch): its own process
+# a run on the warm workers of the run before it (launch.reuse_workers, tpbench.run.batch): its own process
 # group, model and results. The default tpbench run's memory and throughput runs, after its validate
 # run on the same workers: 0.6 s and 0.5 s from start to end on the idle 2-core Intel Xeon
 WARM_RUN_S = 0.5
@@ -153,7 +155,7 @@ def executed_flops(cfg: RunConfig) -> dict[str, float]:
 
 
 def worker_threads(cfg: RunConfig) -> int | None:
-    """The CPU threads a worker of the run computes with (tpbench.worker): OMP_NUM_THREADS where it
+    """The CPU threads a worker of the run computes with (tpbench.run.worker): OMP_NUM_THREADS where it
     is set, else the node's cores shared by its ranks; None for a GPU (not one emulated on the CPU)."""
     if cfg.launch.device == "cuda" and not emulation.gpu_emulated(cfg):
         return None
@@ -218,7 +220,7 @@ def probe_in_child(dtype: str, device: str = "cuda") -> float:
     """`probe` on `device` in a process of its own: a CUDA context made here would hold GPU 0's memory
     for as long as the command runs, beside rank 0's."""
     call = f"estimate.probe(torch.{dtype}, torch.device({device!r}), None)"
-    code = f"import torch; from tpbench import estimate; print({call})"
+    code = f"import torch; from tpbench.sizing import estimate; print({call})"
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
