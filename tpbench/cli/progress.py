@@ -46,6 +46,7 @@ def say_estimates(configs: Sequence[RunConfig], sweep: bool) -> list[float]:
     line for each run estimated long and for each dtype with no fast kernel here; their seconds."""
     from dataclasses import replace
 
+    from tpbench.predict import rate_probe
     from tpbench.run import batch
     from tpbench.sizing import estimate
 
@@ -73,7 +74,7 @@ def say_estimates(configs: Sequence[RunConfig], sweep: bool) -> list[float]:
     slow = {}
     for e in estimates:
         for dtype in e.flops:
-            slow.setdefault(dtype, estimate.slow_kernel_line(dtype, e.cfg, e.threads))
+            slow.setdefault(dtype, rate_probe.slow_kernel_line(dtype, e.cfg, e.threads))
     for line in filter(None, slow.values()):
         one_line(line)
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
