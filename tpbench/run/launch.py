@@ -42,7 +42,7 @@ from tpbench.config import RunConfig, config_hash, local_world_size, save_run_co
 from tpbench.parallel import emulation
 from tpbench.results import Environment, Outcome, RankResult, Status
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Errors a rank sees because another rank died first: never the first failure when there is another.
 PEER_ERRORS = ("closed by peer", "reset by peer", "Broken pipe", "remote worker", "remote process")
