@@ -11,7 +11,7 @@ import sys
 import time
 
 from tpbench import diagram
-from tpbench.compose import expand
+from tpbench.run.compose import expand
 
 
 def main(overrides: list[str]) -> None:

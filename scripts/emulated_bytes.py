@@ -5,8 +5,8 @@ Run: OMP_NUM_THREADS=1 python scripts/emulated_bytes.py > bytes.json"""
 import json
 import sys
 
-from tpbench.compose import expand
 from tpbench.experiments import memory
+from tpbench.run.compose import expand
 
 SMALL = "model=minimind hidden=256 heads=8 kv_heads=4 layers=2 vocab=510 seq=64 dtype=bfloat16"
 CONFIGS = {

@@ -9,7 +9,7 @@
 # 2. the busiest rank of every mode at T = 2, 4 and 8 (DTensor's at 2 and 4; DDP: one replica), the
 #    seed's memory preset at L 8, emulated with real CUDA tensors on the GPU (launch.emulate=real: the
 #    other ranks are the fake backend's): the real caching allocator's max_memory_allocated beside the
-#    allocator model's prediction (tpbench.theory with tpbench.allocator, for this GPU), beside
+#    allocator model's prediction (tpbench.predict.theory with tpbench.predict.allocator, for this GPU), beside
 #    MemTracker's live-tensor peak, and beside the same config emulated with fake tensors on the CPU
 #    (its allocation trace replayed through the allocator model: run at the same time, on the CPU);
 # 3. one throughput run with CUDA timing: MFU at H 2048, bf16, T = 1 (its record says timing_cuda_events 1);
@@ -26,7 +26,7 @@ py=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=4
 started=$SECONDS
 tpbench() { "$py" -m tpbench "$@"; }
-gpu=$("$py" -c "import torch; from tpbench.allocator import gpu_of; print(gpu_of(torch.cuda.get_device_name(0)) or 'H100')")
+gpu=$("$py" -c "import torch; from tpbench.predict.allocator import gpu_of; print(gpu_of(torch.cuda.get_device_name(0)) or 'H100')")
 memory() {  # FLAVOUR: the seed preset at L 8, every mode at T 2, 4, 8 and DDP, emulated (one db each)
   local flavour=$1 db="db.url=sqlite:///$out/memory-$1.db" rc=0
   local args=(+preset=seed_tp_memory layers=8 launch.device=cuda launch.emulate="$flavour"

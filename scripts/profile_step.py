@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from tpbench.compose import expand
 from tpbench.experiments.training import Trainer
+from tpbench.run.compose import expand
 
 WARMUP, TIMED, PROFILED = 3, 5, 2
 # op name -> group; the first group whose prefix matches, else "other"

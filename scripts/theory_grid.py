@@ -16,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_theory import SMALL  # noqa: E402
 from torchrun_checks import FAMILIES, run_config  # noqa: E402
 
-from tpbench import theory  # noqa: E402
-from tpbench.compose import check  # noqa: E402
 from tpbench.experiments import memory  # noqa: E402
+from tpbench.predict import theory  # noqa: E402
+from tpbench.run.compose import check  # noqa: E402
 
 MODES = {
     "ddp": ["parallel.engine=ddp", "parallel.tp=1", "parallel.dp=2"],

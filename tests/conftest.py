@@ -85,7 +85,7 @@ class Workdir:
                 cmdline = (proc / "cmdline").read_bytes()
             except OSError:
                 continue
-            if b"tpbench.worker" in cmdline and str(self.jobs).encode() in cmdline:
+            if b"tpbench.run.worker" in cmdline and str(self.jobs).encode() in cmdline:
                 pids.append(int(proc.name))
         return pids
 

@@ -389,8 +389,9 @@ SWEEP = ["sweep", "kind=validate", "layers=1,2"]
 def machines(workdir, monkeypatch):
     """`on(name)` makes this process a machine of that CPU; every job it launches is recorded OK at once
     (what the job saw: this machine). Returns on and the list of (machine, layers) launched."""
-    from tpbench import batch, launch, machine
+    from tpbench import machine
     from tpbench.results import Environment, Outcome, RankResult, Status
+    from tpbench.run import batch, launch
 
     launched = []
 
@@ -474,8 +475,8 @@ def test_plan_json_is_the_prediction_as_one_object():
     """`plan --json`: one JSON object a config, the prediction's figures as theory gives them."""
     import json
 
-    from tpbench import theory
-    from tpbench.compose import expand
+    from tpbench.predict import theory
+    from tpbench.run.compose import expand
 
     overrides = ["tp=2", "sp=true", "kind=memory"]
     result = CliRunner().invoke(app, ["plan", *overrides, "--json"])

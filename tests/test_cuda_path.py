@@ -19,7 +19,7 @@ from beside import beside
 from fake_cuda_checks import CASES, MODES, SWITCHES
 from torchrun_checks import TINY, run_config
 
-from tpbench import theory
+from tpbench.predict import theory
 
 pytestmark = pytest.mark.torch_build  # skips on a CUDA build of torch (ci_skips.py): scripts/gpu-check.sh
 CHECKS = Path(__file__).with_name("fake_cuda_checks.py")

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, inspect, text
 
-from tpbench import machine, sweep
+from tpbench import machine
 from tpbench.config import RunConfig, TrainConfig, config_hash
 from tpbench.db import SCHEMA_VERSION, DatabaseRefused, NoDatabase, ResultsDB, _driver_url, schema
 from tpbench.results import CommRow, Environment, Outcome, ParamRow, RankResult, Status
+from tpbench.run import sweep
 
 ENV = Environment("host", "cpu", "a cpu", 2, "gloo", "2.x", None, "abc", False)
 
@@ -413,7 +414,7 @@ def test_a_run_records_the_hardware_its_ranks_saw(tmp_path, monkeypatch):
     """The launching node's probe says one CPU; its ranks (here stood in for: nothing launches) say what
     they computed on, and that is what the run is recorded under. Ranks that saw different devices say
     so; a job whose ranks said nothing keeps the probe's."""
-    from tpbench import launch
+    from tpbench.run import launch
 
     names = {0: "Intel(R) Xeon(R) Platinum 8480+", 1: "Intel(R) Xeon(R) Platinum 8480+"}
 

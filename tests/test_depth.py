@@ -1,4 +1,4 @@
-"""The peak over depth (tpbench.theory.depth): M(L) = F + L (a/T + r), the seed chapter's reading of
+"""The peak over depth (tpbench.predict.theory.depth): M(L) = F + L (a/T + r), the seed chapter's reading of
 its memory table, set against the peaks measured (fake tensors, the busiest rank, in this process) at
 several depths and two T; the report's fit over depth, on peaks of a known line."""
 
@@ -14,12 +14,12 @@ from typer.testing import CliRunner
 
 from tpbench.config import RunConfig, mode_label, public_config
 from tpbench.experiments import memory
+from tpbench.predict.theory import depth
 from tpbench.report import published
 from tpbench.report.data import ReportData, Selection, memory_peaks, mode_rank, setting_label
 from tpbench.report.data import _flatten as flatten
 from tpbench.report.sections.diagrams import run_config as run_config_of
 from tpbench.report.sections.memory import depth_table
-from tpbench.theory import depth
 
 SMALL = ["kind=memory", "model.hidden_size=64", "model.vocab_size=256", "train.seq_len=128"]
 MODES = {
@@ -116,7 +116,7 @@ def test_plan_prints_every_mode_s_split_and_limit():
 
 
 def _expanded(overrides: list[str]) -> list[RunConfig]:
-    from tpbench.compose import expand
+    from tpbench.run.compose import expand
 
     return expand(overrides)
 
@@ -128,7 +128,7 @@ LINES = {"ddp": (3 * 2**30, 200 * 2**20), "tp": (2 * 2**30, 120 * 2**20)}
 def seed_depth_runs() -> ReportData:
     """Memory runs of the seed's config at L 8..64, DDP and TP, their peaks on LINES (no such run fits
     a CPU test): what `load` would return for them, with their configs."""
-    from tpbench.compose import expand
+    from tpbench.run.compose import expand
 
     base = {
         "status": "OK", "error": "", "sweep": "seed", "kind": "memory", "precision": "pure",

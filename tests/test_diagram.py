@@ -15,9 +15,10 @@ import pytest
 from browser import chromium, need
 from typer.testing import CliRunner
 
-from tpbench import diagram, theory
+from tpbench import diagram
 from tpbench.cli import app
 from tpbench.diagram.trace import Trace
+from tpbench.predict import theory
 
 SVG_NS = "{http://www.w3.org/2000/svg}"
 OPS = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter"}

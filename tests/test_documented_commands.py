@@ -175,7 +175,7 @@ def test_documented_command(doc: Documented, folder: Path, monkeypatch):
     import torch
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
-    from tpbench import slurm, sweep
+    from tpbench.run import slurm, sweep
 
     monkeypatch.chdir(folder)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # launch.device=cuda: as on a GPU node

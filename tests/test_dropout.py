@@ -14,9 +14,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torchrun_checks import run_config
 from typer.testing import CliRunner
 
-from tpbench import theory
 from tpbench.cli import app
-from tpbench.compose import check
+from tpbench.config import ConfigError
 from tpbench.experiments.setup import model_config
 from tpbench.experiments.throughput import LocalFlopCounter
 from tpbench.models.dropout import (
@@ -32,10 +31,11 @@ from tpbench.models.dropout import (
     signed32,
 )
 from tpbench.models.minimind import MiniMindConfig, build_model
-from tpbench.parallel.checks import ConfigError
 from tpbench.parallel.recompute import apply_recompute
 from tpbench.parallel.rng import place_dropouts
-from tpbench.theory.activations import mask_bits
+from tpbench.predict import theory
+from tpbench.predict.theory.activations import mask_bits
+from tpbench.run.compose import check
 
 S, B, H, N = 32, 4, 64, 8
 CFG = MiniMindConfig(hidden_size=H, num_hidden_layers=2, vocab_size=256, flash_attn=False, dropout=0.1)
@@ -185,7 +185,7 @@ def test_a_recomputed_block_draws_its_forwards_masks_again(mode):
 def test_full_recompute_with_dropout_runs_down_proj_again_as_predicted():
     """The MLP dropout's mask is a block's last save: full recompute's forward runs again through
     down_proj to draw it (and, on a TP group, through its exit: tests/test_theory.py counts those
-    collectives), which tpbench.theory adds to the recompute FLOPs."""
+    collectives), which tpbench.predict.theory adds to the recompute FLOPs."""
     cfg = run_config(["parallel.tp=1", "model.flash_attn=false", "model.dropout=0.1", "train.seq_len=32"])
     ids = torch.randint(256, (2, 32), generator=torch.Generator().manual_seed(4))
     flops = {}

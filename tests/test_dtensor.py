@@ -137,8 +137,8 @@ def test_dtensor_moves_the_same_bytes_as_ours(measured, mode):
 
 
 def test_what_dtensor_cannot_express_is_refused_up_front():
-    from tpbench.config import ModelConfig, ParallelConfig
-    from tpbench.parallel.checks import ConfigError, check_dtensor_shardable
+    from tpbench.config import ConfigError, ModelConfig, ParallelConfig
+    from tpbench.parallel.checks import check_dtensor_shardable
 
     tiny = ModelConfig()  # heads 8/4, V 256
     check_dtensor_shardable(tiny, ParallelConfig(tp=4, sp=True, vp=True, engine="dtensor"))

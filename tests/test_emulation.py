@@ -1,4 +1,4 @@
-"""Rank emulation (tpbench.emulation): one process standing in for rank r of a job gives that rank's
+"""Rank emulation (tpbench.parallel.emulation): one process standing in for rank r of a job gives that rank's
 memory and collectives byte for byte, with real tensors and with fake ones."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from beside import beside
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torchrun_checks import FAMILIES, WORLD4, per_config, run_config
 
-from tpbench import allocator, emulation, theory
-from tpbench.allocator import CachingAllocator, replay
 from tpbench.config import RunConfig
 from tpbench.experiments import memory
+from tpbench.parallel import emulation
+from tpbench.predict import allocator, theory
+from tpbench.predict.allocator import CachingAllocator, replay
 
 SMALL = [
     "kind=memory",

@@ -1,7 +1,8 @@
-"""Estimates before a run and progress during it (tpbench.estimate, tpbench.cli.progress,
-tpbench.experiments.progress): the rate is measured once and cached, never trusted when corrupt or
-foreign; the estimate follows the FLOPs a run executes; a dtype with no fast kernel here gets its line;
-a real `tpbench run` shows its steps on stderr, and nothing of it under --json."""
+"""Estimates before a run and progress during it (tpbench.sizing.estimate, tpbench.predict.rate_probe,
+tpbench.cli.progress, tpbench.experiments.progress): the rate is measured once and cached, never
+trusted when corrupt or foreign; the estimate follows the FLOPs a run executes; a dtype with no fast
+kernel here gets its line; a real `tpbench run` shows its steps on stderr, and nothing of it under
+--json."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import pytest
 from beside import beside
 from conftest import Workdir
 
-from tpbench import compose, estimate, theory
 from tpbench.cli import progress
-from tpbench.sweep import Ran
+from tpbench.predict import rate_probe, theory
+from tpbench.run import compose
+from tpbench.run.sweep import Ran
+from tpbench.sizing import estimate
 
 
 @pytest.fixture
@@ -25,7 +28,7 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TPBENCH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(progress.os, "getloadavg", lambda: (0.5, 0.5, 0.5))  # an idle machine
-    return estimate.cache_file()
+    return rate_probe.cache_file()
 
 
 @functools.cache
@@ -42,7 +45,7 @@ def vary(cfg, section: str, **fields):
 
 def write_rates(path, cfg, rates: dict[str, float]) -> None:
     """The cache as a measurement of these rates on this machine would have left it."""
-    entries = [{**estimate._key(dtype, cfg, 1), "flops_per_s": r} for dtype, r in rates.items()]
+    entries = [{**rate_probe._key(dtype, cfg, 1), "flops_per_s": r} for dtype, r in rates.items()]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"rates": entries}))
 
@@ -57,13 +60,13 @@ def no_probe(*args):
 def test_the_rate_is_measured_once_then_read_from_the_cache(cache, monkeypatch):
     cfg = config("kind=memory")
     start = time.process_time()  # the budget is CPU time: other processes do not count
-    measured = estimate.rate("float32", cfg, 1)
-    assert time.process_time() - start < 2 * estimate.PROBE_BUDGET_S
+    measured = rate_probe.rate("float32", cfg, 1)
+    assert time.process_time() - start < 2 * rate_probe.PROBE_BUDGET_S
     (entry,) = json.loads(cache.read_text())["rates"]
     assert entry["flops_per_s"] == measured > 1e8
     assert (entry["dtype"], entry["threads"], entry["device"]) == ("float32", 1, "cpu")
-    monkeypatch.setattr(estimate, "probe", no_probe)
-    assert estimate.rate("float32", cfg, 1) == measured
+    monkeypatch.setattr(rate_probe, "probe", no_probe)
+    assert rate_probe.rate("float32", cfg, 1) == measured
 
 
 @pytest.mark.parametrize(
@@ -86,16 +89,16 @@ def test_a_corrupt_or_foreign_entry_is_measured_again(cache, monkeypatch, stored
     cfg = config("kind=memory")
     cache.parent.mkdir(parents=True)
     if isinstance(stored, dict):  # an entry of this machine but for the changed field(s)
-        entry = {**estimate._key("float32", cfg, 1), "flops_per_s": 5e12, **stored}
+        entry = {**rate_probe._key("float32", cfg, 1), "flops_per_s": 5e12, **stored}
         cache.write_text(json.dumps({"rates": [entry]}))
     else:
         cache.write_text(stored)
-    monkeypatch.setattr(estimate, "probe", lambda *args: 3e10)
-    assert estimate.rate("float32", cfg, 1) == 3e10
+    monkeypatch.setattr(rate_probe, "probe", lambda *args: 3e10)
+    assert rate_probe.rate("float32", cfg, 1) == 3e10
     rates = json.loads(cache.read_text())["rates"]
-    assert {e["flops_per_s"] for e in rates if e.get("torch") == estimate.torch.__version__} >= {3e10}
-    monkeypatch.setattr(estimate, "probe", no_probe)  # and the new figure is read back
-    assert estimate.rate("float32", cfg, 1) == 3e10
+    assert {e["flops_per_s"] for e in rates if e.get("torch") == rate_probe.torch.__version__} >= {3e10}
+    monkeypatch.setattr(rate_probe, "probe", no_probe)  # and the new figure is read back
+    assert rate_probe.rate("float32", cfg, 1) == 3e10
 
 
 def test_the_threads_are_those_a_worker_of_the_run_gets(monkeypatch):
@@ -172,7 +175,7 @@ def test_a_dtype_with_no_fast_kernel_gets_a_line_with_the_figures_and_what_to_do
     (slow,) = [line for line in lines if "no fast matmul kernel" in line]
     assert slow.startswith("bfloat16 has no fast matmul kernel here: 0.4 GFLOP/s against float32's 82 (")
     assert "dtype=float32 (the same run's matmuls 205x faster)" in slow and "launch.emulate=fake" in slow
-    if "avx512_bf16" not in estimate._cpu_flags():
+    if "avx512_bf16" not in rate_probe._cpu_flags():
         assert "/proc/cpuinfo has no avx512_bf16" in slow
 
 
@@ -200,7 +203,7 @@ def test_a_sweep_says_its_total_and_its_longest_run(cache, capsys):
 
 
 def test_runs_on_warm_workers_pay_one_launch(cache, capsys):
-    """Consecutive runs that share a torchrun job (tpbench.batch) pay its launch once; a run that runs
+    """Consecutive runs that share a torchrun job (tpbench.run.batch) pay its launch once; a run that runs
     alone (launch.reuse_workers=false) pays its own."""
     write_rates(cache, config("kind=memory"), {"float32": 1e10})
     first, second = (vary(config("kind=memory"), "model", num_hidden_layers=L) for L in (2, 3))

@@ -173,11 +173,11 @@ def test_each_switch_has_the_parameters_of_its_family():
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_the_config_loader_reads_each_family_into_the_same_model(name, tmp_path):
-    """tpbench.hf_config (model.hf_config=PATH) on the family's config.json gives the model that
+    """tpbench.models.hf_config (model.hf_config=PATH) on the family's config.json gives the model that
     matches transformers' (its logits within 1e-5), the fields this file sets by hand included."""
     import dataclasses
 
-    from tpbench.hf_config import model_fields
+    from tpbench.models.hf_config import model_fields
 
     hf, _ = pair(name, False)
     hf.config.to_json_file(tmp_path / "config.json")

@@ -8,11 +8,11 @@ import pytest
 from test_db import config, outcome
 from typer.testing import CliRunner
 
-from tpbench import sweep
 from tpbench.cli import app
-from tpbench.compose import ConfigError, expand
-from tpbench.config import mode_label
+from tpbench.config import ConfigError, mode_label
 from tpbench.db import ResultsDB
+from tpbench.run import sweep
+from tpbench.run.compose import expand
 
 
 def _refusal(overrides: list[str]) -> str:

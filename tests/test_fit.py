@@ -1,4 +1,4 @@
-"""`tpbench fit` and the GPU table it reads (tpbench.hardware): every T dividing the GPUs per node and
+"""`tpbench fit` and the GPU table it reads (tpbench.predict.hardware): every T dividing the GPUs per node and
 the heads, crossed with SP, VP and recompute, each at its largest micro-batch that fits, ranked; the
 per-rank peak is the analytic model's on that GPU plus the stated constants; bad input is one line."""
 
@@ -11,10 +11,11 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from tpbench import allocator, compose, hardware, theory
-from tpbench import fit as fitting
 from tpbench.cli import app
 from tpbench.experiments.throughput import peak_flops
+from tpbench.predict import allocator, hardware, theory
+from tpbench.run import compose
+from tpbench.sizing import fit as fitting
 
 runner = CliRunner()
 GiB, MiB = 2**30, 2**20

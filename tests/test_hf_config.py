@@ -11,11 +11,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from tpbench import compose
 from tpbench.cli import app
-from tpbench.config import ModelConfig
-from tpbench.hf_config import model_fields
-from tpbench.parallel.checks import ConfigError
+from tpbench.config import ConfigError, ModelConfig
+from tpbench.models.hf_config import model_fields
+from tpbench.run import compose
 
 pytest.importorskip("transformers")
 

@@ -136,3 +136,10 @@ def test_no_source_file_over_500_lines():
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     ]
     assert not over, f"files over {MAX_LINES} lines: " + ", ".join(over)
+
+
+def test_every_entry_of_the_layers_names_a_module():
+    """A module moved or gone leaves no entry behind that names nothing (and so holds nothing)."""
+    known = modules()
+    stale = [entry for entries in tpbench.LAYERS for entry in entries if f"tpbench.{entry}" not in known]
+    assert not stale, f"entries of tpbench.LAYERS that name no module: {stale}"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tpbench import compose
 from tpbench.config import local_batch, mode_label
 from tpbench.report import published
+from tpbench.run import compose
 
 
 def test_seed_check_is_the_seeds_numerical_check():

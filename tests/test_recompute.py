@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from beside import beside
 from torchrun_checks import FAMILIES, TINY, WORLD2, run_config, same_on_every_rank
 
-from tpbench import theory
 from tpbench.models.minimind import RMSNorm, swiglu
+from tpbench.predict import theory
 
 MODES = {
     "ddp": ["parallel.engine=ddp", "parallel.tp=1", "parallel.dp=2"],

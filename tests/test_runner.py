@@ -323,8 +323,8 @@ def test_an_nccl_watchdog_abort_is_a_timeout(tmp_path):
     stderr has the reason. Without it, the same SIGABRT is a plain failure."""
     from torch.distributed.elastic.multiprocessing import ProcessFailure
 
-    from tpbench.compose import expand
-    from tpbench.launch import Status, _first_failure
+    from tpbench.run.compose import expand
+    from tpbench.run.launch import Status, _first_failure
 
     (cfg,) = expand(["kind=validate"])
     log = tmp_path / "logs" / "tpbench-x" / "attempt_0" / "1" / "stderr.log"

@@ -114,7 +114,7 @@ def test_two_array_tasks_sharing_a_first_node_rendezvous_at_different_ports(slur
     the task spanned two nodes with this one first (as `SlurmRun` does in a multi-node job)."""
     import submitit
 
-    from tpbench import slurm as tpslurm
+    from tpbench.run import slurm as tpslurm
 
     monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
     cfg = tpslurm._job_config(_run_config(["launch.launcher=slurm"]))
@@ -163,7 +163,7 @@ def test_each_slurm_ending_has_its_status(state, on_preempt, ended, status):
     which Slurm states end a run, and with which status, as `_record_ending` records them."""
     from torchrun_checks import run_config
 
-    from tpbench import slurm
+    from tpbench.run import slurm
 
     cfg = run_config(["launch.launcher=slurm", f"launch.slurm.on_preempt={on_preempt}"])
     item = slurm.Followed(cfg, job_id="1", state=state)

@@ -1,4 +1,5 @@
-"""The analytic model (tpbench.theory) against counted collectives, measured peaks and FlopCounterMode."""
+"""The analytic model (tpbench.predict.theory) against counted collectives, measured peaks and
+FlopCounterMode."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from torchrun_checks import FAMILIES, WORLD2, WORLD4, per_config, run_config, same_on_every_rank
 from typer.testing import CliRunner
 
-from tpbench import theory
 from tpbench.config import RunConfig
 from tpbench.experiments.setup import build_dense
 from tpbench.experiments.throughput import LocalFlopCounter, peak_flops
+from tpbench.predict import theory
 
 # H 64, L 2, heads 8/4, I 256, V 512, S 64, micro-batch 2, bf16: a memory run takes a fraction of a second
 SMALL = [
@@ -232,7 +233,7 @@ CHECKS |= {
 
 def odd_shapes(n: int, seed: int = 12) -> dict[str, list[str]]:
     """n seeded random configs of odd shapes (world 4), each one compose would accept."""
-    from tpbench.compose import check
+    from tpbench.run.compose import check
 
     rng = random.Random(seed)
     out: dict[str, list[str]] = {}
@@ -419,7 +420,7 @@ def test_every_engine_counts_the_flops_of_its_ranks_alike(flops):
 
 def test_plan_prints_the_prediction_of_a_config_too_large_to_run():
     from tpbench.cli import app
-    from tpbench.compose import expand
+    from tpbench.run.compose import expand
 
     overrides = ["tp=8", "sp=true", "vp=true", "model=minimind", "layers=64", "seq=2048"]
     result = CliRunner().invoke(app, ["plan", *overrides])

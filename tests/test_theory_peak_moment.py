@@ -10,8 +10,8 @@ import re
 import pytest
 from test_theory import CHECKS, config, measured  # noqa: F401 (measured: the shared job's fixture)
 
-from tpbench import theory
 from tpbench.config import RunConfig
+from tpbench.predict import theory
 
 ROOTS = ("DistributedDataParallel.module.", "MiniMindForCausalLM.")  # DDP's wrapper, the model
 PHASES = ("after backward", "forward", "backward", "optimizer")

@@ -16,10 +16,10 @@ import pytest
 from beside import beside
 from torchrun_checks import TINY, run_config, torchrun
 
-from tpbench import compose
 from tpbench.experiments.criterion import CHECKS, Verdict, verdicts
 from tpbench.experiments.validate import SCALED
 from tpbench.results import ParamRow
+from tpbench.run import compose
 
 TP_SP_VP = ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true"]
 SEEDS = {f"seed_{s}": [*TP_SP_VP, f"train.seed={s}"] for s in (1, 2, 3)}

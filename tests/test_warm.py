@@ -1,4 +1,4 @@
-"""Warm workers (launch.reuse_workers, tpbench.batch): a sweep's runs in one torchrun job measure what
+"""Warm workers (launch.reuse_workers, tpbench.run.batch): a sweep's runs in one torchrun job measure what
 fresh jobs measure, to the byte, and a run that fails in a batch fails as it would alone, the runs after
 it running on. Real torchrun jobs (gloo on CPU, the tiny model)."""
 

@@ -1,4 +1,4 @@
-"""The environment a run's workers set before CUDA starts (tpbench.worker.worker_env): an overlap run on
+"""The environment a run's workers set before CUDA starts (tpbench.run.worker.worker_env): an overlap run on
 a real GPU gets CUDA_DEVICE_MAX_CONNECTIONS=1, as Megatron sets it, and records it with its results."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 from torchrun_checks import run_config
 
-from tpbench import worker
 from tpbench.results import RankResult
+from tpbench.run import worker
 
 
 def cfg_of(device: str, overlap: bool, emulate: str = "none"):

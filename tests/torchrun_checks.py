@@ -678,7 +678,7 @@ def main() -> None:
     checks = json.loads(os.environ["TPBENCH_CHECKS"])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    gc.freeze()  # as tpbench.worker does: memory.run's gc.collect() then scans only what the run made
+    gc.freeze()  # as tpbench.run.worker does: memory.run's gc.collect() then scans only what the run made
     if len(suites) == 1:
         write_every_rank(out_path, SUITES[suites[0]](checks))
     else:

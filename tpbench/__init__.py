@@ -1,19 +1,26 @@
 """tpbench: tensor, sequence and vocab parallelism on a MiniMind decoder, run, measured and recorded.
 
 The code is in layers, and a module imports only from its own layer or from the layers below it
-(tests/test_layout.py holds it, with no import cycle either; docs/design.md walks through them):
+(tests/test_layout.py holds it, with no import cycle either; docs/design.md walks through them). Two
+halves have a package each: predict/ (what a step will hold, move and cost, without running it) and
+run/ (how a run happens); sizing/ uses both, above them.
 
-    config, results, hardware, machine    the data every layer passes around: the typed config,
-                                          result types (RankResult, Status, Outcome), GPU figures
-    models, parallel                      the dense model, and the plan and collectives that shard it
-    allocator, theory, emulation,         a run modelled without running it, and one rank of a job
-    hf_config                             emulated in one process
-    experiments, faults                   what each rank runs (validate, memory, throughput)
-    compose                               configs from conf/: composed, expanded, checked
-    fit, diagram, estimate                made from checked configs: a search, a drawing, a run's time
-    launch, worker, batch, db             one run: a torchrun job and its workers; consecutive runs in
-                                          one job on warm workers; the results database
-    sweep, slurm                          many runs: what is left to run, each run recorded; Slurm jobs
+    config, results, machine              the data every layer passes around: the typed config and its
+                                          ConfigError, result types (RankResult, Status, Outcome),
+                                          this node's devices
+    models                                the dense model (and model fields from a Hugging Face config)
+    parallel                              the plan and collectives that shard it; emulation: one rank
+                                          of a job emulated in one process
+    predict                               a step modelled without running it: theory/, the GPU table
+                                          (hardware), the allocator's model, the matmul rate probe
+    experiments                           what each rank runs (validate, memory, throughput)
+    run.faults                            injected failures
+    run.compose                           configs from conf/: composed, expanded, checked
+    run.launch, run.worker, run.batch,    one run: a torchrun job and its workers; consecutive runs in
+    db                                    one job on warm workers; the results database
+    run.sweep, run.slurm                  many runs: what is left to run, each run recorded; Slurm jobs
+    sizing, diagram                       made from checked configs: a search (fit), a run's time
+                                          (estimate), a drawing
     report                                tables and charts from the database
     cli, __main__                         the command line: parsing and printing
 
@@ -21,16 +28,19 @@ A lazy import inside a function (kept for start-up time: `tpbench plan` never lo
 layers as a module-level one does.
 """
 
-# The layers, lowest first: each entry names modules or packages (a package holds its submodules).
+# The layers, lowest first: each entry names modules or packages (a package holds its submodules; a
+# module is in the entry that names it most closely: run.compose, else run).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("config", "results", "hardware", "machine"),
-    ("models", "parallel"),
-    ("allocator", "theory", "emulation", "hf_config"),
-    ("experiments", "faults"),
-    ("compose",),
-    ("fit", "diagram", "estimate"),
-    ("launch", "worker", "batch", "db"),
-    ("sweep", "slurm"),
+    ("config", "results", "machine"),
+    ("models",),
+    ("parallel",),
+    ("predict",),
+    ("experiments",),
+    ("run.faults",),
+    ("run.compose",),
+    ("run.launch", "run.worker", "run.batch", "db"),
+    ("run.sweep", "run.slurm", "run"),
+    ("sizing", "diagram"),
     ("report",),
     ("cli", "__main__"),
 )

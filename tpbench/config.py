@@ -18,6 +18,10 @@ from omegaconf import OmegaConf
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
+class ConfigError(ValueError):
+    """One line naming the bad value and what is accepted."""
+
+
 @dataclass
 class ModelConfig:
     """MiniMind's fields (see tpbench.models.minimind.MiniMindConfig) plus a preset name."""
@@ -54,7 +58,7 @@ class ModelConfig:
     # recompute draw the dense model's masks (tpbench.models.dropout); needs flash_attn=false
     dropout: float = 0.0
     # a Hugging Face config.json (or a folder holding one) that the fields above were read from
-    # (tpbench.hf_config); "": none. Where the shape came from, not what is measured: not hashed
+    # (tpbench.models.hf_config); "": none. Where the shape came from, not what is measured: not hashed
     hf_config: str = ""
 
 
@@ -141,7 +145,7 @@ class ValidateConfig:
 
 @dataclass
 class SlurmConfig:
-    """launcher=slurm: each run one Slurm job of launch.nnodes nodes (see tpbench.slurm)."""
+    """launcher=slurm: each run one Slurm job of launch.nnodes nodes (see tpbench.run.slurm)."""
 
     partition: str = ""  # empty: the cluster's default partition
     account: str = ""
@@ -156,7 +160,7 @@ class SlurmConfig:
 
 @dataclass
 class LaunchConfig:
-    launcher: str = "local"  # local: torchrun jobs from this process | slurm: Slurm jobs (tpbench.slurm)
+    launcher: str = "local"  # local: torchrun jobs from this process | slurm: Slurm jobs (tpbench.run.slurm)
     max_parallel: int = 4  # launcher=slurm: jobs of one sweep running at once
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     device: str = "auto"  # auto | cpu | cuda
@@ -172,10 +176,10 @@ class LaunchConfig:
     memory_cap_mb: int = 0  # per worker, 0: none; CPU: RLIMIT_AS, CUDA: a memory fraction of the GPU
     max_result_mb: float = 64.0  # a rank result file larger than this is refused, the run FAILED
     # Consecutive runs of a sweep that fit one torchrun job run in it, its workers warm from one run to
-    # the next (tpbench.batch says which fit); false: a fresh torchrun job for every run
+    # the next (tpbench.run.batch says which fit); false: a fresh torchrun job for every run
     reuse_workers: bool = True
     # One process stands in for one rank of the tp x dp job, on torch's fake process group (see
-    # tpbench.emulation): none | real (real tensors on this machine's device) | fake (FakeTensorMode)
+    # tpbench.parallel.emulation): none | real (real tensors on this machine's device) | fake (FakeTensorMode)
     emulate: str = "none"
     emulate_rank: int | None = None  # the rank to emulate; None: the busiest rank of the mode
     emulate_gpu: str = "H100"  # device=cuda emulate=fake: whose allocator and cuBLAS workspaces
@@ -220,7 +224,7 @@ class RunConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     db: DbConfig = field(default_factory=DbConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
-    fault: str = ""  # fault injection, e.g. raise_on_rank1 (see tpbench.faults and conf/fault/)
+    fault: str = ""  # fault injection, e.g. raise_on_rank1 (see tpbench.run.faults and conf/fault/)
     sweep: str = ""  # the sweep this run belongs to, if any
 
 

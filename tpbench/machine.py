@@ -31,7 +31,7 @@ def key(device: str, device_name: str, device_count: int, nnodes: str, emulate: 
         device_name: the GPU model, the CPU model, or for a GPU emulated on the CPU
             `H100 (emulated on <CPU model>)`.
         device_count: GPUs per node (CUDA), else CPU cores per node; 0 where it is not known (a Slurm
-            job that ended before it said, tpbench.slurm).
+            job that ended before it said, tpbench.run.slurm).
         nnodes: launch.nnodes.
         emulate: launch.emulate (none, real or fake).
     """
@@ -39,7 +39,7 @@ def key(device: str, device_name: str, device_count: int, nnodes: str, emulate: 
     per_node += "" if device_count == 1 else "s"
     nodes = f"{nnodes} node" + ("" if nnodes == "1" else "s")
     parts = [device_name, *([f"{device_count} {per_node} per node"] if device_count else []), nodes]
-    if emulate != "none":  # which flavour, and which rank, is the config's (tpbench.emulation)
+    if emulate != "none":  # which flavour, and which rank, is the config's (tpbench.parallel.emulation)
         parts.append("ranks emulated")
     return " · ".join(parts)
 
@@ -53,7 +53,7 @@ def of_config(cfg: RunConfig, device_name: str, device_count: int) -> str:
 def here(cfg: RunConfig) -> tuple[str, int]:
     """(device name, device count) of this node as `cfg` would use it, probed before any launch:
     device=cuda torch.cuda's first GPU and GPU count; device=cpu the CPU model and its cores; a GPU
-    emulated on fake tensors (tpbench.emulation) the emulated GPU on this CPU."""
+    emulated on fake tensors (tpbench.parallel.emulation) the emulated GPU on this CPU."""
     import torch
 
     if cfg.launch.device == "cuda" and cfg.launch.emulate != "fake":

@@ -23,7 +23,7 @@ class Status(StrEnum):
     OOM = "OOM"
     TIMEOUT = "TIMEOUT"
     INTERRUPTED = "INTERRUPTED"
-    CANCELLED = "CANCELLED"  # Slurm: scancel (tpbench.slurm)
+    CANCELLED = "CANCELLED"  # Slurm: scancel (tpbench.run.slurm)
     NODE_FAIL = "NODE_FAIL"  # Slurm: a node of the job failed
 
 
@@ -105,7 +105,7 @@ RANK_AGGREGATION = {"passed": "min", "comm_hidden_fraction": "min"}
 
 @dataclass
 class Environment:
-    """Where a run ran; stored with it (tpbench.launch.probe finds it out)."""
+    """Where a run ran; stored with it (tpbench.run.launch.probe finds it out)."""
 
     host: str
     device: str
@@ -122,7 +122,8 @@ class Environment:
 
 @dataclass
 class Outcome:
-    """How one run ended (tpbench.launch.run_job, or tpbench.slurm for a job that recorded nothing)."""
+    """How one run ended (tpbench.run.launch.run_job, or tpbench.run.slurm for a job that recorded
+    nothing)."""
 
     status: Status
     started_at: datetime

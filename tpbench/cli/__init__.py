@@ -33,7 +33,7 @@ from tpbench.results import Status
 
 if TYPE_CHECKING:  # pandas and the database (sqlalchemy) are imported where a command needs them:
     from tpbench.db import ResultsDB  # `tpbench plan` starts without them
-    from tpbench.sweep import Ran
+    from tpbench.run.sweep import Ran
 
 app = typer.Typer(
     cls=OneLineGroup,
@@ -58,7 +58,7 @@ app.add_typer(runs_app, name="runs")
 )
 def run(overrides: Overrides = None, cfg: ShowCfg = False, as_json: AsJson = False) -> None:
     """Run one config (one run per kind; kind=all, the default, is all three) and record it."""
-    from tpbench import sweep as sweeping
+    from tpbench.run import sweep as sweeping
 
     configs = _compose(overrides or [], single=True)
     if cfg:
@@ -110,7 +110,7 @@ def sweep(
     """Run the cartesian product of comma-separated overrides (and of a preset's sweep), skipping
     configs that already have an OK run; a failed run does not stop the sweep. With launcher=slurm every
     run is a Slurm job (one job array) and the command follows them."""
-    from tpbench import sweep as sweeping
+    from tpbench.run import sweep as sweeping
 
     configs = _compose(overrides or [], single=False)
     sweeping.name(configs, name, overrides or [])
@@ -260,8 +260,9 @@ def plan(
 ) -> None:
     """Print the analytic model's prediction, per rank, without running anything: memory at each moment
     of a training step (the peak marked), collective bytes per step, model FLOPs per step."""
-    from tpbench import emulation, theory
     from tpbench.experiments import memory
+    from tpbench.parallel import emulation
+    from tpbench.predict import theory
 
     configs = _compose([*(overrides or []), *(["launch.emulate=fake"] if measure else [])], single=False)
     for c in (c for c in configs if c.kind == configs[0].kind):  # kind=all: one config per kind
@@ -296,11 +297,13 @@ def fit(
     top: Annotated[int, typer.Option(help="How many of the best rows --measure emulates.", min=1)] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print the search as one JSON object.")] = False,
     cuda_context_mib: Annotated[
-        float, typer.Option(help="CUDA context per GPU, MiB (an assumption: see tpbench.fit).", min=0)
+        float, typer.Option(help="CUDA context per GPU, MiB (an assumption: see tpbench.sizing.fit).", min=0)
     ] = 512.0,
     nccl_mib: Annotated[
         float,
-        typer.Option(help="NCCL buffers per communicator, MiB (an assumption: see tpbench.fit).", min=0),
+        typer.Option(
+            help="NCCL buffers per communicator, MiB (an assumption: see tpbench.sizing.fit).", min=0
+        ),
     ] = 128.0,
     max_micro_batch: Annotated[
         int, typer.Option(help="The largest micro-batch searched (without global_batch).", min=1)
@@ -308,9 +311,9 @@ def fit(
 ) -> None:
     """Rank every TP layout of a model on a GPU: each T dividing the GPUs per node (gpus_per_node=,
     default 8) and the heads, with SP, VP and recompute, at the largest micro-batch that fits; the
-    analytic per-rank peak on that GPU (gpu=, from tpbench.hardware), its headroom, the bytes moved
+    analytic per-rank peak on that GPU (gpu=, from tpbench.predict.hardware), its headroom, the bytes moved
     per step and recompute's extra FLOPs. Training defaults: bf16, pure precision, fused AdamW."""
-    from tpbench import fit as fitting
+    from tpbench.sizing import fit as fitting
 
     overheads = fitting.Overheads(int(cuda_context_mib * 2**20), int(nccl_mib * 2**20))
     try:
@@ -378,8 +381,8 @@ def diagram(
 
 
 def _compose(overrides: list[str], single: bool) -> list[RunConfig]:
-    from tpbench import sweep as sweeping  # torch loads only for the commands that launch
-    from tpbench.parallel.checks import ConfigError
+    from tpbench.config import ConfigError
+    from tpbench.run import sweep as sweeping  # torch loads only for the commands that launch
 
     try:
         return sweeping.configs(overrides, single=single)
@@ -388,8 +391,8 @@ def _compose(overrides: list[str], single: bool) -> list[RunConfig]:
 
 
 def _databases(configs: list[RunConfig]) -> dict[str, ResultsDB]:
-    from tpbench import sweep as sweeping
     from tpbench.db import DatabaseRefused
+    from tpbench.run import sweep as sweeping
 
     try:
         return sweeping.databases(configs)
@@ -423,8 +426,8 @@ def _no_such_device(db: ResultsDB, device: str) -> NoReturn:
 
 
 def _on_slurm_launcher(configs: list[RunConfig]) -> bool:
-    from tpbench import sweep as sweeping
-    from tpbench.parallel.checks import ConfigError
+    from tpbench.config import ConfigError
+    from tpbench.run import sweep as sweeping
 
     try:
         return sweeping.on_slurm(configs)
@@ -440,9 +443,9 @@ def _on_slurm(
     as_json: bool,
     sweep: bool,
 ) -> NoReturn:
-    """Submit the runs as Slurm jobs (tpbench.slurm), follow them to their end, show them, exit."""
-    from tpbench import slurm
-    from tpbench.sweep import Ran
+    """Submit the runs as Slurm jobs (tpbench.run.slurm), follow them to their end, show them, exit."""
+    from tpbench.run import slurm
+    from tpbench.run.sweep import Ran
 
     (db,) = dbs.values()
     try:

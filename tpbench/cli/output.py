@@ -23,9 +23,9 @@ if TYPE_CHECKING:  # pandas and the database (sqlalchemy) are imported where a c
     import pandas as pd  # `tpbench plan` starts without them
 
     from tpbench.db import ResultsDB
-    from tpbench.sweep import Ran
-    from tpbench.theory import Prediction
-    from tpbench.theory.depth import Limit
+    from tpbench.predict.theory import Prediction
+    from tpbench.predict.theory.depth import Limit
+    from tpbench.run.sweep import Ran
 
 out = Console(width=None if sys.stdout.isatty() else 200, markup=False, highlight=False)
 err = Console(stderr=True, markup=False, highlight=False)
@@ -155,7 +155,7 @@ def plan(cfg: RunConfig, prediction: Prediction, flops: float) -> None:
 
 
 def depth(cfg: RunConfig) -> None:
-    """`tpbench plan`: each mode's predicted peak as F + L (a/T + r) (tpbench.theory.depth), and its
+    """`tpbench plan`: each mode's predicted peak as F + L (a/T + r) (tpbench.predict.theory.depth), and its
     ratio to DDP's as L grows, in the config's world; the modes compose refuses, each with its line."""
     limits, refused = _depth_limits(cfg)
     T = max(lim.split.T for lim in limits)
@@ -191,8 +191,9 @@ def depth(cfg: RunConfig) -> None:
 def _depth_limits(cfg: RunConfig) -> tuple[list[Limit], dict[str, str]]:
     """The config's depth split in each mode of the seed's comparison, and the modes compose refuses
     for it (a KV head count T does not divide under the dtensor engine, ...), each with its line."""
-    from tpbench.compose import ConfigError, check
-    from tpbench.theory import depth
+    from tpbench.config import ConfigError
+    from tpbench.predict.theory import depth
+    from tpbench.run.compose import check
 
     configs, refused = {}, {}
     for mode, c in depth.mode_configs(cfg).items():
@@ -242,7 +243,7 @@ def plan_dict(
         gpu = cfg.launch.emulate_gpu
         out |= {"gpu": gpu, "max_memory_allocated_bytes": prediction.max_memory_allocated_bytes(gpu)}
     if measured is not None:
-        from tpbench.emulation import emulated_rank
+        from tpbench.parallel.emulation import emulated_rank
 
         result, seconds = measured
         out["measured"] = {"rank": emulated_rank(cfg), "seconds": seconds, **result}

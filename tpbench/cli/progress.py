@@ -1,5 +1,5 @@
 """What `tpbench run` and `tpbench sweep` say of their runs on stderr: before, the estimates
-(tpbench.estimate); as they go, each run's progress line and, for a sweep, runs, ok, failed, elapsed
+(tpbench.sizing.estimate); as they go, each run's progress line and, for a sweep, runs, ok, failed, elapsed
 and remaining.
 
 On a terminal the progress is live (rich: a status line for `run`, a progress bar for `sweep`). Where
@@ -35,7 +35,7 @@ from tpbench.cli.output import err
 from tpbench.config import RunConfig, run_label
 
 if TYPE_CHECKING:
-    from tpbench.sweep import Ran
+    from tpbench.run.sweep import Ran
 
 PLAIN_EVERY_S = 10.0
 SAME_EVERY_S = 60.0  # a step that lasts: its line again, so that a log is never silent for long
@@ -46,7 +46,9 @@ def say_estimates(configs: Sequence[RunConfig], sweep: bool) -> list[float]:
     line for each run estimated long and for each dtype with no fast kernel here; their seconds."""
     from dataclasses import replace
 
-    from tpbench import batch, estimate
+    from tpbench.predict import rate_probe
+    from tpbench.run import batch
+    from tpbench.sizing import estimate
 
     estimates = [
         replace(estimate.estimate(c), warm=i > 0)
@@ -72,7 +74,7 @@ def say_estimates(configs: Sequence[RunConfig], sweep: bool) -> list[float]:
     slow = {}
     for e in estimates:
         for dtype in e.flops:
-            slow.setdefault(dtype, estimate.slow_kernel_line(dtype, e.cfg, e.threads))
+            slow.setdefault(dtype, rate_probe.slow_kernel_line(dtype, e.cfg, e.threads))
     for line in filter(None, slow.values()):
         one_line(line)
     load, cores = os.getloadavg()[0], os.cpu_count() or 1

@@ -17,7 +17,7 @@ measures, nothing of the machine) and `hardware` (tpbench.machine.key), one read
     <CPU model>)";
   - the devices per node: GPUs (torch.cuda.device_count), else CPU cores (os.cpu_count);
   - the nodes (launch.nnodes, as the job ran: under Slurm, its node count);
-  - whether its ranks were emulated (launch.emulate real or fake; tpbench.emulation).
+  - whether its ranks were emulated (launch.emulate real or fake; tpbench.parallel.emulation).
 So one database keeps the same sweep on two kinds of machine apart: `finished()` (what a sweep skips)
 and the report's "latest" are per (config hash, hardware). The key a sweep checks before launching is
 this node's, probed on it (tpbench.machine.here); the row records what the ranks themselves saw (each
@@ -26,7 +26,7 @@ which differs from the probe only where the ranks' devices do. Under launcher=sl
 nodes the submitting host cannot see, so the hardware is the job's own: each job probes its node and
 runs nothing when its config has an OK run on that hardware; the submitting host skips, without a job,
 only the configs whose last job of the same Slurm request (partition, GPUs per node, sbatch lines)
-recorded an OK run (tpbench.slurm). Version 4 added the column; the upgrade labels every older row from
+recorded an OK run (tpbench.run.slurm). Version 4 added the column; the upgrade labels every older row from
 the device name, device count and config it recorded.
 
 The tables, the schema version and the upgrades are in tpbench.db.schema; this module opens, checks,

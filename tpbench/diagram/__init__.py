@@ -13,10 +13,10 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from tpbench.config import RunConfig
+from tpbench.config import ConfigError, RunConfig
 from tpbench.diagram.draw import draw
 from tpbench.diagram.trace import Trace, trace
-from tpbench.parallel.checks import ConfigError, check_shardable
+from tpbench.parallel.checks import check_shardable
 
 FORMATS = ("svg", "png")
 DEFAULT_DIR = Path("runs")
@@ -25,7 +25,7 @@ DEFAULT_DIR = Path("runs")
 def configs(overrides: Sequence[str], compare: bool = False) -> list[RunConfig]:
     """The checked config to trace (one layer, dp = 1); with `compare`, the same without and with SP.
     Raises ConfigError, one line, for anything that cannot be traced."""
-    from tpbench import compose  # hydra and the experiments load only here
+    from tpbench.run import compose  # hydra and the experiments load only here
 
     cfg = traceable(compose.expand([*overrides, "kind=validate"], single=True)[0])
     if not compare:

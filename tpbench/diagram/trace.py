@@ -1,6 +1,6 @@
 """Trace one training step on every TP rank, each emulated in this process on fake tensors.
 
-Rank r of T runs as rank r of torch's fake process group, its tensors fake (tpbench.emulation's
+Rank r of T runs as rank r of torch's fake process group, its tensors fake (tpbench.parallel.emulation's
 FakeRank, a FakeTensorMode): they carry shapes, dtypes and storages but no values, and no op
 computes, so a step at any shape takes about as long as at a tiny one (a Qwen3-0.6B block at T 4:
 seconds, where a real CPU step took minutes), while every shape, shard and collective is the one a
@@ -29,11 +29,11 @@ from torch.overrides import TorchFunctionMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tpbench.config import RunConfig
-from tpbench.emulation import FakeRank
 from tpbench.experiments.setup import build_dense, context
 from tpbench.experiments.training import Trainer
 from tpbench.models.minimind import FeedForward, MiniMindBlock
 from tpbench.parallel import instrumentation
+from tpbench.parallel.emulation import FakeRank
 from tpbench.parallel.plan import Layout
 from tpbench.parallel.wrappers import Boundary
 

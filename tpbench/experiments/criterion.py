@@ -34,8 +34,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
-from tpbench.config import RunConfig, mode_label
-from tpbench.parallel.checks import ConfigError
+from tpbench.config import ConfigError, RunConfig, mode_label
 from tpbench.results import ParamRow
 
 K = 4.0  # ValidateConfig.k's default
@@ -159,7 +158,7 @@ def table(cfg: RunConfig, checks: list[Verdict], rows: list[ParamRow], passed: b
 
 def check_validate_faults(cfg: RunConfig) -> None:
     """The validation's planted faults (debug.validate_fault, debug.grad_scale) where they can act;
-    raises ConfigError naming the bad value and what is accepted (tpbench.compose calls it)."""
+    raises ConfigError naming the bad value and what is accepted (tpbench.run.compose calls it)."""
     if cfg.debug.validate_fault and (cfg.kind != "validate" or cfg.parallel.tp * cfg.parallel.dp < 2):
         raise ConfigError(
             f"debug.validate_fault={cfg.debug.validate_fault} with kind={cfg.kind} and "

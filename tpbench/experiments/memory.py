@@ -3,8 +3,8 @@
 CPU and GPU alike: `peak_bytes` is the peak of live tensors by torch's MemTracker, which attributes
 every one to parameters, buffers, gradients, activations, temporaries or optimizer state.
 A GPU also reports its caching allocator's peaks (max_memory_allocated / max_memory_reserved after
-reset_peak_memory_stats); an emulated GPU rank (tpbench.emulation) reports what the allocator model
-(tpbench.allocator) makes of its allocation trace instead.
+reset_peak_memory_stats); an emulated GPU rank (tpbench.parallel.emulation) reports what the allocator model
+(tpbench.predict.allocator) makes of its allocation trace instead.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModSt
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tpbench import allocator, emulation, theory
 from tpbench.config import RunConfig
 from tpbench.experiments.progress import StepProgress
 from tpbench.experiments.setup import context, counting
 from tpbench.experiments.training import Trainer
-from tpbench.parallel import instrumentation
+from tpbench.parallel import emulation, instrumentation
+from tpbench.predict import allocator, theory
 from tpbench.results import RankResult
 
 # MemTracker's categories -> tpbench's measurement names
@@ -119,8 +119,8 @@ class _Unpushed(TorchDispatchMode):
 
 
 class ObservingPeakTracker(PeakTracker, _Unpushed):
-    """PeakTracker fed by a FakeRank (tpbench.emulation) rather than a dispatch mode above it: `observe`
-    does, after each op, what MemTracker.__torch_dispatch__ does after running it. (Its one special
+    """PeakTracker fed by a FakeRank (tpbench.parallel.emulation) rather than a dispatch mode above it:
+    `observe` does, after each op, what MemTracker.__torch_dispatch__ does after running it. (Its one special
     case, DTensor's wait_tensor under fake tensors, is for functional collectives, which only the
     dtensor engine issues: that engine keeps PeakTracker as a mode.)"""
 
@@ -156,7 +156,7 @@ def run(cfg: RunConfig) -> RankResult:
 
 
 def measure_in_process(cfg: RunConfig) -> RankResult:
-    """The memory experiment of the emulated rank (tpbench.emulation), in this process (no launcher):
+    """The memory experiment of the emulated rank (tpbench.parallel.emulation), in this process (no launcher):
     for `tpbench plan --measure`, `tpbench fit --measure` and the tests. The process group lives only
     for the call."""
     emulation.init_process_group(cfg)

@@ -2,7 +2,7 @@
 
 Local rank 0 of each node prints, as `validate step 12/20 · 3.1 s elapsed · ~2.0 s left` (flushed):
 the launcher passes the last line of that rank's stdout to the command line's progress
-(tpbench.launch's _Tail). Nothing prints outside a torchrun worker (no LOCAL_RANK): `tpbench plan
+(tpbench.run.launch's _Tail). Nothing prints outside a torchrun worker (no LOCAL_RANK): `tpbench plan
 --measure` and the tests run experiments in their own process.
 """
 

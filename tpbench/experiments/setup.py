@@ -15,12 +15,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from tpbench.config import ModelConfig, RunConfig, local_batch
-from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, MiniMindForCausalLM, build_model
+from tpbench.models.minimind import DTYPES, IGNORE_INDEX, MiniMindConfig, MiniMindForCausalLM, build_model
 from tpbench.parallel import instrumentation
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.plan import ParallelModel, apply_compile, parallelize
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def model_config(cfg: RunConfig) -> MiniMindConfig:
@@ -38,7 +36,7 @@ def model_config(cfg: RunConfig) -> MiniMindConfig:
 
 def tensor_device(cfg: RunConfig) -> torch.device:
     """Where this rank's tensors live: its GPU under launch.device=cuda, else the CPU. A fake-tensor
-    emulation of a GPU rank keeps them on the CPU (see tpbench.emulation for why)."""
+    emulation of a GPU rank keeps them on the CPU (see tpbench.parallel.emulation for why)."""
     if cfg.launch.device == "cuda" and cfg.launch.emulate != "fake":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")

@@ -34,12 +34,12 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-from tpbench import hardware, theory
 from tpbench.config import RunConfig, local_batch
 from tpbench.experiments.progress import StepProgress
 from tpbench.experiments.setup import counting
 from tpbench.experiments.training import Trainer
 from tpbench.parallel import collectives, instrumentation, timing
+from tpbench.predict import hardware, theory
 from tpbench.results import RankResult
 
 
@@ -182,6 +182,6 @@ def _quantile(values: list[float], q: float) -> float:
 
 def peak_flops(device_name: str, dtype: str, tf32: bool = False) -> float | None:
     """Dense peak FLOP/s of one GPU for matmuls in `dtype` (train.dtype: mixed precision runs its
-    matmuls in it too), or None for a GPU not in tpbench.hardware's table."""
+    matmuls in it too), or None for a GPU not in tpbench.predict.hardware's table."""
     gpu = hardware.of_device(device_name)
     return None if gpu is None else gpu.peak_flops(dtype, tf32)

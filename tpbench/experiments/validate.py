@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tpbench import theory
 from tpbench.config import RunConfig
 from tpbench.experiments import criterion
 from tpbench.experiments.progress import StepProgress
@@ -54,6 +53,7 @@ from tpbench.parallel import collectives, instrumentation, regions
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.plan import ParallelModel
 from tpbench.parallel.wrappers import Boundary, SPGather, TPCopy
+from tpbench.predict import theory
 from tpbench.results import ParamRow, RankResult
 
 # The logits drift against dense at each compared AdamW step, each the worst over ranks, stored per step

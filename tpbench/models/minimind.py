@@ -24,6 +24,8 @@ from torch.utils.checkpoint import checkpoint
 from tpbench.models.dropout import PROBS_DIMS, SITES, STREAM_DIMS, DropoutKey, PositionalDropout
 
 IGNORE_INDEX = -100
+# the torch dtype of each train.dtype
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tpbench.config import ModelConfig, ParallelConfig, RunConfig
+from tpbench.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
 from tpbench.models.minimind import MiniMindConfig, default_intermediate_size
 from tpbench.parallel.rng import FAULTS
 
@@ -11,10 +11,6 @@ from tpbench.parallel.rng import FAULTS
 # heads' (megatron only: the DTensor engine refuses fewer KV heads than ranks), the norms' under SP
 # (each rank sees its sequence shard), and the DP average.
 GRAD_SUMS = ("qk_norm", "kv_replicas", "sp_norms", "dp")
-
-
-class ConfigError(ValueError):
-    """One line naming the bad value and what is accepted."""
 
 
 def check_shardable(cfg: RunConfig) -> None:

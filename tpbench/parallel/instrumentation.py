@@ -5,7 +5,7 @@ count and per-rank ring bytes on the wire (`ring_bytes`), by op and purpose, an 
 its blocking twin; timed, also its total time and the part of it the caller spent waiting (exposed: a
 blocking collective is all exposed), by the counter's `tpbench.parallel.timing` timer: the wall clock
 on gloo, CUDA events on NCCL. With `log=True` it keeps each one, in the order issued, as a `CommEvent`
-(what `tpbench diagram` draws). `tpbench.theory` predicts the same bytes with the same `ring_bytes`.
+(what `tpbench diagram` draws). `tpbench.predict.theory` predicts the same bytes with the same `ring_bytes`.
 
 Two modes change how a collective issued now runs: `recomputing` counts it under the purpose
 "recompute", `settling` makes its wait return only once gloo has let go of its tensors (for a memory

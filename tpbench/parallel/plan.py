@@ -362,7 +362,7 @@ def apply_compile(model: MiniMindForCausalLM, between_linears: bool = False) -> 
     linears and their collectives stay eager: overlap's backward launches a collective, runs the
     deferred weight gradients (Python) and waits, an order a compiled backward graph would not keep.
     The attention core (RoPE, SDPA) stays eager too: cut out of Attention.forward as a function of
-    its own, its tensors would live otherwise than tpbench.theory counts them. SP's re-gather saves
+    its own, its tensors would live otherwise than tpbench.predict.theory counts them. SP's re-gather saves
     through saved_tensors_hooks outside these pieces, so it needs no sp_regather=false."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

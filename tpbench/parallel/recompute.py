@@ -1,11 +1,11 @@
 """Activation recompute (`train.recompute`): keep fewer activations, run part of the forward again in
 backward. The names are Megatron's `--recompute-granularity` and torchtitan's `activation_checkpoint.mode`.
 
-| mode      | what a block keeps for backward                 | recomputed in backward               |
-|-----------|-------------------------------------------------|--------------------------------------|
-| none      | everything its ops save (tpbench.theory)        | nothing                              |
-| selective | all but the SwiGLU's product                    | silu(gate) * up                      |
-| full      | its input only: the [S/T, B, H] shard under SP  | the block, up to its last save       |
+| mode      | what a block keeps for backward                  | recomputed in backward               |
+|-----------|--------------------------------------------------|--------------------------------------|
+| none      | everything its ops save (tpbench.predict.theory) | nothing                              |
+| selective | all but the SwiGLU's product                     | silu(gate) * up                      |
+| full      | its input only: the [S/T, B, H] shard under SP   | the block, up to its last save       |
 
 Selective follows Korthikanti et al. (2022) section 5: recompute what is large to keep and cheap to
 make again. Their choice, the attention core's [S, S] softmax, is already recomputed by the fused SDPA
@@ -17,7 +17,7 @@ and up (model.fused_swiglu). What is left is the SwiGLU's product silu(gate) * u
 product again at down_proj's backward. No matmul is run again, so the FLOPs a counter sees do not
 change. The autograd graph is the one of `none`: the gradients are bit-identical. (MiniMind's own
 ops, model.lean_rmsnorm=false or model.fused_swiglu=false, are there to measure the seed's step as it
-is: tpbench.compose refuses recompute with them.)
+is: tpbench.run.compose refuses recompute with them.)
 
 Full wraps each block in torch.utils.checkpoint (non-reentrant). Its recomputation stops early, at
 the block's last saved tensor (down_proj's input), so it issues the block's forward collectives up

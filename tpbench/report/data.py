@@ -3,8 +3,8 @@
 `load` reads the database once (runs, headline metrics, curves, collectives, configs); the other
 functions are pure pandas over the `ReportData` it returns, one frame per chart or table.
 A *setting* is everything two runs must share to be compared across modes (shape, batch, dtype,
-world size, hardware: tpbench.hardware); the number of layers is kept apart, because the memory figures
-plot it. A config is shown once per hardware it ran on: its latest OK run there.
+world size, hardware: tpbench.predict.hardware); the number of layers is kept apart, because the memory
+figures plot it. A config is shown once per hardware it ran on: its latest OK run there.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def load(db: ResultsDB, selection: Selection) -> ReportData:
     ok_ids = runs.loc[runs["status"] == "OK", "id"].tolist()
     metrics = db.metrics(ok_ids)
     runs = runs.join(metrics, on="id")
-    # emulated runs (tpbench.emulation) are a setting of their own: never drawn beside measured jobs
+    # emulated runs (tpbench.parallel.emulation) are a setting of their own: never drawn beside measured jobs
     runs["emulated"] = [emulation_label(configs[i]) for i in runs["id"]]
     runs["model"] = [model_label(configs.get(i, {})) for i in runs["id"]]
     runs["recompute"] = [configs.get(i, {}).get("train.recompute", "none") for i in runs["id"]]

@@ -1,6 +1,6 @@
 """Memory: the measured peak per rank against DDP's, its split by category, the analytic prediction,
 and over depth: each mode's peak as F + L (a/T + r), fitted to the runs and predicted
-(tpbench.theory.depth), with its ratio to DDP's at each depth and as L grows."""
+(tpbench.predict.theory.depth), with its ratio to DDP's at each depth and as L grows."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import numpy as np
 import pandas as pd
 
 from tpbench.config import RunConfig
+from tpbench.predict.theory import depth
 from tpbench.report import charts, published, units
 from tpbench.report.blocks import Chart, Section, Table, kind_empty
 from tpbench.report.data import ReportData, memory_breakdown, memory_peaks
 from tpbench.report.sections.diagrams import run_config
-from tpbench.theory import depth
 
 
 def section(data: ReportData) -> Section:
@@ -189,7 +189,7 @@ def depth_table(group: pd.DataFrame, ref: pd.DataFrame, configs: dict[int, dict]
     formats |= {c: units.percent for c in ("slope / DDP's (fit)", "limit vs DDP (predicted)")}
     note = (
         "Peak per rank = F + L (a/T + r): F does not grow with depth, a is what each layer adds that TP "
-        "divides by T (counted whole), r what it leaves whole on every rank (tpbench.theory.depth). "
+        "divides by T (counted whole), r what it leaves whole on every rank (tpbench.predict.theory.depth). "
         "Fit: least squares over the runs' depths (largest miss: the worst run off the line). F, a, r "
         "and the limit are predicted for the deepest run; limit vs DDP = (a/T + r) over DDP's a + r, "
         "the ratio of the peaks as L grows, which the measured ratios approach."

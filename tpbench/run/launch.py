@@ -1,7 +1,7 @@
 """Launch one run as a torchrun job and say how it ended.
 
 The parent process (the CLI) is torchrun's elastic agent: `elastic_launch` starts tp x dp workers
-(`python -m tpbench.worker JOB_DIR`) with no restarts, each writing its stdout/stderr to a log file in
+(`python -m tpbench.run.worker JOB_DIR`) with no restarts, each writing its stdout/stderr to a log file in
 the job folder. The job folder holds the resolved config, the workers' pid files, their logs and
 error files, and the rank results. A job ends OK, FAILED, OOM, TIMEOUT (a collective past
 launch.collective_timeout_s, or a worker past launch.job_timeout_s) or INTERRUPTED (Ctrl-C), with the
@@ -37,11 +37,12 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, ProcessF
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from tpbench import emulation, machine
+from tpbench import machine
 from tpbench.config import RunConfig, config_hash, local_world_size, save_run_config, world_size
+from tpbench.parallel import emulation
 from tpbench.results import Environment, Outcome, RankResult, Status
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Errors a rank sees because another rank died first: never the first failure when there is another.
 PEER_ERRORS = ("closed by peer", "reset by peer", "Broken pipe", "remote worker", "remote process")
@@ -136,7 +137,7 @@ def _launch(cfg: RunConfig, job: Path, on_progress: Callable[[str], None]) -> No
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # until the agent takes over: as Ctrl-C
     try:
         with agent_log(job / "launcher.log"), Tail(job / "logs", on_progress):
-            elastic_launch(launch_config(cfg, job), sys.executable)("-m", "tpbench.worker", str(job))
+            elastic_launch(launch_config(cfg, job), sys.executable)("-m", "tpbench.run.worker", str(job))
     except BaseException as e:
         raise failure_of(e, cfg, job) from None
     finally:

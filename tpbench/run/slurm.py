@@ -2,7 +2,7 @@
 
 Each run is one Slurm job of launch.nnodes nodes; the runs of one command are one job array, at most
 launch.max_parallel running at once. In the job, submitit starts `SlurmRun` on every node (srun, one
-task per node), which runs torchrun's agent there (tpbench.launch.run_job) with the rendezvous at the
+task per node), which runs torchrun's agent there (tpbench.run.launch.run_job) with the rendezvous at the
 first node; the node of global rank 0 records the run, with its Slurm job id and node list, into
 db.url, which every node must reach.
 
@@ -16,7 +16,7 @@ after the submitting shell went away, and submits only what has neither a record
 A job never runs a config that already has an OK run on its node's hardware (unless forced), nor
 records a job id twice.
 
-The hardware (tpbench.hardware, part of a run's identity with its config) is the job's own: the
+The hardware (tpbench.predict.hardware, part of a run's identity with its config) is the job's own: the
 submitting host cannot see the nodes a job will get. So the job probes its node, records what its ranks
 saw, and checks there whether its config has an OK run on that hardware. Before submitting, the command
 skips only a config whose last job of the same Slurm request (partition, GPUs per node, sbatch lines:
@@ -41,11 +41,10 @@ from pathlib import Path
 from sqlalchemy.engine import URL, make_url
 
 from tpbench import machine
-from tpbench.config import RunConfig, config_hash, run_label
+from tpbench.config import ConfigError, RunConfig, config_hash, run_label
 from tpbench.db import ResultsDB
-from tpbench.launch import probe, run_job
-from tpbench.parallel.checks import ConfigError
 from tpbench.results import Outcome, Status
+from tpbench.run.launch import probe, run_job
 
 # Slurm's job states that are not an ending (a requeued job passes through PREEMPTED and REQUEUED).
 LIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "UNKNOWN")

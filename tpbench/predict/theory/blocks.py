@@ -10,7 +10,7 @@ makes gradients of its own: `own_grads`) and the model's saved activations (`act
 
 from __future__ import annotations
 
-from tpbench.theory.activations import (
+from tpbench.predict.theory.activations import (
     after_head,
     bias_casts,
     forward_only_casts,
@@ -21,9 +21,9 @@ from tpbench.theory.activations import (
     recomputed,
     stream_mask,
 )
-from tpbench.theory.dims import FP32, LOSS_AND_GRAD, Dims
-from tpbench.theory.moments import Moment
-from tpbench.theory.weights import layer_params
+from tpbench.predict.theory.dims import FP32, LOSS_AND_GRAD, Dims
+from tpbench.predict.theory.moments import Moment
+from tpbench.predict.theory.weights import layer_params
 
 
 def attention_forward(d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int) -> Moment:

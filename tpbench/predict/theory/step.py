@@ -1,4 +1,4 @@
-"""The moments of one training step in order, each a `Moment` (tpbench.theory.moments):
+"""The moments of one training step in order, each a `Moment` (tpbench.predict.theory.moments):
   zero_grad(set_to_none) -> forward -> loss -> backward -> gradient sums -> AdamW step.
 The peak is the largest of them; docs/theory.md, "The moments of a step", lists them.
 """
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tpbench.theory import blocks, weights
-from tpbench.theory.activations import bias_casts, forward_only_casts, model_activations
-from tpbench.theory.dims import FP32, LOSS_AND_GRAD, Dims
-from tpbench.theory.moments import Moment, loss_backward, loss_extra, loss_forward
+from tpbench.predict.theory import blocks, weights
+from tpbench.predict.theory.activations import bias_casts, forward_only_casts, model_activations
+from tpbench.predict.theory.dims import FP32, LOSS_AND_GRAD, Dims
+from tpbench.predict.theory.moments import Moment, loss_backward, loss_extra, loss_forward
 
 
 def moments(d: Dims) -> list[Moment]:

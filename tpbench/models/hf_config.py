@@ -17,8 +17,8 @@ import json
 from functools import cache
 from pathlib import Path
 
+from tpbench.config import ConfigError
 from tpbench.models.minimind import MiniMindConfig
-from tpbench.parallel.checks import ConfigError
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

@@ -8,7 +8,7 @@ it leaves whole on every rank:
 so a mode's peak over DDP's tends, as L grows, to the ratio of their slopes: (a/T + r) / (a + r)
 where both count the same tensors, which they do not quite (`Limit`).
 
-Derived from the theory's own moments (tpbench.theory.step), never fitted: every moment of the step
+Derived from the theory's own moments (tpbench.predict.theory.step), never fitted: every moment of the step
 is affine in L, so two depths give each moment's line; the peak at depth L is the highest line there.
 r is a line's slope with every size TP divides set to zero (`_Unsharded`: this rank's query heads,
 KV heads unless one is replicated, MLP columns, and under SP the residual stream's tokens), a/T the
@@ -25,8 +25,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from tpbench.config import RunConfig, mode_label, world_size
-from tpbench.theory.dims import Dims, dims
-from tpbench.theory.step import moments
+from tpbench.predict.theory.dims import Dims, dims
+from tpbench.predict.theory.step import moments
 
 # The modes the seed compares, each as (tp > 1, sp, vp); DDP is the baseline
 MODES = {"tp": (False, False), "tp_sp": (True, False), "tp_vp": (False, True), "tp_sp_vp": (True, True)}

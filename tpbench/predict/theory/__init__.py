@@ -24,16 +24,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tpbench.allocator import CUBLAS_HANDLES, cublas_workspace_bytes
 from tpbench.config import RunConfig
+from tpbench.predict.allocator import CUBLAS_HANDLES, cublas_workspace_bytes
+from tpbench.predict.theory.activations import layer_activations, model_activations
+from tpbench.predict.theory.collectives import comm_rows
+from tpbench.predict.theory.dims import BYTES, FP32, INT64, Dims, dims
+from tpbench.predict.theory.flops import model_flops_per_step, recompute_flops_per_step
+from tpbench.predict.theory.moments import Moment
+from tpbench.predict.theory.step import moments
+from tpbench.predict.theory.weights import ddp_buckets, grad_ready_order, params
 from tpbench.results import CommRow
-from tpbench.theory.activations import layer_activations, model_activations
-from tpbench.theory.collectives import comm_rows
-from tpbench.theory.dims import BYTES, FP32, INT64, Dims, dims
-from tpbench.theory.flops import model_flops_per_step, recompute_flops_per_step
-from tpbench.theory.moments import Moment
-from tpbench.theory.step import moments
-from tpbench.theory.weights import ddp_buckets, grad_ready_order, params
 
 __all__ = [
     "BYTES",
@@ -93,7 +93,7 @@ class Prediction:
 
     def max_memory_allocated_bytes(self, gpu: str) -> int:
         """What `torch.cuda.max_memory_allocated` would say on `gpu`: the live tensors at the peak and
-        the cuBLAS workspaces, allocator blocks that hold no tensor (tpbench.allocator). Left out: the
+        the cuBLAS workspaces, allocator blocks that hold no tensor (tpbench.predict.allocator). Left out: the
         allocator's 512-B rounding and blocks handed out whole (a split would leave <= 1 MiB), which
         add 0.5-1.8% more on the seed's presets (README, "The seed's GPU table")."""
         return self.peak_bytes + CUBLAS_HANDLES * cublas_workspace_bytes(gpu)

@@ -1,12 +1,12 @@
 """Running configs and recording them: what `tpbench run` and `tpbench sweep` do, below the printing.
 
-`configs` composes and checks the runs (tpbench.compose), then where their results go: the database
-URL (tpbench.db) and, for launcher=slurm, whether this machine can submit (tpbench.slurm).
+`configs` composes and checks the runs (tpbench.run.compose), then where their results go: the database
+URL (tpbench.db) and, for launcher=slurm, whether this machine can submit (tpbench.run.slurm).
 `databases` opens each run's database, `split_done` sets aside what a sweep skips (an OK run of the
-config on this node's hardware), and `run_each` launches the rest one by one (tpbench.launch), or
-consecutive ones that fit one torchrun job on its warm workers (tpbench.batch), recording each as it
+config on this node's hardware), and `run_each` launches the rest one by one (tpbench.run.launch), or
+consecutive ones that fit one torchrun job on its warm workers (tpbench.run.batch), recording each as it
 ends and stopping at an interrupt. Under launcher=slurm,
-`tpbench.slurm.submit_and_follow` runs them as Slurm jobs instead. Nothing here prints or exits:
+`tpbench.run.slurm.submit_and_follow` runs them as Slurm jobs instead. Nothing here prints or exits:
 progress goes to callbacks and a line for the user to `say`; bad input is a ConfigError.
 """
 
@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 from sqlalchemy.exc import SQLAlchemyError
 
-from tpbench import batch, compose, launch, machine
-from tpbench.config import RunConfig, config_hash, run_label
+from tpbench import machine
+from tpbench.config import ConfigError, RunConfig, config_hash, run_label
 from tpbench.db import ResultsDB, url_refused
-from tpbench.parallel.checks import ConfigError
 from tpbench.results import Outcome
-from tpbench.slurm import check_slurm
+from tpbench.run import batch, compose, launch
+from tpbench.run.slurm import check_slurm
 
 
 @dataclass
@@ -36,7 +36,7 @@ class Ran:
 
 
 def configs(overrides: Sequence[str], single: bool = False) -> list[RunConfig]:
-    """Every run the overrides ask for (tpbench.compose.expand), each with a database and a launcher
+    """Every run the overrides ask for (tpbench.run.compose.expand), each with a database and a launcher
     it can use. Raises ConfigError, one line."""
     runs = compose.expand(overrides, single=single)
     for run in runs:
@@ -97,7 +97,7 @@ def run_each(
     say: Callable[[str], None],
 ) -> Iterator[Ran]:
     """Launch and record each config in turn, yielding each as it ends; an interrupted run is the last.
-    Consecutive configs that fit one torchrun job run in one (tpbench.batch), each recorded as it ends.
+    Consecutive configs that fit one torchrun job run in one (tpbench.run.batch), each recorded as it ends.
     `on_start(cfg)` is called as a run starts and returns what takes its progress lines."""
     for group in batch.batches(configs):
         for cfg, outcome in _outcomes(group, on_start):

@@ -4,7 +4,7 @@ Hydra's compose API reads conf/ into the RunConfig schema; Hydra's override pars
 and its BasicSweeper expands `layers=8,16 mode=ddp,tp` (and a preset's `hydra.sweeper.params`) into
 the cartesian product. Every value is then checked, so a bad one is one line naming it and what is
 accepted (a `ConfigError`), and `auto` devices are resolved for the machine at hand. Where the
-results go (db.url, launcher=slurm) is checked above, by tpbench.sweep: this module knows nothing of
+results go (db.url, launcher=slurm) is checked above, by tpbench.run.sweep: this module knows nothing of
 the database or of Slurm.
 """
 
@@ -27,13 +27,14 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
 
-from tpbench import config, hardware
-from tpbench.config import CONF_DIR, RunConfig, local_world_size, register_schema, world_size
-from tpbench.emulation import EMULATED_KINDS, FLAVOURS
+from tpbench import config
+from tpbench.config import CONF_DIR, ConfigError, RunConfig, local_world_size, register_schema, world_size
 from tpbench.experiments import KINDS
 from tpbench.experiments.criterion import check_validate_faults
-from tpbench.faults import FAULTS
-from tpbench.parallel.checks import GRAD_SUMS, ConfigError, check_dtensor_shardable, check_shardable
+from tpbench.parallel.checks import GRAD_SUMS, check_dtensor_shardable, check_shardable
+from tpbench.parallel.emulation import EMULATED_KINDS, FLAVOURS
+from tpbench.predict import hardware
+from tpbench.run.faults import FAULTS
 
 # Short names for the keys people type most; any full key of `tpbench run --cfg` works as well.
 SHORT_NAMES = {
@@ -171,11 +172,11 @@ def expand(overrides: Sequence[str], single: bool = False) -> list[RunConfig]:
 
 
 def apply_hf_config(cfg: RunConfig, given: set[str]) -> None:
-    """model.hf_config=PATH: the model's fields from that Hugging Face config (tpbench.hf_config), but
+    """model.hf_config=PATH: the model's fields from that Hugging Face config (tpbench.models.hf_config), but
     for those the overrides give themselves (model.num_hidden_layers=4 shrinks the model it read)."""
     if not cfg.model.hf_config:
         return
-    from tpbench.hf_config import model_fields  # transformers loads only when a config asks for it
+    from tpbench.models.hf_config import model_fields  # transformers loads only when a config asks for it
 
     for key, value in model_fields(cfg.model.hf_config).items():
         if f"model.{key}" not in given:
@@ -222,8 +223,8 @@ def check(cfg: RunConfig) -> None:
         )
     if cfg.parallel.overlap and cfg.kind == "memory":
         raise ConfigError(
-            "parallel.overlap=true with kind=memory: tpbench.theory does not model what overlap keeps "
-            "alive (deferred weight gradients, prefetched re-gathers, DP buckets); accepted is "
+            "parallel.overlap=true with kind=memory: tpbench.predict.theory does not model what overlap "
+            "keeps alive (deferred weight gradients, prefetched re-gathers, DP buckets); accepted is "
             "parallel.overlap=false"
         )
     _check_compile(cfg)
@@ -265,7 +266,7 @@ def _check_compile(cfg: RunConfig) -> None:
         (p.engine != "megatron", f"parallel.engine={p.engine}", "parallel.engine=megatron"),
         (
             cfg.kind == "memory",
-            "kind=memory (tpbench.theory does not model inductor's buffers)",
+            "kind=memory (tpbench.predict.theory does not model inductor's buffers)",
             "kind=validate, throughput",
         ),
         (

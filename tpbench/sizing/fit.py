@@ -1,9 +1,9 @@
 """`tpbench fit`: how one model can train on one GPU type, every tensor-parallel layout ranked.
 
-For a model, a sequence length and a GPU of tpbench.hardware with G GPUs per node, every T that divides
-G and the model's heads is crossed with SP, VP and recompute (none, selective, full), each at the
+For a model, a sequence length and a GPU of tpbench.predict.hardware with G GPUs per node, every T that
+divides G and the model's heads is crossed with SP, VP and recompute (none, selective, full), each at the
 largest micro-batch that fits (with global_batch=B: the largest divisor of B, the rest made of B / b
-DP replicas). Nothing runs: each row is the analytic model's (tpbench.theory), as `tpbench plan`
+DP replicas). Nothing runs: each row is the analytic model's (tpbench.predict.theory), as `tpbench plan`
 prints it, on that GPU:
 
   per-rank peak  theory's live-tensor peak + 2 cuBLAS workspaces (Prediction.max_memory_allocated_bytes,
@@ -15,7 +15,7 @@ prints it, on that GPU:
   recompute      the FLOPs full recompute adds to a step, over every rank (selective remakes no matmul)
 
 Not counted: the caching allocator's rounding and fragmentation (max_memory_reserved over allocated),
-which `--measure` replays from an emulated step of the chosen rows (tpbench.emulation, fake tensors).
+which `--measure` replays from an emulated step of the chosen rows (tpbench.parallel.emulation, fake tensors).
 Ranked: fewest GPUs per replica (T) first, then least recompute, then fewest bytes moved per token
 (so that micro-batches of different sizes compare), then the larger micro-batch.
 """
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 from rich.table import Table
 
-from tpbench import compose, hardware, theory
-from tpbench.config import RunConfig
-from tpbench.hardware import GPU
-from tpbench.parallel.checks import ConfigError
+from tpbench.config import ConfigError, RunConfig
+from tpbench.predict import hardware, theory
+from tpbench.predict.hardware import GPU
+from tpbench.run import compose
 
 MiB, GiB = 2**20, 2**30
 # The CUDA context of a PyTorch process, with its kernels loaded lazily (CUDA_MODULE_LOADING=LAZY,

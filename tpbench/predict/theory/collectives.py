@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from tpbench.config import RunConfig
 from tpbench.parallel.instrumentation import ring_bytes
+from tpbench.predict.theory.dims import FP32, dims
+from tpbench.predict.theory.weights import ddp_buckets, params
 from tpbench.results import CommRow
-from tpbench.theory.dims import FP32, dims
-from tpbench.theory.weights import ddp_buckets, params
 
 
 def comm_rows(cfg: RunConfig) -> list[CommRow]:

@@ -1,6 +1,6 @@
-"""One rank of a tpbench job, started by the launcher's agent: `python -m tpbench.worker JOB_DIR` runs
-one run, `python -m tpbench.worker --batch BATCH_DIR` the runs of a batch (tpbench.batch) one after the
-other, in this one process.
+"""One rank of a tpbench job, started by the launcher's agent: `python -m tpbench.run.worker JOB_DIR`
+runs one run, `python -m tpbench.run.worker --batch BATCH_DIR` the runs of a batch (tpbench.run.batch)
+one after the other, in this one process.
 
 Reads each run's resolved config from its job folder's config.yaml (never from argv), joins the process
 group, runs the experiment and hands its RankResult to rank 0, which writes every rank's result to the
@@ -18,7 +18,7 @@ CUDA_DEVICE_MAX_CONNECTIONS=1 in its workers before CUDA starts, as Megatron doe
 queue the GPU runs kernels in the order they were launched, so a collective launched before the GEMM
 it should hide behind is not queued behind it. The run records the value it ran under (the metric
 `cuda_device_max_connections`, from rank 0's result like every metric). CUDA runs always start fresh
-workers (tpbench.batch), so no run inherits another's setting.
+workers (tpbench.run.batch), so no run inherits another's setting.
 """
 
 from __future__ import annotations
@@ -39,10 +39,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from tpbench import emulation, faults, machine
+from tpbench import machine
 from tpbench.config import RunConfig, load_run_config
 from tpbench.experiments import experiment
+from tpbench.parallel import emulation
 from tpbench.results import RankResult
+from tpbench.run import faults
 
 PR_SET_PDEATHSIG = 1
 DONE = "done"  # in a batch, rank 0 writes it into the job folder once the run's results are all there
@@ -66,7 +68,7 @@ def main(job_dir: Path) -> None:
 @record
 def main_batch(batch_dir: Path) -> None:
     """Each job folder listed in BATCH_DIR/jobs, in order: runs the launcher found compatible
-    (tpbench.batch.batch_key), so that one process setup fits them all."""
+    (tpbench.run.batch.batch_key), so that one process setup fits them all."""
     jobs = [Path(line) for line in (batch_dir / "jobs").read_text().splitlines()]
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     fresh_rng = torch.get_rng_state()

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from tpbench.parallel.cross_entropy import LOSS_CHUNKS
-from tpbench.theory.dims import FP32, INT64, LOSS_AND_GRAD, Dims
+from tpbench.predict.theory.dims import FP32, INT64, LOSS_AND_GRAD, Dims
 
 
 @dataclass

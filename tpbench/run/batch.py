@@ -3,13 +3,13 @@
 A torchrun job costs seconds before its experiment starts (the agent, the rendezvous, torch imported in
 every worker: about 8 s on a loaded 2-core machine), more than a tiny run's experiment itself. A batch
 is consecutive configs that one job's workers can run one after the other (`batch_key`): its workers
-(`python -m tpbench.worker --batch BATCH_DIR`) loop over the batch's job folders, each run as a fresh
-worker would run it (tpbench.worker says how), and rank 0 marks each run done as its results are in.
+(`python -m tpbench.run.worker --batch BATCH_DIR`) loop over the batch's job folders, each run as a fresh
+worker would run it (tpbench.run.worker says how), and rank 0 marks each run done as its results are in.
 The parent (`run_batch`) runs torchrun's agent in a thread of its own and yields each run's Outcome as
 its done mark appears, so the sweep records it then, while the workers go on to the next.
 
 A failing run ends the job as it ends a job of its own (an exception, an OOM, a killed rank, a
-collective timeout, SIGALRM past its launch.job_timeout_s): its Outcome is what `tpbench.launch` makes
+collective timeout, SIGALRM past its launch.job_timeout_s): its Outcome is what `tpbench.run.launch` makes
 of that job's failure, with the run's own log files; the runs after it start again in a fresh job.
 Ctrl-C (SIGINT, or SIGTERM, SIGHUP, SIGQUIT) stops the workers and ends the run in progress
 INTERRUPTED, as the agent does for a job of its own.
@@ -35,9 +35,10 @@ from types import FrameType
 
 from torch.distributed.launcher.api import elastic_launch
 
-from tpbench import emulation, launch, worker
 from tpbench.config import RunConfig, local_world_size, world_size
+from tpbench.parallel import emulation
 from tpbench.results import Environment, Outcome, Status
+from tpbench.run import launch, worker
 
 POLL_S = 0.02  # how often the parent looks for a run's done mark
 
@@ -129,7 +130,7 @@ class _Job:
         try:
             with launch.agent_log(self.folder / "launcher.log"):
                 agent = elastic_launch(launch.launch_config(self.first, self.folder), sys.executable)
-                agent("-m", "tpbench.worker", "--batch", str(self.folder))
+                agent("-m", "tpbench.run.worker", "--batch", str(self.folder))
         except BaseException as e:  # handed to the main thread, which names the run it ended
             self.failure = e
 

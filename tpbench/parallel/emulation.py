@@ -20,7 +20,7 @@ same tensors: the CPU flash-attention kernel saves what the CUDA one does (q, k,
 fp32 logsumexp), to the 512-byte rounding the allocator model applies. So a GPU rank is emulated on
 fake CPU tensors with the GPU's own choices made explicitly: AdamW's foreach path (CUDA's default)
 with its step counters on the host, torch DDP as configured, and the allocator's view of the trace
-(tpbench.allocator: 512-byte rounding, 2 and 20 MiB segments, block splitting, cuBLAS workspaces).
+(tpbench.predict.allocator: 512-byte rounding, 2 and 20 MiB segments, block splitting, cuBLAS workspaces).
 What this cannot tell: time, bandwidth, and autocast's CUDA cast lists (precision=mixed emulates
 with the CPU's).
 """

@@ -5,7 +5,7 @@ activation recompute adds.
 from __future__ import annotations
 
 from tpbench.config import RunConfig
-from tpbench.theory.dims import dims
+from tpbench.predict.theory.dims import dims
 
 
 def model_flops_per_step(cfg: RunConfig) -> float:

@@ -9,7 +9,7 @@ LM head [V / T, H] under VP, else [V, H].
 
 from __future__ import annotations
 
-from tpbench.theory.dims import FP32, Dims
+from tpbench.predict.theory.dims import FP32, Dims
 
 
 def layer_params(d: Dims) -> list[tuple[str, int]]:

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tpbench.theory.dims import FP32, INT32, INT64, Dims
-from tpbench.theory.weights import block_linears
+from tpbench.predict.theory.dims import FP32, INT32, INT64, Dims
+from tpbench.predict.theory.weights import block_linears
 
 
 def layer_activations(d: Dims) -> dict[str, int]:

@@ -27,7 +27,7 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
-from tpbench import hardware
+from tpbench.predict import hardware
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
@@ -36,7 +36,7 @@ LARGE_BUFFER = 20 << 20
 MIN_LARGE_ALLOC = 10 << 20
 ROUND_LARGE = 2 << 20
 
-# GPU (a family, a row of tpbench.hardware or an alias) -> its compute capability major: what the
+# GPU (a family, a row of tpbench.predict.hardware or an alias) -> its compute capability major: what the
 # cuBLAS workspace size depends on
 GPUS = {name: hardware.cuda_major(name) for name in hardware.allocator_names()}
 CUBLAS_HANDLES = 2  # the forward's thread and autograd's device thread
@@ -162,8 +162,8 @@ class AllocatorPeaks:
 
 
 def replay(events: list[tuple], gpu: str) -> AllocatorPeaks:
-    """Peaks of the measured window of an allocation trace (tpbench.emulation.AllocationTrace): events
-    are ("alloc", token, bytes), ("free", token) and one ("window",) where the measured steps begin.
+    """Peaks of the measured window of an allocation trace (tpbench.parallel.emulation.AllocationTrace):
+    events are ("alloc", token, bytes), ("free", token) and one ("window",) where the measured steps begin.
     The cuBLAS workspaces are allocated at the first GEMM, during warm-up, and held."""
     allocator = CachingAllocator()
     live: dict[int, Block] = {}

@@ -1,5 +1,5 @@
 """The GPUs tpbench knows, in one table: memory, peak FLOP/s, memory and interconnect bandwidth, and
-what the caching-allocator model needs (tpbench.allocator), for the allocator, MFU and `tpbench fit`.
+what the caching-allocator model needs (tpbench.predict.allocator), for the allocator, MFU and `tpbench fit`.
 
 Every figure is the vendor's data sheet's, cited beside its row. Peak FLOP/s are dense (the sheets'
 headline tensor figures are with 2:4 sparsity: half of them), per GPU, for matmuls in bfloat16 and
