@@ -105,3 +105,47 @@ def test_run_says_once_where_it_records(tmp_path, monkeypatch):
     result = _invoke("run", "kind=validate", f"db.url={url}")
     assert result.exit_code == 0, result.stderr
     assert result.stderr.splitlines().count(f"recording in {url}") == 1
+
+
+def test_runs_show_gives_the_batch_the_run_trained_with(tmp_path):
+    import json
+
+    url = f"sqlite:///{tmp_path / 't.db'}"
+    db = ResultsDB(url)
+    per_rank = config(0)  # fixed_per_rank, micro_batch 2, global_batch 4 as given
+    per_rank.parallel.dp = 3
+    global_ = config(1)
+    global_.train.batch, global_.train.global_batch, global_.parallel.dp = "fixed_global", 12, 2
+    ids = [db.record(c, outcome(seed=i)) for i, c in enumerate([per_rank, global_])]
+    shown = [json.loads(_invoke("runs", "show", str(i), "--json", "--db", url).stdout) for i in ids]
+    assert [(s["micro_batch"], s["global_batch"]) for s in shown] == [(2, 6), (6, 12)]
+    text = _invoke("runs", "show", str(ids[0]), "--db", url).stdout
+    assert any(line.split() == ["│", "global_batch", "│", "6", "│"] for line in text.splitlines()), text
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--out", "rep.txt"], "--out rep.txt: the extension .txt is no format written; accepted are .html"),
+        (["--out", "rep.md", "--format", "html"], "--out rep.md with --format html: the extension says md"),
+        (["--format", "pdf"], "--format pdf: accepted are html, md, csv, json"),
+    ],
+)
+def test_report_out_and_format_agree_or_are_refused(tmp_path, args, said):
+    result = _invoke("report", *args, "--db", f"sqlite:///{tmp_path / 'none.db'}")
+    assert result.exit_code == 2 and said in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_report_and_diagram_follow_outs_extension(tmp_path, monkeypatch):
+    from tpbench import diagram, report
+
+    written = {}
+    monkeypatch.setattr(report, "write", lambda db, sel, fmt, out: written.setdefault("report", fmt))
+    monkeypatch.setattr(diagram, "render", lambda traced, fmt: written.setdefault("diagram", fmt).encode())
+    monkeypatch.setattr(diagram, "trace", lambda c: c)
+    url = f"sqlite:///{tmp_path / 't.db'}"
+    ResultsDB(url).record(config(), outcome())
+    assert _invoke("report", "--out", str(tmp_path / "rep.md"), "--db", url).exit_code == 0
+    assert _invoke("diagram", "tp=2", "--out", str(tmp_path / "block.png")).exit_code == 0
+    assert written == {"report": "md", "diagram": "png"}
+    assert _invoke("diagram", "--format", "png", "--out", str(tmp_path / "b.svg")).exit_code == 2

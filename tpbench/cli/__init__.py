@@ -24,6 +24,7 @@ from tpbench.cli.arguments import (
     ShowCfg,
     check_filters,
     one_line,
+    out_format,
     usage,
 )
 from tpbench.cli.output import err, out
@@ -200,9 +201,12 @@ def show(
     "tpbench report --format csv --out runs.csv",
 )
 def report(
-    fmt: Annotated[str, typer.Option("--format", help="html, md, csv or json.")] = "html",
+    fmt: Annotated[
+        str | None, typer.Option("--format", help="html, md, csv or json.", show_default=False)
+    ] = None,
     out_path: Annotated[
-        str | None, typer.Option("--out", help="File to write (default: runs/report.FORMAT).")
+        str | None,
+        typer.Option("--out", help="File to write (default: runs/report.html); its extension is the format."),
     ] = None,
     db: Annotated[str, typer.Option(help="SQLAlchemy URL of the database.")] = DbConfig.url,
     sweep: Annotated[str | None, typer.Option(help="The sweep name.")] = None,
@@ -219,8 +223,7 @@ def report(
     files beside it), csv or json (the raw rows). An empty selection writes nothing and exits 0."""
     from tpbench import report as reporting  # matplotlib loads only for this command
 
-    if fmt not in reporting.FORMATS:
-        usage(f"--format {fmt}: accepted are {', '.join(reporting.FORMATS)}")
+    fmt = out_format(fmt, out_path, reporting.FORMATS, "html")
     check_filters(kind=kind, mode=mode)
     try:
         selection = reporting.Selection.parse(sweep, kind, mode, since, where, device)
@@ -348,9 +351,10 @@ def fit(
 )
 def diagram(
     overrides: Overrides = None,
-    fmt: Annotated[str, typer.Option("--format", help="svg or png.")] = "svg",
+    fmt: Annotated[str | None, typer.Option("--format", help="svg or png.", show_default=False)] = None,
     out_path: Annotated[
-        str | None, typer.Option("--out", help="File to write (default: runs/diagram.FORMAT).")
+        str | None,
+        typer.Option("--out", help="File to write (default: runs/diagram.svg); its extension is the format."),
     ] = None,
     compare: Annotated[
         bool, typer.Option("--compare", help="Draw the same config without and with SP, side by side.")
@@ -364,8 +368,7 @@ def diagram(
 
     from tpbench import diagram as diagrams  # torch and graphviz load only for this command
 
-    if fmt not in diagrams.FORMATS:
-        usage(f"--format {fmt}: accepted are {', '.join(diagrams.FORMATS)}")
+    fmt = out_format(fmt, out_path, diagrams.FORMATS, "svg")
     path = Path(out_path) if out_path is not None else diagrams.default_path(fmt)
     try:
         configs = diagrams.configs(overrides or [], compare)

@@ -119,3 +119,20 @@ def check_filters(**given: str | None) -> None:
     for flag, value in given.items():
         if value is not None and value not in accepted[flag]:
             usage(f"--{flag} {value}: accepted are {', '.join(accepted[flag])}")
+
+
+def out_format(fmt: str | None, out_path: str | None, formats: tuple[str, ...], default: str) -> str:
+    """The format a file is written in: --format if given, else --out's extension, else `default`. An
+    extension that is no format, or that contradicts --format, is refused rather than written over
+    (`--out block.png` once wrote SVG into it)."""
+    from pathlib import PurePath
+
+    suffix = PurePath(out_path).suffix.removeprefix(".").lower() if out_path else ""
+    if fmt is not None and fmt not in formats:
+        usage(f"--format {fmt}: accepted are {', '.join(formats)}")
+    if suffix and suffix not in formats:
+        accepted = ", .".join(formats)
+        usage(f"--out {out_path}: the extension .{suffix} is no format written; accepted are .{accepted}")
+    if fmt is not None and suffix and suffix != fmt:
+        usage(f"--out {out_path} with --format {fmt}: the extension says {suffix}; make them agree")
+    return fmt or suffix or default

@@ -75,6 +75,7 @@ def run(db: ResultsDB, run_id: int, as_json: bool, full: bool = False) -> None:
         record = db.run_record(run_id)
     except KeyError:
         usage(f"run {run_id}: no such run in {db.url}")
+    _batches_as_run(record)
     if as_json:
         print(json.dumps(record, default=str))
         return
@@ -95,6 +96,16 @@ def run(db: ResultsDB, run_id: int, as_json: bool, full: bool = False) -> None:
     for name, value in sorted(record["metrics"].items()):
         metrics.add_row(name, f"{value:.6g}")
     out.print(metrics)
+
+
+def _batches_as_run(record: dict) -> None:
+    """The batch sizes the run trained with: the database keeps both settings as given, though the
+    batch policy reads one (fixed_per_rank: micro_batch per DP rank; fixed_global: global_batch split
+    over them), so a fixed_per_rank run of 2 sequences at DP 1 once showed the unused global_batch 4."""
+    if record["batch_policy"] == "fixed_per_rank":
+        record["global_batch"] = record["micro_batch"] * record["dp"]
+    else:
+        record["micro_batch"] = record["global_batch"] // record["dp"]
 
 
 def sweep(ran: list[Ran], dbs: dict[str, ResultsDB], as_json: bool) -> None:
