@@ -149,3 +149,34 @@ def test_report_and_diagram_follow_outs_extension(tmp_path, monkeypatch):
     assert _invoke("diagram", "tp=2", "--out", str(tmp_path / "block.png")).exit_code == 0
     assert written == {"report": "md", "diagram": "png"}
     assert _invoke("diagram", "--format", "png", "--out", str(tmp_path / "b.svg")).exit_code == 2
+
+
+def _fit(*overrides: str):
+    from tpbench.sizing import fit
+
+    request = fit.parse(list(overrides))
+    (base,) = expand(request.overrides, single=True)
+    return fit.search(base, request.gpu, request.gpus_per_node, request.given, request.global_batch)
+
+
+def test_fit_honours_a_mode_and_a_micro_batch():
+    layouts = {(r.sp, r.vp) for r in _fit("model=qwen3_0_6b", "seq=1024", "gpu=H200", "mode=tp_sp").rows}
+    assert layouts == {(True, False)}  # T searched, SP on and VP off as the mode says
+    rows = _fit("model=qwen3_0_6b", "seq=1024", "gpu=H200", "micro_batch=4").rows
+    assert {r.micro_batch for r in rows} == {4} and not any(r.capped for r in rows)  # 4, not "4+"
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        (
+            "dp=2",
+            "dp=2: fit sets DP itself (global_batch / the micro-batch, else 1); accepted is global_batch",
+        ),
+        ("mode=ddp", "mode=ddp: fit takes one tensor-parallel mode"),
+    ],
+)
+def test_fit_refuses_what_it_cannot_honour(override, said):
+    result = _invoke("fit", "model=qwen3_0_6b", "seq=1024", "gpu=H200", override)
+    assert result.exit_code == 2 and said in result.stderr, result.stderr
+    assert len(result.stderr.splitlines()) == 1

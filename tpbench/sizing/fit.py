@@ -178,6 +178,17 @@ def parse(overrides: list[str]) -> Request:
     for key in ("kind", "launch.device", "launch.emulate", "launch.emulate_gpu"):
         if key in keys:
             raise FitError(f"{key}: fit sets it itself (a memory experiment on an emulated {gpu.name})")
+    if "parallel.dp" in keys:
+        raise FitError(
+            f"{keyed['parallel.dp']}: fit sets DP itself (global_batch / the micro-batch, else 1); "
+            "accepted is global_batch=N"
+        )
+    given = keys & set(SEARCHED)
+    if "mode" in keys:  # a mode fixes the layout's switches; T stays searched unless tp= is given
+        mode = keyed["mode"].partition("=")[2]
+        if mode == "ddp" or "," in mode:
+            raise FitError(f"{keyed['mode']}: fit takes one tensor-parallel mode (T 1 is DDP's row)")
+        given |= {"parallel.sp", "parallel.vp"}
     if "train.seq_len" not in keys:
         raise FitError("fit needs seq=LENGTH: the sequence length to train at")
     added = ["kind=memory", "launch.device=cuda", "launch.emulate=fake", f"launch.emulate_gpu={gpu.name}"]
@@ -192,7 +203,7 @@ def parse(overrides: list[str]) -> Request:
             raise FitError(f"{value}: accepted is one integer >= 1")
         global_batch = int(text)
         added.append("train.batch=fixed_global")
-    return Request(gpu, int(per_node), [*rest, *added], keys & set(SEARCHED), global_batch)
+    return Request(gpu, int(per_node), [*rest, *added], given, global_batch)
 
 
 def configure(base: RunConfig, row: Row, global_batch: int | None) -> RunConfig:
@@ -289,7 +300,8 @@ def _largest(
         mid = (lo + hi) // 2
         candidate = _evaluate(base, gpu, _with(row, batches[mid], global_batch), global_batch, overheads)
         lo, low, hi = (mid, candidate, hi) if candidate.fits else (lo, low, mid)
-    return dataclasses.replace(low, capped=lo == len(batches) - 1 and global_batch is None)
+    searched = len(batches) > 1 and global_batch is None  # a given micro-batch is that, not a minimum
+    return dataclasses.replace(low, capped=searched and lo == len(batches) - 1)
 
 
 def _with(row: Row, micro_batch: int, global_batch: int | None) -> Row:
