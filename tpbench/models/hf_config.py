@@ -108,14 +108,52 @@ def model_fields(path: str) -> dict[str, object]:
         "max_position_embeddings": get("max_position_embeddings"),
         "tie_word_embeddings": bool(get("tie_word_embeddings")),
         "qk_norm": QK_NORM[model_type],
-        # as the config states it; None: H / heads (a config.json without head_dim means that)
-        "head_dim": get("head_dim") if "head_dim" in raw else None,
+        # as the config states it, else as transformers' class gives it (Qwen3Config's default is
+        # 128); None: H / heads (LlamaConfig derives it so; Qwen2Config has no such field)
+        "head_dim": get("head_dim") if "head_dim" in raw else _head_dim(config, get("hidden_size"), heads),
         "attention_bias": model_type == "qwen2",  # Qwen2: q, k and v with biases, o_proj without
         **_rope(path, config, model_type),
     }
     if model_type == "minimind":
         fields["flash_attn"] = bool(get("flash_attn"))
+    _say_defaults(path, raw, fields, type(config).__name__)
     return fields
+
+
+# ModelConfig's fields read from a key of config.json of the same name, but these
+_RAW_KEYS = {"rope_theta": ("rope_theta", "rope_parameters", "rope_scaling")}
+_SHAPE = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+    "intermediate_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "head_dim",
+    "rope_theta",
+)  # fmt: skip
+
+
+def _head_dim(config, hidden: int, heads: int) -> int | None:
+    default = getattr(config, "head_dim", None)
+    return None if default is None or default == hidden // heads else int(default)
+
+
+def defaulted(raw: dict, fields: dict[str, object]) -> dict[str, object]:
+    """The shape's fields the config.json does not state: the values transformers' class (or MiniMind's
+    defaults) gave them. A missing intermediate_size once gave Llama's 11,008 for hidden 256 unseen."""
+    return {
+        key: fields[key]
+        for key in _SHAPE
+        if not any(k in raw for k in _RAW_KEYS.get(key, (key,)))
+        and not (key == "num_key_value_heads" and fields[key] == fields["num_attention_heads"])
+        and not (key == "head_dim" and fields[key] is None)
+    }
+
+
+def _say_defaults(path: str, raw: dict, fields: dict[str, object], cls: str) -> None:
+    """One line on stderr, once a process (model_fields is cached), naming the defaulted fields."""
+    import sys
+
+    given = defaulted(raw, fields)
+    if given:
+        said = ", ".join(f"{k}={v}" for k, v in given.items())
+        print(f"model.hf_config={path}: not in the file, so {cls}'s defaults: {said}", file=sys.stderr)
 
 
 def _refuse_what_it_cannot_be(path: str, raw: dict, model_type: str) -> None:
