@@ -281,7 +281,10 @@ def typer_usage_errors() -> dict[str, tuple[list[str], str]]:
         ),
         "show bad id": (["runs", "show", "abc"], "run id abc: accepted is a number"),
         "show extra id": (["runs", "show", "1", "2"], "extra argument(s) (2); usage: tpbench runs show"),
-        "run typo": (["run", "--josn"], "No such option: --josn; accepted options are --cfg, --json, --help"),
+        "run typo": (
+            ["run", "--josn"],
+            "No such option: --josn; accepted options are --cfg, --json, --db, --help",
+        ),
     }
     return cases
 

@@ -180,3 +180,14 @@ def test_fit_refuses_what_it_cannot_honour(override, said):
     result = _invoke("fit", "model=qwen3_0_6b", "seq=1024", "gpu=H200", override)
     assert result.exit_code == 2 and said in result.stderr, result.stderr
     assert len(result.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["run", "sweep"])
+def test_run_and_sweep_take_db_as_runs_and_report_do(tmp_path, monkeypatch, command):
+    monkeypatch.setattr(sweep, "run_each", lambda *a, **k: iter(()))  # composed and opened, not launched
+    url = f"sqlite:///{tmp_path / 'here.db'}"
+    result = _invoke(command, "kind=validate", "--db", url)
+    assert result.exit_code == 0, result.stderr
+    assert f"recording in {url}" in result.stderr.splitlines()
+    twice = _invoke(command, "kind=validate", "--db", url, f"db.url={url}")
+    assert twice.exit_code == 2 and f"--db {url} with db.url={url}: accepted is" in twice.stderr

@@ -17,6 +17,7 @@ from tpbench.cli.arguments import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     AsJson,
+    DbOption,
     Device,
     OneLineCommand,
     OneLineGroup,
@@ -26,6 +27,7 @@ from tpbench.cli.arguments import (
     one_line,
     out_format,
     usage,
+    with_db,
 )
 from tpbench.cli.output import err, out
 from tpbench.cli.progress import RunsProgress, say_estimates
@@ -57,11 +59,13 @@ app.add_typer(runs_app, name="runs")
     "tpbench run mode=tp_sp_vp model=minimind kind=memory batch=fixed_global dtype=bfloat16\n\n"
     "tpbench run kind=validate +fault=kill_on_rank1 --json",
 )
-def run(overrides: Overrides = None, cfg: ShowCfg = False, as_json: AsJson = False) -> None:
+def run(
+    overrides: Overrides = None, cfg: ShowCfg = False, as_json: AsJson = False, db: DbOption = None
+) -> None:
     """Run one config (one run per kind; kind=all, the default, is all three) and record it."""
     from tpbench.run import sweep as sweeping
 
-    configs = _compose(overrides or [], single=True)
+    configs = _compose(with_db(overrides, db), single=True)
     if cfg:
         output.configs(configs)
         return
@@ -107,14 +111,16 @@ def sweep(
     ] = False,
     cfg: ShowCfg = False,
     as_json: AsJson = False,
+    db: DbOption = None,
 ) -> None:
     """Run the cartesian product of comma-separated overrides (and of a preset's sweep), skipping
     configs that already have an OK run; a failed run does not stop the sweep. With launcher=slurm every
     run is a Slurm job (one job array) and the command follows them."""
     from tpbench.run import sweep as sweeping
 
-    configs = _compose(overrides or [], single=False)
-    sweeping.name(configs, name, overrides or [])
+    overrides = with_db(overrides, db)
+    configs = _compose(overrides, single=False)
+    sweeping.name(configs, name, overrides)
     if cfg:
         output.configs(configs)
         return

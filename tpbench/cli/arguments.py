@@ -28,6 +28,12 @@ Device = Annotated[
     str | None,
     typer.Option(help="Runs whose hardware holds this text, any case: a GPU or CPU model, e.g. H100."),
 ]
+DbOption = Annotated[
+    str | None,
+    typer.Option(
+        "--db", help="SQLAlchemy URL of the database, as `runs` and `report` take it (or db.url=URL)."
+    ),
+]
 ShowCfg = Annotated[bool, typer.Option("--cfg", help="Print the resolved config of every run, then exit.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print each run as one JSON object on stdout.")]
 
@@ -136,3 +142,14 @@ def out_format(fmt: str | None, out_path: str | None, formats: tuple[str, ...], 
     if fmt is not None and suffix and suffix != fmt:
         usage(f"--out {out_path} with --format {fmt}: the extension says {suffix}; make them agree")
     return fmt or suffix or default
+
+
+def with_db(overrides: list[str] | None, db: str | None) -> list[str]:
+    """`--db URL` on `run` and `sweep`, the spelling `runs` and `report` take, as the override db.url=URL."""
+    overrides = list(overrides or [])
+    if db is None:
+        return overrides
+    given = [o for o in overrides if o.partition("=")[0] in ("db.url", "+db.url")]
+    if given:
+        usage(f"--db {db} with {given[0]}: accepted is the database given once, either way")
+    return [*overrides, f"db.url={db}"]
