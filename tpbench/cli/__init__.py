@@ -63,9 +63,10 @@ def run(
     overrides: Overrides = None, cfg: ShowCfg = False, as_json: AsJson = False, db: DbOption = None
 ) -> None:
     """Run one config (one run per kind; kind=all, the default, is all three) and record it."""
+    overrides = with_db(overrides, db)  # refused before torch loads
     from tpbench.run import sweep as sweeping
 
-    configs = _compose(with_db(overrides, db), single=True)
+    configs = _compose(overrides, single=True)
     if cfg:
         output.configs(configs)
         return
@@ -116,9 +117,9 @@ def sweep(
     """Run the cartesian product of comma-separated overrides (and of a preset's sweep), skipping
     configs that already have an OK run; a failed run does not stop the sweep. With launcher=slurm every
     run is a Slurm job (one job array) and the command follows them."""
+    overrides = with_db(overrides, db)  # refused before torch loads
     from tpbench.run import sweep as sweeping
 
-    overrides = with_db(overrides, db)
     configs = _compose(overrides, single=False)
     sweeping.name(configs, name, overrides)
     if cfg:
