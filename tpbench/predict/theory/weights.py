@@ -110,14 +110,29 @@ def optimizer_bytes(d: Dims) -> int:
 
 
 def bucket_bytes(d: Dims) -> int:
-    """DDP's gradient buckets, alive from its construction on."""
-    return param_bytes(d) if d.ddp else 0
+    """DDP's gradient buckets, alive from its construction on; likewise megatron's flat DP buckets
+    under overlap (`Dims.flat_dp`), made at the first forward and kept for good."""
+    return param_bytes(d) if d.ddp or d.flat_dp else 0
 
 
 def grad_bytes(d: Dims) -> int:
     """The gradients backward makes: none of its own under DDP's gradient_as_bucket_view, which makes
-    them views of the buckets."""
-    return param_bytes(d) if not (d.ddp and d.bucket_view) else 0
+    them views of the buckets, nor under megatron's flat DP buckets (`Dims.flat_dp`), which copy each
+    gradient into its slot as it is ready and make `.grad` the slot's view."""
+    return param_bytes(d) if not (d.ddp and d.bucket_view) and not d.flat_dp else 0
+
+
+def late_grad_bytes(d: Dims) -> int:
+    """Under megatron's flat DP buckets (`Dims.flat_dp`), the gradients that stay autograd's own to the
+    end of backward: those the TP gradient sums must see first, copied into their slots only at the
+    step's gradient sums (q/k norms, SP's norms, KV replicas; tpbench.predict.theory.collectives);
+    the tied embedding's is the moment's own."""
+    if not d.flat_dp or d.T == 1:
+        return 0
+    n = (2 * d.L * d.D if d.qk_norm else 0) + ((2 * d.L + 1) * d.H if d.sp else 0)
+    if d.Nkv % d.T:
+        n += 2 * d.L * d.D * (d.H + d.bias)
+    return n * d.w
 
 
 def optimizer_temporaries(d: Dims) -> int:
