@@ -90,6 +90,41 @@ def ddp_buckets(d: Dims, cap_bytes: int, rebuilt: bool = True) -> list[int]:
     return buckets + ([current] if current else [])
 
 
+def late_params(d: Dims) -> set[str]:
+    """Parameters whose DP sum waits for their TP gradient sum (q/k norms, SP's norms, KV replicas),
+    and the tied embedding, which gets gradients from two places: the last of megatron's flat DP
+    buckets (tpbench.parallel.overlap.DPGradBuckets)."""
+    late = {"model.embed_tokens"} if d.tied else set()
+    kv_replicas = d.Nkv % d.T != 0
+    for name, _ in params(d):
+        if d.T == 1 or not name.startswith("model.layers") and name != "model.norm":
+            continue
+        sums = ("q_norm", "k_norm") if d.qk_norm else ()
+        sums += ("input_layernorm", "post_attention_layernorm", "model.norm") if d.sp else ()
+        sums += ("k_proj", "v_proj", "k_proj.bias", "v_proj.bias") if kv_replicas else ()
+        if name.endswith(sums):
+            late.add(name)
+    return late
+
+
+def flat_dp_buckets(d: Dims, cap_bytes: float) -> list[int]:
+    """Bytes of each of megatron's flat DP buckets under overlap (DPGradBuckets): the other
+    parameters in reverse module order, a bucket closed before one that would take it past the cap,
+    then the late ones in one (every parameter has one dtype here)."""
+    late = late_params(d)
+    buckets, size = [], cap_bytes + 1
+    for name, n in reversed(params(d)):
+        if name in late:
+            continue
+        if size + n * d.w > cap_bytes and size > 0:
+            buckets.append(0)
+            size = 0
+        buckets[-1] += n * d.w
+        size += n * d.w
+    tail = sum(n for name, n in params(d) if name in late) * d.w
+    return buckets + ([tail] if tail else [])
+
+
 def block_linears(d: Dims) -> int:
     """Elements of one block's linear weights on this rank (their biases left out)."""
     return sum(n for name, n in layer_params(d) if not name.endswith(("norm", ".bias")))
@@ -124,15 +159,12 @@ def grad_bytes(d: Dims) -> int:
 
 def late_grad_bytes(d: Dims) -> int:
     """Under megatron's flat DP buckets (`Dims.flat_dp`), the gradients that stay autograd's own to the
-    end of backward: those the TP gradient sums must see first, copied into their slots only at the
-    step's gradient sums (q/k norms, SP's norms, KV replicas; tpbench.predict.theory.collectives);
-    the tied embedding's is the moment's own."""
-    if not d.flat_dp or d.T == 1:
+    end of backward: the late ones (`late_params`), copied into their slots only at the step's
+    gradient sums; the tied embedding's is its moment's own."""
+    if not d.flat_dp:
         return 0
-    n = (2 * d.L * d.D if d.qk_norm else 0) + ((2 * d.L + 1) * d.H if d.sp else 0)
-    if d.Nkv % d.T:
-        n += 2 * d.L * d.D * (d.H + d.bias)
-    return n * d.w
+    late = late_params(d) - {"model.embed_tokens"}
+    return sum(n for name, n in params(d) if name in late) * d.w
 
 
 def optimizer_temporaries(d: Dims) -> int:
