@@ -131,7 +131,10 @@ BAD_INPUT = {
         ["mode=dtensor_tp_sp", "parallel.sp_gather=linear"],
         "parallel.sp_gather=linear with engine=dtensor sp=True: ",
     ),
-    "overlap in a memory run": (["kind=memory", "overlap=true"], "parallel.overlap=true with kind=memory: "),
+    "overlap in a memory run with recompute": (
+        ["kind=memory", "overlap=true", "train.recompute=selective"],
+        "parallel.overlap=true with kind=memory, train.precision=pure and train.recompute=selective: ",
+    ),
     "compile with the re-gather": (
         ["mode=tp_sp", "compile=true"],
         "train.compile=true with parallel.sp_regather",

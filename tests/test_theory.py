@@ -59,6 +59,10 @@ CHECKS = {
     "dp2_tp_sp_mixed_eager_rmsnorm": [*DP2, SP, "train.precision=mixed", "model.lean_rmsnorm=false"],
     "t4_kv1_manual": ["parallel.tp=4", "model.num_key_value_heads=1", "model.flash_attn=false"],
     "t1_dp4_s4": ["parallel.tp=1", "parallel.dp=4", "train.seq_len=4"],
+    # overlap: the DP gradients in flat buckets, `.grad` their views; q/k norms' kept to the TP sums
+    "dp2_tp_overlap_s4": [*DP2, "parallel.overlap=true", "train.seq_len=4", "parallel.ddp_bucket_mb=0.05"],
+    "dp2_tp_sp_vp_overlap": [*DP2, SP, VP, "parallel.overlap=true"],
+    "t4_tp_sp_overlap": ["parallel.tp=4", SP, "parallel.overlap=true"],
     "ddp_dp4": [*DDP, "parallel.dp=4"],
     "ddp_dp4_s4": [*DDP, "parallel.dp=4", "train.seq_len=4"],
     # the issue's config: one KV head per rank under manual attention, whose matmuls copy k and v
@@ -433,10 +437,14 @@ def test_plan_prints_the_prediction_of_a_config_too_large_to_run():
 def test_plan_refuses_overlap_whose_memory_it_does_not_model():
     from tpbench.cli import app
 
-    result = CliRunner().invoke(app, ["plan", "tp=2", "overlap=true"])
+    result = CliRunner().invoke(app, ["plan", "tp=2", "overlap=true", "train.recompute=full"])
     assert result.exit_code == 2 and result.stdout == ""
     assert len(result.stderr.splitlines()) == 1
-    assert "parallel.overlap=true with kind=memory: " in result.stderr
+    assert (
+        "parallel.overlap=true with kind=memory, train.precision=pure and train.recompute=full"
+        in result.stderr
+    )
+    assert CliRunner().invoke(app, ["plan", "tp=2", "overlap=true"]).exit_code == 0
 
 
 # GPU names as torch.cuda.get_device_name reports them

@@ -221,11 +221,13 @@ def check(cfg: RunConfig) -> None:
             f"parallel.overlap=true with parallel.engine={cfg.parallel.engine}: accepted with engine "
             "megatron only (DDP always overlaps its gradient buckets; DTensor's TP has no async switch here)"
         )
-    if cfg.parallel.overlap and cfg.kind == "memory":
+    unmodelled = cfg.train.precision == "mixed" or cfg.train.recompute != "none"
+    if cfg.parallel.overlap and cfg.kind == "memory" and unmodelled:
         raise ConfigError(
-            "parallel.overlap=true with kind=memory: tpbench.predict.theory does not model what overlap "
-            "keeps alive (deferred weight gradients, prefetched re-gathers, DP buckets); accepted is "
-            "parallel.overlap=false"
+            f"parallel.overlap=true with kind=memory, train.precision={cfg.train.precision} and "
+            f"train.recompute={cfg.train.recompute}: tpbench.predict.theory models overlap's memory "
+            "under pure precision without recompute only; accepted is train.precision=pure with "
+            "train.recompute=none, or parallel.overlap=false"
         )
     _check_compile(cfg)
     if cfg.debug.overlap_fault and not cfg.parallel.overlap:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from tpbench.config import RunConfig
 from tpbench.parallel.instrumentation import ring_bytes
 from tpbench.predict.theory.dims import FP32, dims
-from tpbench.predict.theory.weights import ddp_buckets, params
+from tpbench.predict.theory.weights import ddp_buckets, flat_dp_buckets, params
 from tpbench.results import CommRow
 
 
@@ -66,7 +66,10 @@ def comm_rows(cfg: RunConfig) -> list[CommRow]:
             add("all_reduce", "grad_sum", tp_sums * d.w, T)
         if d.Nkv % T and "kv_replicas" not in skip:  # ranks sharing one KV head sum k/v grads
             add("all_reduce", "grad_sum", 2 * L * d.D * (H + d.bias) * d.w, T // d.Nkv)
-    if "dp" not in skip:
+    if "dp" not in skip and d.flat_dp:  # overlap: one all-reduce per flat bucket
+        for size in flat_dp_buckets(d, cfg.parallel.ddp_bucket_mb * 2**20):
+            add("all_reduce", "dp_grad", size, d.dp)
+    elif "dp" not in skip:
         add("all_reduce", "dp_grad", sum(n for _, n in params(d)) * d.w, d.dp)
     return _sorted(rows)
 

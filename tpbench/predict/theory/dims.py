@@ -58,6 +58,13 @@ class Dims:
     qk_norm: bool = True  # q/k RMSNorms over each head (model.qk_norm); off: none, nor their sums
     bias: bool = False  # q, k, v biases (model.attention_bias), sharded with their weights
     dropout: bool = False  # model.dropout > 0: each dropout keeps a 1-byte mask (tpbench.models.dropout)
+    overlap: bool = False  # parallel.overlap (megatron): with dp > 1, the DP gradients in flat buckets
+
+    @property
+    def flat_dp(self) -> bool:
+        """Megatron's DP gradients in persistent flat buckets, `.grad` their views
+        (tpbench.parallel.overlap.DPGradBuckets): parallel.overlap with dp > 1."""
+        return self.overlap and self.dp > 1 and not self.ddp
 
     @property
     def s(self) -> int:
@@ -166,4 +173,5 @@ def dims(cfg: RunConfig) -> Dims:
         qk_norm=m.qk_norm,
         bias=m.attention_bias,
         dropout=m.dropout > 0,
+        overlap=par.overlap,
     )

@@ -69,15 +69,15 @@ def moments(d: Dims) -> list[Moment]:
 
     if d.tied:  # the LM head's gradient waits for the embedding's; the two are summed into a third
         E = d.V_l * d.H * d.w
-        own = G - E if G else 0
+        own = G - E if G else weights.late_grad_bytes(d)
         out.append(Moment("backward end", P, buckets + own, O, kept + LOSS_AND_GRAD - FP32, 3 * E))
     else:  # the embedding's backward: its gradient being made from the stream's [S, B, H] gradient
         # (gathered whole under SP), every other gradient made; the fused AdamW's moment is below it
         E = d.V_l * d.H * d.w
-        own = G - E if G else 0
+        own = G - E if G else weights.late_grad_bytes(d)
         temps = E + d.s * d.N * d.H
         out.append(Moment("embedding backward", P, buckets + own, O, kept + LOSS_AND_GRAD - FP32, temps))
-    if d.dp > 1 and not d.ddp:  # megatron's DP sum concatenates every gradient into one flat copy
+    if d.dp > 1 and not d.ddp and not d.flat_dp:  # megatron's blocking DP sum: one flat copy of all
         out.append(Moment("gradient sums", P, buckets + G, O, kept, P))
     adam_temp = weights.optimizer_temporaries(d)
     out.append(Moment("optimizer", P, buckets + G, O, kept, adam_temp))

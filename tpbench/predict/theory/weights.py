@@ -90,6 +90,41 @@ def ddp_buckets(d: Dims, cap_bytes: int, rebuilt: bool = True) -> list[int]:
     return buckets + ([current] if current else [])
 
 
+def late_params(d: Dims) -> set[str]:
+    """Parameters whose DP sum waits for their TP gradient sum (q/k norms, SP's norms, KV replicas),
+    and the tied embedding, which gets gradients from two places: the last of megatron's flat DP
+    buckets (tpbench.parallel.overlap.DPGradBuckets)."""
+    late = {"model.embed_tokens"} if d.tied else set()
+    kv_replicas = d.Nkv % d.T != 0
+    for name, _ in params(d):
+        if d.T == 1 or not name.startswith("model.layers") and name != "model.norm":
+            continue
+        sums = ("q_norm", "k_norm") if d.qk_norm else ()
+        sums += ("input_layernorm", "post_attention_layernorm", "model.norm") if d.sp else ()
+        sums += ("k_proj", "v_proj", "k_proj.bias", "v_proj.bias") if kv_replicas else ()
+        if name.endswith(sums):
+            late.add(name)
+    return late
+
+
+def flat_dp_buckets(d: Dims, cap_bytes: float) -> list[int]:
+    """Bytes of each of megatron's flat DP buckets under overlap (DPGradBuckets): the other
+    parameters in reverse module order, a bucket closed before one that would take it past the cap,
+    then the late ones in one (every parameter has one dtype here)."""
+    late = late_params(d)
+    buckets, size = [], cap_bytes + 1
+    for name, n in reversed(params(d)):
+        if name in late:
+            continue
+        if size + n * d.w > cap_bytes and size > 0:
+            buckets.append(0)
+            size = 0
+        buckets[-1] += n * d.w
+        size += n * d.w
+    tail = sum(n for name, n in params(d) if name in late) * d.w
+    return buckets + ([tail] if tail else [])
+
+
 def block_linears(d: Dims) -> int:
     """Elements of one block's linear weights on this rank (their biases left out)."""
     return sum(n for name, n in layer_params(d) if not name.endswith(("norm", ".bias")))
@@ -110,14 +145,26 @@ def optimizer_bytes(d: Dims) -> int:
 
 
 def bucket_bytes(d: Dims) -> int:
-    """DDP's gradient buckets, alive from its construction on."""
-    return param_bytes(d) if d.ddp else 0
+    """DDP's gradient buckets, alive from its construction on; likewise megatron's flat DP buckets
+    under overlap (`Dims.flat_dp`), made at the first forward and kept for good."""
+    return param_bytes(d) if d.ddp or d.flat_dp else 0
 
 
 def grad_bytes(d: Dims) -> int:
     """The gradients backward makes: none of its own under DDP's gradient_as_bucket_view, which makes
-    them views of the buckets."""
-    return param_bytes(d) if not (d.ddp and d.bucket_view) else 0
+    them views of the buckets, nor under megatron's flat DP buckets (`Dims.flat_dp`), which copy each
+    gradient into its slot as it is ready and make `.grad` the slot's view."""
+    return param_bytes(d) if not (d.ddp and d.bucket_view) and not d.flat_dp else 0
+
+
+def late_grad_bytes(d: Dims) -> int:
+    """Under megatron's flat DP buckets (`Dims.flat_dp`), the gradients that stay autograd's own to the
+    end of backward: the late ones (`late_params`), copied into their slots only at the step's
+    gradient sums; the tied embedding's is its moment's own."""
+    if not d.flat_dp:
+        return 0
+    late = late_params(d) - {"model.embed_tokens"}
+    return sum(n for name, n in params(d) if name in late) * d.w
 
 
 def optimizer_temporaries(d: Dims) -> int:
