@@ -164,6 +164,7 @@ def planted(url: str) -> str:
             {
                 part.split()[0]
                 for part in (run["error"] or "").removeprefix("validate out of bounds: ").split("; ")
+                if part  # a run that passed has no error
             }
         )
         q = scaled.loc[run["id"]] if run["id"] in scaled.index else None
