@@ -83,13 +83,22 @@ def main() -> None:
     parser.add_argument("--modes", default="", help="override every part's mode list, e.g. tp,tp_sp_vp")
     parser.add_argument("--db", default="sqlite:///runs/validation_grid.db")
     parser.add_argument("--planted", action="store_true", help="run the planted bugs (PLANTED) instead")
+    parser.add_argument(
+        "--precisions",
+        nargs="*",
+        default=list(PRECISIONS),
+        help=f"with --planted: of {', '.join(PRECISIONS)}",
+    )
     parser.add_argument("--report", action="store_true", help="only read the database")
     args = parser.parse_args()
     if unknown := set(args.parts) - set(PARTS):
         sys.exit(f"--parts {sorted(unknown)}: accepted are {', '.join(PARTS)}")
+    if unknown := set(args.precisions) - set(PRECISIONS):
+        sys.exit(f"--precisions {sorted(unknown)}: accepted are {', '.join(PRECISIONS)}")
     if args.planted and not args.report:
         for name, overrides in PLANTED.items():
-            for tag, precision in PRECISIONS.items():
+            for tag in args.precisions:
+                precision = PRECISIONS[tag]
                 sweep = [
                     "kind=validate",
                     "tp=2",
@@ -155,6 +164,7 @@ def planted(url: str) -> str:
             {
                 part.split()[0]
                 for part in (run["error"] or "").removeprefix("validate out of bounds: ").split("; ")
+                if part  # a run that passed has no error
             }
         )
         q = scaled.loc[run["id"]] if run["id"] in scaled.index else None

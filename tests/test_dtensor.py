@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import open_issues
 import pytest
 from beside import beside
 from torchrun_checks import FAMILIES as PARALLEL_FAMILIES
@@ -95,10 +94,8 @@ def test_every_dtensor_mode_equals_dense_in_bf16_and_mixed(measured, case):
     assert m["fwd_logits_max_abs"] > 100 * TOL_FWD  # bf16 rounding: fp32's tolerance would fail it
     failed = measured[case]["failed"]
     for check, *_ in VALIDATE_CHECKS:  # each one's worst item within K x its reference + floor
-        if check == open_issues.CHECK and len(failed) > 0:
-            continue  # the open false failure in mixed precision (tests/open_issues.py), checked below
         assert m[f"{check}_of_bound"] <= 1, check
-    assert open_issues.real_failures(case, failed) == []
+    assert failed == []
     assert m["passed"] == (0.0 if failed else 1.0)
 
 

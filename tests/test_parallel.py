@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-import open_issues
 import pytest
 import torch
 from beside import beside
@@ -440,12 +439,10 @@ def test_every_mode_equals_dense_in_its_own_precision(validated, name):
         assert m["fwd_logits_max_abs"] > 100 * TOL_FWD  # bf16 rounding: fp32's tolerance would fail it
     failed = validated[name]["failed"]
     for check, *_ in VALIDATE_CHECKS:  # each one's worst item (parameter) within K x its reference + floor
-        if check == open_issues.CHECK and len(failed) > 0:
-            continue  # the open false failure in mixed precision (tests/open_issues.py), checked below
         assert m[f"{check}_of_bound"] <= 1, check
     for own in ("dense_fwd_logits_max_abs", "dense_grad_max_rel_l2", "dense_adamw_param_max_rel_l2"):
         assert m[own] > 100 * TOL_FWD, own  # the dense model in bf16 is itself off fp32
-    assert open_issues.real_failures(name, failed) == []
+    assert failed == []
     assert m["passed"] == (0.0 if failed else 1.0)
 
 
@@ -672,7 +669,7 @@ def test_overlap_changes_no_number(validated, name):
     on, off = validated[name], validated[OVERLAPPED[name]]
     assert on["metrics"] == off["metrics"]
     assert on["drift"] == off["drift"]
-    assert open_issues.real_failures(name, on["failed"]) == []
+    assert on["failed"] == []
 
 
 @pytest.mark.parametrize("name", OVERLAPPED)
@@ -726,7 +723,7 @@ def test_the_fused_optimizer_validates_as_the_unfused_one(validated, name, off):
     """Equal to dense after its AdamW steps, as the same mode unfused; not bit-exact (the fused kernel
     rounds its update in another order): the drift stays within 2x of the unfused run's."""
     on, ref = validated[name], validated[off]
-    assert open_issues.real_failures(name, on["failed"]) == []
+    assert on["failed"] == []
     assert on["metrics"]["passed"] == (0.0 if on["failed"] else 1.0)
     assert on["metrics"]["grad_max_abs"] == ref["metrics"]["grad_max_abs"]  # before any step
     for (step, value), (_, value_off) in zip(on["drift"], ref["drift"], strict=True):
@@ -743,7 +740,7 @@ def test_compiled_blocks_validate_and_issue_the_same_collectives(validated, name
     collectives. Not bit-exact against eager (inductor fuses the elementwise ops and reorders their
     sums): within the same bounds."""
     on, off = validated[name], validated[COMPILED[name]]
-    assert open_issues.real_failures(name, on["failed"]) == []
+    assert on["failed"] == []
     assert on["metrics"]["passed"] == (0.0 if on["failed"] else 1.0)
     assert on["metrics"]["compile_graphs"] >= 1 and on["metrics"]["compile_graph_breaks"] == 0
     assert on["comm"] == off["comm"]

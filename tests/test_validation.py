@@ -17,7 +17,7 @@ from beside import beside
 from torchrun_checks import TINY, run_config, torchrun
 
 from tpbench.experiments.criterion import CHECKS, Verdict, verdicts
-from tpbench.experiments.validate import SCALED
+from tpbench.experiments.validate import SCALED, _param_errors, _rounded_signs
 from tpbench.results import ParamRow
 from tpbench.run import compose
 
@@ -126,6 +126,42 @@ def test_a_per_parameter_check_reports_the_parameter_nearest_its_bound_not_the_l
     )
     grads = next(v for v in verdicts(run_config([]), figures, rows) if v.check == "grad_rel_l2")
     assert (grads.param, grads.ok) == ("b", False)
+
+
+class _Unsharded:
+    """A parallel model as validate's checks take one, holding the whole of each parameter."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def shard_like(self, name, dense):
+        return dense.detach()
+
+
+def test_adamw_leaves_out_only_the_elements_whose_gradient_sign_rounding_decided():
+    """Issue 34's false failure in mixed precision: an element whose gradient is within rounding of 0
+    has the other sign in the sharded model, so AdamW moves it lr the other way; the AdamW-parameter
+    figure leaves it out. An element whose gradient differs by more than rounding (a bug) stays in."""
+    import torch
+
+    models = [torch.nn.Linear(8, 1, bias=False) for _ in range(3)]  # sharded, dense, reference
+    grad = torch.tensor([[1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, 1e-3]])
+    for m, g in zip(
+        models, (grad * torch.tensor([1, 1, 1, 1, 1, 1, -1, -1]), grad, grad + 1e-3), strict=True
+    ):
+        m.weight.grad = g.clone()
+    pm = _Unsharded(models[0])
+    rounded = {"weight": torch.zeros(1, 8, dtype=torch.bool)}
+    _rounded_signs(run_config([]), pm, models[1], models[2], rounded)
+    assert rounded["weight"].tolist() == [[False] * 7 + [True]]  # element 6's flip is 2, not rounding
+    initial = {"weight": models[1].weight.detach() - 0.1}  # the dense model moved 0.1 per element
+    with torch.no_grad():
+        models[0].weight.copy_(models[1].weight)
+        models[0].weight[0, 7] += 1.0  # the rounded element: left out
+    assert _param_errors(pm, models[1], models[2], initial, rounded)[0][1] == 0
+    with torch.no_grad():
+        models[0].weight[0, 6] += 0.01  # a bug's element: counted
+    assert _param_errors(pm, models[1], models[2], initial, rounded)[0][1] > 0.01
 
 
 @pytest.mark.parametrize(

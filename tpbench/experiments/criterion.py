@@ -20,6 +20,11 @@ forward logits; a gradient 1.75), so K = 4 leaves 2.2x room above it. It is 4, n
 which let a 20% gradient bug pass in bf16), so that one gradient off by 10% fails in bf16, where each
 gradient's own error is 0.4-2.6e-2 (a 5% error fails for about half the parameters there).
 
+The AdamW-parameter figure leaves out the elements whose gradient's sign rounding decided
+(tpbench.experiments.validate._rounded_signs): AdamW steps such an element by about lr one way or the
+other, a difference no reference, itself one draw of that chance, can bound (issue 34: mixed precision
+failed a correct model on layer 0's q/k norm weights, 8 elements each, one flipped).
+
 The floors (ValidateConfig.tol_*) are the differences too small to mean anything whatever the
 reference says: a figure under its floor passes even when the reference is 0 (an fp32 figure whose
 fp64 reference happens to agree to the last bit). They sit far under any bug: a missing gradient sum
