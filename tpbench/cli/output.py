@@ -113,7 +113,9 @@ def sweep(ran: list[Ran], dbs: dict[str, ResultsDB], as_json: bool) -> None:
     if as_json:
         for r in ran:
             if r.run_id is not None:
-                print(json.dumps(dbs[r.cfg.db.url].run_record(r.run_id), default=str))
+                record = dbs[r.cfg.db.url].run_record(r.run_id)
+                _batches_as_run(record)  # as `runs show --json` gives it
+                print(json.dumps(record, default=str))
         return
     import pandas as pd
 
