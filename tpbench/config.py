@@ -22,6 +22,32 @@ class ConfigError(ValueError):
     """One line naming the bad value and what is accepted."""
 
 
+# Short names for the keys people type most; any full key of `tpbench run --cfg` works as well.
+SHORT_NAMES = {
+    "tp": "parallel.tp",
+    "dp": "parallel.dp",
+    "sp": "parallel.sp",
+    "vp": "parallel.vp",
+    "engine": "parallel.engine",
+    "layers": "model.num_hidden_layers",
+    "hidden": "model.hidden_size",
+    "heads": "model.num_attention_heads",
+    "kv_heads": "model.num_key_value_heads",
+    "vocab": "model.vocab_size",
+    "seq": "train.seq_len",
+    "micro_batch": "train.micro_batch",
+    "global_batch": "train.global_batch",
+    "steps": "train.steps",
+    "dtype": "train.dtype",
+    "precision": "train.precision",
+    "recompute": "train.recompute",
+    "compile": "train.compile",
+    "overlap": "parallel.overlap",
+    "dp_shard": "parallel.dp_shard",
+    "dp_replicate": "parallel.dp_replicate",
+}
+
+
 @dataclass
 class ModelConfig:
     """MiniMind's fields (see tpbench.models.minimind.MiniMindConfig) plus a preset name."""
@@ -79,6 +105,12 @@ class ParallelConfig:
     overlap: bool = False
     ddp_bucket_mb: float = 25.0  # DDP's bucket cap, and the DP buckets of megatron with overlap=true
     ddp_gradient_as_bucket_view: bool = True
+    # sharded data parallelism over each TP rank's DP group: none (DDP replicas) | optimizer (ZeRO-1:
+    # fp32 master and AdamW moments split over DP) | grads (ZeRO-2, FSDP2 reshard_after_forward=False)
+    # | full (ZeRO-3, FSDP2's default: weights gathered per block for forward and again for backward)
+    dp_shard: str = "none"
+    # HSDP: shard within groups of dp / dp_replicate ranks, replicate across the dp_replicate groups
+    dp_replicate: int = 1
 
 
 @dataclass
