@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from tpbench.config import ParallelConfig, TrainConfig
 from tpbench.models.minimind import DTYPES
@@ -137,7 +138,10 @@ class FSDPModel:
 
     def __init__(self, pm, pcfg: ParallelConfig, train: TrainConfig, fault: str = ""):
         self.pm, self.module, self.ctx = pm, pm.module, pm.ctx
-        pm.grad_sums = [gs for gs in getattr(pm, "grad_sums", []) if gs.name != "dp"]  # FSDP2's now
+        if pcfg.engine == "dtensor":  # its DP average is FSDP2's now
+            pm.skip_grad_sum = (*pm.skip_grad_sum, "dp")
+        else:
+            pm.grad_sums = [gs for gs in pm.grad_sums if gs.name != "dp"]
         mesh = dp_mesh(pm.ctx, pcfg.dp_replicate)
         if pcfg.engine == "dtensor":  # the TP DTensors' mesh and the DP mesh: one 2-D mesh
             mesh = pm.ctx.mesh["dp"]
@@ -148,30 +152,37 @@ class FSDPModel:
             else MixedPrecisionPolicy()
         )
         reshard = pcfg.dp_shard == "full"
-        units = [*self.module.model.layers, self.module]
-        for unit in units:
+        self.units = [*self.module.model.layers, self.module]
+        for unit in self.units:
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-        for unit in units:
+        for unit in self.units:
             unit.set_custom_all_gather(CountedAllGather(fault))
             unit.set_custom_reduce_scatter(CountedReduceScatter(fault))
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
-        return self.module(input_ids, labels)
+        return self.pm(input_ids, labels)
 
     def finish_grads(self) -> None:
         """The TP gradient sums, on the local tensors of FSDP2's sharded (averaged) gradients; the
-        DTensor engine's own gradient sums as its model does them."""
+        DTensor engine's as its model makes them (Partial gradients redistributed)."""
+        if not hasattr(self.pm, "grad_sums"):
+            self.pm.finish_grads()
+            return
         params = dict(self.module.named_parameters())
-        for gs in getattr(self.pm, "grad_sums", []):
+        for gs in self.pm.grad_sums:
             grads = [_local(params[n].grad) for n in gs.params if params[n].grad is not None]
             collectives.all_reduce_coalesced(grads, gs.group, "grad_sum", gs.average)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Each parameter's gradient with its DP shards gathered (for checks only, not counted)."""
-        return {n: _full(p.grad) for n, p in self.module.named_parameters()}
+        return {n: _full(p.grad) for n, p in nn.Module.named_parameters(self.module)}
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {n: _full(p.detach()) for n, p in self.module.named_parameters()}
+        """Each parameter's sharded master gathered (the units resharded first: grads leaves the
+        gathered weights in place after a forward)."""
+        for unit in self.units:
+            unit.reshard()
+        return {n: _full(p.detach()) for n, p in nn.Module.named_parameters(self.module)}
 
     def semantics(self, name: str) -> str:
         return self.pm.semantics(name)
@@ -192,8 +203,5 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     if not isinstance(t, DTensor):
         return t
     names = t.device_mesh.mesh_dim_names or ()
-    placements = [
-        p if name == "tp" else torch.distributed.tensor.Replicate()
-        for name, p in zip(names, t.placements, strict=True)
-    ]
+    placements = [p if name == "tp" else Replicate() for name, p in zip(names, t.placements, strict=True)]
     return t.redistribute(t.device_mesh, placements).to_local()
