@@ -20,7 +20,7 @@ rank of a DP group shards its replicated weight alike).
 HSDP (`parallel.dp_replicate=R`): FSDP2's 2-D mesh (replicate, shard): each parameter is sharded over
 dp / R consecutive DP ranks (within a node) and replicated across the R groups; the gradients are
 reduce-scattered within a group, then all-reduced across the groups (FSDP2 issues that all-reduce
-itself: it is counted through the replicate group's own counting hook, `_count_replicate`).
+itself, outside the custom comms: its all-reduce hook, which runs right after it, counts it).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from tpbench.config import ParallelConfig, TrainConfig
 from tpbench.models.minimind import DTYPES
-from tpbench.parallel import collectives
+from tpbench.parallel import collectives, instrumentation
 from tpbench.parallel.context import ParallelContext
 
 
@@ -158,6 +158,8 @@ class FSDPModel:
         for unit in self.units:
             unit.set_custom_all_gather(CountedAllGather(fault))
             unit.set_custom_reduce_scatter(CountedReduceScatter(fault))
+            if pcfg.dp_replicate > 1:
+                unit.set_all_reduce_hook(_count_replicated_all_reduce(pcfg.dp_replicate))
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
         return self.pm(input_ids, labels)
@@ -192,6 +194,19 @@ class FSDPModel:
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return self.pm.full_logits(logits)
+
+
+def _count_replicated_all_reduce(replicas: int):
+    """HSDP's all-reduce of a unit's reduce-scattered gradients across the replicas, which FSDP2 has
+    just issued on its own: counted (`dp_grad`), not timed."""
+
+    def count(reduced: torch.Tensor) -> None:
+        counter = instrumentation.active_counter()
+        if counter is not None:
+            purpose = instrumentation.counted_purpose("dp_grad")
+            counter.record("all_reduce", purpose, reduced.numel() * reduced.element_size(), replicas, 0.0)
+
+    return count
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
