@@ -64,6 +64,14 @@ class Trainer:
             self.module.model.register_forward_hook(self._keep_hidden)
         self.optimizer = optimizer(cfg, self.model, cfg.train.lr)
 
+    def tracked(self) -> list:
+        """What a memory tracker must see beside the module's tensors: the optimizer (ZeRO-1's own
+        AdamW of the master shard, and its grad buffer, which under mixed precision no `.grad` is a
+        view of) and DDP's buckets."""
+        if isinstance(self.model, ZeroModel):
+            return [self.optimizer.adamw, self.optimizer.grad_buffer]
+        return [self.optimizer, *self.ddp_buckets()]
+
     def ddp_buckets(self) -> list[torch.Tensor]:
         """DDP's gradient buckets that no module or optimizer holds: all of them, unless the
         gradients are views of them (none for the other engines)."""

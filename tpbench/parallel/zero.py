@@ -105,6 +105,11 @@ class DistributedOptimizer:
             self.grad_shard = collectives.reduce_scatter(self.grad_buffer, self.group, "dp_grad")
             self.grad_shard.div_(self.dp)
 
+    @property
+    def state(self) -> dict:
+        """The AdamW state of the master shard (its moments and step)."""
+        return self.adamw.state
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params.values():
             p.grad = None
