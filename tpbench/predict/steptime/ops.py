@@ -181,7 +181,8 @@ def recomputed(d: Dims, selective: tuple[str, ...] = TPBENCH_SELECTIVE) -> list[
     (to the MLP dropout's mask with dropout, down_proj included); selective, the ops it names."""
     forward = layer_forward(d)
     if d.recompute == "full":
-        cut = len(forward) - (2 if d.dropout else 3)  # down_proj (dropout: the MLP dropout), residual
+        down = [op.name for op in forward].index("down_proj")
+        cut = down + 2 if d.dropout else down  # to down_proj's input (with dropout: its mask made)
         return [replace(op, phase=RECOMPUTE) for op in forward[:cut]]
     if d.recompute == "selective":
         return [replace(op, phase=RECOMPUTE) for op in forward if op.name in selective]
@@ -205,6 +206,6 @@ def step_ops(d: Dims, selective: tuple[str, ...] = TPBENCH_SELECTIVE) -> list[Op
     layer = layer_forward(d)
     outside = outside_forward(d)
     forward = [op.times(d.L) for op in layer] + outside
-    backward = [backward_of(op) for op in forward]
+    backward = [backward_of(op).times(d.L) for op in layer] + [backward_of(op) for op in outside]
     extra = [op.times(d.L) for op in recomputed(d, selective)]
     return forward + extra + backward + [optimizer(d)]
