@@ -176,12 +176,12 @@ def predict_ops(
     d: Dims,
     rows: list[CommRow],
     rates: Rates,
-    selective: tuple[str, ...] = O.TPBENCH_SELECTIVE,
+    impl: O.Implementation = O.TPBENCH,
     layer_only: bool = False,
 ) -> TimePrediction:
     """The step's time on one rank under `d` at `rates`; `layer_only`: one block's forward and
     backward (no embedding, head, loss, optimizer, gradient sums), as Korthikanti et al. time it."""
-    step = O.step_ops(d, selective)
+    step = O.step_ops(d, impl)
     colls = step_collectives(d, rows)
     if layer_only:
         step = [op for op in step if op.layer and op.phase != O.STEP]

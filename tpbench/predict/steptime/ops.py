@@ -10,8 +10,8 @@ Backward (`backward_of`) is each op's gradient: a GEMM's two (input and weight g
 forward's FLOPs), the flash attention kernel's backward (2.5x its forward: it remakes the scores),
 an elementwise op's twice the forward's bytes and kernels. Recompute adds forward ops again in
 backward: full, every op of a block up to down_proj's input (down_proj too with dropout: the
-recomputation runs to the MLP dropout's mask); selective, the ops `selective` names (tpbench's:
-the SwiGLU; Megatron's: the attention core).
+recomputation runs to the MLP dropout's mask); selective, the ops `Implementation.selective`
+names (tpbench's: the SwiGLU; Megatron's: the attention core).
 
 Bytes are what each kernel reads and writes at the element sizes of `Dims` (p activations, s the
 stream, fp32 where RMSNorm, softmax and the loss compute); kernels are the aten ops dispatched,
@@ -27,9 +27,31 @@ from tpbench.predict.theory.weights import params
 
 GEMM, ATTENTION, ELEMENTWISE, OPTIMIZER = "gemm", "attention", "elementwise", "optimizer"
 FORWARD, BACKWARD, RECOMPUTE, STEP = "forward", "backward", "recompute", "optimizer"
-# what selective recompute remakes: tpbench's (train.recompute=selective) and Megatron's (Korthikanti)
-TPBENCH_SELECTIVE = ("swiglu",)
-MEGATRON_SELECTIVE = ("qk^T", "softmax", "attention dropout", "pv")
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """What differs between tpbench's kernels and Megatron-LM's (Korthikanti et al.'s GPT): what
+    selective recompute remakes; whether dropout, the scaled masked softmax and the norm are one
+    fused kernel each (Megatron's: the input read, the output (and a 1-byte mask) written) or
+    tpbench's (a hashed mask; an fp32 softmax and its mask; RMSNorm's fp32 passes); RoPE (GPT has
+    learned positions, added once at the embedding)."""
+
+    selective: tuple[str, ...]
+    fused_dropout: bool = False
+    fused_softmax: bool = False
+    fused_norm: bool = False
+    rope: bool = True
+
+
+TPBENCH = Implementation(selective=("swiglu",))
+MEGATRON = Implementation(
+    ("qk^T", "softmax", "attention dropout", "pv"),
+    fused_dropout=True,
+    fused_softmax=True,
+    fused_norm=True,
+    rope=False,
+)
 # backward dispatches 2.34 ops per forward op: the dense tiny model's step, counted by a dispatch mode
 # (535 in backward, 229 in forward; scripts/time_model_grid.py --count prints them)
 BACKWARD_KERNELS = 2.34
@@ -81,17 +103,19 @@ def elementwise(
     )
 
 
-def rmsnorm(name: str, rows: int, width: int, p: int) -> Op:
+def rmsnorm(name: str, rows: int, width: int, p: int, fused: bool = False) -> Op:
     """MiniMind's RMSNorm in fp32: x.float(), pow, mean, + eps, rsqrt, mul, type_as, * weight: the
-    [rows, width] input read in p, five fp32 passes, the output written in p (7 ops dispatched)."""
-    return elementwise(name, rows * width, 2 * p + 5 * FP32 + (0 if p == FP32 else FP32), kernels=7)
+    [rows, width] input read in p, five fp32 passes, the output written in p (7 ops dispatched);
+    `fused`: one kernel, the input read and the output written."""
+    passes = 0 if fused else 5 * FP32 + (0 if p == FP32 else FP32)
+    return elementwise(name, rows * width, 2 * p + passes, kernels=7)
 
 
-def layer_forward(d: Dims) -> list[Op]:
+def layer_forward(d: Dims, impl: Implementation = TPBENCH) -> list[Op]:
     """One block's forward on one rank, in order."""
     N, Ns, H, p, s = d.N, d.Ns, d.H, d.p, d.s
     heads = d.B * d.Nq_l  # attention's batch of [S, S] products
-    ops = [rmsnorm("input norm", Ns, H, s)]
+    ops = [rmsnorm("input norm", Ns, H, s, impl.fused_norm)]
     if d.mixed:  # the region's input cast to the autocast dtype once (T > 1) or per linear
         ops.append(elementwise("input cast", N * H, s + p, 1 if d.cast_once else 3))
     ops += [
@@ -100,18 +124,22 @@ def layer_forward(d: Dims) -> list[Op]:
         gemm("v_proj", N, d.Hkv, H, p),
     ]
     if d.qk_norm:
-        ops += [rmsnorm("q norm", N, d.Hq, p), rmsnorm("k norm", N, d.Hkv, p)]
+        ops += [
+            rmsnorm("q norm", N, d.Hq, p, impl.fused_norm),
+            rmsnorm("k norm", N, d.Hkv, p, impl.fused_norm),
+        ]
     # RoPE on q and k: x * cos + rotate_half(x) * sin (the halves sliced, one negated, concatenated)
-    ops.append(elementwise("rope", N * (d.Hq + d.Hkv), 8 * p, kernels=14))
+    if impl.rope:
+        ops.append(elementwise("rope", N * (d.Hq + d.Hkv), 8 * p, kernels=14))
     if d.Nkv_l != d.Nq_l:  # GQA: k and v repeated to the query heads
         ops.append(elementwise("kv repeat", 2 * N * d.Hq, 2 * p, kernels=4))
-    ops += attention_core(d, heads)
+    ops += attention_core(d, heads, impl)
     ops.append(gemm("o_proj", N, H, d.Hq, p))
     if d.dropout:
-        ops.append(_dropout("o_proj dropout", Ns * H, p))
+        ops.append(_dropout("o_proj dropout", Ns * H, p, impl))
     ops += [
         elementwise("residual add", Ns * H, 3 * s, 1),
-        rmsnorm("post-attention norm", Ns, H, s),
+        rmsnorm("post-attention norm", Ns, H, s, impl.fused_norm),
     ]
     if d.mixed:
         ops.append(elementwise("mlp input cast", N * H, s + p, 1 if d.cast_once else 2))
@@ -120,12 +148,12 @@ def layer_forward(d: Dims) -> list[Op]:
     ops.append(elementwise("swiglu", N * d.I_l, 3 * p if d.fused_swiglu else 5 * p, 2))
     ops.append(gemm("down_proj", N, H, d.I_l, p))
     if d.dropout:
-        ops.append(_dropout("mlp dropout", Ns * H, p))
+        ops.append(_dropout("mlp dropout", Ns * H, p, impl))
     ops.append(elementwise("residual add", Ns * H, 3 * s, 1))
     return ops
 
 
-def attention_core(d: Dims, heads: int) -> list[Op]:
+def attention_core(d: Dims, heads: int, impl: Implementation = TPBENCH) -> list[Op]:
     """softmax(Q K^T / sqrt(D) + mask) V over each of `heads` = B x Nq/T [S, S] products: the flash
     kernel (SDPA), or the manual attention's two batched GEMMs and its fp32 softmax (and dropout)."""
     S, D, p = d.S, d.D, d.p
@@ -137,17 +165,21 @@ def attention_core(d: Dims, heads: int) -> list[Op]:
     ops = [
         gemm("qk^T", S, S, D, p, batch=heads),  # with the scaling
         # the causal mask made, added in fp32, softmax in fp32, cast back: [heads, S, S] passes
-        elementwise("softmax", scores, p + 4 * FP32 + (p if p != FP32 else 0), 36, backward_kernels=10),
+        elementwise(
+            "softmax", scores, 2 * p if impl.fused_softmax else p + 4 * FP32 + (p if p != FP32 else 0), 36, 10
+        ),
     ]
     if d.dropout:
-        ops.append(_dropout("attention dropout", scores, p))
+        ops.append(_dropout("attention dropout", scores, p, impl))
     return [*ops, gemm("pv", S, D, S, p, batch=heads)]
 
 
-def _dropout(name: str, elements: int, p: int) -> Op:
+def _dropout(name: str, elements: int, p: int, impl: Implementation = TPBENCH) -> Op:
     """tpbench's dropout: each element's mask a hash of its position (tpbench.models.dropout: two
     int32 copies in its folds), the input read, the output and its 1-byte mask written."""
-    return elementwise(name, elements, 2 * p + 1 + 4 * 4, kernels=77, backward_kernels=2)
+    return elementwise(
+        name, elements, 2 * p + 1 + (0 if impl.fused_dropout else 4 * 4), 77, backward_kernels=2
+    )
 
 
 def outside_forward(d: Dims) -> list[Op]:
@@ -176,16 +208,16 @@ def backward_of(op: Op) -> Op:
     return replace(op, flops=factor * op.flops, bytes=2 * op.bytes, kernels=kernels, phase=BACKWARD)
 
 
-def recomputed(d: Dims, selective: tuple[str, ...] = TPBENCH_SELECTIVE) -> list[Op]:
+def recomputed(d: Dims, impl: Implementation = TPBENCH) -> list[Op]:
     """What recompute runs again in each block's backward: full, the forward up to down_proj's input
     (to the MLP dropout's mask with dropout, down_proj included); selective, the ops it names."""
-    forward = layer_forward(d)
+    forward = layer_forward(d, impl)
     if d.recompute == "full":
         down = [op.name for op in forward].index("down_proj")
         cut = down + 2 if d.dropout else down  # to down_proj's input (with dropout: its mask made)
         return [replace(op, phase=RECOMPUTE) for op in forward[:cut]]
     if d.recompute == "selective":
-        return [replace(op, phase=RECOMPUTE) for op in forward if op.name in selective]
+        return [replace(op, phase=RECOMPUTE) for op in forward if op.name in impl.selective]
     return []
 
 
@@ -201,11 +233,11 @@ def optimizer(d: Dims) -> Op:
     return Op("adamw", OPTIMIZER, 12.0 * n, 24 * d.w * n, kernels, phase=STEP, layer=False)
 
 
-def step_ops(d: Dims, selective: tuple[str, ...] = TPBENCH_SELECTIVE) -> list[Op]:
+def step_ops(d: Dims, impl: Implementation = TPBENCH) -> list[Op]:
     """Every op of one training step on one rank, the blocks' L x each, in phase order."""
-    layer = layer_forward(d)
+    layer = layer_forward(d, impl)
     outside = outside_forward(d)
     forward = [op.times(d.L) for op in layer] + outside
     backward = [backward_of(op).times(d.L) for op in layer] + [backward_of(op) for op in outside]
-    extra = [op.times(d.L) for op in recomputed(d, selective)]
+    extra = [op.times(d.L) for op in recomputed(d, impl)]
     return forward + extra + backward + [optimizer(d)]
