@@ -184,3 +184,22 @@ def test_the_ops_kernels_are_the_aten_ops_the_dense_model_dispatches():
     assert predicted[O.FORWARD] == pytest.approx(forward, rel=0.03)
     assert predicted[O.BACKWARD] == pytest.approx(backward, rel=0.03)
     assert predicted[O.STEP] == pytest.approx(adam, rel=0.03)
+
+
+def test_plan_prints_the_predicted_step_its_split_and_mfu_on_the_given_gpu():
+    import json
+
+    from typer.testing import CliRunner
+
+    from tpbench.cli import app
+
+    line = "tp=8 sp=true model=seed_memory launch.device=cuda launch.emulate=fake"
+    done = CliRunner().invoke(app, ["plan", *line.split(), "gpu=A100-80GB", "--json"])
+    assert done.exit_code == 0, done.output
+    said = json.loads(done.output.splitlines()[0])
+    cfg = compose.expand([*line.split(), "launch.emulate_gpu=A100-80GB"])[0]  # kind=all: memory first
+    expected = predict_time(cfg, gpu_rates(hardware.gpu("A100-80GB"), cfg.train.dtype))
+    assert said["predicted_step_time_s"] == pytest.approx(expected.step_s)
+    assert said["predicted_mfu"] == pytest.approx(expected.mfu)
+    done = CliRunner().invoke(app, ["plan", *line.split(), "gpu=A100-80GB"])
+    assert "predicted step time on an A100-80GB: " in done.output and "predicted MFU: " in done.output
