@@ -246,7 +246,8 @@ def probe_time_rates(threads: int | None) -> dict[str, float]:
         x, y, out = torch.randn(2**22), torch.randn(2**22), torch.empty(2**22)
         bandwidth = 3 * 4 * 2**22 / _cpu_seconds(lambda: torch.add(x, y, out=out), 10, n)
         step = _tiny_step()
-        op_s = _cpu_seconds(step, 5, 1) / _dispatched(step)  # Python and dispatch: one thread's
+        torch.set_num_threads(1)  # Python and dispatch: one thread's work (idle threads would spin)
+        op_s = _cpu_seconds(step, 5, 1) / _dispatched(step)
         return {"gemm_small": small, "attention": attn, "bandwidth": bandwidth, "op_s": op_s}
     finally:
         torch.set_num_threads(saved)
