@@ -1,6 +1,7 @@
 """Where a training step's time goes, by op: torch.profiler over measured steps of rank 0, after warm-up,
 grouped as docs/results/speed.md reads them (the GEMMs, attention, our collectives' autograd
-functions, the optimizer, the rest), beside the step time measured without the profiler.
+functions, the optimizer, the elementwise kernels, the rest: views, autograd's own work and Python),
+beside the step time measured without the profiler and the time model's step by class.
 Takes tpbench's overrides; run it as its job would run, one core per rank:
   OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 scripts/profile_step.py model=minimind layers=4 \\
       seq=512 micro_batch=2 dtype=float32 train.fused_optimizer=true tp=2"""
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from tpbench.experiments.training import Trainer
+from tpbench.predict import steptime
 from tpbench.run.compose import expand
 
 WARMUP, TIMED, PROFILED = 3, 5, 2
@@ -31,6 +33,22 @@ GROUPS = {
     "tpbench::": "collectives",  # compiled blocks call them as custom ops
     "aten::_fused_adamw": "optimizer",
     "aten::_foreach": "optimizer",
+    "Optimizer.step": "optimizer",
+    "aten::add": "elementwise",
+    "aten::mul": "elementwise",
+    "aten::pow": "elementwise",
+    "aten::mean": "elementwise",
+    "aten::rsqrt": "elementwise",
+    "aten::silu": "elementwise",
+    "aten::copy_": "elementwise",
+    "aten::_to_copy": "elementwise",
+    "aten::cat": "elementwise",
+    "aten::neg": "elementwise",
+    "aten::_log_softmax": "elementwise",
+    "aten::nll_loss": "elementwise",
+    "aten::div": "elementwise",
+    "aten::sum": "elementwise",
+    "aten::embedding": "elementwise",
 }
 
 
@@ -66,6 +84,11 @@ def main() -> None:
         for g, seconds in sorted(groups.items(), key=lambda kv: -kv[1]):
             print(f"  {g:22s} {seconds:7.3f} s")
         print(f"  {'total':22s} {sum(groups.values()):7.3f} s")
+        predicted = steptime.predict_time(cfg, steptime.cpu_rates(cfg, 1))
+        print("the time model's step (tpbench.predict.steptime), by class:")
+        for kind, seconds in sorted(predicted.by_kind.items(), key=lambda kv: -kv[1]):
+            print(f"  {kind:22s} {seconds:7.3f} s")
+        print(f"  {'total':22s} {predicted.step_s:7.3f} s")
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
         print(table)
     dist.destroy_process_group()

@@ -16,7 +16,7 @@ from beside import beside
 from conftest import Workdir
 
 from tpbench.cli import progress
-from tpbench.predict import rate_probe, theory
+from tpbench.predict import rate_probe, steptime, theory
 from tpbench.run import compose
 from tpbench.run.sweep import Ran
 from tpbench.sizing import estimate
@@ -43,9 +43,22 @@ def vary(cfg, section: str, **fields):
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **fields)})
 
 
+# the time model's other rates on this machine (tpbench.predict.rate_probe.time_rates), round figures
+TIME_RATES = {"gemm_small": 5e9, "attention": 5e9, "bandwidth": 1e10, "op_s": 1e-5}
+GLOO = {
+    f"{x}_{k}": v
+    for k in ("all_reduce", "all_gather", "reduce_scatter")
+    for x, v in (("alpha", 1e-4), ("beta", 1e-9))
+}
+
+
 def write_rates(path, cfg, rates: dict[str, float]) -> None:
-    """The cache as a measurement of these rates on this machine would have left it."""
+    """The cache as a measurement of these rates on this machine would have left it: the matmul's
+    per dtype, the time model's for groups of 1 and 2."""
     entries = [{**rate_probe._key(dtype, cfg, 1), "flops_per_s": r} for dtype, r in rates.items()]
+    for group in (1, 2):
+        key = {**rate_probe._key("float32", cfg, 1), "probe": rate_probe.TIME_PROBE, "group": group}
+        entries.append({**key, "rates": {**TIME_RATES, **(GLOO if group > 1 else {})}})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"rates": entries}))
 
@@ -130,23 +143,25 @@ def test_a_rank_executes_its_share_of_the_step():
     assert estimate.rank_step_flops(ddp) == pytest.approx(theory.model_flops_per_step(ddp) / 2)
 
 
-def test_the_estimate_follows_the_flops_of_steps_and_layers(cache):
+def test_the_estimate_is_the_time_models_step_times_the_steps_run(cache, monkeypatch):
     def compute_s(cfg, section: str = "train", **fields) -> float:
         return estimate.estimate(vary(cfg, section, **fields)).compute_s
 
     write_rates(cache, config("kind=memory"), {"float32": 1e10, "bfloat16": 1e9})
+    monkeypatch.setattr(rate_probe, "probe_time_rates", no_probe)  # the cached rates only
     # throughput's FLOP-counted step (its collectives are timed in the timed steps; dtensor: + a counted one)
     for kind, extra in (("memory", 0), ("throughput", 1)):
         cfg = vary(config(f"kind={kind}"), "train", warmup=1)
         assert compute_s(cfg, steps=11) == pytest.approx(compute_s(cfg, steps=5) * (12 + extra) / (6 + extra))
-    one_rank = config("tp=1")
-    flops = {L: theory.model_flops_per_step(vary(one_rank, "model", num_hidden_layers=L)) for L in (2, 4, 8)}
-    for layers in (4, 8):
-        assert compute_s(one_rank, "model", num_hidden_layers=layers) == pytest.approx(
-            flops[layers] / flops[2] * compute_s(one_rank, "model", num_hidden_layers=2)
-        )
+    one_rank = config("tp=1 kind=throughput")
+    for layers in (2, 8):
+        cfg = vary(one_rank, "model", num_hidden_layers=layers)
+        rates = steptime.rates_for(cfg, threads=1)
+        step = steptime.predict_time(cfg, rates).step_s
+        assert compute_s(cfg) == pytest.approx(step * (cfg.train.warmup + 1 + cfg.train.steps))
     cfg = config("kind=memory")
-    assert compute_s(cfg, dtype="bfloat16") == pytest.approx(10 * compute_s(cfg))
+    assert 1 < compute_s(cfg, dtype="bfloat16") / compute_s(cfg) < 10  # the GEMMs' share, 10x slower
+    assert "STEP_OVERHEAD" not in dir(estimate)  # no factor fitted to step times
     fake = vary(cfg, "launch", emulate="fake")
     assert estimate.estimate(fake).flops == {} and estimate.estimate(fake).seconds == estimate.LAUNCH_S
 
@@ -170,7 +185,7 @@ def test_a_dtype_with_no_fast_kernel_gets_a_line_with_the_figures_and_what_to_do
     write_rates(cache, config("kind=memory"), {"float32": 82e9, "bfloat16": 0.4e9})
     seconds = progress.say_estimates([config(SEED_BF16)], sweep=False)
     lines = capsys.readouterr().err.splitlines()
-    assert lines[0].startswith("estimate: memory ddp tp=1 dp=2 layers=8 bfloat16: ~3.4 h (")
+    assert lines[0].startswith("estimate: memory ddp tp=1 dp=2 layers=8 bfloat16: ~5.5 h (")
     assert seconds[0] > 3600 and lines[1].startswith("long run: memory ddp tp=1 dp=2 layers=8 bfloat16")
     (slow,) = [line for line in lines if "no fast matmul kernel" in line]
     assert slow.startswith("bfloat16 has no fast matmul kernel here: 0.4 GFLOP/s against float32's 82 (")

@@ -229,7 +229,8 @@ def test_throughput_compares_the_modes_at_one_global_batch(filled, html_report):
     rows = filled.query(
         "SELECT r.mode, m.name, MAX(m.value) FROM runs r JOIN measurements m ON m.run_id = r.id "
         "WHERE r.kind = 'throughput' AND json_extract(r.config, '$.train.recompute') = 'none' "
-        "AND m.step IS NULL AND m.name IN ('tokens_per_s', 'tokens_per_step') GROUP BY r.id, m.name"
+        "AND m.step IS NULL AND m.name IN ('tokens_per_s', 'tokens_per_step', 'step_time_s', "
+        "'predicted_step_time_s') GROUP BY r.id, m.name"
     )
     db = {(mode, name): value for mode, name, value in rows}
     assert db[("ddp", "tokens_per_step")] == db[("tp", "tokens_per_step")] == 4 * 32  # global batch 4, S 32
@@ -244,6 +245,10 @@ def test_throughput_compares_the_modes_at_one_global_batch(filled, html_report):
         "ddp": 1.0,
         "tp": db[("tp", "tokens_per_s")] / db[("ddp", "tokens_per_s")],
     }
+    # the time model's step, recorded with each run, beside the measured one with its error
+    assert frame.at["tp", "predicted step"] == db[("tp", "predicted_step_time_s")] > 0
+    error = db[("tp", "predicted_step_time_s")] / db[("tp", "step_time_s")] - 1
+    assert frame.at["tp", "error"] == pytest.approx(error)
     html = unescape(html_report.read_text())
     part = html[html.index('<section id="throughput">') : html.index('<section id="communication">')]
     assert f"{frame.at['tp', 'vs DDP']:.1%}" in part and re.search(r">\s*128\s*<", part)

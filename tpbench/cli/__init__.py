@@ -252,7 +252,8 @@ def report(
     "tpbench plan tp=8 sp=true vp=true model=minimind layers=64\n\n"
     "tpbench plan +preset=seed_tp_memory  (every config of the sweep)\n\n"
     "tpbench plan mode=ddp,tp_sp_vp model=seed_memory precision=mixed\n\n"
-    "tpbench plan model=qwen3_0_6b tp=4 --json",
+    "tpbench plan model=qwen3_0_6b tp=4 --json\n\n"
+    "tpbench plan model=qwen3_0_6b tp=8 sp=true launch.device=cuda launch.emulate=fake gpu=H100-80GB",
 )
 def plan(
     overrides: Overrides = None,
@@ -269,19 +270,26 @@ def plan(
     ] = False,
 ) -> None:
     """Print the analytic model's prediction, per rank, without running anything: memory at each moment
-    of a training step (the peak marked), collective bytes per step, model FLOPs per step."""
+    of a training step (the peak marked), collective bytes per step, model FLOPs per step, and the
+    time model's step time, its split and MFU (on the local CPU, or launch.device=cuda gpu=NAME)."""
     from tpbench.experiments import memory
     from tpbench.parallel import emulation
-    from tpbench.predict import theory
+    from tpbench.predict import steptime, theory
+    from tpbench.sizing.estimate import worker_threads
 
-    configs = _compose([*(overrides or []), *(["launch.emulate=fake"] if measure else [])], single=False)
+    # gpu=NAME: the GPU of the time model's rates and of the allocator's model (launch.emulate_gpu)
+    given = [f"launch.emulate_gpu={o[4:]}" if o.startswith("gpu=") else o for o in overrides or []]
+    configs = _compose([*given, *(["launch.emulate=fake"] if measure else [])], single=False)
     for c in (c for c in configs if c.kind == configs[0].kind):  # kind=all: one config per kind
         prediction = theory.predict(c)
         measured = memory.measure_busiest(c) if measure else None
+        timed = steptime.predict_time(c, steptime.rates_for(c, threads=worker_threads(c)))
         if as_json:
-            print(json.dumps(output.plan_dict(c, prediction, theory.model_flops_per_step(c), measured)))
+            said = output.plan_dict(c, prediction, theory.model_flops_per_step(c), measured)
+            print(json.dumps(said | timed.fields()))
             continue
         output.plan(c, prediction, theory.model_flops_per_step(c))
+        output.step_time(c, timed)
         output.depth(c)
         if measured is not None:
             output.measured(c, prediction, *measured, emulation.emulated_rank(c))

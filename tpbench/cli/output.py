@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # pandas and the database (sqlalchemy) are imported where a c
     import pandas as pd  # `tpbench plan` starts without them
 
     from tpbench.db import ResultsDB
+    from tpbench.predict.steptime import TimePrediction
     from tpbench.predict.theory import Prediction
     from tpbench.predict.theory.depth import Limit
     from tpbench.run.sweep import Ran
@@ -216,6 +217,21 @@ def _depth_limits(cfg: RunConfig) -> tuple[list[Limit], dict[str, str]]:
         except ConfigError as e:
             refused[mode] = str(e)
     return depth.limits(configs), refused
+
+
+def step_time(cfg: RunConfig, timed: TimePrediction) -> None:
+    """`tpbench plan`'s time lines: the time model's step, its split, tokens/s and MFU."""
+    where = f"an {cfg.launch.emulate_gpu}" if cfg.launch.device == "cuda" else "this CPU"
+    comm = ", ".join(f"{purpose} {s * 1e3:,.3g}" for purpose, s in sorted(timed.comm_exposed.items()))
+    out.print(
+        f"predicted step time on {where}: {timed.step_s * 1e3:,.4g} ms = compute {timed.compute_s * 1e3:,.4g}"
+        f" + exposed communication {timed.comm_s * 1e3:,.3g} ({comm or 'none'}) + optimizer "
+        f"{timed.optimizer_s * 1e3:,.3g}; {timed.tokens_per_s:,.0f} tokens/s"
+    )
+    if timed.mfu is not None:
+        out.print(
+            f"predicted MFU: {100 * timed.mfu:.1f}% (model FLOPs / (step time x devices x peak FLOP/s))"
+        )
 
 
 def plan_dict(

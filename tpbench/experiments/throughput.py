@@ -11,6 +11,9 @@ much of it parallel.overlap (or DDP) hid behind compute. (The dtensor engine's c
 on a step of its own: the counting mode would slow the timed ones.) The metric `timing_cuda_events`
 says how: 1 CUDA events, 0 the host's wall clock.
 
+Beside them, rank 0 records the time model's prediction of the same step (tpbench.predict.steptime:
+`predicted_step_time_s`, its compute, exposed communication by purpose and optimizer, tokens/s, MFU).
+
 Model FLOPs come from the analytic model; the FLOPs every rank really executes are counted on one
 step and summed over ranks (replicated work under TP counts on every rank), by `LocalFlopCounter`:
 torch's FlopCounterMode with the formula of the CPU SDPA kernel added (torch has none, so attention
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -39,7 +43,7 @@ from tpbench.experiments.progress import StepProgress
 from tpbench.experiments.setup import counting
 from tpbench.experiments.training import Trainer
 from tpbench.parallel import collectives, instrumentation, timing
-from tpbench.predict import hardware, theory
+from tpbench.predict import hardware, steptime, theory
 from tpbench.results import RankResult
 
 
@@ -72,7 +76,11 @@ def run(cfg: RunConfig) -> RankResult:
     progress.step()
     result.add("flops_per_step", _summed_over_ranks(flops.get_total_flops()), "FLOP")
 
+    cpu_start = time.process_time()
     times = timed_steps(clock, trainer, cfg.train.steps, counter if timed_comm else None, progress.step)
+    # this rank's CPU time per step, its threads' (gloo's included): on a loaded CPU, the work without
+    # the waiting for cores that the wall clock adds
+    result.add("step_cpu_time_s", (time.process_time() - cpu_start) / cfg.train.steps, "s")
     if timed_comm:
         result.comm = counter.rows(steps=cfg.train.steps)  # per step, averaged over the timed steps
         total, exposed = (sum(getattr(r, f) for r in result.comm) for f in ("time_s", "exposed_s"))
@@ -101,7 +109,20 @@ def run(cfg: RunConfig) -> RankResult:
         peak = peak_flops(torch.cuda.get_device_name(trainer.ctx.device), cfg.train.dtype, tf32)
     if peak:
         result.add("mfu", model_flops / median / (world * peak))
+    if trainer.ctx.rank == 0:  # after the timed steps: a rate not cached yet is probed here
+        for name, value in predicted_time(cfg, device).fields().items():
+            unit = "" if name == "predicted_mfu" else "tokens/s" if "tokens" in name else "s"
+            result.add(name, value, unit)
     return result
+
+
+def predicted_time(cfg: RunConfig, device: torch.device) -> steptime.TimePrediction:
+    """The time model's step (tpbench.predict.steptime) at this device's rates: a GPU's from the
+    hardware table (by its device name), the CPU's probed with this worker's threads."""
+    if device.type == "cuda":
+        row = hardware.of_device(torch.cuda.get_device_name(device))
+        return steptime.predict_time(cfg, steptime.rates_for(cfg, row.name if row else None))
+    return steptime.predict_time(cfg, steptime.cpu_rates(cfg, torch.get_num_threads()))
 
 
 def _timed_step(clock: timing.StepClock, trainer: Trainer) -> float:

@@ -186,3 +186,167 @@ def _cpu_flags() -> set[str]:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# --- the time model's rates on a CPU (tpbench.predict.steptime) --------------------------------------
+
+TIME_PROBE = "time model v1, CPU time; collectives wall clock"
+COLLECTIVE_BYTES = (4 * 2**10, 4 * 2**20)  # the full tensors of the collective probe: alpha, then beta
+
+
+def time_rates(cfg: RunConfig, threads: int | None, group: int) -> dict[str, float]:
+    """This machine's rates for the time model, for a worker of `cfg` with `threads` CPU threads and
+    collectives over `group` ranks: cached, else measured (`probe_time_rates`, and the collectives
+    in child processes, `probe_collectives`) and cached."""
+    key = {**_key("float32", cfg, threads), "probe": TIME_PROBE, "group": group}
+    entries = _read_cache()
+    for entry in entries:
+        if {k: entry.get(k) for k in key} == key and all(
+            _valid_rate(v) for v in entry.get("rates", {}).values()
+        ):
+            return dict(entry["rates"])
+    measured = probe_time_rates(threads)
+    if group > 1:
+        measured |= probe_collectives(group)
+    kept = [e for e in entries if {k: e.get(k) for k in key} != key]
+    now = datetime.now(UTC).isoformat(timespec="seconds")
+    _write_cache([*kept, {**key, "rates": measured, "measured_at": now}])
+    return measured
+
+
+def _cpu_seconds(fn, reps: int, threads: int) -> float:
+    """CPU time of one call of `fn` (after a warm one) over `threads` threads, the median of `reps`."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.process_time()
+        fn()
+        times.append((time.process_time() - start) / threads)
+    return max(sorted(times)[len(times) // 2], 1e-9)
+
+
+def probe_time_rates(threads: int | None) -> dict[str, float]:
+    """On the CPU with `threads` threads, by CPU time: a skinny GEMM's FLOP/s ([2048, 128] @ [128,
+    128]), the flash attention kernel's forward and backward ([1, 4, 512, 64], causal; its FLOPs
+    counted over the full S x S, backward 2.5 x forward), an elementwise add's bytes/s (3 x 16 MiB),
+    and the fixed cost of one op: a training step of a MiniMind too small for its arithmetic to
+    count (H 16, 2 layers, 4 tokens: Python, dispatch and autograd), over the aten ops it dispatches."""
+    saved = torch.get_num_threads()
+    n = threads or saved
+    torch.set_num_threads(n)
+    try:
+        a, b = torch.randn(2048, 128), torch.randn(128, 128)
+        small = 2.0 * 2048 * 128 * 128 / _cpu_seconds(lambda: a @ b, 20, n)
+        q, k, v = (torch.randn(1, 4, 512, 64, requires_grad=True) for _ in range(3))
+
+        def attention() -> None:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+        attn = 3.5 * 4.0 * 4 * 512 * 512 * 64 / _cpu_seconds(attention, 5, n)
+        x, y, out = torch.randn(2**22), torch.randn(2**22), torch.empty(2**22)
+        bandwidth = 3 * 4 * 2**22 / _cpu_seconds(lambda: torch.add(x, y, out=out), 10, n)
+        step = _tiny_step()
+        torch.set_num_threads(1)  # Python and dispatch: one thread's work (idle threads would spin)
+        op_s = _cpu_seconds(step, 5, 1) / _dispatched(step)
+        return {"gemm_small": small, "attention": attn, "bandwidth": bandwidth, "op_s": op_s}
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _tiny_step():
+    """A training step of a MiniMind whose arithmetic is nil: what remains is each op's fixed cost."""
+    from tpbench.models.minimind import MiniMindConfig, build_model
+
+    model = build_model(
+        MiniMindConfig(
+            hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=32
+        )
+    )
+    optimizer = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 32, (1, 4))
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        model(ids, ids)[1].backward()
+        optimizer.step()
+
+    return step
+
+
+def _dispatched(fn) -> int:
+    """aten ops `fn` dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def probe_collectives(group: int) -> dict[str, float]:
+    """gloo's alpha (s) and beta (s per ring byte, as CommCounter counts them) of all_reduce,
+    all_gather and reduce_scatter over `group` processes on this machine (the calls tpbench's
+    collectives make), by the wall clock: the median of 10 of each at COLLECTIVE_BYTES."""
+    code = "from tpbench.predict import rate_probe; rate_probe._collectives_main()"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(group)], capture_output=True, text=True, timeout=300, check=True
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _collectives_main() -> None:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    group = int(sys.argv[1])
+    with tempfile.TemporaryDirectory() as folder:
+        mp.start_processes(_collectives_rank, (group, folder), nprocs=group, start_method="spawn")
+        print(Path(folder, "rates.json").read_text())
+
+
+def _collectives_rank(rank: int, group: int, folder: str) -> None:
+    import statistics
+
+    import torch.distributed as dist
+
+    from tpbench.parallel.instrumentation import ring_bytes
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=group)
+
+    def make(kind: str, full: int):
+        """(the call, its input) of a collective of `full` bytes (the all-reduced, gathered or
+        reduce-scattered tensor's)."""
+        whole, shard = torch.ones(full // 4), torch.ones(full // 4 // group)
+        if kind == "all_reduce":
+            return (lambda x: dist.all_reduce(x)), whole
+        if kind == "all_gather":
+            return (lambda x: dist.all_gather_into_tensor(whole, x)), shard
+        return (lambda x: dist.reduce_scatter_tensor(shard, x)), whole
+
+    rates = {}
+    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        seconds = []
+        for full in COLLECTIVE_BYTES:
+            fn, x = make(kind, full)
+            times = []
+            for _ in range(12):
+                dist.barrier()
+                start = time.perf_counter()
+                fn(x)
+                times.append(time.perf_counter() - start)
+            seconds.append(statistics.median(times[2:]))
+        small, big = (ring_bytes(kind, full, group) for full in COLLECTIVE_BYTES)
+        beta = max((seconds[1] - seconds[0]) / (big - small), 1e-15)
+        rates[f"alpha_{kind}"] = max(seconds[0] - small * beta, 1e-7)
+        rates[f"beta_{kind}"] = beta
+    if rank == 0:
+        Path(folder, "rates.json").write_text(json.dumps(rates))
+    dist.destroy_process_group()

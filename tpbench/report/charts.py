@@ -154,7 +154,8 @@ def measured_vs_predicted(
 
 
 def throughput(runs: pd.DataFrame, title: str) -> bytes:
-    """tokens/s and step time (median, p10-p90 whiskers) per mode; MFU beside them when measured."""
+    """tokens/s and step time (median, p10-p90 whiskers; the time model's prediction a black tick) per
+    mode; MFU beside them when measured."""
     runs = runs.sort_values(["layers", "mode_rank", *(["switches"] if "switches" in runs else [])])
     labels = (runs["mode"] + " L" + runs["layers"].astype(str)).tolist()
     if "switches" in runs:
@@ -175,6 +176,10 @@ def throughput(runs: pd.DataFrame, title: str) -> bytes:
         whiskers = [low.fillna(0).to_numpy(), high.fillna(0).to_numpy()]
         axes[1].bar(xs, step_ms, color=colors, yerr=whiskers, capsize=3)
         axes[1].set(ylabel="step time (ms), p10-p90", title="step time")
+        if "predicted_step_time_s" in runs and runs["predicted_step_time_s"].notna().any():
+            predicted = (runs["predicted_step_time_s"] * 1e3).to_numpy()
+            axes[1].scatter(xs, predicted, marker="_", s=400, color="black", zorder=3, label="predicted")
+            axes[1].legend(fontsize=7)
         if has_mfu:
             axes[2].bar(xs, runs["mfu"] * 100, color=colors)
             axes[2].set(ylabel="MFU (%)", title="model FLOPs utilisation")

@@ -1,36 +1,29 @@
-"""How long a run will take here, said before it launches: the FLOPs it executes over a measured rate.
+"""How long a run will take here, said before it launches: the time model's step on this machine
+(tpbench.predict.steptime: each op's roofline and fixed cost, each collective's alpha and beta, at
+the rates probed here and cached) times the steps the run executes, plus the launch's fixed cost
+(torchrun's start and every worker's imports).
 
-A run's time is about the FLOPs of the matmuls its busiest rank executes, divided by this machine's
-matmul rate in the dtype they run in (tpbench.predict.rate_probe), plus the launch's fixed cost
-(torchrun's start and every worker's imports). The FLOPs are the analytic model's
-(tpbench.predict.theory), counted for what each kind really runs:
-
-  validate    the dense model on the global batch, the sharded model's share of it and, off fp32, the
-              dense model in fp32 (the reference), for 1 + validate.steps steps, and the forwards that
-              compare their logits every validate.every steps
-  memory      max(train.warmup, the steps to a steady state) + train.steps steps of the busiest rank
+  validate    the sharded model's step and the dense model's on the global batch (one rank of it: every
+              rank runs it) and, off fp32, the dense model in fp32 (the reference), for 1 +
+              validate.steps steps, and the forwards that compare their logits every validate.every
+              steps (a forward: a third of a step)
+  memory      max(train.warmup, the steps to a steady state) + train.steps steps
   throughput  train.warmup + 1 (the FLOP-counted step) + train.steps steps, + 1 counted step for dtensor
 
-A rank's share of a step is its matmuls at its local sizes (heads and MLP columns divided by tp, the
-LM head too under VP, its DP slice of the batch), plus what full recompute adds; the rest of a step
-(norms, softmax, SwiGLU, AdamW) is STEP_OVERHEAD on top, as measured. `launch.emulate=fake` runs no
-arithmetic: the launch alone.
-
-Where it holds: a machine the run has to itself, and models whose matmuls dominate the step (H >= 256
-or so, fp32 or bf16: within ~25% of the compute measured, docs/usage.md, "Estimates and progress"). The
-tiny model's steps are mostly Python and small ops, which FLOPs do not count: its estimate is the
-launch's cost, and its compute a lower bound.
+`launch.emulate=fake` runs no arithmetic: the launch alone. Where it holds, and how far it misses on
+this machine's grid of throughput runs: docs/results/time_model.md. The matmul FLOPs of the busiest
+rank (`rank_step_flops`) are said beside it, with their rate.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
-from tpbench.config import RunConfig, local_world_size, run_label
+from tpbench.config import RunConfig, local_batch, local_world_size, run_label
 from tpbench.experiments.memory import steady_after
 from tpbench.parallel import emulation
-from tpbench.predict import theory
+from tpbench.predict import steptime, theory
 from tpbench.predict.rate_probe import rate
 
 # torchrun's start, a worker's imports of torch and tpbench, the process group and the results: the
@@ -40,23 +33,21 @@ LAUNCH_S = 11.0
 # group, model and results. The default tpbench run's memory and throughput runs, after its validate
 # run on the same workers: 0.6 s and 0.5 s from start to end on the idle 2-core Intel Xeon
 WARM_RUN_S = 0.5
-# A training step's time over its matmuls' at the probe's rate: the rest of a step (attention's
-# softmax, norms, SwiGLU, the loss, AdamW) and matmul shapes less efficient than the square probe.
-# Measured here, one CPU thread, a dense step of the seed's shape (H 768, L 2, S 256-512, B 2) and of
-# MiniMind's: fp32 1.7-2.0, bf16 1.16; 1.6 keeps both within 25%.
-STEP_OVERHEAD = 1.6
 LONG_RUN_S = 60.0  # above this, a run gets a "long run" line
 
 
 @dataclass(frozen=True)
 class Estimate:
-    """A run's expected wall time: FLOPs of the busiest rank by the dtype they run in, over the rates."""
+    """A run's expected wall time: the time model's steps, and the matmul FLOPs of the busiest rank
+    by the dtype they run in with their rates (said beside it)."""
 
     cfg: RunConfig
-    flops: dict[str, float]  # dtype -> FLOPs of the busiest rank
+    flops: dict[str, float]  # dtype -> matmul FLOPs of the busiest rank
     rates: dict[str, float]  # dtype -> this machine's matmul FLOP/s for a worker of the run
     threads: int | None  # CPU threads of a worker (None on a GPU)
     warm: bool = False  # runs on the warm workers of the run before it: no launch of its own
+    steps: dict[str, float] = field(default_factory=dict)  # what runs them -> steps executed
+    step_s: dict[str, float] = field(default_factory=dict)  # what runs them -> the time model's step
 
     @property
     def launch_s(self) -> float:
@@ -64,7 +55,7 @@ class Estimate:
 
     @property
     def compute_s(self) -> float:
-        return STEP_OVERHEAD * sum(f / self.rates[dtype] for dtype, f in self.flops.items())
+        return sum(self.step_s[k] * n for k, n in self.steps.items())
 
     @property
     def seconds(self) -> float:
@@ -80,9 +71,11 @@ class Estimate:
             for dtype, f in self.flops.items()
         ]
         work = " + ".join(parts) if parts else "no arithmetic (fake tensors)"
+        steps = ", ".join(f"{n:.3g} x {self.step_s[k]:.3g} s ({k})" for k, n in self.steps.items())
+        model = f"time model: {steps}; " if steps else ""
         return (
             f"estimate: {run_label(self.cfg)} {self.cfg.train.dtype}: ~{duration(self.seconds)} "
-            f"({work} on the busiest rank, {where}, x {STEP_OVERHEAD:g} for the rest of a step; "
+            f"({model}{work} on the busiest rank, {where}; "
             + (
                 f"+ {WARM_RUN_S:g} s on the run before's workers)"
                 if self.warm
@@ -95,7 +88,41 @@ def estimate(cfg: RunConfig) -> Estimate:
     """The estimate of one run on this machine, measuring a rate it has no cached figure for."""
     flops = executed_flops(cfg)
     threads = worker_threads(cfg)
-    return Estimate(cfg, flops, {dtype: rate(dtype, cfg, threads) for dtype in flops}, threads)
+    rates = {dtype: rate(dtype, cfg, threads) for dtype in flops}
+    if cfg.launch.emulate == "fake":
+        return Estimate(cfg, flops, rates, threads)
+    steps = executed_steps(cfg)
+    models = {"step": cfg, "dense": dense(cfg), "fp32 reference": dense(cfg, "float32")}
+    step_s = {
+        k: steptime.predict_time(models[k], steptime.rates_for(models[k], threads=threads)).step_s
+        for k in steps
+    }
+    return Estimate(cfg, flops, rates, threads, steps=steps, step_s=step_s)
+
+
+def executed_steps(cfg: RunConfig) -> dict[str, float]:
+    """The steps a run executes, by what runs them: its own model's ("step"), and validate's dense
+    model and fp32 reference (a comparison's forward a third of a step)."""
+    t = cfg.train
+    if cfg.kind == "memory":
+        return {"step": max(t.warmup, steady_after(cfg)) + t.steps}
+    if cfg.kind == "throughput":
+        return {"step": t.warmup + 1 + (cfg.parallel.engine == "dtensor") + t.steps}
+    v = cfg.validate
+    compared = sum(1 for s in range(1, v.steps + 1) if s % v.every == 0 or s == v.steps)
+    steps = {"step": 1 + v.steps + compared / 3, "dense": 1 + v.steps + compared / 3}
+    if t.dtype != "float32":
+        steps["fp32 reference"] = 1 + v.steps
+    return steps
+
+
+def dense(cfg: RunConfig, dtype: str | None = None) -> RunConfig:
+    """The dense model on the global batch, on one rank (validate's reference), in `dtype`."""
+    par = replace(cfg.parallel, tp=1, dp=1, sp=False, vp=False, overlap=False, engine="megatron")
+    train = replace(cfg.train, batch="fixed_per_rank", micro_batch=local_batch(cfg) * cfg.parallel.dp)
+    if dtype is not None:
+        train = replace(train, dtype=dtype, precision="pure")
+    return replace(cfg, parallel=par, train=train)
 
 
 def rank_step_flops(cfg: RunConfig) -> float:

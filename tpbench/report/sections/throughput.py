@@ -20,12 +20,16 @@ def section(data: ReportData) -> Section:
         "Communication: the time of one step's collectives, the part the ranks waited on (exposed, "
         "the busiest rank) and the fraction hidden behind compute (the least-hidden rank). The first "
         "step (compiling included under train.compile) is apart from the median. Timed by CUDA events "
-        "on NCCL, by the host's wall clock elsewhere.",
+        "on NCCL, by the host's wall clock elsewhere. Predicted step: the time model's, recorded with "
+        "each run (docs/time-model.md), and its error against the measured median; step CPU time: a "
+        "rank's CPU time per step, what the step costs without the waiting for cores of a loaded machine.",
     )
     runs = throughput(data)
     if runs.empty:
         section.empty = kind_empty(data, "throughput")
         return section
+    if "predicted_step_time_s" in runs:  # the time model's (tpbench.predict.steptime), recorded beside
+        runs = runs.assign(step_time_error=runs["predicted_step_time_s"] / runs["step_time_s"] - 1)
     for i, (setting, group) in enumerate(runs.groupby("setting", sort=False)):
         section.blocks.append(
             Chart(f"Throughput: {setting}", charts.throughput(group, setting), f"throughput-{i}")
@@ -42,6 +46,9 @@ def section(data: ReportData) -> Section:
             "step time": ("step_time_s", units.ms),
             "p10": ("step_time_p10_s", units.ms),
             "p90": ("step_time_p90_s", units.ms),
+            "predicted step": ("predicted_step_time_s", units.ms),
+            "error": ("step_time_error", units.signed_percent),
+            "step CPU time": ("step_cpu_time_s", units.ms),
             "first step": ("first_step_s", units.ms),
             "comm time": ("comm_time_s", units.ms),
             "comm exposed": ("comm_exposed_s", units.ms),

@@ -1,0 +1,205 @@
+"""The time model (tpbench.predict.steptime): its arithmetic on hand-computed cases, every collective
+of the memory model's comm_rows timed at its own kind's rates, recompute's extra forward, overlap
+only where the collective outlasts its work, the GPU table's rates, and the ops' kernels against
+the aten ops the dense model really dispatches. In process, no run."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tpbench.models.minimind import MiniMindConfig, build_model
+from tpbench.predict import hardware, rate_probe
+from tpbench.predict.steptime import Rates, gpu_rates, model, predict_time
+from tpbench.predict.steptime import ops as O
+from tpbench.predict.theory import comm_rows, dims, model_flops_per_step
+from tpbench.run import compose
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+@functools.cache
+def config(line: str):
+    (cfg,) = compose.expand(["kind=throughput", *line.split()])
+    return cfg
+
+
+def rates(**changes) -> Rates:
+    """Round figures, each collective kind's distinct, so that a kind timed at another's shows."""
+    base = Rates(
+        gemm={"large": 1e10, "small": 1e9},
+        attention=5e9,
+        bandwidth=1e10,
+        op_s=1e-5,
+        alpha={"all_reduce": 1e-4, "all_gather": 2e-4, "reduce_scatter": 3e-4},
+        beta={"all_reduce": 1e-9, "all_gather": 2e-9, "reduce_scatter": 4e-9},
+        overlap=False,
+        peak=1e10,
+    )
+    return replace(base, **changes)
+
+
+def test_op_time_is_the_roofline_plus_the_fixed_cost_on_a_cpu_and_the_larger_on_a_gpu():
+    r = rates()
+    big = O.gemm("w", 1024, 1024, 1024, 4)  # 2 x 2^30 FLOPs, 12 MiB: compute-bound
+    assert big.flops == 2 * 2**30 and big.bytes == 4 * 3 * 2**20 and big.kernels == 4
+    assert model.op_time(big, r) == pytest.approx((2 * 2**30 / 1e10, 4e-5))
+    skinny = O.gemm("w", 4096, 64, 64, 4)  # a side of 64: the small class, 1e9
+    assert model.op_time(skinny, r)[0] == pytest.approx(max(2 * 4096 * 64 * 64 / 1e9, skinny.bytes / 1e10))
+    norm = O.rmsnorm("n", 1000, 100, 4)  # memory-bound: 2 x 4 + 5 x 4 bytes per element
+    assert model.op_time(norm, r) == pytest.approx((1e5 * 28 / 1e10, 7e-5))
+    gpu = replace(r, gpu=True)
+    assert model.op_time(norm, gpu) == pytest.approx((2.8e-4, 0.0))  # longer than its launches
+    tiny = O.rmsnorm("n", 1, 10, 4)
+    assert sum(model.op_time(tiny, gpu)) == pytest.approx(7e-5)  # its launches
+
+
+def test_a_collective_costs_alpha_per_call_plus_beta_per_ring_byte_of_its_kind():
+    r = rates()
+    assert r.collective_s("all_reduce", 3, 1e6) == pytest.approx(3e-4 + 1e-3)
+    assert r.collective_s("reduce_scatter", 3, 1e6) == pytest.approx(9e-4 + 4e-3)
+
+
+@pytest.mark.parametrize("line", ["mode=tp", "mode=tp_sp", "mode=tp_vp", "mode=tp_sp_vp", "mode=ddp"])
+def test_every_collective_is_timed_at_its_own_kinds_rates(line):
+    """The exposed communication (nothing overlaps here) is sum over comm_rows of count x alpha +
+    bytes x beta of the row's own kind: an all-reduce timed at the reduce-scatter's cost, or a row
+    lost or counted twice between the blocks and the rest, fails."""
+    cfg = config(line)
+    r = rates()
+    expected: dict[str, float] = {}
+    for row in comm_rows(cfg):
+        seconds = row.count * r.alpha[row.op] + row.bytes * r.beta[row.op]
+        expected[row.purpose] = expected.get(row.purpose, 0.0) + seconds
+    got = predict_time(cfg, r)
+    assert got.comm_exposed == pytest.approx(expected)
+    assert got.comm_total_s == pytest.approx(sum(expected.values()))
+
+
+@pytest.mark.parametrize(
+    "line", ["mode=tp", "mode=tp_sp", "mode=tp_sp_vp recompute=full", "mode=tp_sp linear=true"]
+)
+def test_the_blocks_collectives_and_the_rest_keep_comm_rows_totals(line):
+    cfg = config(line.replace("linear=true", "parallel.sp_gather=linear"))
+    d = dims(cfg)
+    totals: dict[tuple[str, str], list[float]] = {}
+    for c in model.step_collectives(d, comm_rows(cfg)):
+        row = totals.setdefault((c.op, c.purpose), [0, 0])
+        row[0] += c.count
+        row[1] += c.bytes
+    assert totals == {
+        (r.op, r.purpose): [pytest.approx(r.count), pytest.approx(r.bytes)] for r in comm_rows(cfg)
+    }
+
+
+def test_full_recompute_adds_each_blocks_forward_to_down_proj_and_its_collectives():
+    """Full recompute's step is the plain one + L x the block's forward ops up to down_proj's input,
+    and its "recompute" collectives: a model that forgets the extra forward fails."""
+    r = rates()
+    plain, full = config("mode=tp_sp"), config("mode=tp_sp recompute=full")
+    d = dims(full)
+    forward = O.layer_forward(d)
+    names = [op.name for op in forward]
+    cut = names.index("down_proj")
+    again = d.L * sum(sum(model.op_time(op, r)) for op in forward[:cut])
+    a, b = predict_time(plain, r), predict_time(full, r)
+    assert again > 0
+    assert b.compute_s - a.compute_s == pytest.approx(again)
+    rows = {(x.op, x.purpose): x for x in comm_rows(full)}
+    ag, rs = rows[("all_gather", "recompute")], rows[("reduce_scatter", "recompute")]
+    recompute = ag.count * 2e-4 + ag.bytes * 2e-9 + rs.count * 3e-4 + rs.bytes * 4e-9
+    assert b.comm_exposed["recompute"] == pytest.approx(recompute)
+
+
+def test_selective_recompute_remakes_what_it_names():
+    r = rates()
+    plain, sel = config("mode=tp"), config("mode=tp recompute=selective")
+    d = dims(sel)
+    swiglu = next(op for op in O.layer_forward(d) if op.name == "swiglu")
+    extra = predict_time(sel, r).compute_s - predict_time(plain, r).compute_s
+    assert extra == pytest.approx(d.L * sum(model.op_time(swiglu, r)))
+
+
+def test_overlap_hides_only_what_outlasts_the_work_behind_it():
+    """parallel.overlap: each backward entry all-reduce hides behind its region's column weight
+    gradients (half their backward); exposed = max(0, collective - that work)."""
+    cfg = config("mode=tp parallel.overlap=true")
+    d = dims(cfg)
+    slow = rates(overlap=True, alpha=dict.fromkeys(KINDS, 1.0))  # 1 s a collective: outlasts everything
+    fast = rates(overlap=True, alpha=dict.fromkeys(KINDS, 0.0), beta=dict.fromkeys(KINDS, 0.0))
+    none = rates(alpha=dict.fromkeys(KINDS, 1.0))
+    layer = {op.name: sum(model.op_time(O.backward_of(op), slow)) for op in O.layer_forward(d)}
+    work = (layer["q_proj"] + layer["k_proj"] + layer["v_proj"] + layer["gate_proj"] + layer["up_proj"]) / 2
+    hidden = predict_time(cfg, none).comm_s - predict_time(cfg, slow).comm_s
+    assert hidden == pytest.approx(d.L * work)
+    assert predict_time(cfg, fast).comm_s == 0.0
+    # no cores to spare (Rates.overlap false): nothing hides
+    assert predict_time(cfg, replace(slow, overlap=False)).comm_s == predict_time(cfg, none).comm_s
+
+
+def test_mfu_is_model_flops_over_step_time_devices_and_peak():
+    cfg = config("mode=tp")
+    got = predict_time(cfg, rates())
+    assert got.mfu == pytest.approx(model_flops_per_step(cfg) / (got.step_s * 2 * 1e10))
+    assert got.step_s == pytest.approx(got.compute_s + got.comm_s + got.optimizer_s)
+    assert got.fields()["predicted_step_time_s"] == got.step_s
+
+
+def test_a_gpus_rates_are_its_data_sheet_times_the_cited_fractions_and_settable():
+    a100 = hardware.gpu("A100-80GB")
+    r = gpu_rates(a100, "bfloat16")
+    assert r.gemm["large"] == pytest.approx(312e12 * 0.859)
+    assert r.bandwidth == pytest.approx(2.039e12 * 0.85)
+    assert r.beta["all_reduce"] == pytest.approx(1 / 200e9)
+    assert gpu_rates(a100, "bfloat16", gemm=0.5).gemm["large"] == pytest.approx(156e12)
+
+
+def test_the_ops_kernels_are_the_aten_ops_the_dense_model_dispatches():
+    """Each op's kernel count (what pays the fixed per-op cost) against a dispatch mode's count of
+    the dense tiny model's real step: forward, backward and AdamW within 3%."""
+    cfg = config("mode=ddp parallel.dp=1")
+    d = dims(cfg)
+    m = cfg.model
+    net = build_model(
+        MiniMindConfig(
+            hidden_size=m.hidden_size,
+            num_hidden_layers=m.num_hidden_layers,
+            num_attention_heads=m.num_attention_heads,
+            num_key_value_heads=m.num_key_value_heads,
+            vocab_size=m.vocab_size,
+        )
+    )
+    opt = torch.optim.AdamW(net.parameters())
+    ids = torch.randint(0, m.vocab_size, (d.B, d.S))
+    loss = {}
+    forward = rate_probe._dispatched(lambda: loss.setdefault("x", net(ids, ids)[1]))
+    backward = rate_probe._dispatched(lambda: loss["x"].backward())
+    adam = rate_probe._dispatched(opt.step)
+    predicted: dict[str, int] = {}
+    for op in O.step_ops(d):
+        predicted[op.phase] = predicted.get(op.phase, 0) + op.kernels
+    assert predicted[O.FORWARD] == pytest.approx(forward, rel=0.03)
+    assert predicted[O.BACKWARD] == pytest.approx(backward, rel=0.03)
+    assert predicted[O.STEP] == pytest.approx(adam, rel=0.03)
+
+
+def test_plan_prints_the_predicted_step_its_split_and_mfu_on_the_given_gpu():
+    import json
+
+    from typer.testing import CliRunner
+
+    from tpbench.cli import app
+
+    line = "tp=8 sp=true model=seed_memory launch.device=cuda launch.emulate=fake"
+    done = CliRunner().invoke(app, ["plan", *line.split(), "gpu=A100-80GB", "--json"])
+    assert done.exit_code == 0, done.output
+    said = json.loads(done.output.splitlines()[0])
+    cfg = compose.expand([*line.split(), "launch.emulate_gpu=A100-80GB"])[0]  # kind=all: memory first
+    expected = predict_time(cfg, gpu_rates(hardware.gpu("A100-80GB"), cfg.train.dtype))
+    assert said["predicted_step_time_s"] == pytest.approx(expected.step_s)
+    assert said["predicted_mfu"] == pytest.approx(expected.mfu)
+    done = CliRunner().invoke(app, ["plan", *line.split(), "gpu=A100-80GB"])
+    assert "predicted step time on an A100-80GB: " in done.output and "predicted MFU: " in done.output

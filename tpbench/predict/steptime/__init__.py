@@ -1,0 +1,76 @@
+"""The time model: a training step's time predicted from its ops and collectives, as the memory model
+predicts its bytes (docs/time-model.md says what it counts and how it is checked).
+
+  ops     each op of a step on one rank (GEMMs, attention, norms, SwiGLU, RoPE, the loss, AdamW): its
+          class, FLOPs, bytes and kernels, from the memory model's `Dims`
+  rates   what they run at: a CPU's probed and cached (tpbench.predict.rate_probe), a GPU's from the
+          hardware table's peaks x published achievable fractions
+  model   roofline + fixed per-op cost per op, alpha-beta per collective, overlap where the
+          implementation has it: the step's time split into compute, exposed communication by
+          purpose and the optimizer; tokens/s; MFU
+
+What it adds to torch's RuntimeEstimator (torch.distributed._tools.runtime_estimator, whose
+roofline mode needs a CUDA device and whose per-op FLOPs and bytes come from running the step under
+FakeTensorMode): no step is run (the ops come from the config, for any size, in microseconds); the
+collectives and their overlap; recompute; the CPU's probed rates and fixed per-op cost; the GPU
+table's rates for a GPU that is not here.
+"""
+
+from __future__ import annotations
+
+from tpbench.config import RunConfig, local_batch
+from tpbench.predict import hardware
+from tpbench.predict.steptime.model import TimePrediction, predict_ops
+from tpbench.predict.steptime.rates import KINDS, Rates, gpu_rates
+from tpbench.predict.theory import comm_rows, dims, model_flops_per_step
+
+__all__ = ["Rates", "TimePrediction", "cpu_rates", "gpu_rates", "predict_ops", "predict_time", "rates_for"]
+
+
+def predict_time(cfg: RunConfig, rates: Rates) -> TimePrediction:
+    """One training step of `cfg` on one rank at `rates`, with its tokens/s and MFU."""
+    d = dims(cfg)
+    out = predict_ops(d, comm_rows(cfg), rates)
+    out.tokens = local_batch(cfg) * cfg.parallel.dp * cfg.train.seq_len
+    out.model_flops = model_flops_per_step(cfg)
+    out.devices = cfg.parallel.dp * cfg.parallel.tp
+    out.peak = rates.peak
+    return out
+
+
+def cpu_rates(cfg: RunConfig, threads: int | None) -> Rates:
+    """This CPU's rates for a worker of `cfg` (probed once, cached: tpbench.predict.rate_probe). A
+    collective overlaps nothing here when the ranks' threads fill the cores: gloo's threads then take
+    the compute's."""
+    import os
+
+    from tpbench.predict import rate_probe
+
+    dtype = cfg.train.dtype
+    large = rate_probe.rate(dtype, cfg, threads)
+    group = max(cfg.parallel.tp, cfg.parallel.dp)
+    r = rate_probe.time_rates(cfg, threads, group)
+    slow = 1.0 if dtype == "float32" else large / rate_probe.rate("float32", cfg, threads)
+    ranks = cfg.parallel.tp * cfg.parallel.dp
+    return Rates(
+        gemm={"large": large, "small": r["gemm_small"] * slow},
+        attention=r["attention"] * slow,
+        bandwidth=r["bandwidth"],
+        op_s=r["op_s"],
+        alpha={k: r.get(f"alpha_{k}", 0.0) for k in KINDS},
+        beta={k: r.get(f"beta_{k}", 0.0) for k in KINDS},
+        source=f"probed on {rate_probe.machine.cpu_name()}, {threads} thread(s), gloo over {group}",
+        overlap=ranks * (threads or 1) < (os.cpu_count() or 1),
+        peak=large,
+    )
+
+
+def rates_for(cfg: RunConfig, gpu: str | None = None, threads: int | None = None) -> Rates:
+    """The rates of `cfg`'s device: a GPU's from the table (`gpu` names its row; else the one
+    launch.emulate_gpu names), the CPU's probed."""
+    if cfg.launch.device == "cuda":
+        row = hardware.gpu(gpu or cfg.launch.emulate_gpu or "H100-SXM")
+        if row is None:
+            raise ValueError(f"gpu={gpu!r}: accepted are {', '.join(hardware.names())}")
+        return gpu_rates(row, cfg.train.dtype)
+    return cpu_rates(cfg, threads)

@@ -1,0 +1,225 @@
+"""A step's time from its ops (`ops.step_ops`) and its collectives (`comm_rows`, the memory model's,
+which tpbench's CommCounter checks), at the rates of the machine (`Rates`).
+
+  op          max(FLOPs / rate of its class, bytes / bandwidth), plus kernels x the fixed per-op cost
+              (added on a CPU, where Python, dispatch and autograd run on the compute's thread; on a
+              GPU the larger of the two: the host runs ahead of the kernels)
+  collective  count x alpha + ring bytes x beta, of its kind and group size
+  overlap     a collective that the implementation runs beside compute (DDP's buckets and
+              parallel.overlap's flat buckets behind backward; parallel.overlap's backward entry
+              all-reduce / reduce-scatter behind the region's column weight gradients, SP's re-gather
+              behind the row-parallel layer's and the core's backward) costs only what outlasts the
+              work it hides behind, and only where it has cores of its own (`Rates.overlap`); every
+              other collective adds up
+  step        compute (forward, recompute, backward) + exposed communication + the optimizer
+
+MFU = model FLOPs per step / (step time x devices x peak FLOP/s of one device), model FLOPs
+= tpbench.predict.theory.model_flops_per_step: 6 x (weight-matmul FLOPs per token: 2N parameters in
+the blocks' linears and the head) + the attention term 12 x L x S x H_q per token, the full S x S
+products, no recompute (6N + 12 L S H). On a CPU the peak is the probed large-GEMM rate of one rank.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from tpbench.parallel.instrumentation import ring_bytes
+from tpbench.predict.steptime import ops as O
+from tpbench.predict.steptime.rates import Rates
+from tpbench.predict.theory.dims import Dims
+from tpbench.results import CommRow
+
+
+@dataclass(frozen=True)
+class Collective:
+    """`count` collectives of one kind on one rank, per step (or per block: `layer`)."""
+
+    op: str
+    purpose: str
+    phase: str  # forward | backward | recompute | grads
+    count: int
+    bytes: float  # ring bytes, all of them
+    hidden_behind: tuple[str, ...] = ()  # the ops (by name, this phase's) it may run beside
+
+
+@dataclass
+class TimePrediction:
+    """A step's predicted time on one rank and what it is made of."""
+
+    compute_s: float  # forward, recompute and backward ops
+    optimizer_s: float
+    comm_exposed: dict[str, float]  # purpose -> seconds not hidden
+    comm_total_s: float  # every collective's time, hidden or not
+    by_kind: dict[str, float]  # gemm, attention, elementwise, optimizer, per-op cost, collectives
+    by_phase: dict[str, float]  # forward, backward (recompute and backward collectives in it), optimizer
+    tokens: int = 0
+    model_flops: float = 0.0
+    devices: int = 1
+    peak: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def comm_s(self) -> float:
+        return sum(self.comm_exposed.values())
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_s + self.optimizer_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s
+
+    @property
+    def mfu(self) -> float | None:
+        return self.model_flops / (self.step_s * self.devices * self.peak) if self.peak else None
+
+    def fields(self) -> dict[str, float]:
+        """The prediction as a throughput run's measurements (name -> value, seconds unless named)."""
+        out = {
+            "predicted_step_time_s": self.step_s,
+            "predicted_compute_s": self.compute_s,
+            "predicted_comm_exposed_s": self.comm_s,
+            "predicted_optimizer_s": self.optimizer_s,
+            "predicted_tokens_per_s": self.tokens_per_s,
+        }
+        out |= {f"predicted_comm_{purpose}_s": s for purpose, s in sorted(self.comm_exposed.items())}
+        if self.mfu is not None:
+            out["predicted_mfu"] = self.mfu
+        return out
+
+
+def op_time(op: O.Op, rates: Rates) -> tuple[float, float]:
+    """(roofline seconds, fixed-cost seconds) of an op: on a GPU the fixed cost is what the launches
+    take beyond the roofline time (zero for a kernel longer than its launch)."""
+    if op.kind == O.GEMM:
+        roof = max(op.flops / rates.gemm_rate(op.mnk), op.bytes / rates.bandwidth)
+    elif op.kind == O.ATTENTION:
+        roof = max(op.flops / rates.attention, op.bytes / rates.bandwidth)
+    else:
+        roof = op.bytes / rates.bandwidth
+    fixed = op.kernels * rates.op_s
+    return (roof, max(0.0, fixed - roof)) if rates.gpu else (roof, fixed)
+
+
+def layer_collectives(d: Dims) -> list[Collective]:
+    """One block's collectives, by phase, as tpbench's engine issues them (the counts of
+    tpbench.predict.theory.collectives, per block) and what parallel.overlap hides each behind."""
+    if d.T == 1 or d.ddp:
+        return []
+    full = d.N * d.H * d.p
+    ar, ag = ring_bytes("all_reduce", full, d.T), ring_bytes("all_gather", full, d.T)
+    rs = ring_bytes("reduce_scatter", full, d.T)
+    g = d.entries
+    column = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+    out = []
+    if not d.sp:
+        out.append(Collective("all_reduce", "activation", O.FORWARD, 2, 2 * ar))  # f-bar at the exits
+        out += [Collective("all_reduce", "activation", O.BACKWARD, 1, ar, c) for c in column]  # f
+    else:
+        out.append(Collective("all_gather", "activation", O.FORWARD, g, g * ag))  # g at the entries
+        out.append(Collective("reduce_scatter", "activation", O.FORWARD, 2, 2 * rs))  # g-bar
+        out.append(Collective("all_gather", "activation", O.BACKWARD, 2, 2 * ag))  # g-bar's backward
+        if g == 2:
+            out += [Collective("reduce_scatter", "activation", O.BACKWARD, 1, rs, c) for c in column]
+        else:
+            out.append(Collective("reduce_scatter", "activation", O.BACKWARD, g, g * rs))
+        if d.block_regather:
+            rows = (("o_proj", "attention", "softmax", "qk^T", "pv"), ("down_proj", "swiglu"))
+            if g == 2:
+                out += [Collective("all_gather", "regather", O.BACKWARD, 1, ag, r) for r in rows]
+            else:
+                out.append(Collective("all_gather", "regather", O.BACKWARD, g, g * ag))
+    if d.recompute == "full":
+        exits = 2 if d.dropout else 1
+        if d.sp:
+            out.append(Collective("all_gather", "recompute", O.RECOMPUTE, g, g * ag))
+            out.append(Collective("reduce_scatter", "recompute", O.RECOMPUTE, exits, exits * rs))
+        else:
+            out.append(Collective("all_reduce", "recompute", O.RECOMPUTE, exits, exits * ar))
+    return out
+
+
+def step_collectives(d: Dims, rows: list[CommRow]) -> list[Collective]:
+    """Every collective of the step: the blocks' (L x `layer_collectives`) and the rest of `rows`
+    (the memory model's comm_rows, whose totals they keep): the embedding's and the head's
+    activations (half forward, half backward), the loss's (forward), the gradient sums (after
+    backward: DDP's buckets and parallel.overlap's flat ones behind backward)."""
+    per_layer = layer_collectives(d)
+    out = [
+        Collective(c.op, c.purpose, c.phase, c.count * d.L, c.bytes * d.L, c.hidden_behind) for c in per_layer
+    ]
+    left: dict[tuple[str, str], list[float]] = {(r.op, r.purpose): [r.count, r.bytes] for r in rows}
+    for c in out:
+        key = left.setdefault((c.op, c.purpose), [0, 0])
+        key[0] -= c.count
+        key[1] -= c.bytes
+    behind_backward = ("backward",) if d.ddp or d.flat_dp else ()
+    for (op, purpose), (count, size) in sorted(left.items()):
+        if count <= 0:
+            continue
+        if purpose in ("dp_grad", "grad_sum"):
+            hidden = behind_backward if purpose == "dp_grad" else ()
+            out.append(Collective(op, purpose, "grads", int(count), size, hidden))
+        elif purpose == "loss":
+            out.append(Collective(op, purpose, O.FORWARD, int(count), size))
+        else:  # the embedding's and the head's: forward and backward
+            half = int(count) // 2
+            out.append(Collective(op, purpose, O.FORWARD, int(count) - half, size * (count - half) / count))
+            if half:
+                out.append(Collective(op, purpose, O.BACKWARD, half, size * half / count))
+    return out
+
+
+def predict_ops(
+    d: Dims,
+    rows: list[CommRow],
+    rates: Rates,
+    impl: O.Implementation = O.TPBENCH,
+    layer_only: bool = False,
+) -> TimePrediction:
+    """The step's time on one rank under `d` at `rates`; `layer_only`: one block's forward and
+    backward (no embedding, head, loss, optimizer, gradient sums), as Korthikanti et al. time it."""
+    step = O.step_ops(d, impl)
+    colls = step_collectives(d, rows)
+    if layer_only:
+        step = [op for op in step if op.layer and op.phase != O.STEP]
+        step = [op.times(1 / d.L) for op in step]
+        colls = layer_collectives(d)
+    by_kind: dict[str, float] = defaultdict(float)
+    by_phase: dict[str, float] = defaultdict(float)
+    by_name: dict[tuple[str, str], float] = defaultdict(float)
+    compute = optimizer = 0.0
+    for op in step:
+        roof, fixed = op_time(op, rates)
+        by_kind[op.kind] += roof
+        by_kind["per-op cost"] += fixed
+        seconds = roof + fixed
+        by_name[(op.phase, op.name)] += seconds
+        if op.phase == O.STEP:
+            optimizer += seconds
+            by_phase["optimizer"] += seconds
+        else:
+            compute += seconds
+            by_phase[O.FORWARD if op.phase == O.FORWARD else O.BACKWARD] += seconds
+    exposed: dict[str, float] = defaultdict(float)
+    total = 0.0
+    backward_compute = sum(s for (phase, _), s in by_name.items() if phase == O.BACKWARD)
+    per_layer = 1 if layer_only else d.L
+    for c in colls:
+        seconds = rates.collective_s(c.op, c.count, c.bytes)
+        total += seconds
+        hidden = 0.0
+        if rates.overlap and c.hidden_behind == ("backward",):  # buckets behind backward, the last not
+            hidden = min(seconds - seconds / max(c.count, 1), backward_compute)
+        elif rates.overlap and c.hidden_behind and d.overlap:  # each of `count` behind its ops' backward
+            work = sum(by_name[(O.BACKWARD, n)] for n in c.hidden_behind) / per_layer
+            if c.purpose == "activation":  # an entry's: the column layers' weight gradients, half
+                work /= 2  # of their backward
+            one = seconds / c.count
+            hidden = c.count * min(one, work)
+        exposed[c.purpose] += seconds - hidden
+        by_phase[c.phase if c.phase in (O.FORWARD, "grads") else O.BACKWARD] += seconds - hidden
+    by_kind["collectives"] = sum(exposed.values())
+    return TimePrediction(compute, optimizer, dict(exposed), total, dict(by_kind), dict(by_phase))

@@ -1,0 +1,243 @@
+"""The ops of one training step on one rank: each with its class, FLOPs, bytes read and written and
+the kernels it dispatches, from the model's sizes seen from one rank (`Dims`, the memory model's).
+
+A step is forward -> loss -> backward -> AdamW. Per block (`layer_forward`), in the block's order:
+the input RMSNorm, q/k/v, the q/k norms, RoPE, the attention core, o_proj, the residual add, the
+post-attention norm, gate and up, SwiGLU, down_proj, the residual add (and the dropouts, with
+model.dropout). Outside the blocks: the embedding, the final norm, the LM head, the loss, AdamW.
+
+Backward (`backward_of`) is each op's gradient: a GEMM's two (input and weight gradient, twice the
+forward's FLOPs), the flash attention kernel's backward (2.5x its forward: it remakes the scores),
+an elementwise op's twice the forward's bytes and kernels. Recompute adds forward ops again in
+backward: full, every op of a block up to down_proj's input (down_proj too with dropout: the
+recomputation runs to the MLP dropout's mask); selective, the ops `Implementation.selective`
+names (tpbench's: the SwiGLU; Megatron's: the attention core).
+
+Bytes are what each kernel reads and writes at the element sizes of `Dims` (p activations, s the
+stream, fp32 where RMSNorm, softmax and the loss compute); kernels are the aten ops dispatched,
+counted from the model's code (each pays the fixed per-op cost).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tpbench.predict.theory.dims import FP32, Dims
+from tpbench.predict.theory.weights import params
+
+GEMM, ATTENTION, ELEMENTWISE, OPTIMIZER = "gemm", "attention", "elementwise", "optimizer"
+FORWARD, BACKWARD, RECOMPUTE, STEP = "forward", "backward", "recompute", "optimizer"
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """What differs between tpbench's kernels and Megatron-LM's (Korthikanti et al.'s GPT): what
+    selective recompute remakes; whether dropout, the scaled masked softmax and the norm are one
+    fused kernel each (Megatron's: the input read, the output (and a 1-byte mask) written) or
+    tpbench's (a hashed mask; an fp32 softmax and its mask; RMSNorm's fp32 passes); RoPE (GPT has
+    learned positions, added once at the embedding)."""
+
+    selective: tuple[str, ...]
+    fused_dropout: bool = False
+    fused_softmax: bool = False
+    fused_norm: bool = False
+    rope: bool = True
+
+
+TPBENCH = Implementation(selective=("swiglu",))
+MEGATRON = Implementation(
+    ("qk^T", "softmax", "attention dropout", "pv"),
+    fused_dropout=True,
+    fused_softmax=True,
+    fused_norm=True,
+    rope=False,
+)
+# backward dispatches 2.34 ops per forward op: the dense tiny model's step, counted by a dispatch mode
+# (535 in backward, 229 in forward; scripts/time_model_grid.py --count prints them)
+BACKWARD_KERNELS = 2.34
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op of the step on one rank: `count` identical kernels' worth of work, summed."""
+
+    name: str
+    kind: str  # gemm | attention | elementwise | optimizer
+    flops: float
+    bytes: float
+    kernels: int  # aten ops dispatched: each pays the fixed per-op cost
+    phase: str = FORWARD  # forward | backward | recompute | optimizer
+    layer: bool = True  # inside a block (the blocks' ops are L x these)
+    mnk: tuple[int, int, int] = (0, 0, 0)  # a GEMM's (m, n, k): its shape class
+    backward_kernels: int | None = None  # None: BACKWARD_KERNELS x kernels
+
+    def times(self, n: float) -> Op:
+        back = None if self.backward_kernels is None else round(self.backward_kernels * n)
+        return replace(
+            self,
+            flops=self.flops * n,
+            bytes=self.bytes * n,
+            kernels=round(self.kernels * n),
+            backward_kernels=back,
+        )
+
+
+def gemm(name: str, m: int, n: int, k: int, p: int, batch: int = 1, kernels: int = 4) -> Op:
+    """[m, k] @ [k, n] (`batch` of them): 2mnk FLOPs; reads both, writes the result. A linear
+    dispatches 4 ops (t, view, mm, view)."""
+    return Op(
+        name, GEMM, 2.0 * batch * m * n * k, p * batch * (m * k + k * n + m * n), kernels, mnk=(m, n, k)
+    )
+
+
+def elementwise(
+    name: str, elements: int, bytes_per_element: float, kernels: int, backward_kernels: int | None = None
+) -> Op:
+    return Op(
+        name,
+        ELEMENTWISE,
+        float(elements),
+        elements * bytes_per_element,
+        kernels,
+        backward_kernels=backward_kernels,
+    )
+
+
+def rmsnorm(name: str, rows: int, width: int, p: int, fused: bool = False) -> Op:
+    """MiniMind's RMSNorm in fp32: x.float(), pow, mean, + eps, rsqrt, mul, type_as, * weight: the
+    [rows, width] input read in p, five fp32 passes, the output written in p (7 ops dispatched);
+    `fused`: one kernel, the input read and the output written."""
+    passes = 0 if fused else 5 * FP32 + (0 if p == FP32 else FP32)
+    return elementwise(name, rows * width, 2 * p + passes, kernels=7)
+
+
+def layer_forward(d: Dims, impl: Implementation = TPBENCH) -> list[Op]:
+    """One block's forward on one rank, in order."""
+    N, Ns, H, p, s = d.N, d.Ns, d.H, d.p, d.s
+    heads = d.B * d.Nq_l  # attention's batch of [S, S] products
+    ops = [rmsnorm("input norm", Ns, H, s, impl.fused_norm)]
+    if d.mixed:  # the region's input cast to the autocast dtype once (T > 1) or per linear
+        ops.append(elementwise("input cast", N * H, s + p, 1 if d.cast_once else 3))
+    ops += [
+        gemm("q_proj", N, d.Hq, H, p),
+        gemm("k_proj", N, d.Hkv, H, p),
+        gemm("v_proj", N, d.Hkv, H, p),
+    ]
+    if d.qk_norm:
+        ops += [
+            rmsnorm("q norm", N, d.Hq, p, impl.fused_norm),
+            rmsnorm("k norm", N, d.Hkv, p, impl.fused_norm),
+        ]
+    # RoPE on q and k: x * cos + rotate_half(x) * sin (the halves sliced, one negated, concatenated)
+    if impl.rope:
+        ops.append(elementwise("rope", N * (d.Hq + d.Hkv), 8 * p, kernels=14))
+    if d.Nkv_l != d.Nq_l:  # GQA: k and v repeated to the query heads
+        ops.append(elementwise("kv repeat", 2 * N * d.Hq, 2 * p, kernels=4))
+    ops += attention_core(d, heads, impl)
+    ops.append(gemm("o_proj", N, H, d.Hq, p))
+    if d.dropout:
+        ops.append(_dropout("o_proj dropout", Ns * H, p, impl))
+    ops += [
+        elementwise("residual add", Ns * H, 3 * s, 1),
+        rmsnorm("post-attention norm", Ns, H, s, impl.fused_norm),
+    ]
+    if d.mixed:
+        ops.append(elementwise("mlp input cast", N * H, s + p, 1 if d.cast_once else 2))
+    ops += [gemm("gate_proj", N, d.I_l, H, p), gemm("up_proj", N, d.I_l, H, p)]
+    # silu(gate) * up: fused, one kernel reading both and writing the product; else silu, then mul
+    ops.append(elementwise("swiglu", N * d.I_l, 3 * p if d.fused_swiglu else 5 * p, 2))
+    ops.append(gemm("down_proj", N, H, d.I_l, p))
+    if d.dropout:
+        ops.append(_dropout("mlp dropout", Ns * H, p, impl))
+    ops.append(elementwise("residual add", Ns * H, 3 * s, 1))
+    return ops
+
+
+def attention_core(d: Dims, heads: int, impl: Implementation = TPBENCH) -> list[Op]:
+    """softmax(Q K^T / sqrt(D) + mask) V over each of `heads` = B x Nq/T [S, S] products: the flash
+    kernel (SDPA), or the manual attention's two batched GEMMs and its fp32 softmax (and dropout)."""
+    S, D, p = d.S, d.D, d.p
+    if d.flash:  # reads q, k, v, writes the output and its log-sum-exp
+        flops = 4.0 * heads * S * S * D
+        # with the permutes and reshapes around it: 16 ops
+        return [Op("attention", ATTENTION, flops, p * heads * S * D * 4 + FP32 * heads * S, 16)]
+    scores = heads * S * S
+    ops = [
+        gemm("qk^T", S, S, D, p, batch=heads),  # with the scaling
+        # the causal mask made, added in fp32, softmax in fp32, cast back: [heads, S, S] passes
+        elementwise(
+            "softmax", scores, 2 * p if impl.fused_softmax else p + 4 * FP32 + (p if p != FP32 else 0), 36, 10
+        ),
+    ]
+    if d.dropout:
+        ops.append(_dropout("attention dropout", scores, p, impl))
+    return [*ops, gemm("pv", S, D, S, p, batch=heads)]
+
+
+def _dropout(name: str, elements: int, p: int, impl: Implementation = TPBENCH) -> Op:
+    """tpbench's dropout: each element's mask a hash of its position (tpbench.models.dropout: two
+    int32 copies in its folds), the input read, the output and its 1-byte mask written."""
+    return elementwise(
+        name, elements, 2 * p + 1 + (0 if impl.fused_dropout else 4 * 4), 77, backward_kernels=2
+    )
+
+
+def outside_forward(d: Dims) -> list[Op]:
+    """The forward outside the blocks: the embedding's lookup, the final norm, the LM head, the loss."""
+    N, H, V, p, s = d.N, d.H, d.V_l, d.p, d.s
+    # the lookup and the RoPE tables (15 ops; VP: its mask, shift and zeroing too)
+    ops = [elementwise("embedding", N * H, 2 * s, 15 + (6 if d.vp else 0))]
+    if d.dropout:
+        ops.append(_dropout("embedding dropout", d.Ns * H, s))
+    ops += [rmsnorm("final norm", d.Ns, H, s), gemm("lm_head", N, V, H, p)]
+    # cross entropy in fp32: the logits cast, log-softmax (max, exp-sum), the target's gathered;
+    # vocab-parallel: the same passes and their all-reduced max and sums
+    kernels = 13 if not d.vp else 30  # with the labels' shift
+    if d.logits_mean:
+        ops.append(elementwise("loss", N * V, p + FP32, 2))
+    else:
+        ops.append(elementwise("loss", N * V, p + 3 * FP32, kernels))
+    return [replace(op, layer=False) for op in ops]
+
+
+def backward_of(op: Op) -> Op:
+    """An op's gradient: a GEMM's input and weight gradients (twice its FLOPs), the flash kernel's
+    backward (2.5x: it remakes the scores), an elementwise op's gradient (twice its passes)."""
+    factor = 2.5 if op.kind == ATTENTION else 2.0
+    kernels = op.backward_kernels if op.backward_kernels is not None else round(BACKWARD_KERNELS * op.kernels)
+    return replace(op, flops=factor * op.flops, bytes=2 * op.bytes, kernels=kernels, phase=BACKWARD)
+
+
+def recomputed(d: Dims, impl: Implementation = TPBENCH) -> list[Op]:
+    """What recompute runs again in each block's backward: full, the forward up to down_proj's input
+    (to the MLP dropout's mask with dropout, down_proj included); selective, the ops it names."""
+    forward = layer_forward(d, impl)
+    if d.recompute == "full":
+        down = [op.name for op in forward].index("down_proj")
+        cut = down + 2 if d.dropout else down  # to down_proj's input (with dropout: its mask made)
+        return [replace(op, phase=RECOMPUTE) for op in forward[:cut]]
+    if d.recompute == "selective":
+        return [replace(op, phase=RECOMPUTE) for op in forward if op.name in impl.selective]
+    return []
+
+
+def optimizer(d: Dims) -> Op:
+    """AdamW over this rank's parameters: unfused (about a dozen passes over the parameters,
+    gradients and moments) or fused (one kernel reading and writing them once)."""
+    tensors = params(d)
+    n = sum(count for _, count in tensors)
+    if d.fused_adam:
+        return Op("adamw", OPTIMIZER, 12.0 * n, 7 * d.w * n, 1, phase=STEP, layer=False)
+    # torch's default on a CPU is the for-loop AdamW, 13 ops per parameter; on a GPU the foreach one
+    kernels = 12 if d.gpu else 13 * len(tensors)
+    return Op("adamw", OPTIMIZER, 12.0 * n, 24 * d.w * n, kernels, phase=STEP, layer=False)
+
+
+def step_ops(d: Dims, impl: Implementation = TPBENCH) -> list[Op]:
+    """Every op of one training step on one rank, the blocks' L x each, in phase order."""
+    layer = layer_forward(d, impl)
+    outside = outside_forward(d)
+    forward = [op.times(d.L) for op in layer] + outside
+    backward = [backward_of(op).times(d.L) for op in layer] + [backward_of(op) for op in outside]
+    extra = [op.times(d.L) for op in recomputed(d, impl)]
+    return forward + extra + backward + [optimizer(d)]
