@@ -192,7 +192,7 @@ def rank_lifetime(work: Workdir, log_dir: str, rank: int) -> tuple[float, float 
     """When the rank started (its pid file, written just before init_process_group), when it failed (its
     error file; None if it wrote none, e.g. killed by a signal) and when the run ended, as Unix times:
     what a rank lived through, apart from the launch around it, which a loaded machine stretches."""
-    job = work.jobs / log_dir.rsplit("/", 1)[1]
+    job = Path(log_dir)
     started = (job / "pids" / f"rank{rank}.pid").stat().st_mtime
     errors = list(job.glob(f"logs/*/attempt_0/{rank}/error.json"))
     failed = errors[0].stat().st_mtime if errors else None
@@ -237,10 +237,13 @@ def test_faults_leave_no_worker_and_a_sound_database(faulted):
     work, _ = faulted
     assert work.live_workers() == []
     assert work.integrity() == "ok"
-    # A failed run keeps its job folder (logs, error files) for a look; an OK one is removed.
-    kept = {row[0] for row in work.query("SELECT log_dir FROM runs WHERE status != 'OK'")}
-    assert len(kept) == 5 and all((work.jobs / k.rsplit("/", 1)[1] / "launcher.log").exists() for k in kept)
+    # A failed run keeps its job folder (logs, error files) for a look, moved beside the database as
+    # runs/logs/RUN_ID; an OK one is removed. Nothing stays in TMPDIR.
+    kept = dict(work.query("SELECT id, log_dir FROM runs WHERE status != 'OK'"))
+    assert len(kept) == 5 and all(Path(k) == work.db.parent / "logs" / str(i) for i, k in kept.items())
+    assert all((Path(k) / "launcher.log").exists() for k in kept.values())
     assert work.query("SELECT log_dir FROM runs WHERE status = 'OK'") == [(None,)]
+    assert not list(work.jobs.glob("tpbench-job-*"))
 
 
 SUBGROUP_HANGS = "hang_in_tp_group,hang_in_dp_group,hang_in_kv_group"
@@ -292,7 +295,10 @@ def test_a_validation_out_of_bounds_is_a_failed_run_and_a_sweep_runs_it_again(tm
     assert (status, rank) == ("FAILED", 0)
     assert error.startswith("validate out of bounds: grad_rel_l2 model.") and "> bound" in error
     assert f"run 1 FAILED: {error}" in done.stderr
-    assert (work.jobs / log_dir.rsplit("/", 1)[1] / "results" / "rank0.json").exists()  # kept for a look
+    assert Path(log_dir) == work.db.parent / "logs" / "1"  # kept for a look, beside the database
+    assert (Path(log_dir) / "results" / "rank0.json").exists() and not list(work.jobs.glob("tpbench-job-*"))
+    shown = work.invoke("runs", "show", "1")
+    assert f"its logs: {log_dir}" in shown.stderr
     # what it measured is recorded: the failing figure beside the dense model's own error
     metrics = json.loads(work.invoke("runs", "show", "1", "--json").stdout)["metrics"]
     assert metrics["passed"] == 0.0 and metrics["grad_max_rel_l2"] > 0.1

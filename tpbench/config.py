@@ -220,6 +220,9 @@ class LaunchConfig:
 @dataclass
 class DbConfig:
     url: str = "sqlite:///runs/tpbench.db"
+    # Where a run that did not end OK keeps its job folder (config, logs, error files), as RUN_ID/:
+    # "" is logs/ beside the SQLite file (runs/logs/); give a folder for a database on a server
+    logs: str = ""
 
 
 @dataclass

@@ -30,7 +30,7 @@ from tpbench.cli.arguments import (
     with_db,
 )
 from tpbench.cli.output import err, out
-from tpbench.cli.progress import RunsProgress, say_estimates
+from tpbench.cli.progress import RunsProgress, command_started, say_estimates
 from tpbench.config import DbConfig, RunConfig
 from tpbench.results import Status
 
@@ -77,7 +77,7 @@ def run(
     estimates = [] if as_json else say_estimates(configs, sweep=False)
     _say_where(dbs)
     ran = []
-    with RunsProgress(estimates, quiet=as_json, sweep=False) as progress:
+    with RunsProgress(estimates, quiet=as_json, sweep=False, started=command_started()) as progress:
         for r in sweeping.run_each(configs, dbs, progress.on_start, one_line):
             progress.ended(r)
             ran.append(r)
@@ -134,7 +134,9 @@ def sweep(
     todo, ran = sweeping.split_done(configs, dbs, force)
     estimates = [] if as_json else say_estimates(todo, sweep=True)
     _say_where(dbs)
-    with RunsProgress(estimates, quiet=as_json, sweep=True, skipped=len(ran)) as progress:
+    with RunsProgress(
+        estimates, quiet=as_json, sweep=True, skipped=len(ran), started=command_started()
+    ) as progress:
         for r in sweeping.run_each(todo, dbs, progress.on_start, one_line):
             progress.ended(r)
             ran.append(r)

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from tpbench.cli.arguments import usage
+from tpbench.cli.arguments import one_line, usage
 from tpbench.config import RunConfig, config_hash, mode_label, public_config, world_size
 
 if TYPE_CHECKING:  # pandas and the database (sqlalchemy) are imported where a command needs them:
@@ -71,7 +71,8 @@ def runs(frame: pd.DataFrame, metrics: pd.DataFrame, url: str) -> None:
 
 
 def run(db: ResultsDB, run_id: int, as_json: bool, full: bool = False) -> None:
-    """One run: its text, with `full` every field, and its metrics; or one JSON object."""
+    """One run: its text, with `full` (`runs show`) every field and, for a run not OK, a line on stderr
+    with its error and where its logs are kept; its metrics. Or one JSON object."""
     try:
         record = db.run_record(run_id)
     except KeyError:
@@ -89,6 +90,9 @@ def run(db: ResultsDB, run_id: int, as_json: bool, full: bool = False) -> None:
             if key not in ("config", "metrics"):
                 fields.add_row(key, str(value))
         out.print(fields)
+    if full and record["status"] != "OK":  # `run` and `sweep` said it as the run ended
+        logs = f"; its logs: {record['log_dir']}" if record["log_dir"] else ""
+        one_line(f"run {run_id} {record['status']}: {record['error']}{logs}")
     if not record["metrics"]:  # a failed run: its one line on stderr says it all
         return
     metrics = Table(title=f"run {run_id} {record['status']}: {record['kind']} {record['mode']}")
@@ -140,8 +144,8 @@ def plan(cfg: RunConfig, prediction: Prediction, flops: float) -> None:
     """`tpbench plan`: the predicted memory per rank at each moment of a step, the collectives, FLOPs."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     title = (
-        f"{mode_label(p)} tp={p.tp} dp={p.dp} L{m.num_hidden_layers} H{m.hidden_size} S{t.seq_len} "
-        f"B{prediction.dims.B} {t.dtype} {t.precision}"
+        f"{m.name} {mode_label(p)} tp={p.tp} dp={p.dp} L{m.num_hidden_layers} H{m.hidden_size} "
+        f"seq {t.seq_len} micro-batch {prediction.dims.B} {t.dtype} {t.precision}"
     )
     memory = Table(title=f"{title}: predicted memory per rank (MiB)")
     for column in ("moment", "params", "grads", "optimizer", "activations", "temporaries", "total"):

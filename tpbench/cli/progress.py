@@ -7,6 +7,11 @@ stderr is not a terminal (a CI log, a pipe) it is plain lines instead: a run's p
 PLAIN_EVERY_S seconds (the same line again every SAME_EVERY_S), and a line at each run's end when
 there are several, so a long run in a log is never silent. Under --json nothing is said at all. A
 sweep's remaining time is its runs' estimates, scaled by how the finished runs compared with theirs.
+
+Like is compared with like: an estimate's launch (tpbench.sizing.estimate.LAUNCH_S) is the whole
+command's fixed cost, its own start (imports, composing, the database) as well as torchrun's and the
+workers', so the first run's time counts from the command's start (the process's, not the first
+progress line's), and so does the sweep's elapsed time: it is the command's wall time so far.
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ from rich.progress import (
     ProgressColumn,
     SpinnerColumn,
     TextColumn,
-    TimeElapsedColumn,
 )
 from rich.table import Column
 from rich.text import Text
@@ -37,6 +41,20 @@ from tpbench.config import RunConfig, run_label
 if TYPE_CHECKING:
     from tpbench.run.sweep import Ran
 
+
+def command_started() -> float:
+    """When this process started, on time.monotonic's clock (Linux: /proc/self/stat's start time on
+    CLOCK_BOOTTIME); elsewhere when tpbench.cli.progress was imported, a fraction of a second later."""
+    try:
+        with open("/proc/self/stat") as stat:  # field 22, after the command name in parentheses
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return _IMPORTED
+    return time.monotonic() - max(0.0, age)
+
+
+_IMPORTED = time.monotonic()
 PLAIN_EVERY_S = 10.0
 SAME_EVERY_S = 60.0  # a step that lasts: its line again, so that a log is never silent for long
 
@@ -96,13 +114,17 @@ class RunsProgress:
         sweep: bool,
         skipped: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        started: float | None = None,
     ):
+        """`started`: when the command started, on `clock` (command_started()); the first run's time and
+        the elapsed time count from it, as the estimates' launch does. None: from now."""
         self.estimates, self.quiet, self.sweep, self.skipped = list(estimates), quiet, sweep, skipped
         self.clock = clock
         self.live = not quiet and err.is_terminal
         self.counts = {"OK": 0, "failed": 0}
         self.took: list[float] = []  # seconds of each finished run
-        self.started = self.run_started = clock()
+        self.started = self.run_started = clock() if started is None else started
+        self.from_command = started is not None
         self.label = self.last = ""
         self.said = 0.0
         self.lock = threading.Lock()  # progress lines come from the launcher's tail thread
@@ -124,7 +146,9 @@ class RunsProgress:
             one_line(f"sweep: {self._counts()} · {_clock(self.clock() - self.started)} elapsed")
 
     def on_start(self, cfg: RunConfig) -> Callable[[str], None]:
-        self.label, self.run_started, self.said = run_label(cfg), self.clock(), 0.0
+        first = not self.took  # its estimate's launch includes the command's own start
+        self.label, self.said = run_label(cfg), 0.0
+        self.run_started = self.started if first else self.clock()
         if self.status is not None:
             self.status.update(escape(f"{self.label}: starting"))
             self.status.start()
@@ -145,7 +169,9 @@ class RunsProgress:
             )
         elif not self.quiet and len(self.estimates) > 1:
             i = len(self.took) - 1
-            one_line(f"{self.label}: {ran.status} in {took:.1f} s (estimated ~{self.estimates[i]:.0f} s)")
+            since = " from the command's start" if i == 0 and self.from_command else ""
+            estimated = f"estimated ~{self.estimates[i]:.0f} s"
+            one_line(f"{self.label}: {ran.status} in {took:.1f} s{since} ({estimated})")
 
     def remaining(self) -> float:
         """Seconds left: the estimates of the runs to come and what is left of this one's, each scaled
@@ -190,6 +216,17 @@ class _Remaining(ProgressColumn):
         return Text(f"~{_clock(self.runs.remaining())} left", style="progress.remaining")
 
 
+class _Elapsed(ProgressColumn):
+    """The command's wall time so far (RunsProgress.started), as the estimates count it."""
+
+    def __init__(self, runs: RunsProgress):
+        super().__init__()
+        self.runs = runs
+
+    def render(self, task) -> Text:
+        return Text(_clock(self.runs.clock() - self.runs.started), style="progress.elapsed")
+
+
 def _bar(runs: RunsProgress) -> Progress:
     return Progress(
         SpinnerColumn(),
@@ -199,7 +236,7 @@ def _bar(runs: RunsProgress) -> Progress:
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn(f"ok {{task.fields[ok]}} · failed {{task.fields[failed]}} · skipped {runs.skipped}"),
-        TimeElapsedColumn(),
+        _Elapsed(runs),
         _Remaining(runs),
         console=err,
     )

@@ -40,6 +40,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
 import sqlite3
 import time
 from collections.abc import Sequence
@@ -60,6 +61,7 @@ from sqlalchemy import (
     or_,
     select,
     text,
+    update,
 )
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, NoSuchModuleError, OperationalError
@@ -117,6 +119,7 @@ class ResultsDB:
         self.sqlite = parsed.get_backend_name() == "sqlite"
         in_memory = parsed.database in (None, "", ":memory:")
         path = Path(parsed.database) if self.sqlite and not in_memory else None
+        self.file = path
         if path is not None:
             _refuse_foreign_file(path)
             if not create and not path.exists():
@@ -222,8 +225,34 @@ class ResultsDB:
 
     # -- writing -------------------------------------------------------------------------------------
 
+    def logs_folder(self, cfg: RunConfig) -> Path | None:
+        """Where a failed run's job folder (its config, logs, error files and rank results) is kept,
+        as RUN_ID/ inside it: db.logs if given, else logs/ beside the SQLite file; None for a database
+        without a file (a server, SQLite in memory) and no db.logs, where it stays under TMPDIR."""
+        if cfg.db.logs:
+            return Path(cfg.db.logs)
+        return self.file.parent / "logs" if self.file is not None else None
+
     def record(self, cfg: RunConfig, outcome: Outcome) -> int:
-        """Store one run with everything its ranks measured, in one transaction; returns its id."""
+        """Store one run with everything its ranks measured, in one transaction; returns its id. A run
+        that did not end OK has its job folder moved into `logs_folder` (outcome.log_dir says where)."""
+        run_id = self._insert(cfg, outcome)
+        folder = self.logs_folder(cfg)
+        job = outcome.job
+        if folder is None or job is None or outcome.log_dir != str(job):
+            return run_id  # OK (removed once recorded), or a Slurm job's folder, left where it is
+        kept = (folder / str(run_id)).absolute()
+        try:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(job, kept)
+        except OSError:  # it stays in the job folder, which the record names
+            return run_id
+        outcome.log_dir, outcome.job = str(kept), kept
+        with Session(self._writer) as session, session.begin():
+            session.execute(update(Run).where(Run.id == run_id).values(log_dir=str(kept)))
+        return run_id
+
+    def _insert(self, cfg: RunConfig, outcome: Outcome) -> int:
         m, p, t = cfg.model, cfg.parallel, cfg.train
         run = Run(
             config_hash=config_hash(cfg),

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tpbench.models.dropout import PROBS_DIMS, SITES, STREAM_DIMS, DropoutKey, PositionalDropout
+from tpbench.models.shapes import default_intermediate_size
 
 IGNORE_INDEX = -100
 # the torch dtype of each train.dtype
@@ -84,10 +85,6 @@ class MiniMindConfig:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= context / high) & (wavelen <= context / low)
         return torch.where(medium, blended, scaled)
-
-
-def default_intermediate_size(hidden_size: int) -> int:
-    return math.ceil(hidden_size * math.pi / 64) * 64
 
 
 class RMSNorm(nn.Module):

@@ -1,10 +1,16 @@
-"""Up-front checks that a config can be sharded, raised before any process is launched."""
+"""Up-front checks that a config can be sharded, raised before any process is launched (and before torch
+loads: this module imports none of it)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tpbench.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
-from tpbench.models.minimind import MiniMindConfig, default_intermediate_size
-from tpbench.parallel.rng import FAULTS
+from tpbench.models.shapes import default_intermediate_size
+from tpbench.parallel.names import DROPOUT_FAULTS as FAULTS
+
+if TYPE_CHECKING:
+    from tpbench.models.minimind import MiniMindConfig  # torch: these checks run before it loads
 
 # The gradient sums a sharded model needs (debug.skip_grad_sum may leave one out, to prove it is
 # needed), for both engines: the q/k norms' weights (each rank sees its heads), the replicated KV

@@ -55,9 +55,6 @@ try:  # FakeTensorMode's private cache and device internals (torch 2.13), behind
 except ImportError:  # another torch: FakeRank takes FakeTensorMode's own path, slower, same tensors
     QUICK = False
 
-FLAVOURS = ("none", "real", "fake")
-EMULATED_KINDS = ("memory",)  # validate and throughput need the job's real collectives
-
 
 def emulated(cfg: RunConfig) -> bool:
     return cfg.launch.emulate != "none"

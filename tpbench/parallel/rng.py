@@ -20,16 +20,15 @@ from torch import nn
 
 from tpbench.models.dropout import PositionalDropout
 
-FAULTS = ("no_seq_offset", "no_head_offset", "no_batch_offset")  # debug.dropout_fault
-
 
 def place_dropouts(
     model: nn.Module, tp_rank: int, tp: int, dp_rank: int, dp: int, sp: bool, fault: str = ""
 ) -> int:
     """Tell every dropout of `model` which part of each dense dim it holds; returns how many.
 
-    fault (debug.dropout_fault, FAULTS): one dim's offset left out, every rank drawing the mask of
-    part 0 there (as one seed shared where a shard needs its own), to prove that validation sees it."""
+    fault (debug.dropout_fault, tpbench.parallel.names.DROPOUT_FAULTS): one dim's offset left out, every
+    rank drawing the mask of part 0 there (as one seed shared where a shard needs its own), to prove
+    that validation sees it."""
     splits = {"batch": (dp_rank, dp), "head": (tp_rank, tp)}
     if sp:
         splits["seq"] = (tp_rank, tp)

@@ -6,6 +6,9 @@ the cartesian product. Every value is then checked, so a bad one is one line nam
 accepted (a `ConfigError`), and `auto` devices are resolved for the machine at hand. Where the
 results go (db.url, launcher=slurm) is checked above, by tpbench.run.sweep: this module knows nothing of
 the database or of Slurm.
+
+Neither this module nor what it imports loads torch: a bad value is refused in a fraction of a second,
+and torch loads in resolve_device, after every check (tests/test_fast_refusal.py).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import math
 from collections.abc import Sequence
 from functools import reduce
 
-import torch
 from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -40,7 +42,7 @@ from tpbench.config import (
 from tpbench.experiments import KINDS
 from tpbench.experiments.criterion import check_validate_faults
 from tpbench.parallel.checks import GRAD_SUMS, check_dp_shard, check_dtensor_shardable, check_shardable
-from tpbench.parallel.emulation import EMULATED_KINDS, FLAVOURS
+from tpbench.parallel.names import EMULATED_KINDS, FLAVOURS
 from tpbench.predict import hardware
 from tpbench.run.faults import FAULTS
 
@@ -280,6 +282,8 @@ def _check_compile(cfg: RunConfig) -> None:
 
 def resolve_device(cfg: RunConfig) -> None:
     """Replace device/backend `auto` by what this node has: CUDA + NCCL with a GPU per local rank."""
+    import torch  # after every check of check(): a refusal prints before torch loads (1.6 s)
+
     launch = cfg.launch
     local_ranks = local_world_size(cfg)
     # On Slurm the ranks run on the job's nodes, not here: they get what the job asks for.

@@ -22,12 +22,14 @@ import os
 import signal
 import sys
 import threading
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from tpbench.config import RunConfig
 from tpbench.results import RankResult
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
 
 SUBGROUP_HANGS = ("hang_in_tp_group", "hang_in_dp_group", "hang_in_kv_group")
 FAULTS = (
@@ -46,6 +48,9 @@ BIG_RESULT_POINTS = 30_000
 
 def before_experiment(cfg: RunConfig, rank: int, device: torch.device) -> None:
     """Inject the configured fault, if any, between process-group setup and the experiment."""
+    import torch  # here, not above: tpbench.run.compose reads FAULTS before torch loads
+    import torch.distributed as dist
+
     fault = cfg.fault
     if fault == "print_flood":
         line = f"rank {rank} floods its logs " + "x" * 100 + "\n"

@@ -21,8 +21,7 @@ from tpbench import machine
 from tpbench.config import ConfigError, RunConfig, config_hash, run_label
 from tpbench.db import ResultsDB, url_refused
 from tpbench.results import Outcome
-from tpbench.run import batch, compose, launch
-from tpbench.run.slurm import check_slurm
+from tpbench.run import compose  # torch loads with launch and batch, once a run is launched
 
 
 @dataclass
@@ -59,7 +58,9 @@ def check_destination(cfg: RunConfig) -> None:
     if refused:
         raise ConfigError(refused)
     if cfg.launch.launcher == "slurm":
-        check_slurm(cfg)  # submitit itself loads only when a job is submitted
+        from tpbench.run.slurm import check_slurm  # submitit itself loads only when a job is submitted
+
+        check_slurm(cfg)
 
 
 def on_slurm(configs: Sequence[RunConfig]) -> bool:
@@ -99,6 +100,8 @@ def run_each(
     """Launch and record each config in turn, yielding each as it ends; an interrupted run is the last.
     Consecutive configs that fit one torchrun job run in one (tpbench.run.batch), each recorded as it ends.
     `on_start(cfg)` is called as a run starts and returns what takes its progress lines."""
+    from tpbench.run import batch
+
     for group in batch.batches(configs):
         for cfg, outcome in _outcomes(group, on_start):
             ran = (
@@ -116,6 +119,8 @@ def _outcomes(
 ) -> Iterator[tuple[RunConfig, Outcome | None]]:
     """Each run of a batch as it ends; a batch of one in a job of its own (None: interrupted before
     its agent started or after its job ended, nothing to record)."""
+    from tpbench.run import batch, launch
+
     if len(group) > 1:
         yield from batch.run_batch(group, on_start)
         return

@@ -194,6 +194,8 @@ def parse(overrides: list[str]) -> Request:
     added = ["kind=memory", "launch.device=cuda", "launch.emulate=fake", f"launch.emulate_gpu={gpu.name}"]
     added += [] if "parallel.tp" in keys else ["parallel.tp=1"]
     added += [] if "train.dtype" in keys else ["train.dtype=bfloat16"]
+    # pure unless given, whatever the model's preset trains with (mixed): fit's tables are pure bf16's
+    added += [] if "train.precision" in keys else ["train.precision=pure"]
     added += [] if "train.fused_optimizer" in keys else ["train.fused_optimizer=true"]
     global_batch = None
     if "train.global_batch" in keys:

@@ -79,8 +79,10 @@ def moments(d: Dims) -> list[Moment]:
         out.append(Moment("embedding backward", P, buckets + own, O, kept + LOSS_AND_GRAD - FP32, temps))
     if d.dp > 1 and not d.ddp and not d.flat_dp:  # megatron's blocking DP sum: one flat copy of all
         out.append(Moment("gradient sums", P, buckets + G, O, kept, P))
+    # AdamW's temporaries count as optimizer bytes, as MemTracker counts every tensor made inside
+    # optimizer.step (its Optstate), so that the split agrees with the measurement's, not the total alone
     adam_temp = weights.optimizer_temporaries(d)
-    out.append(Moment("optimizer", P, buckets + G, O, kept, adam_temp))
+    out.append(Moment("optimizer", P, buckets + G, O + adam_temp, kept, 0))
     return kept_output(d, acts, out) if d.keep_output else out
 
 
