@@ -8,13 +8,15 @@ from __future__ import annotations
 from tpbench.config import RunConfig
 from tpbench.parallel.instrumentation import ring_bytes
 from tpbench.predict.theory.dims import FP32, dims
+from tpbench.predict.theory.sharding import dp_rows, level_dims, sharding
 from tpbench.predict.theory.weights import ddp_buckets, flat_dp_buckets, params
 from tpbench.results import CommRow
 
 
 def comm_rows(cfg: RunConfig) -> list[CommRow]:
     """(op, purpose, count, bytes) of one training step on one rank, as CommCounter counts them."""
-    d = dims(cfg)
+    sharded = sharding(cfg).sharded
+    d = level_dims(cfg) if sharded else dims(cfg)
     rows: dict[tuple[str, str], list[int]] = {}
 
     def add(op: str, purpose: str, full_bytes: int, world: int, count: int = 1) -> None:
@@ -66,7 +68,10 @@ def comm_rows(cfg: RunConfig) -> list[CommRow]:
             add("all_reduce", "grad_sum", tp_sums * d.w, T)
         if d.Nkv % T and "kv_replicas" not in skip:  # ranks sharing one KV head sum k/v grads
             add("all_reduce", "grad_sum", 2 * L * d.D * (H + d.bias) * d.w, T // d.Nkv)
-    if "dp" not in skip and d.flat_dp:  # overlap: one all-reduce per flat bucket
+    if "dp" not in skip and sharded:  # ZeRO-1, ZeRO-2, FSDP (tpbench.predict.theory.sharding)
+        for op, purpose, full, world, count in dp_rows(cfg, d):
+            add(op, purpose, full, world, count)
+    elif "dp" not in skip and d.flat_dp:  # overlap: one all-reduce per flat bucket
         for size in flat_dp_buckets(d, cfg.parallel.ddp_bucket_mb * 2**20):
             add("all_reduce", "dp_grad", size, d.dp)
     elif "dp" not in skip:
