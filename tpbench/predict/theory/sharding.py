@@ -33,10 +33,9 @@ import math
 from dataclasses import dataclass, replace
 
 from tpbench.config import RunConfig
-from tpbench.parallel.instrumentation import ring_bytes
 from tpbench.predict.theory.dims import FP32, Dims, dims
 from tpbench.predict.theory.moments import Moment
-from tpbench.predict.theory.weights import layer_params, params
+from tpbench.predict.theory.weights import params
 
 LEVELS = ("none", "optimizer", "grads", "full")
 LEVEL_NAMES = {"none": "DDP", "optimizer": "ZeRO-1", "grads": "ZeRO-2", "full": "FSDP"}
