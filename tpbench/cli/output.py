@@ -230,7 +230,7 @@ def plan_dict(
 ) -> dict:
     """`tpbench plan --json`: the prediction's fields of one config, in bytes per rank (what `plan`
     prints as tables); with --measure, the emulated busiest rank's figures under "measured"."""
-    from tpbench.cli import sharded
+    from tpbench.predict.theory import sharding
 
     p, m, t = cfg.parallel, cfg.model, cfg.train
     moments = [
@@ -258,7 +258,7 @@ def plan_dict(
         "recompute": t.recompute,
         "peak_bytes": prediction.peak_bytes,
         "peak_moment": prediction.peak.name,
-        "split": sharded.split(cfg, prediction),
+        "split": sharding.split(prediction.dims, sharding.sharding(cfg), prediction.peak),
         "moments": moments,
         "comm": [dataclasses.asdict(r) for r in prediction.comm_rows()],
         "comm_bytes_per_step": prediction.comm_bytes_per_step,
