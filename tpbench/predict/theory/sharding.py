@@ -159,6 +159,7 @@ def state(d: Dims, s: Sharding) -> State:
 # --- the moments of the step ----------------------------------------------------------------------
 
 FORWARD = ("loss", "loss forward", "loss backward", "attention forward", "attention dropout")
+FORWARD_ONLY = ("loss forward", "attention forward", "attention dropout")  # before backward starts
 ROOT_BACKWARD = ("head backward", "head weight cast's backward", "final norm backward")
 AFTER_BLOCKS = ("backward end", "embedding backward")
 
@@ -182,11 +183,13 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
     for m in base:
         if m.name in ("gradient sums", "optimizer"):
             continue
-        held = [ROOT]
+        held = [ROOT]  # gathered units MemTracker counts as parameters: in forward, or the running one
+        fetched: list[str] = []  # prefetched in backward: temporaries to MemTracker
         done: list[str] = []  # units whose backward ran: their gradients reduce-scattered into shards
         layer = L - 1
         if m.name.startswith(("recomputed block", "recomputed attention")):
             layer = int(m.name.rsplit(" ", 1)[1])
+        in_forward = m.name in FORWARD_ONLY or (m.name == "loss" and d.vp and not d.logits_mean)
         if m.name in AFTER_BLOCKS:
             done = blocks
         elif m.name not in FORWARD and m.name not in ROOT_BACKWARD:
@@ -195,15 +198,17 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
             held += [b for b in blocks if b not in done]
         elif m.name in ("attention forward", "attention dropout"):
             held.append(blocks[-1])
-        elif m.name in ROOT_BACKWARD:  # the root's pre-backward prefetches the top block
-            held.append(blocks[-1])
-        elif m.name not in FORWARD and m.name not in AFTER_BLOCKS:  # block `layer` and the next
-            held += blocks[max(layer - 1, 0) : layer + 1]
+        elif not in_forward and (m.name in FORWARD or m.name in ROOT_BACKWARD):
+            fetched.append(blocks[-1])  # the root's pre-backward prefetches the top block
+        elif m.name not in FORWARD and m.name not in AFTER_BLOCKS:  # block `layer`, the next prefetched
+            held.append(blocks[layer])
+            fetched += blocks[max(layer - 1, 0) : layer]
         weights = st.params + sum(gathered[u] for u in held)
+        temps = m.temporaries + sum(gathered[u] for u in fetched)
         # the base counts the gradients made so far whole: the done blocks' are shards now
         made = m.grads - sum(whole[u] for u in done)
         grads = made + sum(shard_g[u] for u in done)
-        out.append(replace(m, params=weights, grads=grads, optimizer=st.optimizer))
+        out.append(replace(m, params=weights, grads=grads, optimizer=st.optimizer, temporaries=temps))
     kept = base[-1].activations
     # the root's gradients reduce-scattered at backward's end: copied into a padded input, the output
     rs_in, rs_out = gathered[ROOT], shard_g[ROOT]
