@@ -175,14 +175,18 @@ SMALL = [
         ("grads", 2, []),  # peaks at the loss, every block gathered since forward
         ("full", 2, []),  # at the loss's backward, the top block prefetched by the root
         ("full", 4, ["model.flash_attn=false", "train.seq_len=256"]),  # the top block's softmax backward
+        # few tokens: FSDP2's buffers make the peak. ZeRO-2: the top block's all-gather in forward, the
+        # previous unit's flat output kept; ZeRO-3: the next block's in backward, the top block's
+        # reduce-scatter input kept
+        ("grads", 2, ["train.seq_len=4"]),
+        ("full", 4, ["train.seq_len=4"]),
     ],
 )
 def test_fsdp_step_peak_is_predicted_to_the_byte(dp_shard, D, overrides):
     """tpbench's own step (its Trainer, MemTracker's peak as the memory experiment takes it) with the
     dense model wrapped by torch's fully_shard per block and the root, on rank 0 of a fake group: the
     measured peak equals the model's, its parameters and optimizer state by category too. (A
-    stand-in for the sharded runtime, which builds the same units; tiny S, where FSDP2's gather
-    buffers dominate, is not yet modelled: docs/theory.md.)"""
+    stand-in for the sharded runtime, which builds the same units.)"""
     import gc
 
     from torch.distributed.fsdp import fully_shard

@@ -33,7 +33,8 @@ import math
 from dataclasses import dataclass, replace
 
 from tpbench.config import RunConfig
-from tpbench.predict.theory.dims import FP32, Dims, dims
+from tpbench.predict.theory.activations import after_head, model_activations
+from tpbench.predict.theory.dims import FP32, LOSS_AND_GRAD, Dims, dims
 from tpbench.predict.theory.moments import Moment
 from tpbench.predict.theory.weights import params
 
@@ -205,10 +206,15 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
             fetched += blocks[max(layer - 1, 0) : layer]
         weights = st.params + sum(gathered[u] for u in held)
         temps = m.temporaries + sum(gathered[u] for u in fetched)
+        if done:  # FSDP2 keeps the last reduce-scatter's input until the next one (its reduce_scatter_state)
+            temps += gathered[done[0]]
         # the base counts the gradients made so far whole: the done blocks' are shards now
         made = m.grads - sum(whole[u] for u in done)
         grads = made + sum(shard_g[u] for u in done)
         out.append(replace(m, params=weights, grads=grads, optimizer=st.optimizer, temporaries=temps))
+    out.insert(0, _top_block_gather(d, s, st, gathered))
+    if s.level == "full" and L > 1 and d.recompute != "full":
+        out.append(_next_block_gather(d, st, gathered, shard_g))
     kept = base[-1].activations
     # the root's gradients reduce-scattered at backward's end: copied into a padded input, the output
     rs_in, rs_out = gathered[ROOT], shard_g[ROOT]
@@ -217,6 +223,39 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
                       rs_in + rs_out))  # fmt: skip
     out.append(Moment("optimizer", st.params, st.grads, st.optimizer, kept, _adam_temporaries(d, s)))
     return out
+
+
+def _top_block_gather(d: Dims, s: Sharding, st: State, gathered: dict[str, int]) -> Moment:
+    """The top block's all-gather in forward, at its copy-out: FSDP2 keeps the previous unit's flat
+    all-gather output until the copy-out returns (its `all_gather_state`, held by a local there), so
+    the previous unit's flat output, this block's and its unsharded parameters are alive at once,
+    all allocated in forward (activations, to MemTracker), beside what the blocks below saved and the
+    stream entering the block. The root and (ZeRO-2) the blocks below stay gathered."""
+    acts = model_activations(d)
+    below = sum(acts[k] for k in ("batch", "rope tables", "embedding", "embedding dropout"))
+    below += acts["blocks"] // d.L * (d.L - 1) + d.s * d.Ns * d.H
+    top, previous = f"layers.{d.L - 1}", f"layers.{d.L - 2}" if d.L > 1 else ROOT
+    params = st.params + gathered[ROOT]
+    if s.level == "grads":
+        params += sum(gathered[f"layers.{i}"] for i in range(d.L - 1))
+    buffers = gathered[previous] + 2 * gathered[top]
+    return Moment("top block all-gather", params, 0, st.optimizer, below + buffers, 0)
+
+
+def _next_block_gather(d: Dims, st: State, gathered: dict[str, int], shard_g: dict[str, int]) -> Moment:
+    """ZeRO-3: the block below the top one at its pre-backward copy-out. The top block's backward has
+    ended: its gradients are a shard, its reduce-scatter's input kept (to the next reduce-scatter), its
+    weights and saved tensors freed. The block prefetched during it gets its unsharded parameters
+    (parameters to MemTracker) beside the flat all-gather output (a temporary); the stream's gradient
+    and a tied head's, waiting for the embedding's share, are alive too."""
+    acts = model_activations(d)
+    below, top = f"layers.{d.L - 2}", f"layers.{d.L - 1}"
+    activations = after_head(acts) - acts["blocks"] // d.L + LOSS_AND_GRAD
+    temps = gathered[below] + gathered[top] + d.s * d.Ns * d.H + (d.V_l * d.H * d.w if d.tied else 0)
+    root_grads = (d.H + (0 if d.tied else d.V_l * d.H)) * d.w  # the final norm's, an untied head's
+    params = st.params + gathered[ROOT] + gathered[below]
+    grads = shard_g[top] + root_grads
+    return Moment("next block all-gather", params, grads, st.optimizer, activations, temps)
 
 
 def _zero1(d: Dims, s: Sharding, st: State, base: list[Moment]) -> list[Moment]:
