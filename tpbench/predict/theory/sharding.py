@@ -340,3 +340,23 @@ def split(d: Dims, s: Sharding, peak: Moment) -> dict[str, int]:
 def level_dims(cfg: RunConfig) -> Dims:
     """The Dims a sharded level's moments start from: the model without DDP's or megatron's buckets."""
     return replace(dims(cfg), ddp=False, overlap=False)
+
+
+def unmodelled(cfg: RunConfig) -> str | None:
+    """Why the memory model of a sharded level is not checked for `cfg` (None: it is, to the byte, on
+    the CPU: tests/test_theory_sharded.py), for compose's kind=memory refusal and `plan`'s note."""
+    s, p, t = sharding(cfg), cfg.parallel, cfg.train
+    if not s.sharded:
+        return None
+    why = []
+    if s.level == "optimizer":
+        why.append("dp_shard=optimizer (ZeRO-1 is modelled on Megatron's flat buffers, not measured)")
+    if p.tp > 1:
+        why.append(f"tp={p.tp} (checked at tp=1)")
+    if t.precision == "mixed":
+        why.append("precision=mixed (FSDP2's MixedPrecisionPolicy makes no autocast weight casts)")
+    if t.recompute == "full" and s.fsdp:
+        why.append("recompute=full (block 0's backward end is not a moment of the model)")
+    if s.replicate > 1:
+        why.append(f"dp_replicate={s.replicate} (HSDP's all-reduce buffers)")
+    return "; ".join(why) or None
