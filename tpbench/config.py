@@ -244,6 +244,10 @@ class DebugConfig:
     # Leave one dim's offset out of every dropout's mask (each rank draws part 0's mask there), to prove
     # validation catches it: no_seq_offset (SP) | no_head_offset (attention) | no_batch_offset (DP)
     dropout_fault: str = ""
+    # Break a sharded DP level (parallel.dp_shard), to prove validation catches it: no_reduce_scatter
+    # (each rank keeps its own gradients, never averaged) | no_all_gather (ZeRO-1: the other ranks'
+    # stepped shards never arrive; FSDP2: the other ranks' shards of a block's weights are zeros)
+    shard_fault: str = ""
 
 
 @dataclass

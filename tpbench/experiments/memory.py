@@ -202,7 +202,7 @@ def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace 
         trace.exclude(host_counters)
         trace.mark("window")
     tracker, feed = _tracker(cfg, mode)
-    tracker.track_external(trainer.module, trainer.optimizer, *trainer.ddp_buckets())
+    tracker.track_external(trainer.module, *trainer.tracked())
     # Python's cycle collector, run at a moment of its choosing inside the step, made MemTracker's
     # peak 31 KB higher on a random rank (tp 4, SP + VP, fp32): the steps start with no garbage and
     # run without it, so every rank measures the same step (a cycle left alive could only add)

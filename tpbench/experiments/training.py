@@ -26,10 +26,13 @@ from tpbench.experiments.setup import (
     place,
     precision,
 )
+from tpbench.models.minimind import DTYPES
 from tpbench.parallel import collectives, instrumentation
 from tpbench.parallel.context import ParallelContext
+from tpbench.parallel.plan import ParallelModel
 from tpbench.parallel.recompute import apply_recompute
 from tpbench.parallel.rng import place_dropouts
+from tpbench.parallel.zero import DistributedOptimizer, ZeroModel
 
 
 class Trainer:
@@ -47,18 +50,27 @@ class Trainer:
         self.cfg = cfg
         self.ctx: ParallelContext = ctx or context(cfg)
         self.batches = Batches(cfg, self.ctx)
-        if cfg.parallel.engine == "ddp":
+        if cfg.parallel.engine == "ddp" and cfg.parallel.dp_shard == "none":
             self.model, self.ddp_state = build_ddp(cfg, self.ctx, on_device)
             self.module = self.model.module
             self.finish_grads = lambda: None  # DDP all-reduces in backward
         else:
             pm = build_parallel(cfg, self.ctx)
             on_device(pm.module)
+            pm = shard_data_parallel(cfg, pm, cfg.train.lr)
             self.model, self.module, self.finish_grads = pm, pm.module, pm.finish_grads
         self._hidden: list[torch.Tensor] = []
         if cfg.train.keep_output:
             self.module.model.register_forward_hook(self._keep_hidden)
-        self.optimizer = adamw(cfg, self.module.parameters(), cfg.train.lr)
+        self.optimizer = optimizer(cfg, self.model, cfg.train.lr)
+
+    def tracked(self) -> list:
+        """What a memory tracker must see beside the module's tensors: the optimizer (ZeRO-1's own
+        AdamW of the master shard, and its grad buffer, which under mixed precision no `.grad` is a
+        view of) and DDP's buckets."""
+        if isinstance(self.model, ZeroModel):
+            return [self.optimizer.adamw, self.optimizer.grad_buffer]
+        return [self.optimizer, *self.ddp_buckets()]
 
     def ddp_buckets(self) -> list[torch.Tensor]:
         """DDP's gradient buckets that no module or optimizer holds: all of them, unless the
@@ -127,6 +139,32 @@ def build_ddp(
     if fake and cfg.launch.emulate == "fake":
         ddp.reducer = _KeepBuckets(ddp.reducer)
     return ddp, state
+
+
+def shard_data_parallel(cfg: RunConfig, pm: ParallelModel, lr: float):
+    """`pm` with its DP dimension sharded as parallel.dp_shard says (none: `pm` itself, whose DP
+    average is an all-reduce): optimizer, ZeRO-1 (tpbench.parallel.zero); grads and full, FSDP2
+    (tpbench.parallel.fsdp). lr: the AdamW's that ZeRO-1's optimizer steps with."""
+    level = cfg.parallel.dp_shard
+    if level == "none":
+        return pm
+    if level == "optimizer":
+        mixed = cfg.train.precision == "mixed"
+        weights = DTYPES[cfg.train.dtype] if mixed else param_dtype(cfg)
+        master = torch.float32 if mixed else weights
+        make = lambda params: adamw(cfg, params, lr)  # noqa: E731
+        return ZeroModel(pm, make, weights, master, cfg.debug.shard_fault)
+    from tpbench.parallel.fsdp import FSDPModel
+
+    return FSDPModel(pm, cfg.parallel, cfg.train, cfg.debug.shard_fault)
+
+
+def optimizer(cfg: RunConfig, model, lr: float) -> torch.optim.Optimizer | DistributedOptimizer:
+    """The run's optimizer of `model`: AdamW (`adamw`) over its parameters, or ZeRO-1's own."""
+    if isinstance(model, ZeroModel):
+        return model.optimizer
+    params = model.module.parameters() if hasattr(model, "module") else model.parameters()
+    return adamw(cfg, params, lr)
 
 
 def adamw(cfg: RunConfig, params, lr: float) -> torch.optim.AdamW:

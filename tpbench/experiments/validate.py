@@ -47,7 +47,7 @@ from tpbench.experiments.setup import (
     place,
     precision,
 )
-from tpbench.experiments.training import adamw, build_ddp
+from tpbench.experiments.training import build_ddp, optimizer, shard_data_parallel
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindForCausalLM, shift_labels
 from tpbench.parallel import collectives, instrumentation, regions
 from tpbench.parallel.context import ParallelContext
@@ -70,7 +70,10 @@ def reference_dtype(cfg: RunConfig) -> torch.dtype:
 def run(cfg: RunConfig) -> RankResult:
     ctx = context(cfg)
     dense = build_dense(cfg)
-    pm = DDPModel(cfg, ctx) if cfg.parallel.engine == "ddp" else build_parallel(cfg, ctx, dense)
+    if cfg.parallel.engine == "ddp" and cfg.parallel.dp_shard == "none":
+        pm = DDPModel(cfg, ctx)
+    else:
+        pm = shard_data_parallel(cfg, build_parallel(cfg, ctx, dense), cfg.validate.lr)
     reference = place(copy.deepcopy(dense), ctx.device, reference_dtype(cfg))
     place(dense, ctx.device, param_dtype(cfg))
     _plant_model_fault(cfg, pm, ctx)
@@ -113,7 +116,7 @@ def run(cfg: RunConfig) -> RankResult:
 
     # 3. AdamW steps on all three
     initial = {n: p.detach().clone() for n, p in dense.named_parameters()}
-    rounded_signs = {n: torch.zeros_like(p, dtype=torch.bool) for n, p in pm.module.named_parameters()}
+    rounded_signs = {n: torch.zeros_like(p, dtype=torch.bool) for n, p in pm.full_parameters().items()}
     drift = _adamw(cfg, pm, dense, reference, batches, (ids, labels), rounded_signs)
     _plant_error(cfg, pm)
     params = _param_errors(pm, dense, reference, initial, rounded_signs)
@@ -161,6 +164,12 @@ class DDPModel:
 
     def finish_grads(self) -> None:
         """Nothing left: DDP waits for its buckets' all-reduces before backward returns."""
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        return {n: p.grad for n, p in self.module.named_parameters()}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.module.named_parameters()}
 
     def semantics(self, name: str) -> str:
         return "replicated"
@@ -214,11 +223,11 @@ def _grad_errors(pm: ParallelModel | DDPModel, dense: torch.nn.Module, reference
     max |diff|, relative L2) and that shard of the dense gradient against the reference's (relative L2)."""
     dense_params, ref_params = dict(dense.named_parameters()), dict(reference.named_parameters())
     stats = []
-    for name, p in pm.module.named_parameters():
+    for name, grad in pm.full_gradients().items():
         want = pm.shard_like(name, dense_params[name].grad)
         exact = pm.shard_like(name, ref_params[name].grad)
-        diff = (p.grad.double() - want.double()).abs()
-        stats.append([diff.mean(), diff.max(), _rel_l2(p.grad, want, want), _rel_l2(want, exact, exact)])
+        diff = (grad.double() - want.double()).abs()
+        stats.append([diff.mean(), diff.max(), _rel_l2(grad, want, want), _rel_l2(want, exact, exact)])
     return stats
 
 
@@ -235,7 +244,7 @@ def _param_errors(
     relative L2 leaves out the elements whose gradient's sign rounding decided (see _rounded_signs)."""
     dense_params, ref_params = dict(dense.named_parameters()), dict(reference.named_parameters())
     stats = []
-    for name, p in pm.module.named_parameters():
+    for name, p in pm.full_parameters().items():
         want = pm.shard_like(name, dense_params[name])
         exact = pm.shard_like(name, ref_params[name])
         moved = want.double() - pm.shard_like(name, initial[name]).double()
@@ -256,7 +265,7 @@ def _rows(pm: ParallelModel | DDPModel, grads: list, params: list) -> list[Param
     worst = collectives.reduce_over_world(stacked.double(), dist.ReduceOp.MAX).cpu().tolist()
     return [
         ParamRow(n, pm.semantics(n), list(p.shape), *w)
-        for (n, p), w in zip(pm.module.named_parameters(), worst, strict=True)
+        for (n, p), w in zip(pm.full_parameters().items(), worst, strict=True)
     ]
 
 
@@ -329,8 +338,8 @@ def _rounded_signs(
     differs by more than rounding, so its elements stay in."""
     dense_params, ref_params = dict(dense.named_parameters()), dict(reference.named_parameters())
     v = cfg.validate
-    for name, p in pm.module.named_parameters():
-        g = p.grad.detach().double()
+    for name, grad in pm.full_gradients().items():
+        g = grad.detach().double()
         want = pm.shard_like(name, dense_params[name].grad).double()
         exact = pm.shard_like(name, ref_params[name].grad).double()
         per_element = (v.k * (want - exact).norm() + v.tol_grad_rel * want.norm()) / want.numel() ** 0.5
@@ -351,7 +360,7 @@ def _adamw(
     every step on `first`, the forward check's global batch, and compares on it; fresh draws a batch
     to compare on, then one per step."""
     v = cfg.validate
-    opt_p = adamw(cfg, pm.module.parameters(), v.lr)  # fused under train.fused_optimizer
+    opt_p = optimizer(cfg, pm, v.lr)  # fused under train.fused_optimizer; a sharded level's own
     dense_opts = [
         torch.optim.AdamW(m.parameters(), lr=v.lr, weight_decay=cfg.train.weight_decay)
         for m in (dense, reference)

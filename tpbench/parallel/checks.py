@@ -141,3 +141,57 @@ def check_dtensor_shardable(model: ModelConfig | MiniMindConfig, pcfg: ParallelC
             f"parallel.engine=dtensor vp=true with model.vocab_size={model.vocab_size}: accepted are vocab "
             f"sizes divisible by parallel.tp={tp} (this engine does not pad the vocab)"
         )
+
+
+SHARD_FAULTS = ("no_reduce_scatter", "no_all_gather")  # debug.shard_fault, for every sharded level
+
+
+def check_dp_shard(cfg: RunConfig) -> None:
+    """Raise ConfigError (one line) for a sharded DP level (parallel.dp_shard, dp_replicate) that
+    cannot run as asked; callable before launch."""
+    p, d = cfg.parallel, cfg.debug
+    level = p.dp_shard
+    if d.shard_fault not in ("", *SHARD_FAULTS):
+        accepted = ", ".join(map(repr, ("", *SHARD_FAULTS)))
+        raise ConfigError(f"debug.shard_fault={d.shard_fault!r}: accepted are {accepted}")
+    if d.shard_fault and level == "none":
+        raise ConfigError(
+            f"debug.shard_fault={d.shard_fault}: breaks a sharded DP level, accepted with "
+            "parallel.dp_shard=optimizer, grads or full"
+        )
+    if p.dp_replicate < 1 or p.dp % p.dp_replicate:
+        raise ConfigError(
+            f"parallel.dp_replicate={p.dp_replicate} with parallel.dp={p.dp}: accepted are divisors of dp"
+        )
+    if p.dp_replicate > 1 and (level not in ("grads", "full") or p.dp // p.dp_replicate < 2):
+        raise ConfigError(
+            f"parallel.dp_replicate={p.dp_replicate} with dp_shard={level}, dp={p.dp}: HSDP replicates "
+            "FSDP2's shards, accepted with dp_shard=grads or full and dp / dp_replicate >= 2"
+        )
+    if level == "none":
+        return
+    blocked = [
+        (p.dp == 1, "parallel.dp=1 (nothing to shard over)", "parallel.dp >= 2"),
+        (
+            p.engine == "dtensor" and level == "optimizer",
+            "parallel.engine=dtensor (ZeRO-1 is built over the megatron and ddp engines' plain tensors)",
+            "dp_shard=grads or full there",
+        ),
+        (
+            p.engine == "dtensor" and p.dp_replicate > 1,
+            f"parallel.engine=dtensor and dp_replicate={p.dp_replicate} (a 3-D mesh is not built)",
+            "dp_replicate=1 there",
+        ),
+        (bool(d.ddp_fault), f"debug.ddp_fault={d.ddp_fault} (no DDP runs)", "debug.ddp_fault unset"),
+        (
+            d.overlap_fault == "early_bucket",
+            "debug.overlap_fault=early_bucket (no DP buckets: the gradients are reduce-scattered)",
+            "debug.overlap_fault unset or no_wait",
+        ),
+        ("dp" in d.skip_grad_sum, "debug.skip_grad_sum=dp (use debug.shard_fault)", "the other sums"),
+        (d.grad_scale != 1.0, f"debug.grad_scale={d.grad_scale}", "debug.grad_scale=1"),
+        (cfg.train.compile, "train.compile=true (not built with FSDP2 / ZeRO-1)", "train.compile=false"),
+    ]
+    for bad, what, accepted in blocked:
+        if bad:
+            raise ConfigError(f"parallel.dp_shard={level} with {what}: accepted is {accepted}")

@@ -139,6 +139,15 @@ def _all_gather(x: torch.Tensor, group: Group, purpose: str, blocking: bool) -> 
     return _launch("all_gather", purpose, x, out.numel() * out.element_size(), group, fn, out, blocking)
 
 
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Group, purpose: str) -> torch.Tensor:
+    """all_gather into a given flat `out` (world * x.numel() elements; a persistent buffer: ZeRO's
+    parameter buffer), blocking."""
+    if group_size(group) == 1:
+        return out.copy_(x.reshape(out.shape))
+    fn = lambda: dist.all_gather_single(out, x.contiguous(), group, async_op=True)  # noqa: E731
+    return _launch("all_gather", purpose, x, out.numel() * out.element_size(), group, fn, out, True).wait()
+
+
 def reduce_scatter(x: torch.Tensor, group: Group, purpose: str) -> torch.Tensor:
     """Sum over ranks and keep this rank's shard of dim 0."""
     if group_size(group) > 1 and torch.compiler.is_compiling():
@@ -245,6 +254,13 @@ def fake_backend(group: Group) -> bool:
     """torch's fake process group: "fake", or bound to one device ("cuda:fake", which an emulated GPU
     rank runs on: tests/fake_cuda_checks.py)."""
     return dist.get_backend(group).split(":")[-1] == "fake"
+
+
+def launch_counted(op: str, x: torch.Tensor, out: torch.Tensor, group: Group, purpose: str, fn) -> Pending:
+    """Another library's collective (FSDP2's all-gather or reduce-scatter of `x` into `out`, `fn`
+    issuing it with async_op=True), counted and timed as ours: the full tensor is the larger one."""
+    full = max(x.numel() * x.element_size(), out.numel() * out.element_size())
+    return _launch(op, purpose, x, full, group, fn, out, False)
 
 
 # --- over the whole job, for headline figures ---------------------------------------------------

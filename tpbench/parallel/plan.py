@@ -239,6 +239,14 @@ class ParallelModel:
             deferred.on_ready = lambda p: buckets.ready(names[id(p)])
         return buckets
 
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Each parameter's gradient on this rank (TP-local: a sharded DP level gathers its DP shards)."""
+        return {n: p.grad for n, p in self.module.named_parameters()}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Each parameter on this rank (TP-local), as full_gradients."""
+        return {n: p.detach() for n, p in self.module.named_parameters()}
+
     def semantics(self, name: str) -> str:
         return self.layouts[name].semantics
 

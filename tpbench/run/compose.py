@@ -39,7 +39,7 @@ from tpbench.config import (
 )
 from tpbench.experiments import KINDS
 from tpbench.experiments.criterion import check_validate_faults
-from tpbench.parallel.checks import GRAD_SUMS, check_dtensor_shardable, check_shardable
+from tpbench.parallel.checks import GRAD_SUMS, check_dp_shard, check_dtensor_shardable, check_shardable
 from tpbench.parallel.emulation import EMULATED_KINDS, FLAVOURS
 from tpbench.predict import hardware
 from tpbench.run.faults import FAULTS
@@ -197,12 +197,7 @@ def check(cfg: RunConfig) -> None:
     ):
         if _get(cfg, key) is not None and _get(cfg, key) < 1:
             raise ConfigError(f"{key}={_get(cfg, key)}: accepted are integers >= 1")
-    if cfg.parallel.dp_shard != "none" or cfg.parallel.dp_replicate != 1:
-        # issue 38 builds them; until then a sharded level is refused, never silently run as DDP
-        raise ConfigError(
-            f"parallel.dp_shard={cfg.parallel.dp_shard} dp_replicate={cfg.parallel.dp_replicate}: "
-            "accepted are dp_shard=none and dp_replicate=1 (sharded DP is not built yet)"
-        )
+    check_dp_shard(cfg)
     _check_precision(cfg)
     for key, what in (("fused_swiglu", "SwiGLU"), ("lean_rmsnorm", "RMSNorm")):
         if not getattr(cfg.model, key) and cfg.train.recompute != "none":

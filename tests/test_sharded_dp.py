@@ -1,0 +1,179 @@
+"""Sharded data parallelism (parallel.dp_shard: ZeRO-1, FSDP2's ZeRO-2 and ZeRO-3, HSDP) validated
+against the dense model, and each level seen failing with its reduce-scatter or its all-gather broken.
+
+Two torchrun jobs run every config below through validate.run (this file is their script): 4 ranks
+for DP 2 x TP 2 (each TP mode of both engines under some level, in fp32 and mixed precision, with
+recompute and overlap) and HSDP's DP 4; 2 ranks for DP 2 x TP 1 (mode=ddp) at every level. The whole
+grid, every level x every mode, in fp32 (and again with `precision=mixed dtype=bfloat16`):
+
+    tpbench sweep kind=validate dp=2 dp_shard=optimizer,grads,full \
+        mode=tp,tp_sp,tp_sp_linear,tp_vp,tp_sp_vp,ddp
+    tpbench sweep kind=validate dp=2 dp_shard=grads,full \
+        mode=dtensor_tp,dtensor_tp_sp,dtensor_tp_vp,dtensor_tp_sp_vp
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from beside import beside
+from test_cli import nothing_written, workdir  # noqa: F401 (a fixture)
+from torchrun_checks import run_config, torchrun
+from typer.testing import CliRunner
+
+from tpbench.cli import app
+
+TINY = ["model.flash_attn=false", "validate.steps=3", "validate.every=3"]
+MIXED = ["train.precision=mixed", "train.dtype=bfloat16"]
+MODES = {  # conf/mode/, at T 2
+    "tp": ["parallel.tp=2"],
+    "tp_sp": ["parallel.tp=2", "parallel.sp=true"],
+    "tp_sp_linear": ["parallel.tp=2", "parallel.sp=true", "parallel.sp_gather=linear"],
+    "tp_vp": ["parallel.tp=2", "parallel.vp=true"],
+    "tp_sp_vp": ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true"],
+    "dtensor_tp_sp_vp": ["parallel.engine=dtensor", "parallel.tp=2", "parallel.sp=true", "parallel.vp=true"],
+}
+DP2_TP2 = {  # each level under a TP mode, fp32 and mixed, with overlap and recompute, both engines
+    "optimizer_tp_sp_vp_mixed": [*MODES["tp_sp_vp"], "parallel.dp_shard=optimizer", *MIXED],
+    "optimizer_tp_vp_overlap_recompute": [
+        *MODES["tp_vp"],
+        "parallel.dp_shard=optimizer",
+        "parallel.overlap=true",
+        "train.recompute=selective",
+    ],
+    "grads_tp_sp_linear": [*MODES["tp_sp_linear"], "parallel.dp_shard=grads"],
+    "full_tp_sp_vp": [*MODES["tp_sp_vp"], "parallel.dp_shard=full"],
+    "full_dtensor_tp_sp_vp": [*MODES["dtensor_tp_sp_vp"], "parallel.dp_shard=full"],
+    "hsdp_full_dp4": ["parallel.tp=1", "parallel.dp_shard=full", "parallel.dp_replicate=2"],
+    "broken_optimizer_all_gather": [
+        *MODES["tp_sp"],
+        "parallel.dp_shard=optimizer",
+        "debug.shard_fault=no_all_gather",
+    ],
+}
+DDP = ["parallel.engine=ddp", "parallel.tp=1"]
+DP2_TP1 = {  # mode=ddp
+    "optimizer_ddp": [*DDP, "parallel.dp_shard=optimizer"],
+    "grads_ddp_mixed": [*DDP, "parallel.dp_shard=grads", *MIXED],
+    "full_ddp_recompute": [*DDP, "parallel.dp_shard=full", "train.recompute=full"],
+    "broken_optimizer_reduce_scatter": [
+        *DDP,
+        "parallel.dp_shard=optimizer",
+        "debug.shard_fault=no_reduce_scatter",
+    ],
+    "broken_grads_all_gather": [*DDP, "parallel.dp_shard=grads", "debug.shard_fault=no_all_gather"],
+    "broken_full_reduce_scatter": [*DDP, "parallel.dp_shard=full", "debug.shard_fault=no_reduce_scatter"],
+}
+
+# --- the torchrun jobs ---------------------------------------------------------------------------
+
+
+def _main(out: str, world: int) -> None:
+    import torch.distributed as dist
+
+    from tpbench.experiments import validate
+
+    dist.init_process_group("gloo")
+    results: dict[str, dict] = {}
+    for name, overrides in (DP2_TP2 if world == 4 else DP2_TP1).items():
+        dp = 4 if name.startswith("hsdp") else 2
+        r = validate.run(run_config([*TINY, f"parallel.dp={dp}", *overrides]))
+        metrics = {m.name: m.value for m in r.measurements if m.step is None}
+        comm = [[c.op, c.purpose, c.count, c.bytes] for c in r.comm]
+        results[name] = {"metrics": metrics, "failed": r.failed, "comm": comm}
+    dist.barrier()
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+@beside
+def dp2_tp2(folder: Path) -> dict:
+    return torchrun(Path(__file__), 4, folder / "sharded_4.json", "4")
+
+
+@beside
+def dp2_tp1(folder: Path) -> dict:
+    return torchrun(Path(__file__), 2, folder / "sharded_2.json", "2")
+
+
+# --- the assertions ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [n for n in DP2_TP2 if not n.startswith("broken")])
+def test_each_level_matches_dense_at_dp2_tp2(dp2_tp2, name):
+    r = dp2_tp2[name]
+    assert r["failed"] == [] and r["metrics"]["passed"] == 1.0
+
+
+@pytest.mark.parametrize("name", [n for n in DP2_TP1 if not n.startswith("broken")])
+def test_each_level_matches_dense_at_dp2_with_mode_ddp(dp2_tp1, name):
+    r = dp2_tp1[name]
+    assert r["failed"] == [] and r["metrics"]["passed"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "job, name",
+    [("dp2_tp2", n) for n in DP2_TP2 if n.startswith("broken")]
+    + [("dp2_tp1", n) for n in DP2_TP1 if n.startswith("broken")],
+)
+def test_a_broken_reduce_scatter_or_all_gather_fails(request, job, name):
+    r = request.getfixturevalue(job)[name]
+    assert r["metrics"]["passed"] == 0.0 and r["failed"]
+
+
+def _comm(r: dict) -> dict[tuple[str, str], tuple[int, int]]:
+    return {(op, purpose): (count, size) for op, purpose, count, size in r["comm"]}
+
+
+def test_the_dp_collectives_are_counted_by_purpose(dp2_tp1, dp2_tp2):
+    """ZeRO-1 reduce-scatters the gradients (its all-gather is in the optimizer step, after the
+    counted backward); FSDP2 all-gathers each unit's weights once (grads) or twice (full: again for
+    backward) and reduce-scatters its gradients, per unit: 2 blocks and the root; HSDP all-reduces
+    the reduce-scattered gradients across its replicas as well. None all-reduces like DDP."""
+    zero1 = _comm(dp2_tp1["optimizer_ddp"])
+    assert zero1[("reduce_scatter", "dp_grad")][0] == 1 and ("all_reduce", "dp_grad") not in zero1
+    grads = _comm(dp2_tp2["grads_tp_sp_linear"])
+    assert grads[("all_gather", "dp_param")][0] == 3 and grads[("reduce_scatter", "dp_grad")][0] == 3
+    full = _comm(dp2_tp2["full_tp_sp_vp"])
+    assert full[("all_gather", "dp_param")][0] == 6 and full[("reduce_scatter", "dp_grad")][0] == 3
+    # in fp32 a unit's gather moves the bytes its reduce-scatter moves: ZeRO-3 gathers twice
+    assert full[("all_gather", "dp_param")][1] == 2 * full[("reduce_scatter", "dp_grad")][1]
+    assert grads[("all_gather", "dp_param")][1] == grads[("reduce_scatter", "dp_grad")][1]
+    hsdp = _comm(dp2_tp2["hsdp_full_dp4"])
+    assert hsdp[("all_reduce", "dp_grad")][0] == 3
+
+
+REFUSED = {  # before launch: one line, exit 2
+    "nothing to shard over": (
+        ["dp=1", "dp_shard=full"],
+        "parallel.dp_shard=full with parallel.dp=1 (nothing",
+    ),
+    "replicas not dividing dp": (["dp=4", "dp_shard=full", "dp_replicate=3"], "parallel.dp_replicate=3 with"),
+    "replicas of ZeRO-1": (["dp=4", "dp_shard=optimizer", "dp_replicate=2"], "HSDP replicates FSDP2's"),
+    "a fault without a level": (
+        ["dp=2", "debug.shard_fault=no_all_gather"],
+        "debug.shard_fault=no_all_gather:",
+    ),
+    "an unknown fault": (["dp=2", "dp_shard=full", "debug.shard_fault=drop"], "debug.shard_fault='drop': "),
+    "a DDP fault with no DDP": (
+        ["mode=ddp", "dp_shard=optimizer", "debug.ddp_fault=no_divide"],
+        "parallel.dp_shard=optimizer with debug.ddp_fault=no_divide",
+    ),
+    "ZeRO-1 on dtensor": (["mode=dtensor_tp", "dp=2", "dp_shard=optimizer"], "with parallel.engine=dtensor"),
+}
+
+
+@pytest.mark.parametrize("overrides, says", REFUSED.values(), ids=REFUSED.keys())
+def test_a_level_that_cannot_run_is_refused_in_one_line(workdir, overrides, says):  # noqa: F811
+    done = CliRunner().invoke(app, ["run", "kind=validate", *overrides])
+    assert done.exit_code == 2, done.output
+    assert len(done.stderr.splitlines()) == 1 and says in done.stderr, done.stderr
+    assert nothing_written(workdir)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,191 @@
+"""ZeRO-1, Megatron's distributed optimizer (`parallel.dp_shard=optimizer`): each DP rank keeps an
+even 1/DP flat shard of the master weights and of both AdamW moments.
+
+Per DP group (the ranks that hold the same TP shard), with N the TP-local parameter count, padded
+up to P = ceil(N / DP) * DP so that every rank's shard is P / DP elements:
+
+    grad buffer   [P]       the gradients, flat (reduce dtype: fp32 under mixed precision), the
+                            parameters' `.grad` are views of it where the dtypes agree
+    reduce-scatter          grad buffer [P] -> this rank's [P/DP], averaged over DP (one per step)
+    master shard  [P/DP]    fp32 under mixed, else the parameters' dtype; AdamW's m and v beside it
+    all-gather              the stepped shard (in the parameters' dtype) [P/DP] -> param buffer [P]
+    param buffer  [P]       the model's parameters are views of it (bf16 under mixed precision)
+
+AdamW is elementwise, so one AdamW over the flat shard takes the same steps as one per parameter
+(the same learning rate and weight decay for all: tpbench.experiments.training.adamw). The padding
+stays zero: its gradients are zero and so is its weight decay's pull.
+
+The TP gradient sums (q/k norms, SP norms, KV replicas) run on the buffer's views before the
+reduce-scatter, as they ran on `.grad` before DDP's average: a sum over TP ranks and an average over
+DP ranks commute, each element summed over the same ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tpbench.parallel import collectives
+
+
+class DistributedOptimizer:
+    """The flat buffers, the master shard and its AdamW for the parameters `params` (this rank's TP
+    shards, in the model's order) over the DP `group`.
+
+    make_adamw builds the AdamW of the master shard; param_dtype: the model's weights' (bf16 under
+    mixed precision); master_dtype: the master weights' and the gradient reduction's (fp32 under
+    mixed precision); fault: debug.shard_fault."""
+
+    def __init__(
+        self,
+        params: dict[str, nn.Parameter],
+        group: collectives.Group,
+        make_adamw: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+        param_dtype: torch.dtype,
+        master_dtype: torch.dtype,
+        fault: str = "",
+    ):
+        self.params, self.group, self.fault = params, group, fault
+        self.dp = collectives.group_size(group)
+        self.dp_rank = 0 if group is None else dist.get_rank(group)
+        first = next(iter(params.values()))
+        numel = sum(p.numel() for p in params.values())
+        self.shard_numel = -(-numel // self.dp)  # [P/DP]
+        padded = self.shard_numel * self.dp
+        self.param_buffer = torch.zeros(padded, dtype=param_dtype, device=first.device)  # [P]
+        self.grad_buffer = torch.zeros(padded, dtype=master_dtype, device=first.device)  # [P]
+        self.param_views: dict[str, torch.Tensor] = {}
+        self.grad_views: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, p in params.items():
+            self.param_views[name] = self.param_buffer.narrow(0, offset, p.numel()).view_as(p)
+            self.grad_views[name] = self.grad_buffer.narrow(0, offset, p.numel()).view_as(p)
+            offset += p.numel()
+        with torch.no_grad():  # the master shard from the weights as they come (fp32 under mixed)
+            for name, p in params.items():
+                self.grad_views[name].copy_(p)  # the grad buffer lends its [P] for a moment
+            self.master = nn.Parameter(self._mine(self.grad_buffer).clone())  # [P/DP]
+            self.grad_buffer.zero_()
+            for name, p in params.items():
+                self.param_views[name].copy_(p)
+        self.adamw = make_adamw([self.master])
+        for name, p in params.items():
+            p.data = self.param_views[name]  # the model's weights live in the param buffer
+            p.register_post_accumulate_grad_hook(lambda p, name=name: self._into_buffer(name))
+
+    def _mine(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a padded flat [P] tensor: [P/DP]."""
+        return flat.narrow(0, self.dp_rank * self.shard_numel, self.shard_numel)
+
+    def _into_buffer(self, name: str) -> None:
+        """Parameter `name`'s gradient of this backward, added into its slot of the grad buffer (zero
+        at the step's start). Where the dtypes agree `.grad` becomes the slot's view and later
+        accumulations add into it in place; else (bf16 gradients, fp32 buffer) `.grad` is freed."""
+        p, view = self.params[name], self.grad_views[name]
+        if p.grad is None or p.grad.data_ptr() == view.data_ptr():
+            return
+        view.add_(p.grad)
+        p.grad = view if p.grad.dtype == view.dtype else None
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient slot, after sweeping in what autograd's hooks have not (weight
+        gradients computed outside autograd: parallel.overlap's deferred ones)."""
+        for name in self.params:
+            self._into_buffer(name)
+        return self.grad_views
+
+    def reduce_scatter(self) -> None:
+        """The DP average of the gradients into this rank's shard: grad buffer [P] -> [P/DP]."""
+        if self.fault == "no_reduce_scatter":  # this rank's own gradients, never averaged
+            self.grad_shard = self._mine(self.grad_buffer).clone()
+        else:
+            self.grad_shard = collectives.reduce_scatter(self.grad_buffer, self.group, "dp_grad")
+            self.grad_shard.div_(self.dp)
+
+    @property
+    def state(self) -> dict:
+        """The AdamW state of the master shard (its moments and step)."""
+        return self.adamw.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params.values():
+            p.grad = None
+        self.grad_buffer.zero_()
+        self.adamw.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        """AdamW on the master shard, then the stepped weights all-gathered into every rank's params."""
+        self.master.grad = self.grad_shard.to(self.master.dtype)
+        self.adamw.step()
+        self.master.grad, self.grad_shard = None, None
+        shard = self.master.detach().to(self.param_buffer.dtype)  # [P/DP]
+        if self.fault == "no_all_gather":  # the other ranks' shards stay as they were
+            self._mine(self.param_buffer).copy_(shard)
+            return
+        collectives.all_gather_into(self.param_buffer, shard, self.group, "dp_param")
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's averaged gradient, the shards all-gathered (for checks only: not counted
+        as a step's)."""
+        return self._unflatten(collectives.all_gather(self.grad_shard, self.group, "check"))
+
+    def full_masters(self) -> dict[str, torch.Tensor]:
+        """Every parameter's master weights (fp32 under mixed precision), gathered as full_gradients."""
+        return self._unflatten(collectives.all_gather(self.master.detach(), self.group, "check"))
+
+    def _unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A gathered [P] -> each parameter's view, shaped as the parameter."""
+        base = self.grad_buffer.storage_offset()
+        return {
+            name: flat.narrow(0, view.storage_offset() - base, view.numel()).view_as(view)
+            for name, view in self.grad_views.items()
+        }
+
+
+class ZeroModel:
+    """A parallel model (tpbench.parallel.plan.ParallelModel: any TP mode, or the dense model at tp
+    1) whose DP average is ZeRO-1's reduce-scatter instead of an all-reduce: the model's interface
+    for training and the checks, with `optimizer` its DistributedOptimizer."""
+
+    def __init__(
+        self,
+        pm,
+        make_adamw: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+        param_dtype: torch.dtype,
+        master_dtype: torch.dtype,
+        fault: str = "",
+    ):
+        self.pm, self.module, self.ctx = pm, pm.module, pm.ctx
+        pm.grad_sums = [gs for gs in pm.grad_sums if gs.name != "dp"]  # the reduce-scatter's now
+        params = dict(self.module.named_parameters())
+        group = pm.ctx.dp_group
+        self.optimizer = DistributedOptimizer(params, group, make_adamw, param_dtype, master_dtype, fault)
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        return self.pm(input_ids, labels)
+
+    def finish_grads(self) -> None:
+        """The TP gradient sums on the grad buffer's views, then the reduce-scatter."""
+        grads = self.optimizer.gradients()
+        for gs in self.pm.grad_sums:
+            collectives.all_reduce_coalesced([grads[n] for n in gs.params], gs.group, "grad_sum")
+        self.optimizer.reduce_scatter()
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        return self.optimizer.full_gradients()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """The master weights the optimizer steps (under mixed precision, not the bf16 copies)."""
+        return self.optimizer.full_masters()
+
+    def semantics(self, name: str) -> str:
+        return self.pm.semantics(name)
+
+    def shard_like(self, name: str, dense: torch.Tensor) -> torch.Tensor:
+        return self.pm.shard_like(name, dense)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.pm.full_logits(logits)
