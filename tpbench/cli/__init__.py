@@ -271,19 +271,11 @@ def plan(
     """Print the analytic model's prediction, per rank, without running anything: memory at each moment
     of a training step (the peak marked), collective bytes per step, model FLOPs per step."""
     from tpbench.cli import sharded
-    from tpbench.config import ConfigError
     from tpbench.experiments import memory
     from tpbench.parallel import emulation
     from tpbench.predict import theory
 
-    rest, levels = sharded.take(overrides or [])
-    configs = _compose([*rest, *(["launch.emulate=fake"] if measure else [])], single=False)
-    try:
-        configs = sharded.with_sharding(configs, levels)
-    except ConfigError as e:
-        usage(str(e))
-    if measure and any(c.parallel.dp_shard != "none" for c in configs):
-        usage("plan --measure with parallel.dp_shard: the emulation needs the sharded runtime, not built yet")
+    configs = _compose([*(overrides or []), *(["launch.emulate=fake"] if measure else [])], single=False)
     for c in (c for c in configs if c.kind == configs[0].kind):  # kind=all: one config per kind
         prediction = theory.predict(c)
         measured = memory.measure_busiest(c) if measure else None

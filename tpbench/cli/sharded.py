@@ -1,69 +1,17 @@
 """`tpbench plan` and sharded DP (parallel.dp_shard, dp_replicate): the per-rank split of the peak, and
 DDP, ZeRO-1, ZeRO-2 and FSDP side by side at the config's TP and DP (tpbench.predict.theory.sharding).
-
-Until the sharded runtime is merged, compose refuses dp_shard and dp_replicate off their defaults for
-every command; `plan`, which launches nothing, takes them here instead (`with_sharding`): the configs
-are composed without them and then given them, each checked in one line as compose will.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 from rich.table import Table
 
 from tpbench.cli.output import out
-from tpbench.config import ConfigError, RunConfig
+from tpbench.config import RunConfig
 
-KEYS = {"dp_shard": "dp_shard", "parallel.dp_shard": "dp_shard"}
-KEYS |= {"dp_replicate": "dp_replicate", "parallel.dp_replicate": "dp_replicate"}
 SPLIT = ("weights", "master", "gradients", "moments", "activations", "temporaries")
-
-
-def take(overrides: list[str]) -> tuple[list[str], dict[str, list[str]]]:
-    """The overrides without dp_shard= and dp_replicate=, and their values (a comma list sweeps)."""
-    rest, taken = [], {}
-    for o in overrides:
-        key, _, value = o.partition("=")
-        if key in KEYS:
-            taken[KEYS[key]] = value.split(",")
-        else:
-            rest.append(o)
-    return rest, taken
-
-
-def with_sharding(configs: list[RunConfig], taken: dict[str, list[str]]) -> list[RunConfig]:
-    """Each config under each requested level and replica count, checked; ConfigError names a bad one."""
-    from tpbench.predict.theory.sharding import LEVELS
-
-    out_ = []
-    for cfg in configs:
-        for level, replicate in itertools.product(
-            taken.get("dp_shard", ["none"]), taken.get("dp_replicate", ["1"])
-        ):
-            if level not in LEVELS:
-                raise ConfigError(f"parallel.dp_shard={level}: accepted are {', '.join(LEVELS)}")
-            if not replicate.isdigit() or int(replicate) < 1:
-                raise ConfigError(f"parallel.dp_replicate={replicate}: accepted are integers >= 1")
-            R, dp = int(replicate), cfg.parallel.dp
-            if level != "none" and dp == 1:
-                raise ConfigError(
-                    f"parallel.dp_shard={level} with parallel.dp=1: nothing to shard over; "
-                    "accepted are dp >= 2 or dp_shard=none"
-                )
-            if dp % R:
-                raise ConfigError(
-                    f"parallel.dp_replicate={R} does not divide parallel.dp={dp}: accepted are its divisors"
-                )
-            if R > 1 and level == "none":
-                raise ConfigError(
-                    f"parallel.dp_replicate={R} with parallel.dp_shard=none: HSDP replicates shard groups; "
-                    "accepted with dp_shard=optimizer, grads or full"
-                )
-            parallel = dataclasses.replace(cfg.parallel, dp_shard=level, dp_replicate=R)
-            out_.append(dataclasses.replace(cfg, parallel=parallel))
-    return out_
 
 
 def unsharded(cfg: RunConfig) -> RunConfig:

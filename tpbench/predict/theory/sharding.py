@@ -5,10 +5,10 @@ moments of its step, and its DP collectives. Every figure is derived from the ra
 Levels, over the D = dp / dp_replicate ranks of a shard group (HSDP: replicated across the R =
 dp_replicate groups):
   none       DDP: every DP rank keeps the whole parameters, gradients and AdamW state of its TP shard.
-  optimizer  ZeRO-1, Megatron's distributed optimizer: the parameters and the gradients live in one
-             flat buffer each, padded to a multiple of D elements; AdamW steps this rank's 1/D slice
-             of the parameter buffer (the master: a view, no copy) and keeps its moments for that
-             slice only. The gradient buffer is reduce-scattered, the updated slices all-gathered.
+  optimizer  ZeRO-1, Megatron's distributed optimizer (tpbench.parallel.zero): the parameters and the
+             gradients live in one flat buffer each, padded to a multiple of D elements; AdamW steps
+             this rank's master shard (a 1/D copy, fp32 under mixed) and keeps its moments only. The
+             gradient buffer is reduce-scattered, the stepped shard all-gathered into the parameters.
   grads      FSDP2 with reshard_after_forward=False (ZeRO-2): parameters, gradients and AdamW state
              sharded on dim 0 per parameter (each padded to a multiple of D rows); each block's
              weights are gathered once in forward and kept through its backward.
@@ -40,7 +40,7 @@ from tpbench.predict.theory.weights import params
 
 LEVELS = ("none", "optimizer", "grads", "full")
 LEVEL_NAMES = {"none": "DDP", "optimizer": "ZeRO-1", "grads": "ZeRO-2", "full": "FSDP"}
-GRADS, PARAMS = "dp_grad", "dp_params"  # the purposes of the DP collectives (DDP's is dp_grad too)
+GRADS, PARAMS = "dp_grad", "dp_param"  # the purposes of the DP collectives (DDP's is dp_grad too)
 ROOT = "root"
 
 
@@ -134,7 +134,7 @@ class State:
     and its step counters."""
 
     params: int
-    master: int  # of `params`, what AdamW steps on this rank (all of it but under ZeRO-1's view)
+    master: int  # of `params`, what AdamW steps on this rank
     grads: int
     moments: int
     steps: int
@@ -150,9 +150,10 @@ def state(d: Dims, s: Sharding) -> State:
     whole = sum(n for _, n in params(d))
     if not s.sharded:
         return State(whole * w, whole * w, whole * w, 2 * whole * w, FP32 * len(params(d)) * counters)
-    if s.level == "optimizer":
+    if s.level == "optimizer":  # the param buffer (bf16 under mixed) and the master shard, its own copy
         shard = flat_shard(d, s.D)
-        return State(shard * s.D * w, shard * w, shard * s.D * w, 2 * shard * w, FP32 * counters)
+        weights = shard * s.D * (d.p if d.mixed else w) + shard * w
+        return State(weights, shard * w, shard * s.D * w, 2 * shard * w, FP32 * counters)
     shard = sum(unit_shards(d, s.D).values())
     return State(shard * w, shard * w, shard * w, 2 * shard * w, FP32 * len(params(d)) * counters)
 
@@ -259,15 +260,19 @@ def _next_block_gather(d: Dims, st: State, gathered: dict[str, int], shard_g: di
 
 
 def _zero1(d: Dims, s: Sharding, st: State, base: list[Moment]) -> list[Moment]:
-    """ZeRO-1: the parameter and gradient buffers persist (`.grad` their views, as megatron's flat DP
-    buckets), so backward's gradients are not its own; the reduce-scatter runs in place on the
-    gradient buffer and the all-gather into the parameter buffer."""
+    """ZeRO-1 (tpbench.parallel.zero): the parameter and gradient buffers persist (`.grad` the grad
+    buffer's views where the dtypes agree), so backward's gradients are not its own; the
+    reduce-scatter's output becomes the master shard's gradient for AdamW's step, and the all-gather
+    writes the parameter buffer in place."""
     out = []
     for m in base:
         if m.name == "gradient sums":
             continue
-        temps = _adam_temporaries(d, s) if m.name == "optimizer" else m.temporaries
-        out.append(replace(m, params=st.params, grads=st.grads, optimizer=st.optimizer, temporaries=temps))
+        if m.name == "optimizer":  # the reduce-scatter's output, the master's .grad, beside the buffer
+            grads, temps = st.grads + st.master, _adam_temporaries(d, s)
+        else:
+            grads, temps = st.grads, m.temporaries
+        out.append(replace(m, params=st.params, grads=grads, optimizer=st.optimizer, temporaries=temps))
     return out
 
 
