@@ -135,15 +135,15 @@ def test_plan_prints_the_split_of_a_sharded_level():
     assert result.exit_code == 0, result.output
     for word in ("ZeRO-1: the peak per rank", "master", "moments", "ZeRO-2", "FSDP", "dp_param"):
         assert word in result.output
-    assert "not yet checked against a measured peak: dp_shard=optimizer" in result.output
+    assert "not yet checked against a measured peak: tp=8" in result.output
 
 
 def test_what_is_checked_is_named():
     """The configs of the step test are checked; each level, mode or precision beyond them says why not."""
     assert sharding.unmodelled(level(["train.seq_len=4"], "full", 4)) is None
     assert sharding.unmodelled(level([], "none", 4)) is None
-    assert "tp=2" in sharding.unmodelled(level(["parallel.tp=2"], "grads", 2))
-    assert "ZeRO-1" in sharding.unmodelled(level([], "optimizer", 2))
+    assert sharding.unmodelled(level([], "optimizer", 2)) is None
+    assert "tp=4" in sharding.unmodelled(level(["parallel.tp=4", "model.num_key_value_heads=4"], "grads", 2))
     assert "precision=mixed" in sharding.unmodelled(level(["train.precision=mixed"], "full", 2))
 
 

@@ -348,16 +348,15 @@ def level_dims(cfg: RunConfig) -> Dims:
 
 
 def unmodelled(cfg: RunConfig) -> str | None:
-    """Why the memory model of a sharded level is not checked for `cfg` (None: it is, to the byte, on
-    the CPU: tests/test_theory_sharded.py), for compose's kind=memory refusal and `plan`'s note."""
+    """Why the memory model of a sharded level is not checked for `cfg` (None: its kind is measured
+    equal to it, to the byte, on the CPU: tests/test_theory_sharded.py, docs/results/sharded_dp.md),
+    for compose's kind=memory refusal and `plan`'s note."""
     s, p, t = sharding(cfg), cfg.parallel, cfg.train
     if not s.sharded:
         return None
     why = []
-    if s.level == "optimizer":
-        why.append("dp_shard=optimizer (ZeRO-1 is modelled on Megatron's flat buffers, not measured)")
-    if p.tp > 1:
-        why.append(f"tp={p.tp} (checked at tp=1)")
+    if p.tp > 2:
+        why.append(f"tp={p.tp} (measured at tp 1 and 2)")
     if t.precision == "mixed":
         why.append("precision=mixed (FSDP2's MixedPrecisionPolicy makes no autocast weight casts)")
     if t.recompute == "full" and s.fsdp:
