@@ -4,11 +4,13 @@ and `tpbench plan` with dp_shard."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from torchrun_checks import run_config
+from beside import beside
+from torchrun_checks import WORLD2, WORLD4, per_config, run_config
 from typer.testing import CliRunner
 
 from tpbench.experiments.setup import build_dense
@@ -110,7 +112,7 @@ def test_sharded_collectives_move_what_ddp_moves_or_more():
     zero2, zero3 = (sum(dp_bytes(level([], lv, 4)).values()) for lv in ("grads", "full"))
     assert ddp <= zero2 < zero3 < 1.5 * ddp
     counts = {(r.op): r.count for r in theory.predict(level([], "full", 4)).comm_rows()}
-    assert counts == {"all_gather": 2 * 2 + 1, "reduce_scatter": 2 + 1}  # 2 blocks twice, the root once
+    assert counts == {"all_gather": 2 * 3, "reduce_scatter": 3}  # 2 blocks and the root, twice
 
 
 def test_hsdp_all_reduces_the_shards_across_replicas():
@@ -226,3 +228,38 @@ def test_fsdp_step_peak_is_predicted_to_the_byte(dp_shard, D, overrides):
     measured = {CATEGORIES[k]: v for k, v in peak.items() if k in CATEGORIES}
     for name in ("mem_params_bytes", "mem_optimizer_bytes", "mem_grads_bytes"):
         assert measured[name] == predicted.breakdown()[name]
+
+
+# Each level measured by tpbench's own runtime in the world-2 and world-4 jobs of test_theory: the
+# memory experiment of DP 2 x TP 1 and DP 2 x TP 2, pure bf16, every rank's peak and collectives.
+SHARDED = {
+    f"dp2_tp{tp}_{lv}": [*SMALL[:-1], "train.steps=1", "train.warmup=1", f"parallel.tp={tp}", "parallel.dp=2",
+                         f"parallel.dp_shard={lv}"]
+    for tp in (1, 2)
+    for lv in ("optimizer", "grads", "full")
+}  # fmt: skip
+WORLD2.add("memory", "sharded", {k: v for k, v in SHARDED.items() if "_tp1_" in k})
+WORLD4.add("memory", "sharded", {k: v for k, v in SHARDED.items() if "_tp2_" in k})
+
+
+@beside
+def sharded_measured(folder: Path) -> dict:
+    """Per config, every rank's measured peak and collectives."""
+    two, four = (w.part(folder, "memory", "sharded") for w in (WORLD2, WORLD4))
+    return per_config(two) | per_config(four)
+
+
+@pytest.mark.parametrize("name", SHARDED)
+def test_measured_peak_of_each_level_is_predicted_to_the_byte(sharded_measured, name):
+    predicted = theory.predict(run_config(SHARDED[name]))
+    assert [rank["peak"] for rank in sharded_measured[name]] == [predicted.peak_bytes] * len(
+        sharded_measured[name]
+    )
+
+
+@pytest.mark.parametrize("name", SHARDED)
+def test_counted_dp_collectives_equal_the_model(sharded_measured, name):
+    rows = theory.predict(run_config(SHARDED[name])).comm_rows()
+    predicted = sorted([r.op, r.purpose, r.count, r.bytes] for r in rows)
+    for rank in sharded_measured[name]:
+        assert rank["comm"] == predicted

@@ -298,7 +298,7 @@ def dp_rows(cfg: RunConfig, d: Dims) -> list[tuple[str, str, int, int, int]]:
     """(op, purpose, full bytes, world, count) of each DP collective of a step under a sharded level:
     ZeRO-1 reduce-scatters its gradient buffer and all-gathers its parameter buffer once; FSDP2
     reduce-scatters each unit's gradients once and all-gathers each unit's parameters once a step
-    (ZeRO-2) or twice for each block (ZeRO-3: forward and backward; the root stays gathered). Under
+    (ZeRO-2) or twice (ZeRO-3: forward and backward, as counted at DP 2). Under
     HSDP each reduce-scatter's output is all-reduced across the R replicas."""
     s = sharding(cfg)
     w, D, R = d.w, s.D, s.replicate
@@ -308,9 +308,9 @@ def dp_rows(cfg: RunConfig, d: Dims) -> list[tuple[str, str, int, int, int]]:
         out += [("reduce_scatter", GRADS, flat, D, 1), ("all_gather", PARAMS, flat, D, 1)]
         out.append(("all_reduce", GRADS, flat // D, R, 1))
         return out
-    for u, n in unit_shards(d, D).items():
+    for n in unit_shards(d, D).values():
         full = D * n * w
-        again = 2 if s.level == "full" and u != ROOT else 1
+        again = 2 if s.level == "full" else 1  # the root too: gathered again at backward's start
         out += [("all_gather", PARAMS, full, D, again), ("reduce_scatter", GRADS, full, D, 1)]
         out.append(("all_reduce", GRADS, full // D, R, 1))
     return out
