@@ -65,14 +65,14 @@ def comm_rows(cfg: RunConfig) -> list[CommRow]:
         add("all_reduce", "loss", N * FP32, T, 3)
     if T > 1:
         # under FSDP2 the sums run on the DP shards of those gradients (dim 0: ceil(rows / D) rows)
-        rows = (lambda r: math.ceil(r / s.D)) if s.fsdp else (lambda r: r)  # noqa: E731
-        tp_sums = (2 * L * rows(d.D) if d.qk_norm and "qk_norm" not in skip else 0) + (
-            (2 * L + 1) * rows(H) if d.sp and "sp_norms" not in skip else 0
+        dp_rows_of = (lambda r: math.ceil(r / s.D)) if s.fsdp else (lambda r: r)  # noqa: E731
+        tp_sums = (2 * L * dp_rows_of(d.D) if d.qk_norm and "qk_norm" not in skip else 0) + (
+            (2 * L + 1) * dp_rows_of(H) if d.sp and "sp_norms" not in skip else 0
         )  # q/k norm weights (each rank saw its heads), SP norms (each rank saw its tokens)
         if tp_sums:
             add("all_reduce", "grad_sum", tp_sums * d.w, T)
         if d.Nkv % T and "kv_replicas" not in skip:  # ranks sharing one KV head sum k/v grads
-            add("all_reduce", "grad_sum", 2 * L * rows(d.D) * (H + d.bias) * d.w, T // d.Nkv)
+            add("all_reduce", "grad_sum", 2 * L * dp_rows_of(d.D) * (H + d.bias) * d.w, T // d.Nkv)
     if "dp" not in skip and sharded:  # ZeRO-1, ZeRO-2, FSDP (tpbench.predict.theory.sharding)
         for op, purpose, full, world, count in dp_rows(cfg, d):
             add(op, purpose, full, world, count)
