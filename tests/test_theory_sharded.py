@@ -99,7 +99,7 @@ def test_fsdp_pads_each_parameter_not_the_whole():
 
 def test_sharded_collectives_move_what_ddp_moves_or_more():
     """ZeRO-1's reduce-scatter and all-gather move the bytes of DDP's all-reduce (to the flat pad);
-    ZeRO-2 one all-gather per unit too; FSDP gathers each block again for backward: more."""
+    ZeRO-2 one all-gather per unit too; FSDP gathers each unit again for backward: 1.5 times (to the pads)."""
 
     def dp_bytes(cfg):
         rows = theory.predict(cfg).comm_rows()
@@ -110,7 +110,7 @@ def test_sharded_collectives_move_what_ddp_moves_or_more():
     assert set(zero1) == {("reduce_scatter", "dp_grad"), ("all_gather", "dp_param")}
     assert abs(sum(zero1.values()) - ddp) <= 2 * 4 * 4  # the flat pad
     zero2, zero3 = (sum(dp_bytes(level([], lv, 4)).values()) for lv in ("grads", "full"))
-    assert ddp <= zero2 < zero3 < 1.5 * ddp
+    assert ddp <= zero2 < zero3 == pytest.approx(1.5 * ddp, rel=0.01)  # a reduce-scatter, 2 all-gathers
     counts = {(r.op): r.count for r in theory.predict(level([], "full", 4)).comm_rows()}
     assert counts == {"all_gather": 2 * 3, "reduce_scatter": 3}  # 2 blocks and the root, twice
 
