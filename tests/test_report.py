@@ -132,8 +132,8 @@ def run_values(filled: Filled, kind: str, name: str) -> dict[str, float]:
 
 def expected_charts(filled: Filled) -> list[str]:
     """The chart titles of the full report, in order (every memory run records its predicted peak:
-    measured vs predicted in each memory setting, then sharded DP's prediction). TP with full recompute is a setting of its own
-    (memory, throughput, collectives), beside the default one."""
+    measured vs predicted in each memory setting, then sharded DP's prediction). TP with full
+    recompute is a setting of its own (memory, throughput, collectives), beside the default one."""
     per_setting = ["Peak per rank", "Breakdown of the peak"]
     return [
         *per_setting,
