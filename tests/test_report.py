@@ -132,13 +132,14 @@ def run_values(filled: Filled, kind: str, name: str) -> dict[str, float]:
 
 def expected_charts(filled: Filled) -> list[str]:
     """The chart titles of the full report, in order (every memory run records its predicted peak:
-    measured vs predicted in each memory setting). TP with full recompute is a setting of its own
-    (memory, throughput, collectives), beside the default one."""
+    measured vs predicted in each memory setting, then sharded DP's prediction). TP with full
+    recompute is a setting of its own (memory, throughput, collectives), beside the default one."""
     per_setting = ["Peak per rank", "Breakdown of the peak"]
     return [
         *per_setting,
         *per_setting,
         *["Measured vs predicted peak"] * 2,
+        *["Sharded DP, predicted"] * 2,  # DDP, ZeRO-1, ZeRO-2, FSDP against DP at each setting's TP
         *["Recompute"] * 2,  # memory at fixed_per_rank, throughput at fixed_global
         *["Throughput"] * 2,
         *["Collectives per step"] * 4,  # memory's two settings and throughput's two

@@ -274,6 +274,7 @@ def plan(
     """Print the analytic model's prediction, per rank, without running anything: memory at each moment
     of a training step (the peak marked), collective bytes per step, model FLOPs per step, and the
     time model's step time, its split and MFU (on the local CPU, or launch.device=cuda gpu=NAME)."""
+    from tpbench.cli import sharded
     from tpbench.experiments import memory
     from tpbench.parallel import emulation
     from tpbench.predict import steptime, theory
@@ -291,8 +292,10 @@ def plan(
             print(json.dumps(said | timed.fields()))
             continue
         output.plan(c, prediction, theory.model_flops_per_step(c))
+        sharded.split_table(c, prediction)
+        sharded.levels_table(c)
         output.step_time(c, timed)
-        output.depth(c)
+        output.depth(sharded.unsharded(c))  # the depth model's modes are DP replicas
         if measured is not None:
             output.measured(c, prediction, *measured, emulation.emulated_rank(c))
 

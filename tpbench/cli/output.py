@@ -144,7 +144,7 @@ def plan(cfg: RunConfig, prediction: Prediction, flops: float) -> None:
     """`tpbench plan`: the predicted memory per rank at each moment of a step, the collectives, FLOPs."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     title = (
-        f"{m.name} {mode_label(p)} tp={p.tp} dp={p.dp} L{m.num_hidden_layers} H{m.hidden_size} "
+        f"{m.name} {mode_label(p)} tp={p.tp} dp={p.dp}{_level(p)} L{m.num_hidden_layers} H{m.hidden_size} "
         f"seq {t.seq_len} micro-batch {prediction.dims.B} {t.dtype} {t.precision}"
     )
     memory = Table(title=f"{title}: predicted memory per rank (MiB)")
@@ -170,6 +170,12 @@ def plan(cfg: RunConfig, prediction: Prediction, flops: float) -> None:
             f"predicted max_memory_allocated on an {gpu} (the peak and 2 cuBLAS workspaces): "
             f"{prediction.max_memory_allocated_bytes(gpu) / 2**20:,.1f} MiB"
         )
+
+
+def _level(p) -> str:
+    """The sharded DP level in a title: nothing for DDP's replicas."""
+    hsdp = f" dp_replicate={p.dp_replicate}" if p.dp_replicate > 1 else ""
+    return f" dp_shard={p.dp_shard}{hsdp}" if p.dp_shard != "none" else ""
 
 
 def depth(cfg: RunConfig) -> None:
@@ -243,6 +249,8 @@ def plan_dict(
 ) -> dict:
     """`tpbench plan --json`: the prediction's fields of one config, in bytes per rank (what `plan`
     prints as tables); with --measure, the emulated busiest rank's figures under "measured"."""
+    from tpbench.predict.theory import sharding
+
     p, m, t = cfg.parallel, cfg.model, cfg.train
     moments = [
         {"name": x.name, **{f: getattr(x, f) for f in MOMENT_FIELDS}, "total": x.total}
@@ -255,6 +263,8 @@ def plan_dict(
         "engine": p.engine,
         "tp": p.tp,
         "dp": p.dp,
+        "dp_shard": p.dp_shard,
+        "dp_replicate": p.dp_replicate,
         "sp": p.sp,
         "vp": p.vp,
         "model": m.name,
@@ -267,6 +277,7 @@ def plan_dict(
         "recompute": t.recompute,
         "peak_bytes": prediction.peak_bytes,
         "peak_moment": prediction.peak.name,
+        "split": sharding.split(prediction.dims, sharding.sharding(cfg), prediction.peak),
         "moments": moments,
         "comm": [dataclasses.asdict(r) for r in prediction.comm_rows()],
         "comm_bytes_per_step": prediction.comm_bytes_per_step,

@@ -66,10 +66,10 @@ class Trainer:
 
     def tracked(self) -> list:
         """What a memory tracker must see beside the module's tensors: the optimizer (ZeRO-1's own
-        AdamW of the master shard, and its grad buffer, which under mixed precision no `.grad` is a
-        view of) and DDP's buckets."""
+        AdamW, the master shard it steps, which no module holds, and its grad buffer, which under
+        mixed precision no `.grad` is a view of) and DDP's buckets."""
         if isinstance(self.model, ZeroModel):
-            return [self.optimizer.adamw, self.optimizer.grad_buffer]
+            return [self.optimizer.adamw, self.optimizer.master, self.optimizer.grad_buffer]
         return [self.optimizer, *self.ddp_buckets()]
 
     def ddp_buckets(self) -> list[torch.Tensor]:

@@ -272,3 +272,18 @@ def drift(curves: pd.DataFrame, title: str) -> bytes:
         ax.set(xlabel="AdamW step", ylabel="max |logits diff| vs dense", title=_wrapped(title))
         ax.legend(fontsize=7)
         return _png(fig)
+
+
+def sharded_peaks(frame: pd.DataFrame, title: str) -> bytes:
+    """Predicted per-rank peak against DP, one line per sharded DP level (DDP, ZeRO-1, ZeRO-2, FSDP)."""
+    with _style():
+        fig = Figure(figsize=(6.5, 4.0))
+        ax = fig.subplots()
+        palette = sns.color_palette("deep", 4)
+        for color, (level, group) in zip(palette, frame.groupby("level", sort=False), strict=False):
+            ax.plot(group["dp"], group["peak_bytes"] / units.MIB, marker="o", label=level, color=color)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(frame["dp"].unique()), [str(d) for d in sorted(frame["dp"].unique())])
+        ax.set(xlabel="DP ranks", ylabel="predicted peak per rank (MiB)", title=_wrapped(title))
+        _legend_outside(ax)
+        return _png(fig)

@@ -5,16 +5,21 @@ The counts per mode are in docs/theory.md, "Communication per step".
 
 from __future__ import annotations
 
+import math
+
 from tpbench.config import RunConfig
 from tpbench.parallel.instrumentation import ring_bytes
 from tpbench.predict.theory.dims import FP32, dims
+from tpbench.predict.theory.sharding import dp_rows, level_dims, sharding
 from tpbench.predict.theory.weights import ddp_buckets, flat_dp_buckets, params
 from tpbench.results import CommRow
 
 
 def comm_rows(cfg: RunConfig) -> list[CommRow]:
     """(op, purpose, count, bytes) of one training step on one rank, as CommCounter counts them."""
-    d = dims(cfg)
+    s = sharding(cfg)
+    sharded = s.sharded
+    d = level_dims(cfg) if sharded else dims(cfg)
     rows: dict[tuple[str, str], list[int]] = {}
 
     def add(op: str, purpose: str, full_bytes: int, world: int, count: int = 1) -> None:
@@ -59,14 +64,19 @@ def comm_rows(cfg: RunConfig) -> list[CommRow]:
     if d.vp and not d.logits_mean:  # the loss: max, target logit, sum of exp, [S, B] fp32 each
         add("all_reduce", "loss", N * FP32, T, 3)
     if T > 1:
-        tp_sums = (2 * L * d.D if d.qk_norm and "qk_norm" not in skip else 0) + (
-            (2 * L + 1) * H if d.sp and "sp_norms" not in skip else 0
+        # under FSDP2 the sums run on the DP shards of those gradients (dim 0: ceil(rows / D) rows)
+        dp_rows_of = (lambda r: math.ceil(r / s.D)) if s.fsdp else (lambda r: r)  # noqa: E731
+        tp_sums = (2 * L * dp_rows_of(d.D) if d.qk_norm and "qk_norm" not in skip else 0) + (
+            (2 * L + 1) * dp_rows_of(H) if d.sp and "sp_norms" not in skip else 0
         )  # q/k norm weights (each rank saw its heads), SP norms (each rank saw its tokens)
         if tp_sums:
             add("all_reduce", "grad_sum", tp_sums * d.w, T)
         if d.Nkv % T and "kv_replicas" not in skip:  # ranks sharing one KV head sum k/v grads
-            add("all_reduce", "grad_sum", 2 * L * d.D * (H + d.bias) * d.w, T // d.Nkv)
-    if "dp" not in skip and d.flat_dp:  # overlap: one all-reduce per flat bucket
+            add("all_reduce", "grad_sum", 2 * L * dp_rows_of(d.D) * (H + d.bias) * d.w, T // d.Nkv)
+    if "dp" not in skip and sharded:  # ZeRO-1, ZeRO-2, FSDP (tpbench.predict.theory.sharding)
+        for op, purpose, full, world, count in dp_rows(cfg, d):
+            add(op, purpose, full, world, count)
+    elif "dp" not in skip and d.flat_dp:  # overlap: one all-reduce per flat bucket
         for size in flat_dp_buckets(d, cfg.parallel.ddp_bucket_mb * 2**20):
             add("all_reduce", "dp_grad", size, d.dp)
     elif "dp" not in skip:

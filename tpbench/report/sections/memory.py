@@ -4,10 +4,12 @@ and over depth: each mode's peak as F + L (a/T + r), fitted to the runs and pred
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pandas as pd
 
-from tpbench.config import RunConfig
+from tpbench.config import RunConfig, local_batch, mode_label
 from tpbench.predict.theory import depth
 from tpbench.report import charts, published, units
 from tpbench.report.blocks import Chart, Section, Table, kind_empty
@@ -47,7 +49,43 @@ def section(data: ReportData) -> Section:
         if group["layers"].nunique() > 1:
             section.blocks.append(depth_table(group, ref, data.configs, setting))
     section.blocks += _memory_predicted(peaks)
+    section.blocks += _sharded(peaks, data.configs)
     return section
+
+
+SHARDED_DP = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _sharded(peaks: pd.DataFrame, configs: dict[int, dict]) -> list[Table | Chart]:
+    """Sharded DP, predicted (tpbench.predict.theory.sharding): per setting, the peak per rank of DDP,
+    ZeRO-1, ZeRO-2 and FSDP against DP at the TP of its widest run, the micro-batch per rank kept."""
+    from tpbench.predict import theory
+    from tpbench.predict.theory.sharding import GRADS, LEVEL_NAMES, PARAMS
+
+    blocks: list[Table | Chart] = []
+    for i, (setting, group) in enumerate(peaks.groupby("setting", sort=False)):
+        cfgs = [c for c in (_config(configs, r) for r in group["id"]) if c is not None]
+        if not cfgs:
+            continue
+        cfg = max(cfgs, key=lambda c: (c.parallel.tp, c.model.num_hidden_layers))
+        train = dataclasses.replace(cfg.train, batch="fixed_per_rank", micro_batch=local_batch(cfg))
+        rows = []
+        for dp in SHARDED_DP:
+            for level, name in LEVEL_NAMES.items():
+                if dp == 1 and level != "none":
+                    continue
+                parallel = dataclasses.replace(cfg.parallel, dp=dp, dp_shard=level, dp_replicate=1)
+                p = theory.predict(dataclasses.replace(cfg, parallel=parallel, train=train))
+                dp_bytes = sum(r.bytes for r in p.comm_rows() if r.purpose in (GRADS, PARAMS))
+                rows.append({"level": name, "dp": dp, "peak_bytes": p.peak_bytes, "DP bytes/step": dp_bytes})
+        frame = pd.DataFrame(rows)
+        shape = f"{mode_label(cfg.parallel)} tp={cfg.parallel.tp} L{cfg.model.num_hidden_layers}"
+        title = f"Sharded DP, predicted: {shape}: {setting}"
+        note = "The analytic model of each level at the same micro-batch per rank."
+        blocks.append(Chart(title, charts.sharded_peaks(frame, title), f"memory-sharded-{i}", note=note))
+        formats = {"peak_bytes": units.mib, "DP bytes/step": units.mib}
+        blocks.append(Table(title, frame, formats))
+    return blocks
 
 
 def _peak_table(group: pd.DataFrame, ref: pd.DataFrame, setting: str) -> Table:

@@ -1,0 +1,265 @@
+"""Sharded DP's model (tpbench.predict.theory.sharding) against torch's own FSDP2, its DP collectives,
+and `tpbench plan` with dp_shard."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from beside import beside
+from torchrun_checks import WORLD2, WORLD4, per_config, run_config
+from typer.testing import CliRunner
+
+from tpbench.experiments.setup import build_dense
+from tpbench.predict import theory
+from tpbench.predict.theory import sharding
+
+# odd sizes, so that FSDP2 pads: H 48 over D 5 and D 4, KV width 24, vocab 301, I 136
+TINY = [
+    "kind=memory",
+    "model.hidden_size=48",
+    "model.num_attention_heads=6",
+    "model.num_key_value_heads=2",
+    "model.num_hidden_layers=2",
+    "model.intermediate_size=136",
+    "model.vocab_size=301",
+    "model.tie_word_embeddings=false",
+    "train.seq_len=16",
+    "train.dtype=float32",
+    "parallel.tp=1",
+]
+
+
+def level(overrides: list[str], dp_shard: str, dp: int, replicate: int = 1):
+    cfg = run_config([*TINY, *overrides, f"parallel.dp={dp}"])
+    parallel = dataclasses.replace(cfg.parallel, dp_shard=dp_shard, dp_replicate=replicate)
+    return dataclasses.replace(cfg, parallel=parallel)
+
+
+@pytest.fixture
+def fake_group():
+    """Rank 0 of a fake process group of `world` ranks (collectives do nothing), torn down after."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def start(world: int):
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        return torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def storages(tensors) -> int:
+    """Bytes of the distinct storages under the tensors (a DTensor's local one)."""
+    seen = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        s = local.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("D", [4, 5])
+@pytest.mark.parametrize("dp_shard", ["grads", "full"])
+def test_fsdp_state_is_what_fully_shard_keeps(fake_group, dp_shard, D):
+    """The model's sharded parameters, gradients and AdamW state on rank 0 are the bytes of the
+    storages torch's fully_shard (one unit per block and the root) and AdamW leave after a step."""
+    from torch.distributed.fsdp import fully_shard
+
+    cfg = level([], dp_shard, D)
+    mesh = fake_group(D)
+    model = build_dense(cfg)
+    for block in model.model.layers:
+        fully_shard(block, mesh=mesh, reshard_after_forward=dp_shard == "full")
+    fully_shard(model, mesh=mesh, reshard_after_forward=dp_shard == "full")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 301, (2, 16))
+    model(ids)[0].float().mean().backward()  # the logits
+    opt.step()
+    state = sharding.state(sharding.level_dims(cfg), sharding.sharding(cfg))
+    assert storages(model.parameters()) == state.params
+    assert storages(p.grad for p in model.parameters()) == state.grads
+    moments = [t for s in opt.state.values() for k, t in s.items() if k != "step"]
+    assert storages(moments) == state.moments
+    assert storages(s["step"] for s in opt.state.values()) == state.steps
+
+
+def test_fsdp_pads_each_parameter_not_the_whole():
+    """At D 5 the padding is per parameter (FSDP2's dim-0 chunks), more than ZeRO-1's one flat pad."""
+    fsdp = sharding.state(sharding.level_dims(level([], "full", 5)), sharding.Sharding("full", 5))
+    zero1 = sharding.state(sharding.level_dims(level([], "optimizer", 5)), sharding.Sharding("optimizer", 5))
+    whole = sum(n for _, n in theory.params(sharding.level_dims(level([], "full", 5)))) * 4
+    assert zero1.master * 5 - whole < 5 * 4  # one pad of < D elements
+    assert fsdp.master * 5 > zero1.master * 5
+
+
+def test_sharded_collectives_move_what_ddp_moves_or_more():
+    """ZeRO-1's reduce-scatter and all-gather move the bytes of DDP's all-reduce (to the flat pad);
+    ZeRO-2 one all-gather per unit too; FSDP gathers each unit again for backward: 1.5 times (to the pads)."""
+
+    def dp_bytes(cfg):
+        rows = theory.predict(cfg).comm_rows()
+        return {(r.op, r.purpose): r.bytes for r in rows if r.purpose in (sharding.GRADS, sharding.PARAMS)}
+
+    ddp = sum(dp_bytes(level([], "none", 4)).values())
+    zero1 = dp_bytes(level([], "optimizer", 4))
+    assert set(zero1) == {("reduce_scatter", "dp_grad"), ("all_gather", "dp_param")}
+    assert abs(sum(zero1.values()) - ddp) <= 2 * 4 * 4  # the flat pad
+    zero2, zero3 = (sum(dp_bytes(level([], lv, 4)).values()) for lv in ("grads", "full"))
+    assert ddp <= zero2 < zero3 == pytest.approx(1.5 * ddp, rel=0.01)  # a reduce-scatter, 2 all-gathers
+    counts = {(r.op): r.count for r in theory.predict(level([], "full", 4)).comm_rows()}
+    assert counts == {"all_gather": 2 * 3, "reduce_scatter": 3}  # 2 blocks and the root, twice
+
+
+def test_hsdp_all_reduces_the_shards_across_replicas():
+    rows = theory.predict(level([], "full", 4, replicate=2)).comm_rows()
+    (ar,) = [r for r in rows if r.op == "all_reduce"]
+    assert ar.purpose == "dp_grad" and ar.count == 3  # one per unit
+    cfg = level(["launch.nproc_per_node=2", "launch.nnodes=2"], "full", 4, replicate=2)
+    assert sharding.crossing(cfg) == {"shard": False, "replicate": True}
+
+
+def test_each_level_holds_less_at_its_peak():
+    """At DP 4 the persistent state shrinks level by level, and FSDP gathers one block at a time."""
+    peaks = [theory.predict(level([], lv, 4)).peak_bytes for lv in sharding.LEVELS]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
+
+
+def test_plan_prints_the_split_of_a_sharded_level():
+    from tpbench.cli import app
+
+    overrides = ["model=llama3_70b", "seq=8192", "tp=8", "dp=32", "dp_shard=optimizer"]
+    result = CliRunner().invoke(app, ["plan", *overrides, "precision=mixed", "dtype=bfloat16"])
+    assert result.exit_code == 0, result.output
+    for word in ("ZeRO-1: the peak per rank", "master", "moments", "ZeRO-2", "FSDP", "dp_param"):
+        assert word in result.output
+    assert "not yet checked against a measured peak: tp=8" in result.output
+
+
+def test_what_is_checked_is_named():
+    """The configs of the step test are checked; each level, mode or precision beyond them says why not."""
+    assert sharding.unmodelled(level(["train.seq_len=4"], "full", 4)) is None
+    assert sharding.unmodelled(level([], "none", 4)) is None
+    assert sharding.unmodelled(level([], "optimizer", 2)) is None
+    assert "tp=4" in sharding.unmodelled(level(["parallel.tp=4", "model.num_key_value_heads=4"], "grads", 2))
+    assert "precision=mixed" in sharding.unmodelled(level(["train.precision=mixed"], "full", 2))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["dp_shard=full"], "parallel.dp_shard=full with parallel.dp=1 (nothing to shard over)"),
+        (["dp=4", "dp_shard=full", "dp_replicate=3"], "parallel.dp_replicate=3 with parallel.dp=4"),
+        (["dp=4", "dp_shard=zero"], "parallel.dp_shard='zero': accepted are 'none', 'optimizer'"),
+    ],
+)
+def test_plan_refuses_a_bad_sharding_in_one_line(overrides, message):
+    from tpbench.cli import app
+
+    result = CliRunner().invoke(app, ["plan", *overrides])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1 and message in result.stderr
+
+
+# the unit tests' SMALL model of tests/test_theory.py at T 1 (the dense model is each DP rank's)
+SMALL = [
+    "kind=memory",
+    "model.hidden_size=64",
+    "model.num_hidden_layers=2",
+    "model.vocab_size=512",
+    "train.seq_len=64",
+    "train.dtype=bfloat16",
+    "parallel.tp=1",
+]
+
+
+@pytest.mark.parametrize(
+    ("dp_shard", "D", "overrides"),
+    [
+        ("grads", 2, []),  # peaks at the loss, every block gathered since forward
+        ("full", 2, []),  # at the loss's backward, the top block prefetched by the root
+        ("full", 4, ["model.flash_attn=false", "train.seq_len=256"]),  # the top block's softmax backward
+        # few tokens: FSDP2's buffers make the peak. ZeRO-2: the top block's all-gather in forward, the
+        # previous unit's flat output kept; ZeRO-3: the next block's in backward, the top block's
+        # reduce-scatter input kept
+        ("grads", 2, ["train.seq_len=4"]),
+        ("full", 4, ["train.seq_len=4"]),
+    ],
+)
+def test_fsdp_step_peak_is_predicted_to_the_byte(dp_shard, D, overrides):
+    """tpbench's own step (its Trainer, MemTracker's peak as the memory experiment takes it) with the
+    dense model wrapped by torch's fully_shard per block and the root, on rank 0 of a fake group: the
+    measured peak equals the model's, its parameters and optimizer state by category too. (A
+    stand-in for the sharded runtime, which builds the same units.)"""
+    import gc
+
+    from torch.distributed.fsdp import fully_shard
+
+    from tpbench.experiments.memory import CATEGORIES, PeakTracker
+    from tpbench.experiments.training import Trainer, adamw
+    from tpbench.parallel import emulation
+
+    cfg = run_config([*SMALL, *overrides, f"parallel.dp={D}", "debug.skip_grad_sum=[dp]"])
+    emulation.init_process_group(cfg)
+    try:
+        trainer = Trainer(cfg)
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (D,))
+        for block in [*trainer.module.model.layers, trainer.module]:
+            fully_shard(block, mesh=mesh, reshard_after_forward=dp_shard == "full")
+        trainer.optimizer = adamw(cfg, trainer.module.parameters(), cfg.train.lr)
+        trainer.step()
+        tracker = PeakTracker()
+        tracker.track_external(trainer.module, trainer.optimizer)
+        gc.collect()
+        with tracker:
+            trainer.step()
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    finally:
+        dist.destroy_process_group()
+    parallel = dataclasses.replace(cfg.parallel, dp_shard=dp_shard)
+    predicted = theory.predict(
+        dataclasses.replace(cfg, parallel=parallel, debug=dataclasses.replace(cfg.debug, skip_grad_sum=[]))
+    )
+    assert peak["Total"] == predicted.peak_bytes
+    measured = {CATEGORIES[k]: v for k, v in peak.items() if k in CATEGORIES}
+    for name in ("mem_params_bytes", "mem_optimizer_bytes", "mem_grads_bytes"):
+        assert measured[name] == predicted.breakdown()[name]
+
+
+# Each level measured by tpbench's own runtime in the world-2 and world-4 jobs of test_theory: the
+# memory experiment of DP 2 x TP 1 and DP 2 x TP 2, pure bf16, every rank's peak and collectives.
+SHARDED = {
+    f"dp2_tp{tp}_{lv}": [*SMALL[:-1], "train.steps=1", "train.warmup=1", f"parallel.tp={tp}", "parallel.dp=2",
+                         f"parallel.dp_shard={lv}"]
+    for tp in (1, 2)
+    for lv in ("optimizer", "grads", "full")
+}  # fmt: skip
+WORLD2.add("memory", "sharded", {k: v for k, v in SHARDED.items() if "_tp1_" in k})
+WORLD4.add("memory", "sharded", {k: v for k, v in SHARDED.items() if "_tp2_" in k})
+
+
+@beside
+def sharded_measured(folder: Path) -> dict:
+    """Per config, every rank's measured peak and collectives."""
+    two, four = (w.part(folder, "memory", "sharded") for w in (WORLD2, WORLD4))
+    return per_config(two) | per_config(four)
+
+
+@pytest.mark.parametrize("name", SHARDED)
+def test_measured_peak_of_each_level_is_predicted_to_the_byte(sharded_measured, name):
+    predicted = theory.predict(run_config(SHARDED[name]))
+    assert [rank["peak"] for rank in sharded_measured[name]] == [predicted.peak_bytes] * len(
+        sharded_measured[name]
+    )
+
+
+@pytest.mark.parametrize("name", SHARDED)
+def test_counted_dp_collectives_equal_the_model(sharded_measured, name):
+    rows = theory.predict(run_config(SHARDED[name])).comm_rows()
+    predicted = sorted([r.op, r.purpose, r.count, r.bytes] for r in rows)
+    for rank in sharded_measured[name]:
+        assert rank["comm"] == predicted

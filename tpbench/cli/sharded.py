@@ -1,0 +1,88 @@
+"""`tpbench plan` and sharded DP (parallel.dp_shard, dp_replicate): the per-rank split of the peak, and
+DDP, ZeRO-1, ZeRO-2 and FSDP side by side at the config's TP and DP (tpbench.predict.theory.sharding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rich.table import Table
+
+from tpbench.cli.output import out
+from tpbench.config import RunConfig
+
+SPLIT = ("weights", "master", "gradients", "moments", "activations", "temporaries")
+
+
+def unsharded(cfg: RunConfig) -> RunConfig:
+    """The config with DDP's replicas: dp_shard=none, dp_replicate=1."""
+    return dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, dp_shard="none", dp_replicate=1)
+    )
+
+
+def split(cfg: RunConfig, prediction) -> dict[str, int]:
+    from tpbench.predict.theory import sharding
+
+    return sharding.split(prediction.dims, sharding.sharding(cfg), prediction.peak)
+
+
+def split_table(cfg: RunConfig, prediction) -> None:
+    """The peak of the config's own level by what holds it (MiB per rank)."""
+    from tpbench.predict.theory.sharding import LEVEL_NAMES
+
+    p = cfg.parallel
+    level = LEVEL_NAMES[p.dp_shard] + (f", HSDP R {p.dp_replicate}" if p.dp_replicate > 1 else "")
+    table = Table(title=f"{level}: the peak per rank ({prediction.peak.name}) by what holds it (MiB)")
+    for column in (*SPLIT, "peak"):
+        table.add_column(column, justify="right")
+    values = split(cfg, prediction)
+    table.add_row(*(f"{values[k] / 2**20:,.1f}" for k in SPLIT), f"{prediction.peak_bytes / 2**20:,.1f}")
+    out.print(table)
+    from tpbench.predict.theory.sharding import unmodelled
+
+    if why := unmodelled(cfg):
+        out.print(f"not yet checked against a measured peak: {why}")
+    out.print(
+        "weights: the parameters on this rank (whole, or its shard with FSDP's gathered blocks); master: "
+        "of them, what AdamW steps on this rank (ZeRO-1: its slice of the flat buffer, a view); moments: "
+        "AdamW's exp_avg, exp_avg_sq and step counters"
+    )
+
+
+def levels_table(cfg: RunConfig) -> None:
+    """DDP, ZeRO-1, ZeRO-2 and FSDP at the config's TP and DP: the peak, its split and the DP bytes."""
+    from tpbench.predict import theory
+    from tpbench.predict.theory.sharding import GRADS, LEVEL_NAMES, LEVELS, PARAMS, crossing
+
+    if cfg.parallel.dp < 2:
+        return
+    R = cfg.parallel.dp_replicate
+    table = Table(title=f"sharded DP at tp={cfg.parallel.tp} dp={cfg.parallel.dp}"
+                  + (f" (HSDP R {R})" if R > 1 else "") + ": per rank (MiB), DP bytes per step")  # fmt: skip
+    for column in ("level", "peak moment", *SPLIT, "peak", "DP MiB/step", "over DDP"):
+        table.add_column(column, justify="left" if column in ("level", "peak moment") else "right")
+    ddp_bytes = None
+    for level in LEVELS:
+        c = dataclasses.replace(
+            cfg,
+            parallel=dataclasses.replace(
+                cfg.parallel, dp_shard=level, dp_replicate=1 if level == "none" else R
+            ),
+        )
+        pred = theory.predict(c)
+        dp = sum(r.bytes for r in pred.comm_rows() if r.purpose in (GRADS, PARAMS))
+        ddp_bytes = dp if ddp_bytes is None else ddp_bytes
+        values = split(c, pred)
+        cells = [f"{values[k] / 2**20:,.1f}" for k in SPLIT]
+        bold = "bold" if level == cfg.parallel.dp_shard else None
+        table.add_row(
+            LEVEL_NAMES[level], pred.peak.name, *cells, f"{pred.peak_bytes / 2**20:,.1f}",
+            f"{dp / 2**20:,.1f}", f"{(dp - ddp_bytes) / 2**20:+,.1f}", style=bold,
+        )  # fmt: skip
+    out.print(table)
+    if R > 1:
+        cross = crossing(cfg)
+        where = {k: "cross nodes" if v else "stay inside a node" for k, v in cross.items()}
+        out.print(f"HSDP: the shard group's all-gathers and reduce-scatters {where['shard']}; "
+                  f"the replicas' gradient all-reduce {where['replicate']}")  # fmt: skip

@@ -1,0 +1,366 @@
+"""Sharded data parallelism (parallel.dp_shard, issue 38): what each level keeps on one rank, the
+moments of its step, and its DP collectives. Every figure is derived from the rank's tensors
+(tpbench.predict.theory.weights), nothing is fitted.
+
+Levels, over the D = dp / dp_replicate ranks of a shard group (HSDP: replicated across the R =
+dp_replicate groups):
+  none       DDP: every DP rank keeps the whole parameters, gradients and AdamW state of its TP shard.
+  optimizer  ZeRO-1, Megatron's distributed optimizer (tpbench.parallel.zero): the parameters and the
+             gradients live in one flat buffer each, padded to a multiple of D elements; AdamW steps
+             this rank's master shard (a 1/D copy, fp32 under mixed) and keeps its moments only. The
+             gradient buffer is reduce-scattered, the stepped shard all-gathered into the parameters.
+  grads      FSDP2 with reshard_after_forward=False (ZeRO-2): parameters, gradients and AdamW state
+             sharded on dim 0 per parameter (each padded to a multiple of D rows); each block's
+             weights are gathered once in forward and kept through its backward.
+  full       FSDP2's default (ZeRO-3): a block's weights are gathered for its forward, freed, and
+             gathered again for its backward, where FSDP2 prefetches the next block's.
+FSDP2's units are one per block and the root (embedding, final norm, LM head); the root is not
+resharded after forward (FSDP2 keeps the root's parameters for backward, which needs them first).
+
+What is modelled to the byte and what not (docs/theory.md, "Sharded data parallelism"): the sharded
+state (parameters, gradients, AdamW's moments and step counters) follows FSDP2's and ZeRO-1's padding
+exactly (tests/test_theory_sharded.py checks it against torch's own fully_shard); the moments of the
+step reuse the unsharded model's activations and temporaries with the parameter, gradient and
+optimizer categories replaced, plus the gathered weights and the collectives' buffers. That step model
+is for pure precision (under FSDP2's MixedPrecisionPolicy the forward makes no weight casts of its
+own, which the activation model counts) and is not yet checked against a measured peak: compose
+refuses kind=memory with a sharded level until it is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from tpbench.config import RunConfig
+from tpbench.predict.theory.activations import after_head, model_activations
+from tpbench.predict.theory.dims import FP32, LOSS_AND_GRAD, Dims, dims
+from tpbench.predict.theory.moments import Moment
+from tpbench.predict.theory.weights import params
+
+LEVELS = ("none", "optimizer", "grads", "full")
+LEVEL_NAMES = {"none": "DDP", "optimizer": "ZeRO-1", "grads": "ZeRO-2", "full": "FSDP"}
+GRADS, PARAMS = "dp_grad", "dp_param"  # the purposes of the DP collectives (DDP's is dp_grad too)
+ROOT = "root"
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """A config's DP sharding: its level, the shard group's size D and the replicas R (HSDP)."""
+
+    level: str
+    dp: int
+    replicate: int = 1
+
+    @property
+    def D(self) -> int:  # noqa: N802
+        return self.dp // self.replicate
+
+    @property
+    def sharded(self) -> bool:
+        return self.level != "none" and self.D > 1
+
+    @property
+    def fsdp(self) -> bool:
+        return self.level in ("grads", "full") and self.D > 1
+
+
+def sharding(cfg: RunConfig) -> Sharding:
+    p = cfg.parallel
+    return Sharding(p.dp_shard, p.dp, p.dp_replicate)
+
+
+# --- shapes and units -----------------------------------------------------------------------------
+
+
+def rows(d: Dims, name: str) -> int:
+    """Dim 0 of a parameter on this rank (what FSDP2 shards): a linear's output width, a norm's or a
+    bias's length, the vocab rows of the embedding and the LM head."""
+    if name in ("model.embed_tokens", "lm_head"):
+        return d.V_l
+    leaf = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+    widths = {
+        "self_attn.q_proj": d.Hq,
+        "self_attn.k_proj": d.Hkv,
+        "self_attn.v_proj": d.Hkv,
+        "self_attn.o_proj": d.H,
+        "self_attn.q_norm": d.D,
+        "self_attn.k_norm": d.D,
+        "mlp.gate_proj": d.I_l,
+        "mlp.up_proj": d.I_l,
+        "mlp.down_proj": d.H,
+    }
+    return widths.get(leaf.removesuffix(".bias"), d.H)
+
+
+def unit_of(name: str) -> str:
+    """FSDP2's unit of a parameter: its block (`layers.i`), or the root."""
+    return ".".join(name.split(".")[1:3]) if name.startswith("model.layers.") else ROOT
+
+
+def units(d: Dims) -> dict[str, list[tuple[str, int, int]]]:
+    """(name, rows, columns) of each unit's parameters on this rank, the root first, then the blocks."""
+    out: dict[str, list[tuple[str, int, int]]] = {ROOT: []}
+    for name, n in params(d):
+        r = rows(d, name)
+        out.setdefault(unit_of(name), []).append((name, r, n // r))
+    return out
+
+
+def dim0_shard(r: int, cols: int, D: int) -> int:
+    """Elements of FSDP2's padded shard of a [r, cols] parameter: ceil(r / D) rows (rank 0's, the
+    busiest: the last ranks' may be shorter or empty, their padding kept in the same storage)."""
+    return math.ceil(r / D) * cols
+
+
+def flat_shard(d: Dims, D: int) -> int:
+    """Elements of ZeRO-1's slice: the flat buffer of every parameter, padded to a multiple of D."""
+    return math.ceil(sum(n for _, n in params(d)) / D)
+
+
+def unit_shards(d: Dims, D: int) -> dict[str, int]:
+    """Elements of each unit's shard on this rank; D times it are its gathered parameters, each
+    padded to D x its shard, as FSDP2 allocates them."""
+    return {u: sum(dim0_shard(r, c, D) for _, r, c in ps) for u, ps in units(d).items()}
+
+
+# --- the state kept between steps -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class State:
+    """What one rank keeps of the model between steps, in bytes: the parameters (whole, or its shard:
+    the master, which AdamW steps), the gradients (whole at the step, or the shard), AdamW's moments
+    and its step counters."""
+
+    params: int
+    master: int  # of `params`, what AdamW steps on this rank
+    grads: int
+    moments: int
+    steps: int
+
+    @property
+    def optimizer(self) -> int:
+        return self.moments + self.steps
+
+
+def state(d: Dims, s: Sharding) -> State:
+    w = d.w
+    counters = not (d.gpu and not d.fused_adam)  # a GPU's non-fused AdamW keeps them on the host
+    whole = sum(n for _, n in params(d))
+    if not s.sharded:
+        return State(whole * w, whole * w, whole * w, 2 * whole * w, FP32 * len(params(d)) * counters)
+    if s.level == "optimizer":  # the param buffer (bf16 under mixed) and the master shard, its own copy
+        shard = flat_shard(d, s.D)
+        weights = shard * s.D * (d.p if d.mixed else w) + shard * w
+        return State(weights, shard * w, shard * s.D * w, 2 * shard * w, FP32 * counters)
+    shard = sum(unit_shards(d, s.D).values())
+    return State(shard * w, shard * w, shard * w, 2 * shard * w, FP32 * len(params(d)) * counters)
+
+
+# --- the moments of the step ----------------------------------------------------------------------
+
+FORWARD = ("loss", "loss forward", "loss backward", "attention forward", "attention dropout")
+FORWARD_ONLY = ("loss forward", "attention forward", "attention dropout")  # before backward starts
+ROOT_BACKWARD = ("head backward", "head weight cast's backward", "final norm backward")
+AFTER_BLOCKS = ("backward end", "embedding backward")
+
+
+def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
+    """The step's moments under a sharded level, from the unsharded model's (`base`, made without
+    DDP's buckets or megatron's flat ones): their activations and temporaries as they are, the
+    parameter, gradient and optimizer bytes the level's, the gathered weights (FSDP2) and the
+    gradients' reduce-scatter."""
+    st, w = state(d, s), d.w
+    if s.level == "optimizer":
+        return _zero1(d, s, st, base)
+    D, L = s.D, d.L
+    blocks = [f"layers.{i}" for i in range(L)]
+    shard_g = {u: n * w for u, n in unit_shards(d, D).items()}
+    gathered = {u: D * n for u, n in shard_g.items()}
+    whole = {u: 0 for u in shard_g}  # each unit's gradients whole, as backward makes them
+    for name, n in params(d):
+        whole[unit_of(name)] += n * w
+    out = []
+    for m in base:
+        if m.name in ("gradient sums", "optimizer"):
+            continue
+        held = [ROOT]  # gathered units MemTracker counts as parameters: in forward, or the running one
+        fetched: list[str] = []  # prefetched in backward: temporaries to MemTracker
+        done: list[str] = []  # units whose backward ran: their gradients reduce-scattered into shards
+        layer = L - 1
+        if m.name.startswith(("recomputed block", "recomputed attention")):
+            layer = int(m.name.rsplit(" ", 1)[1])
+        in_forward = m.name in FORWARD_ONLY or (m.name == "loss" and d.vp and not d.logits_mean)
+        if m.name in AFTER_BLOCKS:
+            done = blocks
+        elif m.name not in FORWARD and m.name not in ROOT_BACKWARD:
+            done = blocks[layer + 1 :]
+        if s.level == "grads":  # every block gathered from forward until its own backward ends
+            held += [b for b in blocks if b not in done]
+        elif m.name in ("attention forward", "attention dropout"):
+            held.append(blocks[-1])
+        elif not in_forward and (m.name in FORWARD or m.name in ROOT_BACKWARD):
+            fetched.append(blocks[-1])  # the root's pre-backward prefetches the top block
+        elif m.name not in FORWARD and m.name not in AFTER_BLOCKS:  # block `layer`, the next prefetched
+            held.append(blocks[layer])
+            fetched += blocks[max(layer - 1, 0) : layer]
+        weights = st.params + sum(gathered[u] for u in held)
+        temps = m.temporaries + sum(gathered[u] for u in fetched)
+        if done:  # FSDP2 keeps the last reduce-scatter's input until the next one (its reduce_scatter_state)
+            temps += gathered[done[0]]
+        # the base counts the gradients made so far whole: the done blocks' are shards now
+        made = m.grads - sum(whole[u] for u in done)
+        grads = made + sum(shard_g[u] for u in done)
+        out.append(replace(m, params=weights, grads=grads, optimizer=st.optimizer, temporaries=temps))
+    out.insert(0, _top_block_gather(d, s, st, gathered))
+    if s.level == "full" and L > 1 and d.recompute != "full":
+        out.append(_next_block_gather(d, st, gathered, shard_g))
+    kept = base[-1].activations
+    # the root's gradients reduce-scattered at backward's end: copied into a padded input, the output
+    rs_in, rs_out = gathered[ROOT], shard_g[ROOT]
+    sharded_blocks = sum(shard_g[b] for b in blocks)
+    out.append(Moment("root reduce-scatter", st.params, sharded_blocks + whole[ROOT], st.optimizer, kept,
+                      rs_in + rs_out))  # fmt: skip
+    out.append(Moment("optimizer", st.params, st.grads, st.optimizer, kept, _adam_temporaries(d, s)))
+    return out
+
+
+def _top_block_gather(d: Dims, s: Sharding, st: State, gathered: dict[str, int]) -> Moment:
+    """The top block's all-gather in forward, at its copy-out: FSDP2 keeps the previous unit's flat
+    all-gather output until the copy-out returns (its `all_gather_state`, held by a local there), so
+    the previous unit's flat output, this block's and its unsharded parameters are alive at once,
+    all allocated in forward (activations, to MemTracker), beside what the blocks below saved and the
+    stream entering the block. The root and (ZeRO-2) the blocks below stay gathered."""
+    acts = model_activations(d)
+    below = sum(acts[k] for k in ("batch", "rope tables", "embedding", "embedding dropout"))
+    below += acts["blocks"] // d.L * (d.L - 1) + d.s * d.Ns * d.H
+    top, previous = f"layers.{d.L - 1}", f"layers.{d.L - 2}" if d.L > 1 else ROOT
+    params = st.params + gathered[ROOT]
+    if s.level == "grads":
+        params += sum(gathered[f"layers.{i}"] for i in range(d.L - 1))
+    buffers = gathered[previous] + 2 * gathered[top]
+    return Moment("top block all-gather", params, 0, st.optimizer, below + buffers, 0)
+
+
+def _next_block_gather(d: Dims, st: State, gathered: dict[str, int], shard_g: dict[str, int]) -> Moment:
+    """ZeRO-3: the block below the top one at its pre-backward copy-out. The top block's backward has
+    ended: its gradients are a shard, its reduce-scatter's input kept (to the next reduce-scatter), its
+    weights and saved tensors freed. The block prefetched during it gets its unsharded parameters
+    (parameters to MemTracker) beside the flat all-gather output (a temporary); the stream's gradient
+    and a tied head's, waiting for the embedding's share, are alive too."""
+    acts = model_activations(d)
+    below, top = f"layers.{d.L - 2}", f"layers.{d.L - 1}"
+    activations = after_head(acts) - acts["blocks"] // d.L + LOSS_AND_GRAD
+    temps = gathered[below] + gathered[top] + d.s * d.Ns * d.H + (d.V_l * d.H * d.w if d.tied else 0)
+    root_grads = (d.H + (0 if d.tied else d.V_l * d.H)) * d.w  # the final norm's, an untied head's
+    params = st.params + gathered[ROOT] + gathered[below]
+    grads = shard_g[top] + root_grads
+    return Moment("next block all-gather", params, grads, st.optimizer, activations, temps)
+
+
+def _zero1(d: Dims, s: Sharding, st: State, base: list[Moment]) -> list[Moment]:
+    """ZeRO-1 (tpbench.parallel.zero): the parameter and gradient buffers persist (`.grad` the grad
+    buffer's views where the dtypes agree), so backward's gradients are not its own; the
+    reduce-scatter's output becomes the master shard's gradient for AdamW's step, and the all-gather
+    writes the parameter buffer in place."""
+    out = []
+    for m in base:
+        if m.name == "gradient sums":
+            continue
+        if m.name == "optimizer":  # the reduce-scatter's output, the master's .grad, beside the buffer
+            grads, temps = st.grads + st.master, _adam_temporaries(d, s)
+        else:
+            grads, temps = st.grads, m.temporaries
+        out.append(replace(m, params=st.params, grads=grads, optimizer=st.optimizer, temporaries=temps))
+    return out
+
+
+def _adam_temporaries(d: Dims, s: Sharding) -> int:
+    """AdamW's temporaries on the shards (as tpbench.predict.theory.weights.optimizer_temporaries): on
+    the CPU one tensor at a time, its sqrt(exp_avg_sq) and quotient beside the previous `denom`; the
+    foreach path (GPU) all at once; the fused kernel none."""
+    if d.fused_adam:
+        return 0
+    if s.level == "optimizer":
+        sizes = [flat_shard(d, s.D)]
+    else:
+        sizes = [dim0_shard(r, c, s.D) for u in units(d).values() for _, r, c in u]
+    if d.gpu:
+        return sum(sizes) * d.w
+    return max(2 * n + before for n, before in zip(sizes, [0] + sizes[:-1], strict=True)) * d.w
+
+
+# --- the DP collectives ---------------------------------------------------------------------------
+
+
+def dp_rows(cfg: RunConfig, d: Dims) -> list[tuple[str, str, int, int, int]]:
+    """(op, purpose, full bytes, world, count) of each DP collective of a step under a sharded level:
+    ZeRO-1 reduce-scatters its gradient buffer and all-gathers its parameter buffer once; FSDP2
+    reduce-scatters each unit's gradients once and all-gathers each unit's parameters once a step
+    (ZeRO-2) or twice (ZeRO-3: forward and backward, as counted at DP 2). Under
+    HSDP each reduce-scatter's output is all-reduced across the R replicas."""
+    s = sharding(cfg)
+    w, D, R = d.w, s.D, s.replicate
+    out = []
+    if s.level == "optimizer":
+        flat = flat_shard(d, D) * D * w
+        out += [("reduce_scatter", GRADS, flat, D, 1), ("all_gather", PARAMS, flat, D, 1)]
+        out.append(("all_reduce", GRADS, flat // D, R, 1))
+        return out
+    for n in unit_shards(d, D).values():
+        full = D * n * w
+        again = 2 if s.level == "full" else 1  # the root too: gathered again at backward's start
+        out += [("all_gather", PARAMS, full, D, again), ("reduce_scatter", GRADS, full, D, 1)]
+        out.append(("all_reduce", GRADS, full // D, R, 1))
+    return out
+
+
+def crossing(cfg: RunConfig) -> dict[str, bool]:
+    """Which DP groups of rank 0 span nodes ("shard", "replicate"): the ranks are tp-major within a
+    DP index, the shard group the inner DP dimension (FSDP2's (replicate, shard) mesh)."""
+    s, T = sharding(cfg), cfg.parallel.tp
+    per_node = cfg.launch.nproc_per_node or T * s.dp // int(cfg.launch.nnodes)
+
+    def spans(dp_indices: range) -> bool:
+        return len({i * T // per_node for i in dp_indices}) > 1
+
+    return {"shard": spans(range(s.D)), "replicate": spans(range(0, s.dp, s.D))}
+
+
+def split(d: Dims, s: Sharding, peak: Moment) -> dict[str, int]:
+    """The peak of a level by what holds it, in bytes: the weights (the parameters whole or their
+    shard, with FSDP's gathered blocks), of which the master AdamW steps, the gradients, AdamW's
+    moments (and step counters), the activations and the temporaries."""
+    return {
+        "weights": peak.params,
+        "master": state(d, s).master,
+        "gradients": peak.grads,
+        "moments": peak.optimizer,
+        "activations": peak.activations,
+        "temporaries": peak.temporaries,
+    }
+
+
+def level_dims(cfg: RunConfig) -> Dims:
+    """The Dims a sharded level's moments start from: the model without DDP's or megatron's buckets."""
+    return replace(dims(cfg), ddp=False, overlap=False)
+
+
+def unmodelled(cfg: RunConfig) -> str | None:
+    """Why the memory model of a sharded level is not checked for `cfg` (None: its kind is measured
+    equal to it, to the byte, on the CPU: tests/test_theory_sharded.py, docs/results/sharded_dp.md),
+    for compose's kind=memory refusal and `plan`'s note."""
+    s, p, t = sharding(cfg), cfg.parallel, cfg.train
+    if not s.sharded:
+        return None
+    why = []
+    if p.tp > 2:
+        why.append(f"tp={p.tp} (measured at tp 1 and 2)")
+    if t.precision == "mixed":
+        why.append("precision=mixed (FSDP2's MixedPrecisionPolicy makes no autocast weight casts)")
+    if t.recompute == "full" and s.fsdp:
+        why.append("recompute=full (block 0's backward end is not a moment of the model)")
+    if s.replicate > 1:
+        why.append(f"dp_replicate={s.replicate} (HSDP's all-reduce buffers)")
+    return "; ".join(why) or None
