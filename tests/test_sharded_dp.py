@@ -175,5 +175,14 @@ def test_a_level_that_cannot_run_is_refused_in_one_line(workdir, overrides, says
     assert nothing_written(workdir)
 
 
+def test_a_memory_run_the_model_is_not_checked_for_is_refused(workdir):  # noqa: F811
+    overrides = ["kind=memory", "dp=2", "dp_shard=optimizer", "dtype=bfloat16", "precision=mixed"]
+    done = CliRunner().invoke(app, ["run", *overrides])
+    assert done.exit_code == 2, done.output
+    assert done.stderr.startswith("parallel.dp_shard=optimizer with kind=memory: the memory model is not")
+    assert "precision=mixed" in done.stderr and len(done.stderr.splitlines()) == 1
+    assert nothing_written(workdir)
+
+
 if __name__ == "__main__":
     _main(sys.argv[1], int(sys.argv[2]))

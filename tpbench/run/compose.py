@@ -44,6 +44,7 @@ from tpbench.experiments.criterion import check_validate_faults
 from tpbench.parallel.checks import GRAD_SUMS, check_dp_shard, check_dtensor_shardable, check_shardable
 from tpbench.parallel.names import EMULATED_KINDS, FLAVOURS
 from tpbench.predict import hardware
+from tpbench.predict.checked import sharded_unchecked
 from tpbench.run.faults import FAULTS
 
 GROUPS = ("model", "mode", "batch", "kind", "device", "db", "launcher", "+preset", "+fault")
@@ -219,6 +220,11 @@ def check(cfg: RunConfig) -> None:
             f"train.recompute={cfg.train.recompute}: tpbench.predict.theory models overlap's memory "
             "under pure precision without recompute only; accepted is train.precision=pure with "
             "train.recompute=none, or parallel.overlap=false"
+        )
+    if cfg.kind == "memory" and (why := sharded_unchecked(cfg)):
+        raise ConfigError(
+            f"parallel.dp_shard={cfg.parallel.dp_shard} with kind=memory: the memory model is not checked "
+            f"for {why}; accepted are kind=validate or throughput, or `tpbench plan` for the prediction"
         )
     _check_compile(cfg)
     if cfg.debug.overlap_fault and not cfg.parallel.overlap:

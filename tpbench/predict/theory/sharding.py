@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass, replace
 
 from tpbench.config import RunConfig
+from tpbench.predict.checked import sharded_unchecked as unmodelled  # noqa: F401 (plan's note)
 from tpbench.predict.theory.activations import after_head, model_activations
 from tpbench.predict.theory.dims import FP32, LOSS_AND_GRAD, Dims, dims
 from tpbench.predict.theory.moments import Moment
@@ -345,22 +346,3 @@ def split(d: Dims, s: Sharding, peak: Moment) -> dict[str, int]:
 def level_dims(cfg: RunConfig) -> Dims:
     """The Dims a sharded level's moments start from: the model without DDP's or megatron's buckets."""
     return replace(dims(cfg), ddp=False, overlap=False)
-
-
-def unmodelled(cfg: RunConfig) -> str | None:
-    """Why the memory model of a sharded level is not checked for `cfg` (None: its kind is measured
-    equal to it, to the byte, on the CPU: tests/test_theory_sharded.py, docs/results/sharded_dp.md),
-    for compose's kind=memory refusal and `plan`'s note."""
-    s, p, t = sharding(cfg), cfg.parallel, cfg.train
-    if not s.sharded:
-        return None
-    why = []
-    if p.tp > 2:
-        why.append(f"tp={p.tp} (measured at tp 1 and 2)")
-    if t.precision == "mixed":
-        why.append("precision=mixed (FSDP2's MixedPrecisionPolicy makes no autocast weight casts)")
-    if t.recompute == "full" and s.fsdp:
-        why.append("recompute=full (block 0's backward end is not a moment of the model)")
-    if s.replicate > 1:
-        why.append(f"dp_replicate={s.replicate} (HSDP's all-reduce buffers)")
-    return "; ".join(why) or None
