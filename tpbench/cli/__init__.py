@@ -282,7 +282,7 @@ def plan(
 
     # gpu=NAME: the GPU of the time model's rates and of the allocator's model (launch.emulate_gpu)
     given = [f"launch.emulate_gpu={o[4:]}" if o.startswith("gpu=") else o for o in overrides or []]
-    configs = _compose([*given, *(["launch.emulate=fake"] if measure else [])], single=False)
+    configs = _compose([*given, *(["launch.emulate=fake"] if measure else [])], single=False, launching=False)
     for c in (c for c in configs if c.kind == configs[0].kind):  # kind=all: one config per kind
         prediction = theory.predict(c)
         measured = memory.measure_busiest(c) if measure else None
@@ -343,7 +343,7 @@ def fit(
         request = fitting.parse(overrides or [])
     except fitting.FitError as e:
         usage(str(e))
-    (base,) = _compose(request.overrides, single=True)
+    (base,) = _compose(request.overrides, single=True, launching=False)
     try:
         given, batch = request.given, request.global_batch
         result = fitting.search(
@@ -403,12 +403,12 @@ def diagram(
 # -- helpers -----------------------------------------------------------------------------------------
 
 
-def _compose(overrides: list[str], single: bool) -> list[RunConfig]:
+def _compose(overrides: list[str], single: bool, launching: bool = True) -> list[RunConfig]:
     from tpbench.config import ConfigError
     from tpbench.run import sweep as sweeping  # torch loads only for the commands that launch
 
     try:
-        return sweeping.configs(overrides, single=single)
+        return sweeping.configs(overrides, single=single, launching=launching)
     except ConfigError as e:
         usage(str(e))
 

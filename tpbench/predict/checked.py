@@ -19,7 +19,9 @@ def sharded_unchecked(cfg: RunConfig) -> str | None:
     if p.tp > 2:
         why.append(f"tp={p.tp} (measured at tp 1 and 2)")
     if t.precision == "mixed":
-        why.append("precision=mixed (bf16 weights in the model: no autocast casts; bf16 gradients copied to fp32)")
+        why.append(
+            "precision=mixed (bf16 weights in the model: no autocast casts; bf16 gradients copied to fp32)"
+        )
     if t.recompute == "full" and p.dp_shard in ("grads", "full"):
         why.append("recompute=full (block 0's backward end is not a moment of the model)")
     if p.dp_replicate > 1:

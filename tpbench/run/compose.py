@@ -125,10 +125,11 @@ MODES = tuple(sorted(p.stem for p in (CONF_DIR / "mode").glob("*.yaml")))
 MAX_SECONDS = 10**7  # timeouts: about 4 months; past 2**32 s the worker's alarm() and timedelta overflow
 
 
-def expand(overrides: Sequence[str], single: bool = False) -> list[RunConfig]:
+def expand(overrides: Sequence[str], single: bool = False, launching: bool = True) -> list[RunConfig]:
     """Every run the overrides ask for, in sweep order, checked and with devices resolved.
 
-    `kind=all` (the default) becomes one run per kind. `single`: refuse a sweep. Raises ConfigError.
+    `kind=all` (the default) becomes one run per kind. `single`: refuse a sweep. `launching`: the runs
+    are to be measured (not only predicted, as `plan` and `fit` do). Raises ConfigError.
     """
     register_schema()
     parser = OverridesParser.create()
@@ -158,6 +159,8 @@ def expand(overrides: Sequence[str], single: bool = False) -> list[RunConfig]:
     for run in runs:
         apply_hf_config(run, given)
         check(run)
+        if launching:
+            check_measurable(run)
         resolve_device(run)
     return runs
 
@@ -213,19 +216,6 @@ def check(cfg: RunConfig) -> None:
             f"parallel.overlap=true with parallel.engine={cfg.parallel.engine}: accepted with engine "
             "megatron only (DDP always overlaps its gradient buckets; DTensor's TP has no async switch here)"
         )
-    unmodelled = cfg.train.precision == "mixed" or cfg.train.recompute != "none"
-    if cfg.parallel.overlap and cfg.kind == "memory" and unmodelled:
-        raise ConfigError(
-            f"parallel.overlap=true with kind=memory, train.precision={cfg.train.precision} and "
-            f"train.recompute={cfg.train.recompute}: tpbench.predict.theory models overlap's memory "
-            "under pure precision without recompute only; accepted is train.precision=pure with "
-            "train.recompute=none, or parallel.overlap=false"
-        )
-    if cfg.kind == "memory" and (why := sharded_unchecked(cfg)):
-        raise ConfigError(
-            f"parallel.dp_shard={cfg.parallel.dp_shard} with kind=memory: the memory model is not checked "
-            f"for {why}; accepted are kind=validate or throughput, or `tpbench plan` for the prediction"
-        )
     _check_compile(cfg)
     if cfg.debug.overlap_fault and not cfg.parallel.overlap:
         raise ConfigError(
@@ -253,6 +243,24 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError(
             f"kind={cfg.kind}: not implemented in this tpbench yet (no tpbench/experiments/{cfg.kind}.py); "
             f"available are {', '.join(available) or 'none'}"
+        )
+
+
+def check_measurable(cfg: RunConfig) -> None:
+    """A memory run is refused where the memory model it is measured against is not checked (`plan`
+    still predicts it): overlap under mixed precision or recompute, a sharded level's gaps."""
+    unmodelled = cfg.train.precision == "mixed" or cfg.train.recompute != "none"
+    if cfg.parallel.overlap and cfg.kind == "memory" and unmodelled:
+        raise ConfigError(
+            f"parallel.overlap=true with kind=memory, train.precision={cfg.train.precision} and "
+            f"train.recompute={cfg.train.recompute}: tpbench.predict.theory models overlap's memory "
+            "under pure precision without recompute only; accepted is train.precision=pure with "
+            "train.recompute=none, or parallel.overlap=false"
+        )
+    if cfg.kind == "memory" and (why := sharded_unchecked(cfg)):
+        raise ConfigError(
+            f"parallel.dp_shard={cfg.parallel.dp_shard} with kind=memory: the memory model is not checked "
+            f"for {why}; accepted are kind=validate or throughput, or `tpbench plan` for the prediction"
         )
 
 

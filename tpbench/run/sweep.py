@@ -34,10 +34,10 @@ class Ran:
     status: str
 
 
-def configs(overrides: Sequence[str], single: bool = False) -> list[RunConfig]:
+def configs(overrides: Sequence[str], single: bool = False, launching: bool = True) -> list[RunConfig]:
     """Every run the overrides ask for (tpbench.run.compose.expand), each with a database and a launcher
     it can use. Raises ConfigError, one line."""
-    runs = compose.expand(overrides, single=single)
+    runs = compose.expand(overrides, single=single, launching=launching)
     for run in runs:
         check_destination(run)
     return runs
