@@ -215,12 +215,10 @@ def check(cfg: RunConfig) -> None:
             f"parallel.overlap=true with parallel.engine={cfg.parallel.engine}: accepted with engine "
             "megatron only (DDP always overlaps its gradient buckets; DTensor's TP has no async switch here)"
         )
-    unmodelled = cfg.train.precision == "mixed" or cfg.train.recompute != "none"
-    if cfg.parallel.overlap and cfg.kind == "memory" and unmodelled:
+    if cfg.parallel.overlap and cfg.kind == "memory" and cfg.train.recompute != "none":
         raise ConfigError(
-            f"parallel.overlap=true with kind=memory, train.precision={cfg.train.precision} and "
-            f"train.recompute={cfg.train.recompute}: tpbench.predict.theory models overlap's memory "
-            "under pure precision without recompute only; accepted is train.precision=pure with "
+            f"parallel.overlap=true with kind=memory and train.recompute={cfg.train.recompute}: "
+            "tpbench.predict.theory models overlap's memory without recompute only; accepted is "
             "train.recompute=none, or parallel.overlap=false"
         )
     _check_compile(cfg)

@@ -42,6 +42,11 @@ def moments(d: Dims) -> list[Moment]:
     if d.sp and d.vp and d.regather:  # the head's input, all-gathered again
         temp += d.p * d.N * d.H
     out.append(Moment("head backward", P, buckets, O, A + LOSS_AND_GRAD, temp))
+    if d.overlap and d.vp and d.mixed:  # the head's weight gradient deferred to its entry's backward
+        # (tpbench.parallel.overlap): made there in bf16 and cast to fp32 while the logits' gradient
+        # (which it is made from) and the rest of the head's backward are live, its bf16 weight cast gone
+        cast = A + LOSS_AND_GRAD - acts["head weight cast"]
+        out.append(Moment("head entry backward", P, buckets, O, cast, temp + d.V_l * d.H * d.w))
     if d.mixed:  # the head's weight gradient cast to fp32, beside its bf16 one and the input's gradient
         after = A - acts["head input"] - acts["head weight cast"] + LOSS_AND_GRAD
         cast = d.V_l * d.H * (d.p + d.w) + d.s * d.N * d.H
