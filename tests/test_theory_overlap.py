@@ -68,7 +68,12 @@ def test_plan_models_overlap_under_mixed_precision_and_refuses_it_under_recomput
 
     from tpbench.cli import app
 
-    assert CliRunner().invoke(app, ["plan", "tp=2", "overlap=true", "train.precision=mixed"]).exit_code == 0
+    assert (
+        CliRunner()
+        .invoke(app, ["plan", "tp=2", "overlap=true", "dtype=bfloat16", "precision=mixed"])
+        .exit_code
+        == 0
+    )
     result = CliRunner().invoke(app, ["plan", "tp=2", "overlap=true", "train.recompute=selective"])
     assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1
     assert "parallel.overlap=true with kind=memory and train.recompute=selective" in result.stderr
