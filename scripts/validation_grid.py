@@ -10,6 +10,7 @@ of sharded-vs-dense to dense-vs-reference among the figures above their floor (w
     .venv/bin/python scripts/validation_grid.py --seeds 20 --parts tiny_fp32 tiny_t4_fp32
     .venv/bin/python scripts/validation_grid.py --report
     .venv/bin/python scripts/validation_grid.py --planted --db sqlite:///runs/planted_bugs.db
+    .venv/bin/python scripts/validation_grid.py --planted --bugs scale --scales 1.03,1.04 --db ...
 """
 
 from __future__ import annotations
@@ -89,14 +90,25 @@ def main() -> None:
         default=list(PRECISIONS),
         help=f"with --planted: of {', '.join(PRECISIONS)}",
     )
+    parser.add_argument(
+        "--bugs", nargs="*", default=list(PLANTED), help=f"with --planted: of {', '.join(PLANTED)}"
+    )
+    parser.add_argument(
+        "--scales", default="", help="with --planted: the scale bug's debug.grad_scale list, e.g. 1.03,1.04"
+    )
     parser.add_argument("--report", action="store_true", help="only read the database")
     args = parser.parse_args()
     if unknown := set(args.parts) - set(PARTS):
         sys.exit(f"--parts {sorted(unknown)}: accepted are {', '.join(PARTS)}")
     if unknown := set(args.precisions) - set(PRECISIONS):
         sys.exit(f"--precisions {sorted(unknown)}: accepted are {', '.join(PRECISIONS)}")
+    if unknown := set(args.bugs) - set(PLANTED):
+        sys.exit(f"--bugs {sorted(unknown)}: accepted are {', '.join(PLANTED)}")
     if args.planted and not args.report:
-        for name, overrides in PLANTED.items():
+        for name in args.bugs:
+            overrides = (
+                [f"debug.grad_scale={args.scales}"] if name == "scale" and args.scales else PLANTED[name]
+            )
             for tag in args.precisions:
                 precision = PRECISIONS[tag]
                 sweep = [

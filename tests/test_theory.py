@@ -441,7 +441,7 @@ def test_plan_refuses_overlap_whose_memory_it_does_not_model():
     assert result.exit_code == 2 and result.stdout == ""
     assert len(result.stderr.splitlines()) == 1
     assert (
-        "parallel.overlap=true with kind=memory, train.precision=pure and train.recompute=full"
+        "parallel.overlap=true with kind=memory and train.recompute=full: tpbench.predict.theory models"
         in result.stderr
     )
     assert CliRunner().invoke(app, ["plan", "tp=2", "overlap=true"]).exit_code == 0

@@ -41,12 +41,22 @@ def _main(out: str) -> None:
     from tpbench.experiments import validate
 
     dist.init_process_group("gloo")
+    mine = [0]  # this rank's count of elements left out by the sign rule, after the last step
+    rounded_signs = validate._rounded_signs
+
+    def counting(cfg, pm, dense, reference, rounded):
+        rounded_signs(cfg, pm, dense, reference, rounded)
+        mine[0] = sum(int(m.sum()) for m in rounded.values())
+
+    validate._rounded_signs = counting
     results: dict[str, dict] = {}
     for name, overrides in (SEEDS | PLANTED).items():
         r = validate.run(run_config(TINY + overrides))
         metrics = {m.name: m.value for m in r.measurements if m.step is None}
         params = {p.name: [p.grad_rel_l2, p.grad_ref_rel_l2] for p in r.params}
-        results[name] = {"metrics": metrics, "failed": r.failed, "params": params}
+        per_rank = [0] * dist.get_world_size()
+        dist.all_gather_object(per_rank, mine[0])
+        results[name] = {"metrics": metrics, "failed": r.failed, "params": params, "rounded": per_rank}
     dist.barrier()
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
@@ -104,6 +114,14 @@ def test_one_gradient_scaled_fails_naming_that_parameter(validated, name):
     (failure,) = [f for f in r["failed"] if f.startswith("grad_rel_l2")]
     assert failure.startswith(f"grad_rel_l2 {SCALED} {value:.3g} > bound ")
     assert f"(4 x {reference:.3g} + 1e-05)" in failure
+
+
+def test_the_elements_left_out_are_counted_over_all_ranks(validated):
+    """adamw_rounded_signs is the total over the ranks of the elements the sign rule left out, not
+    the worst rank's count (bf16: each rank leaves some out)."""
+    r = validated["grad_scale_bf16"]
+    assert min(r["rounded"]) > 0
+    assert r["metrics"]["adamw_rounded_signs"] == sum(r["rounded"])
 
 
 def test_the_bound_is_k_times_the_reference_plus_the_floor():

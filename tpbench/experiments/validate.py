@@ -124,9 +124,13 @@ def run(cfg: RunConfig) -> RankResult:
     if ctx.rank == 0:
         result.params = rows
     figures["adamw_param_max_abs"] = max(r.param_max_abs for r in rows)  # the seed chapter's figure
-    figures["adamw_rounded_signs"] = float(sum(int(m.sum()) for m in rounded_signs.values()))
 
     worst = _worst_over_ranks(figures)  # the drift's figures are the worst over ranks already
+    # the elements the AdamW-parameter figure left out (_rounded_signs), summed over the ranks: an
+    # element of a parameter held whole on several ranks counts once per rank that flipped it
+    (worst["adamw_rounded_signs"],) = collectives.reduce_floats(
+        [float(sum(int(m.sum()) for m in rounded_signs.values()))]
+    )
     worst["grad_max_abs"] = max(r.grad_max_abs for r in rows)
     worst["grad_max_rel_l2"] = max(r.grad_rel_l2 for r in rows)
     worst["dense_grad_max_rel_l2"] = max(r.grad_ref_rel_l2 for r in rows)

@@ -46,11 +46,15 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
 
 def prefetch_after_backward(y: torch.Tensor, regathers: list[regions.Regather]) -> None:
     """Start the re-gathers once y's grad_fn has run: a block region's exit backward (g-bar's
-    all-gather of the output gradient), before the row layer's and the core's backward."""
+    all-gather of the output gradient), before the row layer's and the core's backward. The hook
+    lets them go once it has run: the graph's nodes (and their hooks) live as long as the loss the
+    step returns, and each re-gather holds its gathered input, which would then outlive backward
+    (6,144 B at T 2, S 4, the test model's four regions, to the optimizer step)."""
 
     def prefetch(*_) -> None:
         for regathered in regathers:
             regathered.prefetch()
+        regathers.clear()  # the saved tensors' packs hold them for backward's uses
 
     if y.grad_fn is not None:
         y.grad_fn.register_hook(prefetch)
@@ -138,6 +142,7 @@ class PerLinearGathers(Boundary):
         y = body(autocast_input(x))
         if self.regathers:
             prefetch_after_backward(y, list(self.regathers))
+        self.regathers.clear()  # held by the hook (and backward's packs) only, not to the next step
         return y
 
 

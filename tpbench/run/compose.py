@@ -248,13 +248,11 @@ def check(cfg: RunConfig) -> None:
 
 def check_measurable(cfg: RunConfig) -> None:
     """A memory run is refused where the memory model it is measured against is not checked (`plan`
-    still predicts it): overlap under mixed precision or recompute, a sharded level's gaps."""
-    unmodelled = cfg.train.precision == "mixed" or cfg.train.recompute != "none"
-    if cfg.parallel.overlap and cfg.kind == "memory" and unmodelled:
+    still predicts it): overlap under recompute, a sharded level's gaps."""
+    if cfg.parallel.overlap and cfg.kind == "memory" and cfg.train.recompute != "none":
         raise ConfigError(
-            f"parallel.overlap=true with kind=memory, train.precision={cfg.train.precision} and "
-            f"train.recompute={cfg.train.recompute}: tpbench.predict.theory models overlap's memory "
-            "under pure precision without recompute only; accepted is train.precision=pure with "
+            f"parallel.overlap=true with kind=memory and train.recompute={cfg.train.recompute}: "
+            "tpbench.predict.theory models overlap's memory without recompute only; accepted is "
             "train.recompute=none, or parallel.overlap=false"
         )
     if cfg.kind == "memory" and (why := sharded_unchecked(cfg)):

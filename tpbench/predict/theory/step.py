@@ -42,6 +42,11 @@ def moments(d: Dims) -> list[Moment]:
     if d.sp and d.vp and d.regather:  # the head's input, all-gathered again
         temp += d.p * d.N * d.H
     out.append(Moment("head backward", P, buckets, O, A + LOSS_AND_GRAD, temp))
+    if d.overlap and d.vp and d.mixed:  # the head's weight gradient deferred to its entry's backward
+        # (tpbench.parallel.overlap): made there in bf16 and cast to fp32 while the logits' gradient
+        # (which it is made from) and the rest of the head's backward are live, its bf16 weight cast gone
+        cast = A + LOSS_AND_GRAD - acts["head weight cast"]
+        out.append(Moment("head entry backward", P, buckets, O, cast, temp + d.V_l * d.H * d.w))
     if d.mixed:  # the head's weight gradient cast to fp32, beside its bf16 one and the input's gradient
         after = A - acts["head input"] - acts["head weight cast"] + LOSS_AND_GRAD
         cast = d.V_l * d.H * (d.p + d.w) + d.s * d.N * d.H
@@ -67,15 +72,23 @@ def moments(d: Dims) -> list[Moment]:
             layers = sorted({d.L - 1, 0})
             out += [blocks.recomputed_attention_dropout(d, acts, P, O, buckets, G > 0, i) for i in layers]
 
-    if d.tied:  # the LM head's gradient waits for the embedding's; the two are summed into a third
+    # the embedding's backward makes its gradient from the stream's [S, B, H] gradient (gathered whole
+    # under SP); the vocab-parallel one's masked ids ([S, B] int64, strided as the transposed batch)
+    # are copied contiguous there
+    embedding_temps = d.V_l * d.H * d.w + d.s * d.N * d.H + (8 * d.N if d.vp else 0)
+    if d.tied and d.overlap and d.vp and not d.flat_dp:  # the head's weight gradient, deferred to its
+        # entry's backward (tpbench.parallel.overlap), is .grad before the embedding's backward, which
+        # adds its own into it in place: every gradient held, the embedding's being made (as untied)
+        temps = embedding_temps
+        out.append(Moment("backward end", P, buckets + G, O, kept + LOSS_AND_GRAD - FP32, temps))
+    elif d.tied:  # the LM head's gradient waits for the embedding's; the two are summed into a third
         E = d.V_l * d.H * d.w
         own = G - E if G else weights.late_grad_bytes(d)
         out.append(Moment("backward end", P, buckets + own, O, kept + LOSS_AND_GRAD - FP32, 3 * E))
-    else:  # the embedding's backward: its gradient being made from the stream's [S, B, H] gradient
-        # (gathered whole under SP), every other gradient made; the fused AdamW's moment is below it
+    else:  # the embedding's backward, every other gradient made; the fused AdamW's moment is below it
         E = d.V_l * d.H * d.w
         own = G - E if G else weights.late_grad_bytes(d)
-        temps = E + d.s * d.N * d.H
+        temps = embedding_temps
         out.append(Moment("embedding backward", P, buckets + own, O, kept + LOSS_AND_GRAD - FP32, temps))
     if d.dp > 1 and not d.ddp and not d.flat_dp:  # megatron's blocking DP sum: one flat copy of all
         out.append(Moment("gradient sums", P, buckets + G, O, kept, P))

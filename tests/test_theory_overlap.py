@@ -1,0 +1,79 @@
+"""Overlap's memory (`parallel.overlap=true`) at T 2, dp 1, in test_parallel's world-2 job (tests/
+torchrun_checks.py `WORLD2`), and under mixed precision at dp 2 in the world-4 job (`WORLD4`, beside
+test_theory.py's dp 2 and T 4 overlap cases): every rank's measured peak equals the model's to the byte.
+
+- `tp_sp_vp_overlap_s4`: SP's re-gathers, prefetched at each region's exit backward, let go once
+  prefetched. Held by the hook to the step's end (the graph lives as long as the loss the step
+  returns), the four regions' gathered inputs and shards put the peak at the optimizer step, 6,144 B
+  above the model.
+- `tp_sp_vp_overlap_s4_fused`: with the fused AdamW (no temporaries at its step) the peak is the
+  embedding's backward, where the tied LM head's deferred weight gradient is already `.grad`: every
+  gradient held, the embedding's being made, and no third tensor summing the two (the blocking order's
+  moment, 32,768 B higher).
+- `tp_vp_overlap_untied_s8_fused`: the untied embedding's backward, the peak, with the
+  vocab-parallel embedding's ids copied contiguous ([S, B] int64: 8 N bytes).
+- `..._mixed`: under mixed precision the LM head's weight gradient, deferred to its entry's backward,
+  is made in bf16 and cast to fp32 there, while the logits' gradient it is made from is still live (its
+  bf16 weight cast gone): the head's backward moment + V/T x H x (4 - 2) B (32,768 B here).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from beside import beside
+from test_theory import SMALL
+from torchrun_checks import WORLD2, WORLD4, per_config, run_config
+
+from tpbench.predict import theory
+
+T2_SP_VP = ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true", "parallel.overlap=true"]
+FUSED = "train.fused_optimizer=true"
+CHECKS = {
+    "tp_sp_vp_overlap_s4": [*T2_SP_VP, "train.seq_len=4"],
+    "tp_sp_vp_overlap_s4_fused": [*T2_SP_VP, "train.seq_len=4", FUSED],
+    "tp_vp_overlap_untied_s8_fused": [
+        "parallel.tp=2",
+        "parallel.vp=true",
+        "parallel.overlap=true",
+        "train.seq_len=8",
+        "model.tie_word_embeddings=false",
+        FUSED,
+    ],
+}
+MIXED = "train.precision=mixed"
+CHECKS["tp_sp_vp_overlap_mixed"] = [*T2_SP_VP, MIXED]
+CHECKS["tp_sp_vp_overlap_mixed_s32"] = [*T2_SP_VP, MIXED, "train.seq_len=32"]
+WORLD4_CHECKS = {"dp2_tp_sp_vp_overlap_mixed": [*T2_SP_VP, "parallel.dp=2", MIXED]}
+WORLD2.add("memory", "overlap", {name: SMALL + overrides for name, overrides in CHECKS.items()})
+WORLD4.add("memory", "overlap", {name: SMALL + overrides for name, overrides in WORLD4_CHECKS.items()})
+
+
+@beside
+def measured(folder: Path) -> dict:
+    """Per config, every rank's measured peak (test_parallel's world-2 job)."""
+    w2, w4 = (per_config(w.part(folder, "memory", "overlap")) for w in (WORLD2, WORLD4))
+    return w2 | w4
+
+
+@pytest.mark.parametrize("name", CHECKS | WORLD4_CHECKS)
+def test_overlap_peak_is_predicted_to_the_byte(measured, name):
+    predicted = theory.predict(run_config(SMALL + (CHECKS | WORLD4_CHECKS)[name])).peak_bytes
+    assert [rank["peak"] for rank in measured[name]] == [predicted] * len(measured[name])
+
+
+def test_plan_models_overlap_under_mixed_precision_and_refuses_it_under_recompute():
+    from typer.testing import CliRunner
+
+    from tpbench.cli import app
+
+    assert (
+        CliRunner()
+        .invoke(app, ["plan", "tp=2", "overlap=true", "dtype=bfloat16", "precision=mixed"])
+        .exit_code
+        == 0
+    )
+    result = CliRunner().invoke(app, ["plan", "tp=2", "overlap=true", "train.recompute=selective"])
+    assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1
+    assert "parallel.overlap=true with kind=memory and train.recompute=selective" in result.stderr
