@@ -1,12 +1,12 @@
 """Where the memory model has not been checked against a measured peak, from the config alone.
 
-Torch-free, so that compose can refuse a memory run the model cannot vouch for before torch loads;
-`plan` prints the same reason beside its prediction (tpbench.cli.sharded).
+Torch-free, so that compose can refuse a memory run the model cannot vouch for before torch loads
+(`check_measurable`); `plan` predicts it anyway and prints the same reason (tpbench.cli.sharded).
 """
 
 from __future__ import annotations
 
-from tpbench.config import RunConfig
+from tpbench.config import ConfigError, RunConfig
 
 
 def sharded_unchecked(cfg: RunConfig) -> str | None:
@@ -27,3 +27,19 @@ def sharded_unchecked(cfg: RunConfig) -> str | None:
     if p.dp_replicate > 1:
         why.append(f"dp_replicate={p.dp_replicate} (HSDP's all-reduce buffers)")
     return "; ".join(why) or None
+
+
+def check_measurable(cfg: RunConfig) -> None:
+    """A memory run is refused where the memory model it is measured against is not checked (`plan`
+    still predicts it): overlap under recompute, a sharded level's gaps."""
+    if cfg.parallel.overlap and cfg.kind == "memory" and cfg.train.recompute != "none":
+        raise ConfigError(
+            f"parallel.overlap=true with kind=memory and train.recompute={cfg.train.recompute}: "
+            "tpbench.predict.theory models overlap's memory without recompute only; accepted is "
+            "train.recompute=none, or parallel.overlap=false"
+        )
+    if cfg.kind == "memory" and (why := sharded_unchecked(cfg)):
+        raise ConfigError(
+            f"parallel.dp_shard={cfg.parallel.dp_shard} with kind=memory: the memory model is not checked "
+            f"for {why}; accepted are kind=validate or throughput, or `tpbench plan` for the prediction"
+        )

@@ -44,7 +44,7 @@ from tpbench.experiments.criterion import check_validate_faults
 from tpbench.parallel.checks import GRAD_SUMS, check_dp_shard, check_dtensor_shardable, check_shardable
 from tpbench.parallel.names import EMULATED_KINDS, FLAVOURS
 from tpbench.predict import hardware
-from tpbench.predict.checked import sharded_unchecked
+from tpbench.predict.checked import check_measurable
 from tpbench.run.faults import FAULTS
 
 GROUPS = ("model", "mode", "batch", "kind", "device", "db", "launcher", "+preset", "+fault")
@@ -243,22 +243,6 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError(
             f"kind={cfg.kind}: not implemented in this tpbench yet (no tpbench/experiments/{cfg.kind}.py); "
             f"available are {', '.join(available) or 'none'}"
-        )
-
-
-def check_measurable(cfg: RunConfig) -> None:
-    """A memory run is refused where the memory model it is measured against is not checked (`plan`
-    still predicts it): overlap under recompute, a sharded level's gaps."""
-    if cfg.parallel.overlap and cfg.kind == "memory" and cfg.train.recompute != "none":
-        raise ConfigError(
-            f"parallel.overlap=true with kind=memory and train.recompute={cfg.train.recompute}: "
-            "tpbench.predict.theory models overlap's memory without recompute only; accepted is "
-            "train.recompute=none, or parallel.overlap=false"
-        )
-    if cfg.kind == "memory" and (why := sharded_unchecked(cfg)):
-        raise ConfigError(
-            f"parallel.dp_shard={cfg.parallel.dp_shard} with kind=memory: the memory model is not checked "
-            f"for {why}; accepted are kind=validate or throughput, or `tpbench plan` for the prediction"
         )
 
 
