@@ -550,7 +550,8 @@ def suite_units(checks: dict) -> dict:
 
 
 def suite_validate(checks: dict) -> dict:
-    """Per config: validate.run's figures, its curves, and how many batches it drew."""
+    """Per config: validate.run's figures, its curves, how many batches it drew, and per parameter its
+    gradient's relative error beside the dense model's own (tests/test_validation.py)."""
     results, draws = {}, []
     next_global = validate.Batches.next_global
 
@@ -571,6 +572,7 @@ def suite_validate(checks: dict) -> dict:
             "draws": len(draws),
             "comm": [[c.op, c.purpose, c.count, c.bytes] for c in r.comm],
             "semantics": sorted({p.semantics for p in r.params}),
+            "params": {p.name: [p.grad_rel_l2, p.grad_ref_rel_l2] for p in r.params},  # rank 0's rows
             "failed": r.failed,
             "cpu_s": round(time.process_time() - cpu, 2),  # this rank's, for `--durations`-like sums
         }
