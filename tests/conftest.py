@@ -31,8 +31,8 @@ from typer.testing import CliRunner, Result
 from tpbench.cli import app
 
 # Inductor compiles in each rank's own process, not in a pool of worker processes that each import torch:
-# on 2 cores the pool adds CPU and no speed (the compiled configs' launch with an empty cache: 239 CPU s,
-# 293 with the pool; the same with a warm one: docs/development.md#the-budget, scripts/compile-cost.py).
+# the pool adds CPU (the compiled configs' launch with an empty cache: 239 CPU s, 293 with the pool; the
+# same with a warm one: docs/development.md#the-budget, scripts/compile-cost.py).
 # Every torchrun job and `tpbench` process of the tests inherits it.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
