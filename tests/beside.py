@@ -27,6 +27,7 @@ class Beside:
     def __init__(self) -> None:
         self.jobs: dict[str, tuple[Callable[[Path], object], str]] = {}  # "module::fixture" -> job, lane
         self.futures: dict[str, Future] = {}
+        self.keys: dict[Callable[[], object], str] = {}  # each job's fixture function -> its key
         self.lanes = {
             lane: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"beside-{lane}")
             for lane in ("computes", "waits")
@@ -39,11 +40,11 @@ class Beside:
         key = f"{job.__module__}::{job.__name__}"
         self.jobs[key] = job, "waits" if waits else "computes"
 
-        @pytest.fixture(scope="module", name=job.__name__)
         def value():
             return self.result(key)
 
-        return value
+        self.keys[value] = key  # pytest's FixtureDef holds this function, in any module that imports it
+        return pytest.fixture(scope="module", name=job.__name__)(value)
 
     def start(self, key: str) -> None:
         if key not in self.futures:
@@ -54,17 +55,25 @@ class Beside:
         self.start(key)
         return self.futures[key].result()  # the job's own exception, if it failed
 
+    def key(self, item: pytest.Item, fixture: str) -> str | None:
+        """The job behind `fixture` as `item` sees it, if it is one: defined in the item's module or
+        imported into it from another test module (test_theory_peak_moment's `measured`)."""
+        info = getattr(item, "_fixtureinfo", None)
+        for definition in getattr(info, "name2fixturedefs", {}).get(fixture, ()):
+            if definition.func in self.keys:
+                return self.keys[definition.func]
+        return None
+
     def needs(self, item: pytest.Item, fixture: str) -> bool:
         """Whether `fixture`, as `item` sees it, is a job beside the tests."""
-        return f"{getattr(getattr(item, 'module', None), '__name__', '')}::{fixture}" in self.jobs
+        return self.key(item, fixture) is not None
 
     def start_for(self, items: list[pytest.Item]) -> None:
         """Start the jobs these tests need, first needed first."""
         for item in items:
-            module = getattr(getattr(item, "module", None), "__name__", "")
             for name in getattr(item, "fixturenames", ()):
-                if f"{module}::{name}" in self.jobs:
-                    self.start(f"{module}::{name}")
+                if key := self.key(item, name):
+                    self.start(key)
 
     def shutdown(self) -> None:
         for lane in self.lanes.values():

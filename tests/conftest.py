@@ -30,6 +30,12 @@ from typer.testing import CliRunner, Result
 
 from tpbench.cli import app
 
+# Inductor compiles in each rank's own process, not in a pool of worker processes that each import torch:
+# the pool adds CPU (the compiled configs' launch with an empty cache: 239 CPU s, 293 with the pool; the
+# same with a warm one: docs/development.md#the-budget, scripts/compile-cost.py).
+# Every torchrun job and `tpbench` process of the tests inherits it.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 TPBENCH = str(Path(sys.executable).with_name("tpbench"))
 # The tiny model, a couple of AdamW steps: a launch costs seconds.
 FAST = ["kind=validate", "validate.steps=2", "validate.every=1"]

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from beside import beside
-from conftest import FAST, Workdir
 from torchrun_checks import (
     FAMILIES,
     LLAMA31_ROPE,
@@ -123,7 +121,8 @@ VALIDATE_T2 |= {
     "broken_ddp_drop_bucket": [*DDP, "debug.ddp_fault=drop_bucket"],
 }
 # an error on rank 1 only, in a parameter no other rank's figures hold (DDP's replica; TP's replicated
-# final norm, which a gathered checkpoint takes from rank 0)
+# final norm, which a gathered checkpoint takes from rank 0); the DDP one as a real `tpbench sweep`, a
+# failed run end to end, in tests/test_runner.py (test_a_validation_out_of_bounds_is_a_failed_run_...)
 PLANTED = {
     "planted_rank1_ddp": [*DDP, "debug.validate_fault=rank1_param"],
     "planted_rank1_tp": [*MODES["tp"], "debug.validate_fault=rank1_param"],
@@ -516,21 +515,6 @@ def test_the_drift_bound_fails_the_run(validated):
     assert [f.split()[0] for f in r["failed"]] == ["adamw_drift_max_abs"]
     assert r["metrics"]["passed"] == 0.0 and r["metrics"]["dense_adamw_drift_max_abs"] > 0
     assert r["metrics"]["adamw_drift_max_abs"] == validated["tp"]["metrics"]["adamw_drift_max_abs"]
-
-
-@beside
-def planted(folder: Path) -> tuple[Workdir, subprocess.CompletedProcess]:
-    """One `tpbench run` of DDP validation with an error planted on rank 1 only."""
-    work = Workdir(folder)
-    return work, work.run("run", *FAST, "mode=ddp", "debug.validate_fault=rank1_param")
-
-
-def test_an_error_on_rank_1_only_is_a_failed_run(planted):
-    work, done = planted
-    assert done.returncode == 1
-    ((status, error),) = work.query("SELECT status, error FROM runs")
-    assert status == "FAILED"
-    assert error.startswith("validate out of bounds: adamw_param_rel_l2 model.norm.weight ")
 
 
 def test_debug_faults_are_refused_where_they_break_nothing():

@@ -1,20 +1,18 @@
 """Validation's criterion (tpbench.experiments.criterion): a correct model passes on other seeds, and
 each planted bug fails it, naming the check and the parameter.
 
-One torchrun job of 2 ranks runs every config below through validate.run (this file is its script);
-the scripts/validation_grid.py grid (docs/results/validation.md) runs the many seeds and shapes.
+Every config below runs through validate.run in test_parallel's world-2 torchrun job (tests/torchrun_checks.py
+`WORLD2`); the scripts/validation_grid.py grid (docs/results/validation.md) runs the many seeds and shapes.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 from beside import beside
-from torchrun_checks import TINY, run_config, torchrun
+from torchrun_checks import TINY, WORLD2, per_config, run_config
 
 from tpbench.experiments.criterion import CHECKS, Verdict, verdicts
 from tpbench.experiments.validate import SCALED, _param_errors, _rounded_signs
@@ -32,40 +30,18 @@ PLANTED = {  # each must fail
 }
 
 
-# --- the torchrun job ----------------------------------------------------------------------------
+# --- the torchrun job: test_parallel's world-2 job (tests/torchrun_checks.py WORLD2) ----------------
 
-
-def _main(out: str) -> None:
-    import torch.distributed as dist
-
-    from tpbench.experiments import validate
-
-    dist.init_process_group("gloo")
-    mine = [0]  # this rank's count of elements left out by the sign rule, after the last step
-    rounded_signs = validate._rounded_signs
-
-    def counting(cfg, pm, dense, reference, rounded):
-        rounded_signs(cfg, pm, dense, reference, rounded)
-        mine[0] = sum(int(m.sum()) for m in rounded.values())
-
-    validate._rounded_signs = counting
-    results: dict[str, dict] = {}
-    for name, overrides in (SEEDS | PLANTED).items():
-        r = validate.run(run_config(TINY + overrides))
-        metrics = {m.name: m.value for m in r.measurements if m.step is None}
-        params = {p.name: [p.grad_rel_l2, p.grad_ref_rel_l2] for p in r.params}
-        per_rank = [0] * dist.get_world_size()
-        dist.all_gather_object(per_rank, mine[0])
-        results[name] = {"metrics": metrics, "failed": r.failed, "params": params, "rounded": per_rank}
-    dist.barrier()
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
+WORLD2.add("validate", "validation", {name: TINY + o for name, o in (SEEDS | PLANTED).items()})
 
 
 @beside
 def validated(folder: Path) -> dict:
-    return torchrun(Path(__file__), 2, folder / "validation.json")
+    """Rank 0's results per config: its figures reduced over the job, its failed checks' lines and its
+    parameters' rows (what the database records); and every rank's count of the elements the sign
+    rule left out."""
+    ranks = per_config(WORLD2.part(folder, "validate", "validation"))
+    return {name: each[0] | {"rounded": [r["rounded"] for r in each]} for name, each in ranks.items()}
 
 
 # --- the assertions ------------------------------------------------------------------------------
@@ -195,7 +171,3 @@ def test_adamw_leaves_out_only_the_elements_whose_gradient_sign_rounding_decided
 def test_bad_validation_settings_are_refused_before_launch(overrides, message):
     with pytest.raises(compose.ConfigError, match=re.escape(message)):
         compose.expand(["kind=validate", "tp=2", *overrides])
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1])

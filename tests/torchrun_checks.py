@@ -550,7 +550,8 @@ def suite_units(checks: dict) -> dict:
 
 
 def suite_validate(checks: dict) -> dict:
-    """Per config: validate.run's figures, its curves, and how many batches it drew."""
+    """Per config: validate.run's figures, its curves, how many batches it drew, and per parameter its
+    gradient's relative error beside the dense model's own (tests/test_validation.py)."""
     results, draws = {}, []
     next_global = validate.Batches.next_global
 
@@ -559,8 +560,16 @@ def suite_validate(checks: dict) -> dict:
         return next_global(self)
 
     validate.Batches.next_global = counted
+    rounded_signs, mine = validate._rounded_signs, [0]
+
+    def rounding(cfg, pm, dense, reference, rounded):  # this rank's elements left out, the last step
+        rounded_signs(cfg, pm, dense, reference, rounded)
+        mine[0] = sum(int(m.sum()) for m in rounded.values())
+
+    validate._rounded_signs = rounding
     for name, overrides in checks.items():
         draws.clear()
+        mine[0] = 0
         cpu = time.process_time()
         r = validate.run(run_config(overrides))
         curves = {n: [[m.step, m.value] for m in r.measurements if m.name == n] for n in validate.DRIFT}
@@ -571,7 +580,9 @@ def suite_validate(checks: dict) -> dict:
             "draws": len(draws),
             "comm": [[c.op, c.purpose, c.count, c.bytes] for c in r.comm],
             "semantics": sorted({p.semantics for p in r.params}),
+            "params": {p.name: [p.grad_rel_l2, p.grad_ref_rel_l2] for p in r.params},  # rank 0's rows
             "failed": r.failed,
+            "rounded": mine[0],
             "cpu_s": round(time.process_time() - cpu, 2),  # this rank's, for `--durations`-like sums
         }
     return results

@@ -1,0 +1,64 @@
+"""Jobs beside the tests (tests/beside.py) as pytest sees them: a job's fixture imported into another
+test module is that job there too, so the quick tier (`quick` in conftest.py) leaves out a test that
+waits on it (test_theory_peak_moment's tests, on test_theory's world-4 job: once 574 s of the tier's
+setup, when a job was looked up by the item's own module alone)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+CONFTEST = """
+from beside import BESIDE
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        print("NEEDS", item.nodeid, [n for n in item.fixturenames if BESIDE.needs(item, n)])
+
+def pytest_collection_finish(session):
+    BESIDE.tmp = session.config._tmp_path_factory
+    BESIDE.start_for(session.items)
+
+def pytest_sessionfinish(session):
+    BESIDE.shutdown()
+"""
+TESTS = {
+    "test_a.py": """
+from beside import beside
+
+@beside
+def measured(folder):
+    return folder.name
+
+def test_a(measured):
+    assert measured.startswith("measured")
+""",
+    "test_b.py": """
+from test_a import measured  # noqa: F401
+
+def test_b(measured):
+    assert measured.startswith("measured")
+
+def test_c():
+    pass
+""",
+}
+
+
+def test_a_job_imported_into_another_module_is_a_job_there_too(tmp_path: Path):
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    for name, text in TESTS.items():
+        (tmp_path / name).write_text(text)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent))
+    command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", str(tmp_path)]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    needs = [line for line in done.stdout.splitlines() if line.startswith("NEEDS")]
+    assert needs == [
+        "NEEDS test_a.py::test_a ['measured']",
+        "NEEDS test_b.py::test_b ['measured']",
+        "NEEDS test_b.py::test_c []",
+    ]
+    assert "3 passed" in done.stdout
