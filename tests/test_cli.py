@@ -133,7 +133,7 @@ BAD_INPUT = {
     ),
     "overlap in a memory run with recompute": (
         ["kind=memory", "overlap=true", "train.recompute=selective"],
-        "parallel.overlap=true with kind=memory, train.precision=pure and train.recompute=selective: ",
+        "kind=memory: the memory model is not checked for parallel.overlap=true with train.recompute=sel",
     ),
     "compile with the re-gather": (
         ["mode=tp_sp", "compile=true"],

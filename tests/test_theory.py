@@ -434,17 +434,17 @@ def test_plan_prints_the_prediction_of_a_config_too_large_to_run():
     assert f"{theory.predict(cfg).peak_bytes / 2**20:,.1f}" in result.output
 
 
-def test_plan_refuses_overlap_whose_memory_it_does_not_model():
+def test_plan_notes_overlap_whose_memory_it_does_not_model_and_a_memory_run_refuses_it():
     from tpbench.cli import app
 
     result = CliRunner().invoke(app, ["plan", "tp=2", "overlap=true", "train.recompute=full"])
-    assert result.exit_code == 2 and result.stdout == ""
-    assert len(result.stderr.splitlines()) == 1
-    assert (
-        "parallel.overlap=true with kind=memory and train.recompute=full: tpbench.predict.theory models"
-        in result.stderr
-    )
-    assert CliRunner().invoke(app, ["plan", "tp=2", "overlap=true"]).exit_code == 0
+    assert result.exit_code == 0, result.output
+    note = "not yet checked against a measured peak: parallel.overlap=true with train.recompute=full"
+    assert note in result.stdout
+    assert note not in CliRunner().invoke(app, ["plan", "tp=2", "overlap=true"]).stdout
+    result = CliRunner().invoke(app, ["run", "kind=memory", "tp=2", "overlap=true", "train.recompute=full"])
+    assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1
+    assert "kind=memory: the memory model is not checked for parallel.overlap=true with" in result.stderr
 
 
 # GPU names as torch.cuda.get_device_name reports them

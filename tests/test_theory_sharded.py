@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from tpbench.experiments.setup import build_dense
 from tpbench.predict import theory
+from tpbench.predict.checked import sharded_unchecked
 from tpbench.predict.theory import sharding
 
 # odd sizes, so that FSDP2 pads: H 48 over D 5 and D 4, KV width 24, vocab 301, I 136
@@ -137,16 +138,16 @@ def test_plan_prints_the_split_of_a_sharded_level():
     assert result.exit_code == 0, result.output
     for word in ("ZeRO-1: the peak per rank", "master", "moments", "ZeRO-2", "FSDP", "dp_param"):
         assert word in result.output
-    assert "not yet checked against a measured peak: tp=8" in result.output
+    assert "not yet checked against a measured peak: parallel.dp_shard=optimizer with tp=8" in result.output
 
 
 def test_what_is_checked_is_named():
     """The configs of the step test are checked; each level, mode or precision beyond them says why not."""
-    assert sharding.unmodelled(level(["train.seq_len=4"], "full", 4)) is None
-    assert sharding.unmodelled(level([], "none", 4)) is None
-    assert sharding.unmodelled(level([], "optimizer", 2)) is None
-    assert "tp=4" in sharding.unmodelled(level(["parallel.tp=4", "model.num_key_value_heads=4"], "grads", 2))
-    assert "precision=mixed" in sharding.unmodelled(level(["train.precision=mixed"], "full", 2))
+    assert sharded_unchecked(level(["train.seq_len=4"], "full", 4)) is None
+    assert sharded_unchecked(level([], "none", 4)) is None
+    assert sharded_unchecked(level([], "optimizer", 2)) is None
+    assert "tp=4" in sharded_unchecked(level(["parallel.tp=4", "model.num_key_value_heads=4"], "grads", 2))
+    assert "precision=mixed" in sharded_unchecked(level(["train.precision=mixed"], "full", 2))
 
 
 @pytest.mark.parametrize(

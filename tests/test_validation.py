@@ -131,6 +131,12 @@ class _Unsharded:
     def shard_like(self, name, dense):
         return dense.detach()
 
+    def full_gradients(self):
+        return {n: p.grad for n, p in self.module.named_parameters()}
+
+    def full_parameters(self):
+        return {n: p.detach() for n, p in self.module.named_parameters()}
+
 
 def test_adamw_leaves_out_only_the_elements_whose_gradient_sign_rounding_decided():
     """Issue 34's false failure in mixed precision: an element whose gradient is within rounding of 0

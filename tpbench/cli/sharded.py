@@ -39,9 +39,9 @@ def split_table(cfg: RunConfig, prediction) -> None:
     values = split(cfg, prediction)
     table.add_row(*(f"{values[k] / 2**20:,.1f}" for k in SPLIT), f"{prediction.peak_bytes / 2**20:,.1f}")
     out.print(table)
-    from tpbench.predict.theory.sharding import unmodelled
+    from tpbench.predict.checked import unchecked
 
-    if why := unmodelled(cfg):
+    if why := unchecked(cfg):
         out.print(f"not yet checked against a measured peak: {why}")
     out.print(
         "weights: the parameters on this rank (whole, or its shard with FSDP's gathered blocks); master: "

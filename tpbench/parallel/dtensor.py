@@ -214,6 +214,14 @@ class DTensorParallelModel:
                 grads, self.ctx.dp_group, "dp_grad", average=True
             )  # local tensors, in place
 
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Each parameter's gradient on this rank: its local TP shard (as validate compares them)."""
+        return {n: p.grad for n, p in self.module.named_parameters()}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Each parameter's local TP shard, as full_gradients."""
+        return {n: p.detach() for n, p in self.module.named_parameters()}
+
     def semantics(self, name: str) -> str:
         return self.layouts[name].semantics
 

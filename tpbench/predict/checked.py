@@ -29,17 +29,24 @@ def sharded_unchecked(cfg: RunConfig) -> str | None:
     return "; ".join(why) or None
 
 
-def check_measurable(cfg: RunConfig) -> None:
-    """A memory run is refused where the memory model it is measured against is not checked (`plan`
-    still predicts it): overlap under recompute, a sharded level's gaps."""
-    if cfg.parallel.overlap and cfg.kind == "memory" and cfg.train.recompute != "none":
-        raise ConfigError(
-            f"parallel.overlap=true with kind=memory and train.recompute={cfg.train.recompute}: "
-            "tpbench.predict.theory models overlap's memory without recompute only; accepted is "
-            "train.recompute=none, or parallel.overlap=false"
+def unchecked(cfg: RunConfig) -> str | None:
+    """Why the memory model is not checked against a measured peak for `cfg`, or None."""
+    why = []
+    if cfg.parallel.overlap and cfg.train.recompute != "none":
+        why.append(
+            f"parallel.overlap=true with train.recompute={cfg.train.recompute} (overlap's memory is "
+            "modelled without recompute only)"
         )
-    if cfg.kind == "memory" and (why := sharded_unchecked(cfg)):
+    if sharded := sharded_unchecked(cfg):
+        why.append(f"parallel.dp_shard={cfg.parallel.dp_shard} with {sharded}")
+    return "; ".join(why) or None
+
+
+def check_measurable(cfg: RunConfig) -> None:
+    """A memory run is refused where the memory model it is measured against is not checked; `plan`
+    predicts it anyway and says so."""
+    if cfg.kind == "memory" and (why := unchecked(cfg)):
         raise ConfigError(
-            f"parallel.dp_shard={cfg.parallel.dp_shard} with kind=memory: the memory model is not checked "
-            f"for {why}; accepted are kind=validate or throughput, or `tpbench plan` for the prediction"
+            f"kind=memory: the memory model is not checked for {why}; accepted are kind=validate or "
+            "throughput, or `tpbench plan` for the prediction"
         )

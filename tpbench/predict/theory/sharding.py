@@ -33,7 +33,6 @@ import math
 from dataclasses import dataclass, replace
 
 from tpbench.config import RunConfig
-from tpbench.predict.checked import sharded_unchecked as unmodelled  # noqa: F401 (plan's note)
 from tpbench.predict.theory.activations import after_head, model_activations
 from tpbench.predict.theory.dims import FP32, LOSS_AND_GRAD, Dims, dims
 from tpbench.predict.theory.moments import Moment
