@@ -179,7 +179,7 @@ def test_a_memory_run_the_model_is_not_checked_for_is_refused(workdir):  # noqa:
     overrides = ["kind=memory", "dp=2", "dp_shard=optimizer", "dtype=bfloat16", "precision=mixed"]
     done = CliRunner().invoke(app, ["run", *overrides])
     assert done.exit_code == 2, done.output
-    assert done.stderr.startswith("parallel.dp_shard=optimizer with kind=memory: the memory model is not")
+    assert done.stderr.startswith("kind=memory: the memory model is not checked for parallel.dp_shard=optim")
     assert "precision=mixed" in done.stderr and len(done.stderr.splitlines()) == 1
     assert nothing_written(workdir)
 
