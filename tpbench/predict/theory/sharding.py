@@ -40,7 +40,7 @@ from tpbench.predict.theory.weights import params
 
 LEVELS = ("none", "optimizer", "grads", "full")
 LEVEL_NAMES = {"none": "DDP", "optimizer": "ZeRO-1", "grads": "ZeRO-2", "full": "FSDP"}
-GRADS, PARAMS = "dp_grad", "dp_param"  # the purposes of the DP collectives (DDP's is dp_grad too)
+GRADS, PARAMS = "dp_grads", "dp_params"  # the purposes of the DP collectives (DDP's is dp_grads too)
 ROOT = "root"
 
 
