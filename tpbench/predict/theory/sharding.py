@@ -190,7 +190,7 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
         fetched: list[str] = []  # prefetched in backward: temporaries to MemTracker
         done: list[str] = []  # units whose backward ran: their gradients reduce-scattered into shards
         layer = L - 1
-        if m.name.startswith(("recomputed block", "recomputed attention")):
+        if m.name.startswith("recomputed "):  # full recompute's moments in block `layer`
             layer = int(m.name.rsplit(" ", 1)[1])
         in_forward = m.name in FORWARD_ONLY or (m.name == "loss" and d.vp and not d.logits_mean)
         if m.name in AFTER_BLOCKS:
