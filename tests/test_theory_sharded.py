@@ -138,7 +138,7 @@ def test_plan_prints_the_split_of_a_sharded_level():
     assert result.exit_code == 0, result.output
     for word in ("ZeRO-1: the peak per rank", "master", "moments", "ZeRO-2", "FSDP", "dp_params"):
         assert word in result.output
-    assert "not yet checked against a measured peak: parallel.dp_shard=optimizer with tp=8" in result.output
+    assert "not yet checked" not in result.output  # mixed precision and TP 8: emulated equal to the model
 
 
 def test_what_is_checked_is_named():
@@ -146,7 +146,9 @@ def test_what_is_checked_is_named():
     assert sharded_unchecked(level(["train.seq_len=4"], "full", 4)) is None
     assert sharded_unchecked(level([], "none", 4)) is None
     assert sharded_unchecked(level([], "optimizer", 2)) is None
-    assert "tp=4" in sharded_unchecked(level(["parallel.tp=4", "model.num_key_value_heads=4"], "grads", 2))
+    assert sharded_unchecked(level(["parallel.tp=4", "model.num_key_value_heads=4"], "grads", 2)) is None
+    assert sharded_unchecked(level([], "full", 4, replicate=2)) is None
+    assert "recompute=full" in sharded_unchecked(level(["train.recompute=full"], "full", 2))
     assert sharded_unchecked(level(["train.precision=mixed"], "full", 2)) is None
     assert sharded_unchecked(level(["train.precision=mixed"], "optimizer", 2)) is None
     assert "precision=mixed" in sharded_unchecked(level(["train.precision=mixed"], "grads", 2))
@@ -272,8 +274,10 @@ SHARDED = {
     ]
     for lv in levels
 }  # fmt: skip
-WORLD2.add("memory", "sharded", {k: v for k, v in SHARDED.items() if "_tp1_" in k})
-WORLD4.add("memory", "sharded", {k: v for k, v in SHARDED.items() if "_tp2_" in k})
+# HSDP: DP 4 x TP 1, two replicas of two shards each (the all-reduce across them counted)
+SHARDED["dp4_tp1_full_hsdp"] = [*SHARDED["dp2_tp1_full"], "parallel.dp=4", "parallel.dp_replicate=2"]
+WORLD2.add("memory", "sharded", {k: v for k, v in SHARDED.items() if k.startswith("dp2_tp1_")})
+WORLD4.add("memory", "sharded", {k: v for k, v in SHARDED.items() if not k.startswith("dp2_tp1_")})
 
 
 @beside

@@ -16,14 +16,10 @@ def sharded_unchecked(cfg: RunConfig) -> str | None:
     if p.dp_shard == "none":
         return None
     why = []
-    if p.tp > 2:
-        why.append(f"tp={p.tp} (measured at tp 1 and 2)")
     if t.precision == "mixed" and p.dp_shard == "grads":
         why.append("precision=mixed (with few tokens block 0 stays gathered to backward's end, unmodelled)")
     if t.recompute == "full" and p.dp_shard in ("grads", "full"):
-        why.append("recompute=full (block 0's backward end is not a moment of the model)")
-    if p.dp_replicate > 1:
-        why.append(f"dp_replicate={p.dp_replicate} (HSDP's all-reduce buffers)")
+        why.append("recompute=full (block 0's recompute beside the kept reduce-scatter is not a moment)")
     return "; ".join(why) or None
 
 
