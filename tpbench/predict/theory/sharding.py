@@ -21,10 +21,10 @@ What is modelled to the byte and what not (docs/theory.md, "Sharded data paralle
 state (parameters, gradients, AdamW's moments and step counters) follows FSDP2's and ZeRO-1's padding
 exactly (tests/test_theory_sharded.py checks it against torch's own fully_shard); the moments of the
 step reuse the unsharded model's activations and temporaries with the parameter, gradient and
-optimizer categories replaced, plus the gathered weights and the collectives' buffers. That step model
-is for pure precision (under FSDP2's MixedPrecisionPolicy the forward makes no weight casts of its
-own, which the activation model counts) and is not yet checked against a measured peak: compose
-refuses kind=memory with a sharded level until it is.
+optimizer categories replaced, plus the gathered weights and the collectives' buffers. Under mixed
+precision the step computes in bf16 (`compute_dims`: no weight casts, a bf16 stream), the state and
+the gradient reduction stay fp32. Measured equal to the byte (tests/test_theory_sharded.py) but for
+what tpbench.predict.checked names, which compose refuses for kind=memory.
 """
 
 from __future__ import annotations
