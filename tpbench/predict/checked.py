@@ -17,9 +17,9 @@ def sharded_unchecked(cfg: RunConfig) -> str | None:
         return None
     why = []
     if t.precision == "mixed" and p.dp_shard == "grads":
-        why.append("precision=mixed (with few tokens block 0 stays gathered to backward's end, unmodelled)")
+        why.append("precision=mixed (block 0's input norm backward by block 1's fp32 reduce-scatter input)")
     if t.recompute == "full" and p.dp_shard in ("grads", "full"):
-        why.append("recompute=full (block 0's recompute beside the kept reduce-scatter is not a moment)")
+        why.append("recompute=full (the lower blocks' input norm and MLP entry backward are not moments)")
     return "; ".join(why) or None
 
 
