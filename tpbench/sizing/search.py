@@ -111,9 +111,15 @@ def search(
             ):
                 continue
             for level, replicas in shardings(base, dp, cluster.nodes, given):
-                for recompute in [t.recompute] if "train.recompute" in given else RECOMPUTE:
+                leanest = None  # pruned: less recompute holds more, so nothing fits once full does not
+                for recompute in [t.recompute] if "train.recompute" in given else RECOMPUTE[::-1]:
                     row = Row(T, sp, vp, recompute, batches[0], dp, level, replicas)
+                    if leanest is not None:
+                        rows.append(dataclasses.replace(row, reason=f"pruned: {leanest} does not fit"))
+                        continue
                     rows.append(_largest(base, cluster, row, batches, global_batch, rates))
+                    if not rows[-1].reason and not rows[-1].fits:
+                        leanest = f"recompute {recompute} at micro-batch {batches[0]}"
     fit = Fit(
         base,
         cluster.gpu,
@@ -166,19 +172,14 @@ def nothing_fits(
         return f"{here}: global_batch={global_batch} splits over no DP here; accepted are multiples of DP"
     least = min(runnable, key=lambda r: r.peak_bytes)
     here += f", the least per-rank peak {least.peak_bytes / GiB:,.1f} GiB ({least.label()})"
-    sharded = given - {"parallel.dp_shard", "parallel.dp_replicate"}
     nodes = cluster.nodes * 2
-    while nodes <= MAX_NODES:
+    while nodes <= MAX_NODES:  # the leanest layout of each T: FSDP over every GPU, full recompute
         more = dataclasses.replace(cluster, nodes=nodes)
-        if (
-            global_batch is None
-            or global_batch % (more.gpus // max(tensor_parallel(base, cluster.gpus_per_node, given))) == 0
-        ):
-            wider = search(base, more, sharded, global_batch, 1, explain=False)
-            if wider.fitting:
-                best = wider.fitting[0]
+        for T in tensor_parallel(base, cluster.gpus_per_node, given):
+            lean = Row(T, T > 1, T > 1, "full", 1, more.gpus // T, "full")
+            if _memory(base, more, lean).fits:
                 gpus = nodes * cluster.gpus_per_node
-                return f"{here}: fits on {nodes} nodes ({gpus} GPUs) with sharded DP, e.g. {best.label()}"
+                return f"{here}: fits on {nodes} nodes ({gpus} GPUs) with sharded DP, e.g. {lean.label()}"
         nodes *= 2
     return (
         f"{here}: nothing fits on up to {MAX_NODES} nodes even sharded over every GPU: {m.name} at S "
