@@ -143,10 +143,11 @@ def test_ranked_by_predicted_tokens_per_second_per_gpu_then_headroom(small):
 
 
 LLAMA70 = "model=llama3_70b seq=8192 gpu=H100-80GB gpus_per_node=8"
+T8 = ["tp=8", "sp=true", "vp=true"]  # the search kept to T 8 SP VP, to keep these tests cheap
 
 
 def test_llama70_in_mixed_precision_needs_more_than_one_node():
-    done = runner.invoke(app, ["fit", *LLAMA70.split()])
+    done = runner.invoke(app, ["fit", *LLAMA70.split(), *T8])
     assert done.exit_code == 2 and done.stdout == "" and len(done.stderr.splitlines()) == 1
     said = done.stderr
     assert "llama3_70b at S 8192 (mixed precision) fits no layout on 1 node(s) of 8 H100-SXM" in said, said
@@ -154,7 +155,7 @@ def test_llama70_in_mixed_precision_needs_more_than_one_node():
 
 
 def test_llama70_on_more_nodes_answers_with_sharded_multi_node_layouts():
-    done = runner.invoke(app, ["fit", *LLAMA70.split(), "nodes=4", "--json"])
+    done = runner.invoke(app, ["fit", *LLAMA70.split(), "nodes=4", "sp=true", "vp=true", "--json"])
     assert done.exit_code == 0, done.stderr
     data = json.loads(done.stdout)
     assert data["assumptions"]["precision"] == "mixed" and data["nodes"] == 4
@@ -164,10 +165,10 @@ def test_llama70_on_more_nodes_answers_with_sharded_multi_node_layouts():
 
 
 def test_pure_precision_stays_an_option_and_the_title_says_which():
-    done = runner.invoke(app, ["fit", *LLAMA70.split(), "precision=pure", "--rows", "2"])
+    done = runner.invoke(app, ["fit", *LLAMA70.split(), *T8, "precision=pure", "--rows", "2"])
     assert done.exit_code == 0, done.stderr
     assert "pure precision (bf16 weights, gradients and AdamW moments)" in done.stdout
-    done = runner.invoke(app, ["fit", *LLAMA70.split(), "nodes=2", "--rows", "2"])
+    done = runner.invoke(app, ["fit", *LLAMA70.split(), *T8, "nodes=2", "--rows", "2"])
     assert "mixed precision (bf16 compute, fp32 master weights and AdamW moments)" in done.stdout
 
 

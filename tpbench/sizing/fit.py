@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from tpbench.predict import hardware
 from tpbench.predict.hardware import GPU
 from tpbench.run import compose
+from tpbench.sizing import search as search_module
 from tpbench.sizing.layouts import (
     ACCUMULATION,
     CUDA_CONTEXT_BYTES,
@@ -76,6 +77,7 @@ __all__ = [
     "measured_text",
     "parse",
     "search",
+    "search_module",
     "solve",
     "tables",
 ]

@@ -98,7 +98,7 @@ def search(
             f"{m.max_position_embeddings} positions"
         )
     rates = steptime.gpu_rates(cluster.gpu, t.dtype)
-    rows = []
+    rows: list[Row] = []
     for T in tensor_parallel(base, cluster.gpus_per_node, given):
         dp = cluster.gpus // T
         batches = micro_batches(base, dp, global_batch, given, max_micro_batch)
@@ -134,6 +134,11 @@ def search(
     if explain and not fit.fitting:
         raise FitError(nothing_fits(base, cluster, given, global_batch, fit))
     return fit
+
+
+def rates(fit: Fit) -> steptime.Rates:
+    """The rates a search timed its rows at."""
+    return steptime.gpu_rates(fit.gpu, fit.base.train.dtype)
 
 
 def micro_batches(
