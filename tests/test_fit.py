@@ -125,11 +125,7 @@ def test_each_row_is_at_the_largest_micro_batch_that_fits_with_the_margin(small)
             continue
         bigger = dataclasses.replace(row, micro_batch=row.micro_batch + 1)
         cluster = fitting.Cluster(small.gpu, small.nodes, small.gpus_per_node, small.memory, small.overheads)
-        from tpbench.predict import steptime
-
-        bigger = search_module.evaluate(
-            small.base, cluster, bigger, steptime.gpu_rates(small.gpu, "bfloat16")
-        )
+        bigger = search_module.evaluate(small.base, cluster, bigger)
         assert bigger.headroom_bytes < margin, row.label()
 
 

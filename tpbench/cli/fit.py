@@ -61,6 +61,12 @@ def fit(
             help="NCCL buffers per communicator, MiB (an assumption: tpbench.sizing.layouts).", min=0
         ),
     ] = 128.0,
+    network_gbps: Annotated[
+        float,
+        typer.Option(
+            help="Between nodes: Gb/s per GPU (DP's collectives across nodes; 80% of it reached).", min=1
+        ),
+    ] = 400.0,
     max_micro_batch: Annotated[
         int, typer.Option(help="The largest micro-batch searched (without global_batch).", min=1)
     ] = 256,
@@ -83,7 +89,9 @@ def fit(
         usage(str(e))
     reported = None if gpu_memory_gib is None else int(gpu_memory_gib * 2**30)
     try:
-        result = fitting.solve(request, base, overheads, reported, margin, max_micro_batch)
+        result = fitting.solve(
+            request, base, overheads, reported, margin, max_micro_batch, True, network_gbps
+        )
     except fitting.FitError as e:
         usage(str(e))
     if measure:

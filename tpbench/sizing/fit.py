@@ -21,8 +21,8 @@ Nothing runs: each row is the analytic models' (tpbench.predict.theory, tpbench.
   headroom       usable less the peak: "fits" with at least the margin (5% of usable, settable) left,
                  "tight" below it, "does not fit" below 0
   step time      the time model's micro-step x the accumulation steps + one DP gradient sync + the
-                 optimizer (layouts.ACCUMULATION says how), at the GPU's rates; tokens/s per GPU and MFU
-                 from it
+                 optimizer (layouts.ACCUMULATION says how), at the GPU's rates, DP's collectives between
+                 nodes at the network's (search.NETWORK_GBPS); tokens/s per GPU and MFU from it
 
 Not counted: the caching allocator's rounding and fragmentation (max_memory_reserved over allocated),
 which `--measure` replays from an emulated step of the chosen rows (tpbench.parallel.emulation, fake
@@ -52,7 +52,7 @@ from tpbench.sizing.layouts import (
     Row,
     configure,
 )
-from tpbench.sizing.search import MAX_MICRO_BATCH, Cluster, communicators, search
+from tpbench.sizing.search import MAX_MICRO_BATCH, NETWORK_GBPS, Cluster, communicators, search
 from tpbench.sizing.tables import measure, measured_text, tables
 
 __all__ = [
@@ -110,10 +110,14 @@ class Request:
     sharding: dict[str, str] | None = None
 
     def cluster(
-        self, overheads: Overheads, reported_bytes: int | None = None, margin: float = MARGIN
+        self,
+        overheads: Overheads,
+        reported_bytes: int | None = None,
+        margin: float = MARGIN,
+        network_gbps: float = NETWORK_GBPS,
     ) -> Cluster:
         memory = Memory.of(self.gpu, overheads, reported_bytes, margin)
-        return Cluster(self.gpu, self.nodes, self.gpus_per_node, memory, overheads)
+        return Cluster(self.gpu, self.nodes, self.gpus_per_node, memory, overheads, network_gbps)
 
     def base(self, base):
         """The composed config with the user's dp_shard / dp_replicate (kept apart from compose, which
@@ -220,9 +224,10 @@ def solve(
     margin: float = MARGIN,
     max_micro_batch: int = MAX_MICRO_BATCH,
     explain: bool = True,
+    network_gbps: float = NETWORK_GBPS,
 ) -> Fit:
     """The search a request asks for, on its composed config `base`."""
-    cluster = request.cluster(overheads, reported_bytes, margin)
+    cluster = request.cluster(overheads, reported_bytes, margin, network_gbps)
     if cluster.memory.usable_bytes <= 0:
         raise FitError(
             f"--cuda-context-mib={overheads.cuda_context_bytes / MiB:g}: accepted is less than the GPU's "

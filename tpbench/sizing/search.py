@@ -24,12 +24,12 @@ from tpbench.sizing.layouts import (
 
 MAX_MICRO_BATCH = 256
 DP_SYNC = ("dp_grad", "dp_param")  # the purposes of DP's collectives (tpbench.predict.theory.sharding)
-MAX_NODES = 4096
-HSDP_NODES = (
-    1,
-    2,
-    4,
-)  # the nodes an HSDP shard group spans  # how far the nothing-fits line looks for a node count
+MAX_NODES = 4096  # how far the nothing-fits line looks for a node count
+HSDP_NODES = (1, 2, 4)  # the nodes an HSDP shard group spans
+# Between nodes: one 400 Gb/s NIC per GPU (InfiniBand NDR, a DGX H100's ConnectX-7 per GPU), of which
+# a ring collective is assumed to reach 80% (an assumption, not a cited measurement): settable
+# (--network-gbps)
+NETWORK_GBPS, NETWORK_FRACTION = 400.0, 0.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,12 @@ class Cluster:
     gpus_per_node: int
     memory: Memory
     overheads: Overheads = Overheads()
+    network_gbps: float = NETWORK_GBPS
+
+    def network_rates(self, rates: steptime.Rates) -> steptime.Rates:
+        """`rates` with every collective at the network's bandwidth: DP's between nodes."""
+        beta = 1 / (self.network_gbps / 8 * 1e9 * NETWORK_FRACTION)
+        return dataclasses.replace(rates, beta=dict.fromkeys(rates.beta, beta))
 
     @property
     def gpus(self) -> int:
@@ -98,6 +104,7 @@ def search(
             f"{m.max_position_embeddings} positions"
         )
     rates = steptime.gpu_rates(cluster.gpu, t.dtype)
+    timing = (rates, cluster.network_rates(rates), cluster)
     rows: list[Row] = []
     for T in tensor_parallel(base, cluster.gpus_per_node, given):
         dp = cluster.gpus // T
@@ -117,7 +124,7 @@ def search(
                     if leanest is not None:
                         rows.append(dataclasses.replace(row, reason=f"pruned: {leanest} does not fit"))
                         continue
-                    rows.append(_largest(base, cluster, row, batches, global_batch, rates))
+                    rows.append(_largest(base, cluster, row, batches, global_batch, timing))
                     if not rows[-1].reason and not rows[-1].fits:
                         leanest = f"recompute {recompute} at micro-batch {batches[0]}"
     fit = Fit(
@@ -129,7 +136,8 @@ def search(
         cluster.overheads,
         cluster.memory,
         rows,
-        dataclasses.asdict(rates),
+        dataclasses.asdict(rates)
+        | {"network_gbps": cluster.network_gbps, "network_fraction": NETWORK_FRACTION},
     )
     if explain and not fit.fitting:
         raise FitError(nothing_fits(base, cluster, given, global_batch, fit))
@@ -193,7 +201,7 @@ def nothing_fits(
 
 
 def _largest(
-    base: RunConfig, cluster: Cluster, row: Row, batches: list[int], global_batch: int | None, rates
+    base: RunConfig, cluster: Cluster, row: Row, batches: list[int], global_batch: int | None, timing
 ) -> Row:
     """The row at the largest of `batches` that fits, its step timed. Memory grows with the micro-batch,
     each moment linearly (activations) and the peak as their maximum, a convex function: the line
@@ -207,7 +215,7 @@ def _largest(
     at = lambda i: _memory(base, cluster, _with(row, batches[i], global_batch))  # noqa: E731
     low = at(0)
     if not low.fits:
-        return _timed(base, low, rates)
+        return _timed(base, low, timing)
     lo, hi = 0, len(batches)  # batches[lo] fits; hi: the first index known not to fit
     if len(batches) > 1:
         second = at(1)
@@ -231,7 +239,7 @@ def _largest(
         candidate = at(mid)
         lo, low, hi = (mid, candidate, hi) if candidate.fits else (lo, low, mid)
     searched = len(batches) > 1 and global_batch is None  # a given micro-batch is that, not a minimum
-    return dataclasses.replace(_timed(base, low, rates), capped=searched and lo == len(batches) - 1)
+    return dataclasses.replace(_timed(base, low, timing), capped=searched and lo == len(batches) - 1)
 
 
 def _with(row: Row, micro_batch: int, global_batch: int | None) -> Row:
@@ -259,10 +267,20 @@ def _memory(base: RunConfig, cluster: Cluster, row: Row) -> Row:
     )
 
 
-def _timed(base: RunConfig, row: Row, rates) -> Row:
-    """The row's whole step: its time, tokens/s per GPU, MFU and FLOPs."""
+def _timed(base: RunConfig, row: Row, timing) -> Row:
+    """The row's whole step: its time, tokens/s per GPU, MFU and FLOPs. DP's collectives run at the
+    network's rates where its group spans nodes (all but an HSDP shard group within one node, whose
+    replicas' all-reduce is then counted at NVLink's rate too), the rest at the GPU's."""
+    rates, network, cluster = timing
     cfg = configure(base, row)
-    step_s = step_time(steptime.predict_time(cfg, rates), row)
+    timed = steptime.predict_time(cfg, rates)
+    within = row.dp_replicate > 1 and row.dp // row.dp_replicate * row.tp <= cluster.gpus_per_node
+    if cluster.nodes > 1 and row.dp > 1 and not within:
+        across = steptime.predict_time(cfg, network)
+        for purpose in DP_SYNC:
+            if purpose in across.comm_exposed:
+                timed.comm_exposed[purpose] = across.comm_exposed[purpose]
+    step_s = step_time(timed, row)
     tokens = row.micro_batch * row.dp * row.accumulation * cfg.train.seq_len
     model_flops = theory.model_flops_per_step(cfg) * row.accumulation
     return dataclasses.replace(
@@ -276,9 +294,10 @@ def _timed(base: RunConfig, row: Row, rates) -> Row:
     )
 
 
-def evaluate(base: RunConfig, cluster: Cluster, row: Row, rates) -> Row:
+def evaluate(base: RunConfig, cluster: Cluster, row: Row) -> Row:
     """One row at its micro-batch: its memory and its step's time."""
-    return _timed(base, _memory(base, cluster, row), rates)
+    rates = steptime.gpu_rates(cluster.gpu, base.train.dtype)
+    return _timed(base, _memory(base, cluster, row), (rates, cluster.network_rates(rates), cluster))
 
 
 def step_time(timed: steptime.TimePrediction, row: Row) -> float:
