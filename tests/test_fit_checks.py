@@ -131,3 +131,20 @@ def test_a_405b_search_on_64_nodes_takes_seconds():
     fit = fitting.solve(request, base)
     assert time.process_time() - start < 2.0  # ~0.3 s
     assert len(fit.rows) == 24 and fit.fitting[0].dp_shard == "full"
+
+
+# --- between nodes --------------------------------------------------------------------------------
+
+
+@pytest.mark.quick
+def test_dp_between_nodes_runs_at_the_networks_rate():
+    line = (
+        "model=qwen3_0_6b seq=2048 gpu=H100 gpus_per_node=2 tp=2 sp=true vp=true recompute=none micro_batch=4"
+    )
+    one, slow, fast = (
+        search(f"{line} nodes={n} dp_shard=none", network_gbps=g) for n, g in ((1, 400), (2, 400), (2, 4000))
+    )
+    assert one.rows[0].dp == 1 and slow.rows[0].dp == fast.rows[0].dp == 2
+    # the same DDP all-reduce over 2 nodes: 10x the network, less exposed time (NVLink's rate is not used)
+    assert slow.rows[0].step_s > fast.rows[0].step_s
+    assert slow.assumptions()["rates"]["network_gbps"] == 400
