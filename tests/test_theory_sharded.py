@@ -147,7 +147,9 @@ def test_what_is_checked_is_named():
     assert sharded_unchecked(level([], "none", 4)) is None
     assert sharded_unchecked(level([], "optimizer", 2)) is None
     assert "tp=4" in sharded_unchecked(level(["parallel.tp=4", "model.num_key_value_heads=4"], "grads", 2))
-    assert "precision=mixed" in sharded_unchecked(level(["train.precision=mixed"], "full", 2))
+    assert sharded_unchecked(level(["train.precision=mixed"], "full", 2)) is None
+    assert sharded_unchecked(level(["train.precision=mixed"], "optimizer", 2)) is None
+    assert "precision=mixed" in sharded_unchecked(level(["train.precision=mixed"], "grads", 2))
 
 
 @pytest.mark.parametrize(
@@ -231,13 +233,42 @@ def test_fsdp_step_peak_is_predicted_to_the_byte(dp_shard, D, overrides):
         assert measured[name] == predicted.breakdown()[name]
 
 
+@pytest.mark.parametrize(
+    ("dp_shard", "overrides"),
+    [
+        ("optimizer", ["parallel.tp=2"]),
+        ("grads", ["parallel.tp=1"]),
+        ("full", ["parallel.tp=2"]),
+        ("full", ["parallel.tp=1", "parallel.dp=4", "train.seq_len=4"]),  # the next block's all-gather
+        ("full", ["parallel.tp=2", "train.recompute=full"]),  # each block keeps FSDP2's cast cos, sin
+    ],
+)
+def test_emulated_mixed_precision_peak_is_predicted_to_the_byte(dp_shard, overrides):
+    """The runtime's ZeRO-1 and FSDP2 (MixedPrecisionPolicy) under mixed precision, the busiest rank
+    on fake tensors in this process (the world-2 and world-4 jobs below measure real ones): the model
+    computes in bf16 (no weight casts, a bf16 stream), its state and gradient reduction in fp32."""
+    from tpbench.experiments import memory
+
+    base = [*SMALL[:-1], "launch.emulate=fake", "train.precision=mixed", "parallel.dp=2"]
+    cfg = run_config([*base, f"parallel.dp_shard={dp_shard}", *overrides])
+    measured, _ = memory.measure_busiest(cfg)
+    assert measured["peak_bytes"] == theory.predict(cfg).peak_bytes
+
+
 # Each level measured by tpbench's own runtime in the world-2 and world-4 jobs of test_theory: the
-# memory experiment of DP 2 x TP 1 and DP 2 x TP 2, pure bf16, every rank's peak and collectives.
+# memory experiment of DP 2 x TP 1 and DP 2 x TP 2, pure bf16, every rank's peak and collectives; and
+# under mixed precision (bf16 weights: ZeRO-1's param buffer, FSDP2's gathered ones; fp32 master,
+# moments and gradient reduction), ZeRO-1 and ZeRO-2 at TP 1, ZeRO-1 and FSDP at TP 2.
 SHARDED = {
-    f"dp2_tp{tp}_{lv}": [*SMALL[:-1], "train.steps=1", "train.warmup=1", f"parallel.tp={tp}", "parallel.dp=2",
-                         f"parallel.dp_shard={lv}"]
-    for tp in (1, 2)
-    for lv in ("optimizer", "grads", "full")
+    f"dp2_tp{tp}_{lv}{suffix}": [*SMALL[:-1], "train.steps=1", "train.warmup=1", f"parallel.tp={tp}",
+                                 "parallel.dp=2", f"parallel.dp_shard={lv}", *extra]
+    for tp, levels, suffix, extra in [
+        (1, ("optimizer", "grads", "full"), "", []),
+        (2, ("optimizer", "grads", "full"), "", []),
+        (1, ("optimizer", "grads"), "_mixed", ["train.precision=mixed"]),
+        (2, ("optimizer", "full"), "_mixed", ["train.precision=mixed"]),
+    ]
+    for lv in levels
 }  # fmt: skip
 WORLD2.add("memory", "sharded", {k: v for k, v in SHARDED.items() if "_tp1_" in k})
 WORLD4.add("memory", "sharded", {k: v for k, v in SHARDED.items() if "_tp2_" in k})

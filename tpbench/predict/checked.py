@@ -18,10 +18,8 @@ def sharded_unchecked(cfg: RunConfig) -> str | None:
     why = []
     if p.tp > 2:
         why.append(f"tp={p.tp} (measured at tp 1 and 2)")
-    if t.precision == "mixed":
-        why.append(
-            "precision=mixed (bf16 weights in the model: no autocast casts; bf16 gradients copied to fp32)"
-        )
+    if t.precision == "mixed" and p.dp_shard == "grads":
+        why.append("precision=mixed (with few tokens block 0 stays gathered to backward's end, unmodelled)")
     if t.recompute == "full" and p.dp_shard in ("grads", "full"):
         why.append("recompute=full (block 0's backward end is not a moment of the model)")
     if p.dp_replicate > 1:

@@ -105,7 +105,7 @@ def predict(cfg: RunConfig) -> Prediction:
     """Per-rank peak memory and collective bytes of one training step under `cfg`."""
     s = sharding.sharding(cfg)
     if s.sharded:  # ZeRO-1, ZeRO-2, FSDP: the unsharded step's moments, their weights and gradients sharded
-        d = sharding.level_dims(cfg)
-        return Prediction(d, sharding.moments(d, s, moments(d)), comm_rows(cfg), layer_activations(d))
+        d, step = sharding.level_dims(cfg), sharding.compute_dims(cfg)
+        return Prediction(d, sharding.moments(d, s, moments(step)), comm_rows(cfg), layer_activations(step))
     d = dims(cfg)
     return Prediction(d, moments(d), comm_rows(cfg), layer_activations(d))

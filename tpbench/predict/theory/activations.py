@@ -9,7 +9,8 @@ The terms of a block (recompute none), as shapes on this rank (Ns tokens of the 
   attention input, mlp input   [N, H] shared by q, k, v (gate, up); SP with the re-gather: [Ns, H];
                      one each where each linear casts or gathers its own
   q_norm, k_norm     the same over [N, Nq/T, D] and [N, Nkv/T, D]
-  rope tables        cos, sin [S, D] in p, for q and for k
+  rope tables        cos, sin [S, D] in p, for q and for k (once for both where the block's input is
+                     cast: FSDP2's MixedPrecisionPolicy)
   q, k, v            [N, Nq/T D] each, k and v repeated out to the query heads (`kv_widths`)
   attention core     SDPA: its output [N, Nq/T D] and logsumexp [B, Nq/T, S] (fp32); manual: the
                      fp32 softmax [B, Nq/T, S, S], its cast, and o_proj's input [N, Nq/T D]
@@ -42,8 +43,9 @@ def layer_activations(d: Dims) -> dict[str, int]:
     made inside, is remade too); full keeps the block's input only (under mixed precision the casts
     it remakes are still held, by autocast's cache, until the forward ends: `forward_only_casts`)."""
     N, Ns, S, B, H, p = d.N, d.Ns, d.S, d.B, d.H, d.p
-    if d.recompute == "full":  # the stream entering the block, [S(/T), B, H]
-        return {"block input": d.s * Ns * H, "weight casts": 0}
+    if d.recompute == "full":  # the stream entering the block, [S(/T), B, H] (and FSDP2's cast cos, sin)
+        rope = 2 * S * d.D * p if d.rope_cast_once else 0
+        return {"block input": d.s * Ns * H, "weight casts": 0, "rope tables": rope}
     selective, lean = d.recompute == "selective", d.lean_rmsnorm
     # fp32 input, rsqrt [Ns, 1], fp32 normed (the weight's mul saves it); lean: the input
     rmsnorm = d.s * Ns * H if lean else 2 * FP32 * Ns * H + FP32 * Ns
@@ -67,7 +69,7 @@ def layer_activations(d: Dims) -> dict[str, int]:
         "attention input": attn_input,
         "q_norm": head_norm(d.Hq, d.Nq_l) if d.qk_norm else 0,
         "k_norm": head_norm(d.Hkv, d.Nkv_l) if d.qk_norm else 0,
-        "rope tables": 4 * S * d.D * p if p != FP32 else 0,  # cos, sin cast to p, for q and for k
+        "rope tables": (2 if d.rope_cast_once else 4) * S * d.D * p if p != FP32 else 0,  # cos, sin in p
         "q, k, v": p * N * (d.Hq + k_width + v_width),
         "attention core": core,
         "post_attention_layernorm": rmsnorm,
@@ -140,7 +142,9 @@ def model_activations(d: Dims) -> dict[str, int]:
         "blocks": d.L * sum(layer_activations(d).values()),
         "embedding": (INT64 + 1) * d.N if d.vp else 0,  # VP: masked local ids (int64), out-of-range mask
         "embedding dropout": stream_mask(d),
-        "rope tables": 2 * FP32 * d.S * d.D,  # cos, sin [S, D] fp32, built once and kept by the model
+        # cos, sin [S, D] fp32, built once and kept by the model. Where FSDP2 casts them at each block's
+        # entry no op of the step takes them or a view of them, so MemTracker does not count them
+        "rope tables": 0 if d.rope_cast_once else 2 * FP32 * d.S * d.D,
         "final norm": d.s * Ns * H if d.lean_rmsnorm else 2 * FP32 * Ns * H + FP32 * Ns,
         "head input": head_input,
         "head weight cast": p * d.V_l * H if d.mixed else 0,

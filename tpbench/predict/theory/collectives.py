@@ -38,8 +38,9 @@ def comm_rows(cfg: RunConfig) -> list[CommRow]:
     T, L, N, H = d.T, d.L, d.N, d.H
     # Element bytes: `a` of what crosses a region's boundary (its entry's input, cast to the autocast
     # dtype under mixed precision, a row-parallel output, their gradients); `e` of the stream at the
-    # edges (the embedding's output, the replicated head's input), fp32 under mixed precision.
-    a, e = d.p, d.s
+    # edges (the embedding's output, the replicated head's input), fp32 under mixed precision, save
+    # under a sharded level, whose weights, and so the embedding's output, are in the autocast dtype.
+    a, e = d.p, d.p if sharded else d.s
     g = d.entries  # entries per block: 2 regions, or SP's 5 column linears (sp_gather=linear)
     regions, vp = g * L + (1 if d.vp else 0), 1 if d.vp else 0  # entries per block, the VP head
     if not d.sp:  # f-bar forward at 2L exits, f backward at every entry; VP: the embedding's f-bar

@@ -59,6 +59,7 @@ class Dims:
     bias: bool = False  # q, k, v biases (model.attention_bias), sharded with their weights
     dropout: bool = False  # model.dropout > 0: each dropout keeps a 1-byte mask (tpbench.models.dropout)
     overlap: bool = False  # parallel.overlap (megatron): with dp > 1, the DP gradients in flat buckets
+    rope_cast_once: bool = False  # cos, sin cast once per block, shared by q and k (FSDP2's input cast)
 
     @property
     def flat_dp(self) -> bool:

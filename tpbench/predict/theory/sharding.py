@@ -174,13 +174,14 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
     st, w = state(d, s), d.w
     if s.level == "optimizer":
         return _zero1(d, s, st, base)
-    D, L = s.D, d.L
+    D, L, c = s.D, d.L, computing(d, s)
     blocks = [f"layers.{i}" for i in range(L)]
     shard_g = {u: n * w for u, n in unit_shards(d, D).items()}
-    gathered = {u: D * n for u, n in shard_g.items()}
+    gathered = {u: D * n * c.w for u, n in unit_shards(d, D).items()}  # in the compute dtype
+    rs_in = {u: D * n for u, n in shard_g.items()}  # a reduce-scatter's input, in w's dtype (fp32)
     whole = {u: 0 for u in shard_g}  # each unit's gradients whole, as backward makes them
     for name, n in params(d):
-        whole[unit_of(name)] += n * w
+        whole[unit_of(name)] += n * c.w
     out = []
     for m in base:
         if m.name in ("gradient sums", "optimizer"):
@@ -208,20 +209,20 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
         weights = st.params + sum(gathered[u] for u in held)
         temps = m.temporaries + sum(gathered[u] for u in fetched)
         if done:  # FSDP2 keeps the last reduce-scatter's input until the next one (its reduce_scatter_state)
-            temps += gathered[done[0]]
+            temps += rs_in[done[0]]
         # the base counts the gradients made so far whole: the done blocks' are shards now
         made = m.grads - sum(whole[u] for u in done)
         grads = made + sum(shard_g[u] for u in done)
         out.append(replace(m, params=weights, grads=grads, optimizer=st.optimizer, temporaries=temps))
-    out.insert(0, _top_block_gather(d, s, st, gathered))
+    out.insert(0, _top_block_gather(c, s, st, gathered))
     if s.level == "full" and L > 1 and d.recompute != "full":
-        out.append(_next_block_gather(d, st, gathered, shard_g))
+        out.append(_next_block_gather(c, st, gathered, rs_in, shard_g))
     kept = base[-1].activations
     # the root's gradients reduce-scattered at backward's end: copied into a padded input, the output
-    rs_in, rs_out = gathered[ROOT], shard_g[ROOT]
+    root_in, rs_out = rs_in[ROOT], shard_g[ROOT]
     sharded_blocks = sum(shard_g[b] for b in blocks)
     out.append(Moment("root reduce-scatter", st.params, sharded_blocks + whole[ROOT], st.optimizer, kept,
-                      rs_in + rs_out))  # fmt: skip
+                      root_in + rs_out))  # fmt: skip
     out.append(Moment("optimizer", st.params, st.grads, st.optimizer, kept, _adam_temporaries(d, s)))
     return out
 
@@ -243,7 +244,9 @@ def _top_block_gather(d: Dims, s: Sharding, st: State, gathered: dict[str, int])
     return Moment("top block all-gather", params, 0, st.optimizer, below + buffers, 0)
 
 
-def _next_block_gather(d: Dims, st: State, gathered: dict[str, int], shard_g: dict[str, int]) -> Moment:
+def _next_block_gather(
+    d: Dims, st: State, gathered: dict[str, int], rs_in: dict[str, int], shard_g: dict[str, int]
+) -> Moment:
     """ZeRO-3: the block below the top one at its pre-backward copy-out. The top block's backward has
     ended: its gradients are a shard, its reduce-scatter's input kept (to the next reduce-scatter), its
     weights and saved tensors freed. The block prefetched during it gets its unsharded parameters
@@ -252,7 +255,7 @@ def _next_block_gather(d: Dims, st: State, gathered: dict[str, int], shard_g: di
     acts = model_activations(d)
     below, top = f"layers.{d.L - 2}", f"layers.{d.L - 1}"
     activations = after_head(acts) - acts["blocks"] // d.L + LOSS_AND_GRAD
-    temps = gathered[below] + gathered[top] + d.s * d.Ns * d.H + (d.V_l * d.H * d.w if d.tied else 0)
+    temps = gathered[below] + rs_in[top] + d.s * d.Ns * d.H + (d.V_l * d.H * d.w if d.tied else 0)
     root_grads = (d.H + (0 if d.tied else d.V_l * d.H)) * d.w  # the final norm's, an untied head's
     params = st.params + gathered[ROOT] + gathered[below]
     grads = shard_g[top] + root_grads
@@ -302,17 +305,17 @@ def dp_rows(cfg: RunConfig, d: Dims) -> list[tuple[str, str, int, int, int]]:
     HSDP each reduce-scatter's output is all-reduced across the R replicas."""
     s = sharding(cfg)
     w, D, R = d.w, s.D, s.replicate
+    pw = d.p if d.mixed else w  # the weights gathered in the compute dtype, the gradients reduced in w's
     out = []
     if s.level == "optimizer":
-        flat = flat_shard(d, D) * D * w
-        out += [("reduce_scatter", GRADS, flat, D, 1), ("all_gather", PARAMS, flat, D, 1)]
-        out.append(("all_reduce", GRADS, flat // D, R, 1))
+        flat = flat_shard(d, D) * D
+        out += [("reduce_scatter", GRADS, flat * w, D, 1), ("all_gather", PARAMS, flat * pw, D, 1)]
+        out.append(("all_reduce", GRADS, flat // D * w, R, 1))
         return out
     for n in unit_shards(d, D).values():
-        full = D * n * w
         again = 2 if s.level == "full" else 1  # the root too: gathered again at backward's start
-        out += [("all_gather", PARAMS, full, D, again), ("reduce_scatter", GRADS, full, D, 1)]
-        out.append(("all_reduce", GRADS, full // D, R, 1))
+        out += [("all_gather", PARAMS, D * n * pw, D, again), ("reduce_scatter", GRADS, D * n * w, D, 1)]
+        out.append(("all_reduce", GRADS, n * w, R, 1))
     return out
 
 
@@ -342,6 +345,26 @@ def split(d: Dims, s: Sharding, peak: Moment) -> dict[str, int]:
     }
 
 
+def computing(d: Dims, s: Sharding) -> Dims:
+    """`compute_dims` from a sharded level's state Dims. FSDP2's MixedPrecisionPolicy casts a block's
+    floating-point inputs to its param_dtype: the fp32 cos and sin tables once, for q and k both."""
+    if not d.mixed:
+        return d
+    return replace(d, mixed=False, w=d.p, rope_cast_once=s.fsdp)
+
+
 def level_dims(cfg: RunConfig) -> Dims:
-    """The Dims a sharded level's moments start from: the model without DDP's or megatron's buckets."""
+    """The Dims of a sharded level's state: the model without DDP's or megatron's buckets."""
     return replace(dims(cfg), ddp=False, overlap=False)
+
+
+def compute_dims(cfg: RunConfig) -> Dims:
+    """The Dims a sharded level's step computes with, its moments' start. Under mixed precision the
+    model's weights are in the autocast dtype (ZeRO-1's param buffer; FSDP2's gathered parameters,
+    its MixedPrecisionPolicy's param_dtype), as in Megatron's distributed optimizer (bf16 parameters,
+    fp32 main gradients and master shard): autocast casts no weight, the embedding's output and so the
+    residual stream are bf16, and backward's gradients too. Its activations and temporaries are pure
+    precision's in that dtype; the fp32 state is the level's (`state`)."""
+    d = level_dims(cfg)
+    s = sharding(cfg)
+    return computing(d, s) if s.sharded else d
