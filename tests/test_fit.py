@@ -221,6 +221,22 @@ def test_json_has_every_row_and_the_assumptions(small):
         ),
         (["model=tiny", "seq=32", "gpu=H200", "kind=validate"], "kind: fit sets it itself"),
         (
+            ["model=tiny", "seq=32", "gpu=H200", "nodes=4", "dp_replicate=3"],
+            "dp_replicate=3: on 4 node(s) fit takes",
+        ),
+        (
+            ["model=tiny", "seq=32", "gpu=H200", "global_batch=12", "micro_batch=5"],
+            "micro_batch=5 with global_batch=12",
+        ),
+        (
+            ["model=tiny", "seq=32", "gpu=H200", "global_batch=3", "tp=2"],
+            "global_batch=3: accepted are multiples of DP",
+        ),
+        (
+            ["model=tiny", "seq=32", "gpu=H200", "gpus_per_node=1", "dp_shard=full"],
+            "dp_shard=full: nothing to shard",
+        ),
+        (
             ["model=tiny", "seq=32", "gpu=H200", "--cuda-context-mib", "200000"],
             "--cuda-context-mib=200000: accepted",
         ),

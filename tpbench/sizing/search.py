@@ -74,7 +74,7 @@ def shardings(base: RunConfig, dp: int, nodes: int, given: set[str]) -> list[tup
     p = base.parallel
     levels = [p.dp_shard] if "parallel.dp_shard" in given else list(LEVELS)
     out = []
-    for level in levels if dp > 1 else ["none"]:
+    for level in levels if dp > 1 else [lvl for lvl in levels if lvl == "none"]:
         replicas = [1]
         if level in ("grads", "full"):
             spans = [s for s in HSDP_NODES if nodes % s == 0 and nodes // s > 1]
@@ -127,6 +127,8 @@ def search(
                     rows.append(_largest(base, cluster, row, batches, global_batch, timing))
                     if not rows[-1].reason and not rows[-1].fits:
                         leanest = f"recompute {recompute} at micro-batch {batches[0]}"
+    if not rows:
+        raise FitError(no_layout(base, cluster, given, global_batch))
     fit = Fit(
         base,
         cluster.gpu,
@@ -147,6 +149,34 @@ def search(
 def rates(fit: Fit) -> steptime.Rates:
     """The rates a search timed its rows at."""
     return steptime.gpu_rates(fit.gpu, fit.base.train.dtype)
+
+
+def no_layout(base: RunConfig, cluster: Cluster, given: set[str], global_batch: int | None) -> str:
+    """Why the overrides leave no layout at all, in one line naming the value and what is accepted."""
+    p, b = base.parallel, base.train.micro_batch
+    dps = [cluster.gpus // T for T in tensor_parallel(base, cluster.gpus_per_node, given)]
+    if "parallel.dp_replicate" in given:
+        hsdp = sorted(
+            {
+                r
+                for dp in dps
+                for _, r in shardings(base, dp, cluster.nodes, given - {"parallel.dp_replicate"})
+            }
+        )
+        return (
+            f"parallel.dp_replicate={p.dp_replicate}: on {cluster.nodes} node(s) fit takes HSDP replicas "
+            f"{', '.join(map(str, hsdp))} (1: no HSDP) with dp_shard=grads or full"
+        )
+    if global_batch is not None and "train.micro_batch" in given:
+        return (
+            f"train.micro_batch={b} with global_batch={global_batch}: accepted are micro-batches dividing "
+            f"global_batch / DP, DP of {', '.join(map(str, dps))}"
+        )
+    if global_batch is not None:
+        return f"global_batch={global_batch}: accepted are multiples of DP, here {', '.join(map(str, dps))}"
+    return (
+        f"parallel.dp_shard={p.dp_shard}: nothing to shard at DP {', '.join(map(str, dps))}; accepted is none"
+    )
 
 
 def micro_batches(
