@@ -98,7 +98,9 @@ def measure(fit: Fit, top: int) -> None:
             "max_memory_allocated_bytes": measured["modelled_max_memory_allocated_bytes"],
             "max_memory_reserved_bytes": measured["modelled_max_memory_reserved_bytes"],
             "reserved_peak_bytes": reserved,
-            "fits": reserved <= fit.memory.usable_bytes,
+            # the allocator model's replay of a sharded level is not checked against a GPU: on the
+            # torchtitan rows (docs/results/fit.md) it holds 3.6x the live tensors, so no verdict
+            "fits": reserved <= fit.memory.usable_bytes if row.dp_shard == "none" else None,
             "seconds": seconds,
         }
 
@@ -109,7 +111,9 @@ def measured_text(row: Row) -> str:
     m = row.measured
     if not m:
         return ""
-    verdict = "fits" if m["fits"] else "DOES NOT FIT"
+    verdict = {True: "fits", False: "DOES NOT FIT", None: "allocator model not checked for sharded DP"}[
+        m["fits"]
+    ]
     return (
         f"live {m['peak_bytes'] / GiB:,.2f} GiB (theory {row.live_bytes / GiB:,.2f}); reserved + NCCL "
         f"{m['reserved_peak_bytes'] / GiB:,.2f} GiB: {verdict} ({m['seconds']:.0f} s)"
