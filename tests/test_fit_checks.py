@@ -8,7 +8,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from typer.testing import CliRunner
 
+from tpbench.cli import app
 from tpbench.predict import theory
 from tpbench.predict.theory import weights
 from tpbench.predict.theory.dims import dims
@@ -17,6 +19,7 @@ from tpbench.sizing import fit as fitting
 from tpbench.sizing import layouts
 
 GiB = 2**30
+runner = CliRunner()
 # torchtitan's H100s have 96 GB of HBM2e, a part the table has no row for: its memory as the driver
 # would report it, assumed in the ratio of the 80 GB H100's (81559 MiB of 81920: 99.56%)
 H100_96GB_GIB = 96 * 81559 / 81920
@@ -148,3 +151,17 @@ def test_dp_between_nodes_runs_at_the_networks_rate():
     # the same DDP all-reduce over 2 nodes: 10x the network, less exposed time (NVLink's rate is not used)
     assert slow.rows[0].step_s > fast.rows[0].step_s
     assert slow.assumptions()["rates"]["network_gbps"] == 400
+
+
+# --- nothing fits ---------------------------------------------------------------------------------
+
+
+def test_nothing_fitting_names_the_nodes_or_pipeline_and_context_parallelism():
+    kept = ["gpu=H100", "tp=8", "sp=true", "vp=true", "recompute=full"]
+    done = runner.invoke(app, ["fit", "model=llama3_70b", "seq=131072", *kept])
+    assert done.exit_code == 2 and done.stdout == "" and len(done.stderr.splitlines()) == 1
+    assert "fits on 4 nodes (32 GPUs) with sharded DP, e.g. T 8 SP VP x FSDP 4" in done.stderr, done.stderr
+    done = runner.invoke(app, ["fit", "model=llama3_405b", "seq=131072", *kept])  # 794 GiB on one node
+    assert done.exit_code == 2 and len(done.stderr.splitlines()) == 1
+    assert "nothing fits on up to 4096 nodes" in done.stderr
+    assert "needs pipeline or context parallelism, which tpbench does not do" in done.stderr
