@@ -69,7 +69,6 @@ def test_names_used_before_keep_working():
     assert "assumed" in hardware.gpu("MI300X").note
 
 
-@pytest.mark.quick
 def test_reported_memory_is_the_drivers_where_cited_else_the_sheets():
     # nvidia-smi's memory.total (modal-labs/modal-client#2797): H100 81559MiB, A100 80GB 81920MiB
     assert hardware.gpu("H100").reported_bytes == 81559 * MiB  # 79.65 GiB of the sheet's 80

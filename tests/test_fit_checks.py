@@ -64,7 +64,6 @@ def test_torchtitan_llama3_70b_fsdp_32_tp_8_local_batch_16_full_recompute_fits()
 # --- accumulation ---------------------------------------------------------------------------------
 
 
-@pytest.mark.quick
 def test_accumulation_repeats_the_micro_step_and_syncs_dp_once():
     base = "model=qwen3_0_6b seq=2048 gpu=H100 tp=2 sp=true vp=true recompute=none micro_batch=4"
     one, four = (search(f"{base} global_batch={b} dp_shard=none") for b in (16, 64))
@@ -108,7 +107,6 @@ def margin_is_kept(fit: fitting.Fit) -> None:
 PLANTED = "model=qwen3_0_6b seq=4096 gpu=L4 gpus_per_node=2 dp_shard=none"
 
 
-@pytest.mark.quick
 def test_moments_in_bf16_under_mixed_precision_are_caught(monkeypatch):
     mixed_moments_are_fp32(search(PLANTED, max_micro_batch=8))
     elements = weights.param_bytes  # planted: the moments in bf16, half the master weights' bytes
@@ -117,7 +115,6 @@ def test_moments_in_bf16_under_mixed_precision_are_caught(monkeypatch):
         mixed_moments_are_fp32(search(PLANTED, max_micro_batch=8))
 
 
-@pytest.mark.quick
 def test_the_margin_ignored_is_caught(monkeypatch):
     margin_is_kept(search(PLANTED, max_micro_batch=64))
     monkeypatch.setattr(layouts.Row, "fits", property(lambda r: r.runs))  # planted: margin ignored
@@ -139,7 +136,6 @@ def test_a_405b_search_on_64_nodes_takes_seconds():
 # --- between nodes --------------------------------------------------------------------------------
 
 
-@pytest.mark.quick
 def test_dp_between_nodes_runs_at_the_networks_rate():
     line = (
         "model=qwen3_0_6b seq=2048 gpu=H100 gpus_per_node=2 tp=2 sp=true vp=true recompute=none micro_batch=4"
