@@ -122,6 +122,26 @@ def test_an_emulated_gpu_rank_matches_the_model_and_reports_the_allocator(name):
     assert predicted <= result["modelled_max_memory_allocated_bytes"] <= 1.1 * predicted
 
 
+# torchtitan's published FSDP runs (issue 38), cut to 2 layers: one emulated GPU rank of Llama 3.1 70B at
+# FSDP 32 x TP 8, micro-batch 16, full activation checkpointing, and of Llama 3.1 8B at FSDP 8,
+# micro-batch 2, selective recompute; S 8192, bf16 mixed (FSDP2's MixedPrecisionPolicy)
+TORCHTITAN = {
+    "llama3_70b_fsdp32_tp8": ["model=llama3_70b", "tp=8", "dp=32", "micro_batch=16", "recompute=full"],
+    "llama3_8b_fsdp8": ["model=llama3_8b", "tp=1", "dp=8", "micro_batch=2", "recompute=selective"],
+}
+
+
+@pytest.mark.parametrize("name", TORCHTITAN)
+def test_torchtitans_fsdp_runs_cut_to_two_layers_match_the_model(name):
+    from tpbench.run import sweep
+
+    shape = ["layers=2", "seq=8192", "dp_shard=full", "precision=mixed", "dtype=bfloat16", "kind=memory"]
+    emulated = ["launch.device=cuda", "launch.emulate=fake"]
+    (cfg,) = sweep.configs([*TORCHTITAN[name], *shape, *emulated], single=True, launching=False)
+    measured, _ = memory.measure_busiest(cfg)
+    assert measured["peak_bytes"] == theory.predict(cfg).peak_bytes  # to the byte
+
+
 def test_a_gpu_is_known_by_its_device_name():
     names = {"NVIDIA H100 80GB HBM3": "H100", "NVIDIA H200": "H200", "NVIDIA A100-SXM4-80GB": "A100"}
     assert {name: allocator.gpu_of(name) for name in names} == names

@@ -372,7 +372,7 @@ def test_ddp_buckets_are_timed_like_our_collectives_and_waited_where_ddp_waits(u
     """Rank 1 is 0.3 s late with the last bucket: rank 0 waits for it at the end of its backward."""
     waiting, late = units[0]["ddp_timing"]  # gathered from both ranks
     for rank in (waiting, late):
-        assert (rank["op"], rank["purpose"]) == ("all_reduce", "dp_grad")
+        assert (rank["op"], rank["purpose"]) == ("all_reduce", "dp_grads")
         assert rank["count"] == rank["buckets"] > 1
         assert 0 <= rank["exposed_s"] <= rank["time_s"]
     assert waiting["exposed_s"] > 0.15 and waiting["time_s"] > 0.15  # none, waited after DDP
@@ -395,8 +395,8 @@ def test_overlap_hides_each_collective_behind_compute(units):
         for name in ("tp", "tp_sp", "tp_sp_linear", "tp_sp_compile"):
             for purpose, hidden in order[name].items():
                 assert min(hidden) >= 1, (name, purpose, hidden)
-        buckets = order["dp2"]["dp_grad"]  # launch order: the first filled first, the late one last
-        assert set(order["dp2"]) == {"dp_grad"} and len(buckets) > 4
+        buckets = order["dp2"]["dp_grads"]  # launch order: the first filled first, the late one last
+        assert set(order["dp2"]) == {"dp_grads"} and len(buckets) > 4
         assert sum(h >= 1 for h in buckets) > len(buckets) // 2 and buckets == sorted(buckets, reverse=True)
 
 
@@ -623,8 +623,8 @@ def test_sp_moves_the_same_bytes_as_tp_inside_the_blocks(validated):
 
 def test_dp_all_reduces_every_gradient_once(validated):
     counted = {(op, purpose): (n, b) for op, purpose, n, b in validated["dp4_t1"]["comm"]}
-    assert set(counted) == {("all_reduce", "dp_grad")}
-    assert counted[("all_reduce", "dp_grad")][0] == 1
+    assert set(counted) == {("all_reduce", "dp_grads")}
+    assert counted[("all_reduce", "dp_grads")][0] == 1
 
 
 # --- parallel.overlap: the same numbers, the same collectives -----------------------------------
@@ -663,7 +663,7 @@ def test_overlap_issues_the_same_collectives(validated, name):
     on = {(op, purpose): (n, b) for op, purpose, n, b in validated[name]["comm"]}
     off = {(op, purpose): (n, b) for op, purpose, n, b in validated[OVERLAPPED[name]]["comm"]}
     if name.startswith("dp2"):
-        assert on.pop(("all_reduce", "dp_grad")) == (8, off.pop(("all_reduce", "dp_grad"))[1])
+        assert on.pop(("all_reduce", "dp_grads")) == (8, off.pop(("all_reduce", "dp_grads"))[1])
     assert on == off
 
 

@@ -135,16 +135,16 @@ def test_the_dp_collectives_are_counted_by_purpose(dp2_tp1, dp2_tp2):
     backward) and reduce-scatters its gradients, per unit: 2 blocks and the root; HSDP all-reduces
     the reduce-scattered gradients across its replicas as well. None all-reduces like DDP."""
     zero1 = _comm(dp2_tp1["optimizer_ddp"])
-    assert zero1[("reduce_scatter", "dp_grad")][0] == 1 and ("all_reduce", "dp_grad") not in zero1
+    assert zero1[("reduce_scatter", "dp_grads")][0] == 1 and ("all_reduce", "dp_grads") not in zero1
     grads = _comm(dp2_tp2["grads_tp_sp_linear"])
-    assert grads[("all_gather", "dp_param")][0] == 3 and grads[("reduce_scatter", "dp_grad")][0] == 3
+    assert grads[("all_gather", "dp_params")][0] == 3 and grads[("reduce_scatter", "dp_grads")][0] == 3
     full = _comm(dp2_tp2["full_tp_sp_vp"])
-    assert full[("all_gather", "dp_param")][0] == 6 and full[("reduce_scatter", "dp_grad")][0] == 3
+    assert full[("all_gather", "dp_params")][0] == 6 and full[("reduce_scatter", "dp_grads")][0] == 3
     # in fp32 a unit's gather moves the bytes its reduce-scatter moves: ZeRO-3 gathers twice
-    assert full[("all_gather", "dp_param")][1] == 2 * full[("reduce_scatter", "dp_grad")][1]
-    assert grads[("all_gather", "dp_param")][1] == grads[("reduce_scatter", "dp_grad")][1]
+    assert full[("all_gather", "dp_params")][1] == 2 * full[("reduce_scatter", "dp_grads")][1]
+    assert grads[("all_gather", "dp_params")][1] == grads[("reduce_scatter", "dp_grads")][1]
     hsdp = _comm(dp2_tp2["hsdp_full_dp4"])
-    assert hsdp[("all_reduce", "dp_grad")][0] == 3
+    assert hsdp[("all_reduce", "dp_grads")][0] == 3
 
 
 REFUSED = {  # before launch: one line, exit 2

@@ -297,7 +297,7 @@ def test_counted_collectives_equal_the_model_exactly(measured, name):
 def test_ddp_counts_one_all_reduce_per_bucket(measured):
     (row,) = theory.predict(config("ddp_dp4")).comm_rows()
     assert row.count >= 3  # the small bucket cap splits the gradients
-    assert measured["ddp_dp4"][0]["comm"] == [["all_reduce", "dp_grad", row.count, row.bytes]]
+    assert measured["ddp_dp4"][0]["comm"] == [["all_reduce", "dp_grads", row.count, row.bytes]]
 
 
 @pytest.mark.parametrize("name", CHECKS)

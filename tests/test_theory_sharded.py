@@ -108,7 +108,7 @@ def test_sharded_collectives_move_what_ddp_moves_or_more():
 
     ddp = sum(dp_bytes(level([], "none", 4)).values())
     zero1 = dp_bytes(level([], "optimizer", 4))
-    assert set(zero1) == {("reduce_scatter", "dp_grad"), ("all_gather", "dp_param")}
+    assert set(zero1) == {("reduce_scatter", "dp_grads"), ("all_gather", "dp_params")}
     assert abs(sum(zero1.values()) - ddp) <= 2 * 4 * 4  # the flat pad
     zero2, zero3 = (sum(dp_bytes(level([], lv, 4)).values()) for lv in ("grads", "full"))
     assert ddp <= zero2 < zero3 == pytest.approx(1.5 * ddp, rel=0.01)  # a reduce-scatter, 2 all-gathers
@@ -119,7 +119,7 @@ def test_sharded_collectives_move_what_ddp_moves_or_more():
 def test_hsdp_all_reduces_the_shards_across_replicas():
     rows = theory.predict(level([], "full", 4, replicate=2)).comm_rows()
     (ar,) = [r for r in rows if r.op == "all_reduce"]
-    assert ar.purpose == "dp_grad" and ar.count == 3  # one per unit
+    assert ar.purpose == "dp_grads" and ar.count == 3  # one per unit
     cfg = level(["launch.nproc_per_node=2", "launch.nnodes=2"], "full", 4, replicate=2)
     assert sharding.crossing(cfg) == {"shard": False, "replicate": True}
 
@@ -136,7 +136,7 @@ def test_plan_prints_the_split_of_a_sharded_level():
     overrides = ["model=llama3_70b", "seq=8192", "tp=8", "dp=32", "dp_shard=optimizer"]
     result = CliRunner().invoke(app, ["plan", *overrides, "precision=mixed", "dtype=bfloat16"])
     assert result.exit_code == 0, result.output
-    for word in ("ZeRO-1: the peak per rank", "master", "moments", "ZeRO-2", "FSDP", "dp_param"):
+    for word in ("ZeRO-1: the peak per rank", "master", "moments", "ZeRO-2", "FSDP", "dp_params"):
         assert word in result.output
     assert "not yet checked against a measured peak: parallel.dp_shard=optimizer with tp=8" in result.output
 
@@ -241,6 +241,8 @@ def test_fsdp_step_peak_is_predicted_to_the_byte(dp_shard, D, overrides):
         ("full", ["parallel.tp=2"]),
         ("full", ["parallel.tp=1", "parallel.dp=4", "train.seq_len=4"]),  # the next block's all-gather
         ("full", ["parallel.tp=2", "train.recompute=full"]),  # each block keeps FSDP2's cast cos, sin
+        # at the top block's recompute, which casts them no more
+        ("full", ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true", "train.recompute=full"]),
     ],
 )
 def test_emulated_mixed_precision_peak_is_predicted_to_the_byte(dp_shard, overrides):

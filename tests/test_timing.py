@@ -367,7 +367,7 @@ class Trainer:
 
     def step(self) -> None:
         self.steps += 1
-        pending = launch(self.gpu, self.steps * MS, "dp_grad")
+        pending = launch(self.gpu, self.steps * MS, "dp_grads")
         self.gpu.run(1 * MS)
         pending.wait()
 

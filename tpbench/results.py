@@ -58,7 +58,7 @@ class CommRow:
     """One collective type on one rank, per training step."""
 
     op: str  # all_reduce, all_gather, reduce_scatter
-    purpose: str  # what it moves: activation, grad_sum, dp_grad, loss, ...
+    purpose: str  # what it moves: activation, grad_sum, dp_grads, loss, ...
     count: int
     bytes: int  # per-rank bytes on the wire of a ring: all-reduce 2(T-1)/T N, gather/scatter (T-1)/T N
     time_s: float | None = None  # timed runs: launch to completion, summed

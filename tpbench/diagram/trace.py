@@ -133,7 +133,7 @@ def _trace_rank(cfg: RunConfig, rank: int) -> RankTrace:
     collectives = []
     for i, (event, (phase, module, node)) in enumerate(zip(log.events or [], log.context, strict=True)):
         c = Collective(i, event, phase, module, node)
-        if event.purpose in ("grad_sum", "dp_grad"):
+        if event.purpose in ("grad_sum", "dp_grads"):
             gs = next(sums)
             c.phase, c.module, c.node = "gradient sums", "", ""
             c.sum_name, c.summed = gs.name, tuple(gs.params)

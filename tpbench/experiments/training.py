@@ -233,7 +233,7 @@ def _counted_allreduce(state, bucket):  # no annotations: DDP checks them and ou
     buffer = bucket.buffer()
     if state.fault != "no_divide":
         buffer.div_(dist.get_world_size(group))
-    pending, future = collectives.all_reduce_bucket(buffer, group, "dp_grad")
+    pending, future = collectives.all_reduce_bucket(buffer, group, "dp_grads")
     if instrumentation.timed():
         state.timed.append(pending)
         if bucket.is_last():

@@ -211,7 +211,7 @@ class DTensorParallelModel:
         if self.ctx.dp > 1 and "dp" not in self.skip_grad_sum:
             grads = [_local(p.grad) for p in params.values() if p.grad is not None]
             collectives.all_reduce_coalesced(
-                grads, self.ctx.dp_group, "dp_grad", average=True
+                grads, self.ctx.dp_group, "dp_grads", average=True
             )  # local tensors, in place
 
     def full_gradients(self) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ backward). Mixed precision is FSDP2's `MixedPrecisionPolicy`: bf16 gathered weig
 masters and fp32 gradient reduction.
 
 What tpbench adds: the gathers and reduce-scatters go through tpbench.parallel.collectives (FSDP2's
-custom comm hooks), so they are counted (`dp_param`, `dp_grad`) and a fault can break them; the TP
+custom comm hooks), so they are counted (`dp_params`, `dp_grads`) and a fault can break them; the TP
 gradient sums (q/k norms, SP norms, KV replicas) run on the sharded gradients' local tensors after
 FSDP2's reduce-scatter (a sum over TP ranks commutes with an average over DP ranks, and every TP
 rank of a DP group shards its replicated weight alike).
@@ -51,7 +51,7 @@ class _Work:
 
 
 class CountedAllGather(AllGather):
-    """FSDP2's all-gather of a unit's weight shards, through tpbench's collectives (`dp_param`).
+    """FSDP2's all-gather of a unit's weight shards, through tpbench's collectives (`dp_params`).
     fault no_all_gather: only this rank's shard arrives, the others' are zeros."""
 
     def __init__(self, fault: str = ""):
@@ -70,7 +70,9 @@ class CountedAllGather(AllGather):
         def fn() -> dist.Work:
             return dist.all_gather_single(output_tensor, input_tensor, group, async_op=True)
 
-        pending = collectives.launch_counted("all_gather", input_tensor, output_tensor, group, "dp_param", fn)
+        pending = collectives.launch_counted(
+            "all_gather", input_tensor, output_tensor, group, "dp_params", fn
+        )
         if async_op:
             return _Work(pending)
         pending.wait()
@@ -78,7 +80,7 @@ class CountedAllGather(AllGather):
 
 
 class CountedReduceScatter(ReduceScatter):
-    """FSDP2's reduce-scatter of a unit's gradients, through tpbench's collectives (`dp_grad`).
+    """FSDP2's reduce-scatter of a unit's gradients, through tpbench's collectives (`dp_grads`).
     fault no_reduce_scatter: this rank keeps its own chunk, never summed."""
 
     def __init__(self, fault: str = ""):
@@ -97,7 +99,7 @@ class CountedReduceScatter(ReduceScatter):
             return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=True)
 
         pending = collectives.launch_counted(
-            "reduce_scatter", input_tensor, output_tensor, group, "dp_grad", fn
+            "reduce_scatter", input_tensor, output_tensor, group, "dp_grads", fn
         )
         if async_op:
             return _Work(pending)
@@ -198,12 +200,12 @@ class FSDPModel:
 
 def _count_replicated_all_reduce(replicas: int):
     """HSDP's all-reduce of a unit's reduce-scattered gradients across the replicas, which FSDP2 has
-    just issued on its own: counted (`dp_grad`), not timed."""
+    just issued on its own: counted (`dp_grads`), not timed."""
 
     def count(reduced: torch.Tensor) -> None:
         counter = instrumentation.active_counter()
         if counter is not None:
-            purpose = instrumentation.counted_purpose("dp_grad")
+            purpose = instrumentation.counted_purpose("dp_grads")
             counter.record("all_reduce", purpose, reduced.numel() * reduced.element_size(), replicas, 0.0)
 
     return count

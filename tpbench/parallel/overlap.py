@@ -214,7 +214,7 @@ class DPGradBuckets:
             return
         for name in self.buckets[i]:  # the late ones, and any whose gradient never came
             self._into_slot(name)
-        self.pending[i] = collectives.all_reduce_async(self.flat[i], self.group, "dp_grad")
+        self.pending[i] = collectives.all_reduce_async(self.flat[i], self.group, "dp_grads")
 
     def finish(self) -> None:
         """Launch what is not launched yet (the late buckets), wait for all, average in place (the

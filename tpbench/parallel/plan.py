@@ -215,7 +215,7 @@ class ParallelModel:
                 continue
             grads = [params[name].grad for name in gs.params if params[name].grad is not None]
             collectives.all_reduce_coalesced(
-                grads, gs.group, "dp_grad" if gs.name == "dp" else "grad_sum", gs.average
+                grads, gs.group, "dp_grads" if gs.name == "dp" else "grad_sum", gs.average
             )
 
     def _dp_buckets(self) -> DPGradBuckets | None:

@@ -102,7 +102,7 @@ class DistributedOptimizer:
         if self.fault == "no_reduce_scatter":  # this rank's own gradients, never averaged
             self.grad_shard = self._mine(self.grad_buffer).clone()
         else:
-            self.grad_shard = collectives.reduce_scatter(self.grad_buffer, self.group, "dp_grad")
+            self.grad_shard = collectives.reduce_scatter(self.grad_buffer, self.group, "dp_grads")
             self.grad_shard.div_(self.dp)
 
     @property
@@ -125,7 +125,7 @@ class DistributedOptimizer:
         if self.fault == "no_all_gather":  # the other ranks' shards stay as they were
             self._mine(self.param_buffer).copy_(shard)
             return
-        collectives.all_gather_into(self.param_buffer, shard, self.group, "dp_param")
+        collectives.all_gather_into(self.param_buffer, shard, self.group, "dp_params")
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's averaged gradient, the shards all-gathered (for checks only: not counted

@@ -159,8 +159,8 @@ def step_collectives(d: Dims, rows: list[CommRow]) -> list[Collective]:
     for (op, purpose), (count, size) in sorted(left.items()):
         if count <= 0:
             continue
-        if purpose in ("dp_grad", "grad_sum"):
-            hidden = behind_backward if purpose == "dp_grad" else ()
+        if purpose in ("dp_grads", "grad_sum"):
+            hidden = behind_backward if purpose == "dp_grads" else ()
             out.append(Collective(op, purpose, "grads", int(count), size, hidden))
         elif purpose == "loss":
             out.append(Collective(op, purpose, O.FORWARD, int(count), size))

@@ -156,10 +156,12 @@ def recomputed(d: Dims) -> dict[str, int]:
     """What a block recomputed under full recompute saves while its backward runs, beyond its input:
     everything of `none`, the whole gathered region inputs included (the re-gather is off inside the
     blocks). A lean first norm keeps the block input, held already; so does a norm's fp32 copy of an
-    fp32 stream (x.float() is x)."""
+    fp32 stream (x.float() is x). FSDP2's cast cos and sin are the block's saved inputs: none again."""
     terms = layer_activations(replace(d, recompute="none", regather=False))
     if d.lean_rmsnorm or d.s == FP32:
         terms["input_layernorm"] -= d.s * d.Ns * d.H
+    if d.rope_cast_once:
+        terms["rope tables"] = 0
     return terms
 
 

@@ -32,7 +32,7 @@ def comm_rows(cfg: RunConfig) -> list[CommRow]:
     if d.ddp:
         cap = int(cfg.parallel.ddp_bucket_mb * 2**20)
         for size in ddp_buckets(d, cap, rebuilt=cfg.train.warmup > 0):
-            add("all_reduce", "dp_grad", size, d.dp)
+            add("all_reduce", "dp_grads", size, d.dp)
         return _sorted(rows)
 
     T, L, N, H = d.T, d.L, d.N, d.H
@@ -79,9 +79,9 @@ def comm_rows(cfg: RunConfig) -> list[CommRow]:
             add(op, purpose, full, world, count)
     elif "dp" not in skip and d.flat_dp:  # overlap: one all-reduce per flat bucket
         for size in flat_dp_buckets(d, cfg.parallel.ddp_bucket_mb * 2**20):
-            add("all_reduce", "dp_grad", size, d.dp)
+            add("all_reduce", "dp_grads", size, d.dp)
     elif "dp" not in skip:
-        add("all_reduce", "dp_grad", sum(n for _, n in params(d)) * d.w, d.dp)
+        add("all_reduce", "dp_grads", sum(n for _, n in params(d)) * d.w, d.dp)
     return _sorted(rows)
 
 

@@ -40,7 +40,7 @@ from tpbench.predict.theory.weights import params
 
 LEVELS = ("none", "optimizer", "grads", "full")
 LEVEL_NAMES = {"none": "DDP", "optimizer": "ZeRO-1", "grads": "ZeRO-2", "full": "FSDP"}
-GRADS, PARAMS = "dp_grad", "dp_param"  # the purposes of the DP collectives (DDP's is dp_grad too)
+GRADS, PARAMS = "dp_grads", "dp_params"  # the purposes of the DP collectives (DDP's is dp_grads too)
 ROOT = "root"
 
 
@@ -190,7 +190,7 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
         fetched: list[str] = []  # prefetched in backward: temporaries to MemTracker
         done: list[str] = []  # units whose backward ran: their gradients reduce-scattered into shards
         layer = L - 1
-        if m.name.startswith(("recomputed block", "recomputed attention")):
+        if m.name.startswith("recomputed "):  # full recompute's moments in block `layer`
             layer = int(m.name.rsplit(" ", 1)[1])
         in_forward = m.name in FORWARD_ONLY or (m.name == "loss" and d.vp and not d.logits_mean)
         if m.name in AFTER_BLOCKS:
