@@ -71,7 +71,8 @@ def test_accumulation_repeats_the_micro_step_and_syncs_dp_once():
     assert (a.dp, a.accumulation, b.accumulation) == (4, 1, 4)
     assert a.peak_bytes == b.peak_bytes  # DDP accumulates in the gradients it holds anyway
     timed = fitting.search_module.steptime.predict_time(one.config(a), fitting.search_module.rates(one))
-    sync = sum(timed.comm_exposed.get(p, 0.0) for p in ("dp_grad", "dp_param"))
+    sync = sum(timed.comm_exposed.get(p, 0.0) for p in fitting.search_module.DP_SYNC)
+    assert fitting.search_module.DP_SYNC == ("dp_grads", "dp_params")  # the time model's purposes
     micro = timed.compute_s + timed.comm_s - sync
     assert sync > 0 and b.step_s == pytest.approx(4 * micro + sync + timed.optimizer_s)
     assert b.tokens_per_step == 4 * a.tokens_per_step == 64 * 2048

@@ -9,6 +9,7 @@ import dataclasses
 from tpbench.config import ConfigError, RunConfig
 from tpbench.predict import steptime, theory
 from tpbench.predict.hardware import GPU
+from tpbench.predict.theory import sharding
 from tpbench.run import compose
 from tpbench.sizing.layouts import (
     LEVELS,
@@ -23,7 +24,7 @@ from tpbench.sizing.layouts import (
 )
 
 MAX_MICRO_BATCH = 256
-DP_SYNC = ("dp_grad", "dp_param")  # the purposes of DP's collectives (tpbench.predict.theory.sharding)
+DP_SYNC = (sharding.GRADS, sharding.PARAMS)  # the purposes of DP's collectives
 MAX_NODES = 4096  # how far the nothing-fits line looks for a node count
 HSDP_NODES = (1, 2, 4)  # the nodes an HSDP shard group spans
 # Between nodes: one 400 Gb/s NIC per GPU (InfiniBand NDR, a DGX H100's ConnectX-7 per GPU), of which
