@@ -156,7 +156,7 @@ def _fit(*overrides: str):
 
     request = fit.parse(list(overrides))
     (base,) = expand(request.overrides, single=True)
-    return fit.search(base, request.gpu, request.gpus_per_node, request.given, request.global_batch)
+    return fit.solve(request, base)
 
 
 def test_fit_honours_a_mode_and_a_micro_batch():
@@ -171,7 +171,7 @@ def test_fit_honours_a_mode_and_a_micro_batch():
     [
         (
             "dp=2",
-            "dp=2: fit sets DP itself (global_batch / the micro-batch, else 1); accepted is global_batch",
+            "dp=2: fit sets DP itself (the GPUs, nodes x gpus_per_node, over T); accepted are nodes=N",
         ),
         ("mode=ddp", "mode=ddp: fit takes one tensor-parallel mode"),
     ],

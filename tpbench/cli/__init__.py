@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
+from tpbench.cli import fit as fit_command
 from tpbench.cli import output
 from tpbench.cli.arguments import (
     EXIT_FAILED,
@@ -49,6 +50,7 @@ runs_app = typer.Typer(
     cls=OneLineGroup, help="List the runs of the database, or show one.", add_completion=False
 )
 app.add_typer(runs_app, name="runs")
+app.command(cls=OneLineCommand, epilog=fit_command.EPILOG)(fit_command.fit)
 
 
 @app.command(
@@ -298,68 +300,6 @@ def plan(
         output.depth(sharded.unsharded(c))  # the depth model's modes are DP replicas
         if measured is not None:
             output.measured(c, prediction, *measured, emulation.emulated_rank(c))
-
-
-@app.command(
-    cls=OneLineCommand,
-    epilog="Examples:\n\n"
-    "tpbench fit model=llama3_70b seq=8192 gpu=H100-80GB gpus_per_node=8\n\n"
-    "tpbench fit model=qwen3_8b seq=4096 gpu=H200 global_batch=64 --json\n\n"
-    "tpbench fit model.hf_config=path/to/config.json seq=2048 gpu=A100-80GB tp=8 --measure",
-)
-def fit(
-    overrides: Overrides = None,
-    measure: Annotated[
-        bool,
-        typer.Option(
-            "--measure",
-            help="Confirm the best rows (--top) by emulating their busiest rank with fake tensors: the "
-            "live-tensor peak and the caching allocator model's reserved memory.",
-        ),
-    ] = False,
-    top: Annotated[int, typer.Option(help="How many of the best rows --measure emulates.", min=1)] = 1,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the search as one JSON object.")] = False,
-    cuda_context_mib: Annotated[
-        float, typer.Option(help="CUDA context per GPU, MiB (an assumption: see tpbench.sizing.fit).", min=0)
-    ] = 512.0,
-    nccl_mib: Annotated[
-        float,
-        typer.Option(
-            help="NCCL buffers per communicator, MiB (an assumption: see tpbench.sizing.fit).", min=0
-        ),
-    ] = 128.0,
-    max_micro_batch: Annotated[
-        int, typer.Option(help="The largest micro-batch searched (without global_batch).", min=1)
-    ] = 256,
-) -> None:
-    """Rank every TP layout of a model on a GPU: each T dividing the GPUs per node (gpus_per_node=,
-    default 8) and the heads, with SP, VP and recompute, at the largest micro-batch that fits; the
-    analytic per-rank peak on that GPU (gpu=, from tpbench.predict.hardware), its headroom, the bytes moved
-    per step and recompute's extra FLOPs. Training defaults: bf16, pure precision, fused AdamW."""
-    from tpbench.sizing import fit as fitting
-
-    overheads = fitting.Overheads(int(cuda_context_mib * 2**20), int(nccl_mib * 2**20))
-    try:
-        request = fitting.parse(overrides or [])
-    except fitting.FitError as e:
-        usage(str(e))
-    (base,) = _compose(request.overrides, single=True, launching=False)
-    try:
-        given, batch = request.given, request.global_batch
-        result = fitting.search(
-            base, request.gpu, request.gpus_per_node, given, batch, overheads, max_micro_batch
-        )
-    except fitting.FitError as e:
-        usage(str(e))
-    if measure:
-        fitting.measure(result, top)
-    if as_json:
-        print(json.dumps(result.as_dict()))
-        return
-    for table in fitting.tables(result):
-        out.print(table)
-    if request.gpu.note:
-        out.print(f"{request.gpu.name}: {request.gpu.note}")
 
 
 @app.command(

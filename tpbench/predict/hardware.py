@@ -4,8 +4,11 @@ what the caching-allocator model needs (tpbench.predict.allocator), for the allo
 Every figure is the vendor's data sheet's, cited beside its row. Peak FLOP/s are dense (the sheets'
 headline tensor figures are with 2:4 sparsity: half of them), per GPU, for matmuls in bfloat16 and
 float16 (tensor cores), TF32 (fp32 matmuls on the tensor cores) and plain fp32 (no tensor cores).
-Memory is the sheet's capacity read as GiB (HBM and GDDR come in binary sizes; the driver keeps a little
-of it, which `tpbench fit` counts with the CUDA context). Interconnect: NVLink per GPU (both directions,
+Memory is the sheet's capacity read as GiB (HBM and GDDR come in binary sizes). What a program can
+have of it is less: `reported_bytes` is the total the driver reports (nvidia-smi's memory.total) where
+a published nvidia-smi listing gives it, else the sheet's capacity; `tpbench fit` takes a runtime
+reserve (the CUDA context, RUNTIME_RESERVE_BYTES) off that and calls the rest usable; both are settable
+there (--gpu-memory-gib, --cuda-context-mib). Interconnect: NVLink per GPU (both directions,
 as the sheets state it), or the PCIe link where the GPU has no NVLink.
 
 A GPU is named by its row's name or an alias (any case). Its `family` is the word a device name carries
@@ -18,7 +21,24 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-GiB, GB, TB = 2**30, 10**9, 10**12
+GiB, GB, TB, MiB = 2**30, 10**9, 10**12, 2**20
+# The CUDA context of a PyTorch process, kernels loaded lazily (CUDA_MODULE_LOADING=LAZY, PyTorch's
+# default): an assumed figure, not a measured one; nvidia-smi's use of a process that has only
+# initialised CUDA gives your own (`tpbench fit --cuda-context-mib`)
+RUNTIME_RESERVE_BYTES = 512 * MiB
+# memory.total as nvidia-smi reports it, MiB, per device: the listing of nvidia-smi's totals on Modal's
+# GPUs in modal-labs/modal-client pull request 2797 (2025-01-23): H100 81559MiB, A100 80GB 81920MiB,
+# A100 40GB 40960MiB, A10 23028MiB, L40S 46068MiB, L4 23034MiB; the H100's 81559MiB also in the
+# nvidia-smi listing of an "NVIDIA H100 80GB HBM3" in huggingface/text-embeddings-inference issue 350.
+# Rows without one keep the sheet's capacity as what is reported (said in `tpbench fit`'s assumptions)
+DRIVER_MIB = {
+    "H100-SXM": 81559,
+    "A100-80GB": 81920,
+    "A100-40GB": 40960,
+    "A10": 23028,
+    "L40S": 46068,
+    "L4": 23034,
+}
 
 
 @dataclass(frozen=True)
@@ -37,6 +57,20 @@ class GPU:
     device_name: str = ""  # a regex for torch.cuda.get_device_name's variants of this row
     aliases: tuple[str, ...] = ()
     note: str = ""
+
+    @property
+    def reported_bytes(self) -> int:
+        """The memory the driver reports (nvidia-smi's memory.total); the sheet's where none is cited."""
+        mib = DRIVER_MIB.get(self.name)
+        return self.memory_bytes if mib is None else mib * MiB
+
+    @property
+    def reported_source(self) -> str:
+        return (
+            "nvidia-smi's memory.total"
+            if self.name in DRIVER_MIB
+            else "the data sheet (no nvidia-smi figure cited)"
+        )
 
     def peak_flops(self, dtype: str, tf32: bool = False) -> float | None:
         """Dense peak FLOP/s of matmuls in `dtype` (train.dtype); fp32 on the tensor cores with tf32."""
