@@ -54,6 +54,17 @@ def unsaved_norm_output(d: Dims) -> int:
     return fp32 + (d.p * d.Ns * d.H if d.sp and not d.block_regather else 0)
 
 
+def prefetched_input(d: Dims, linears: int) -> int:
+    """Overlap with SP's re-gather: a region's input gathered again from the region's exit backward on
+    (tpbench.parallel.overlap starts it there, to hide behind the region's backward), so alive through
+    all of that backward, [N, H]: once, or under parallel.sp_gather=linear once for each of the region's
+    `linears` column linears. Without overlap it is gathered when the first linear's backward needs it
+    (`mlp_backward`, `head_norm_backward`)."""
+    if not (d.overlap and d.sp and d.block_regather):
+        return 0
+    return d.p * d.N * d.H * (linears if d.per_linear else 1)
+
+
 def attention_dropout(d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int) -> Moment:
     """model.dropout: the top block's attention-probability dropout drawing its mask, in its hash's
     last fold (two int32 copies of the probabilities' shape: tpbench.models.dropout). As at the
@@ -115,7 +126,7 @@ def down_backward(
     incoming = d.s * d.Ns * d.H + (d.p * d.N * d.H if d.sp else 0)
     if d.dropout and not d.mixed and not d.sp:  # the MLP dropout's input gradient, down's to take
         incoming += d.p * d.N * d.H
-    temps = ffn + d.p * weight + incoming + (d.V_l * d.H * d.w if d.tied else 0)
+    temps = ffn + d.p * weight + incoming + (d.V_l * d.H * d.w if d.tied else 0) + prefetched_input(d, 2)
     grads = top_block_grads(d, (), buckets, own_grads)
     activations = after_head(acts) + LOSS_AND_GRAD - stream_mask(d)  # the MLP dropout's backward ran
     if d.recompute == "selective":  # down's input (and weight cast) made again, not kept from forward
@@ -146,7 +157,7 @@ def swiglu_backward(
     if d.mixed and d.recompute == "none":
         freed += d.p * d.I_l * d.H  # down's weight cast
     done = ("mlp.down_proj",)
-    temps = 3 * ffn + d.s * d.Ns * d.H + (d.V_l * d.H * d.w if d.tied else 0)
+    temps = 3 * ffn + d.s * d.Ns * d.H + (d.V_l * d.H * d.w if d.tied else 0) + prefetched_input(d, 2)
     grads = top_block_grads(d, done, buckets, own_grads)
     return Moment("swiglu backward", P, grads, optim, after_head(acts) - freed + LOSS_AND_GRAD, temps)
 
@@ -291,7 +302,7 @@ def attention_backward(
     grads = d.H + sum(n for name, n in layer_params(d) if name.startswith(tuple(done)))
     grads += above * sum(n for _, n in layer_params(d)) + (0 if d.tied else d.V_l * d.H)
     tied_head = d.V_l * d.H * d.w if d.tied else 0
-    flowing = d.s * d.Ns * d.H + d.p * d.N * v_width
+    flowing = d.s * d.Ns * d.H + d.p * d.N * v_width + prefetched_input(d, 3)
     grads = buckets + (grads * d.w if own_grads else 0)
     activations = after_head(acts) - above * (acts["blocks"] // d.L) - freed + LOSS_AND_GRAD
     activations += sum(saved.values()) if full else 0

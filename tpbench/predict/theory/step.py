@@ -48,7 +48,7 @@ def moments(d: Dims) -> list[Moment]:
     if d.overlap and d.vp and d.mixed:  # the head's weight gradient deferred to its entry's backward
         # (tpbench.parallel.overlap): made there in bf16 and cast to fp32 while the logits' gradient
         # (which it is made from) and the rest of the head's backward are live, its bf16 weight cast gone
-        cast = A + LOSS_AND_GRAD - acts["head weight cast"]
+        cast = head - acts["head weight cast"]
         out.append(Moment("head entry backward", P, buckets, O, cast, temp + d.V_l * d.H * d.w))
     if d.mixed:  # the head's weight gradient cast to fp32, beside its bf16 one and the input's gradient
         after = A - acts["head input"] - acts["head weight cast"] + LOSS_AND_GRAD
