@@ -225,7 +225,6 @@ REAL_SHAPE = [
 ]
 AT_REAL_SHAPE = {
     "full_sp_vp": ["sp=true", "vp=true", "recompute=full", "precision=pure"],
-    "full_sp_vp_mixed": ["sp=true", "vp=true", "recompute=full", "precision=mixed"],
     "full_vp_mixed": ["vp=true", "recompute=full", "precision=mixed"],
     "selective_sp_vp": ["sp=true", "vp=true", "recompute=selective", "precision=pure"],
     "none_sp_vp": ["sp=true", "vp=true", "recompute=none", "precision=pure"],
