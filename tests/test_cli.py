@@ -52,7 +52,9 @@ BAD_INPUT = {
     "bad kind": (["kind=bogus"], "kind=bogus: accepted are all, memory, throughput, validate"),
     "bad mode": (["mode=bogus"], "mode=bogus: accepted are ddp, dtensor_tp, dtensor_tp_sp, dtensor_tp_sp_vp"),
     "bad fault": (["+fault=bogus"], "fault=bogus: accepted are big_result, hang_in_dp_group"),
-    "fault without +": (["fault=raise_on_rank1"], "To append to your default list use +fault=raise_on_rank1"),
+    "fault without +": (["fault=raise_on_rank1"], "fault=raise_on_rank1: fault is a group added with +"),
+    "bad fault without +": (["fault=no"], "fault=no: fault is a group added with +; accepted are +fault=big"),
+    "preset without +": (["preset=x"], "preset=x: preset is a group added with +; accepted are +preset=seed"),
     "not an override": (["tp=="], "tp==: not an override KEY=VALUE"),
     "heads over tp": (["tp=3"], "parallel.tp=3 does not divide model.num_attention_heads=8"),
     "sp needs seq % tp": (["sp=true", "seq=33"], "train.seq_len=33 is not divisible by parallel.tp=2"),
@@ -132,7 +134,7 @@ BAD_INPUT = {
         "parallel.sp_gather=linear with engine=dtensor sp=True: ",
     ),
     "overlap in a memory run with recompute": (
-        ["kind=memory", "overlap=true", "train.recompute=selective"],
+        ["kind=memory", "overlap=true", "train.recompute=selective", "dp=2"],
         "kind=memory: the memory model is not checked for parallel.overlap=true with train.recompute=sel",
     ),
     "compile with the re-gather": (

@@ -11,6 +11,7 @@ import hashlib
 import multiprocessing
 import re
 import sqlite3
+import threading
 from datetime import datetime
 from pathlib import Path
 
@@ -169,6 +170,17 @@ def test_sqlite_runs_in_wal_mode(tmp_path):
     ResultsDB(f"sqlite:///{tmp_path / 't.db'}")
     with sqlite3.connect(tmp_path / "t.db") as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
+def test_sqlite_in_memory_opens_and_keeps_runs():
+    # it asked for WAL, which a database in memory cannot take, forever: opened in a thread, to fail
+    opened: list[ResultsDB] = []
+    opening = threading.Thread(target=lambda: opened.append(ResultsDB("sqlite://")), daemon=True)
+    opening.start()
+    opening.join(timeout=30)
+    assert opened, "ResultsDB('sqlite://') did not return"
+    run_id = opened[0].record(config(), outcome())
+    assert opened[0].runs()["id"].tolist() == [run_id] and opened[0].file is None
 
 
 def test_reading_creates_nothing(tmp_path):

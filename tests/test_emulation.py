@@ -10,13 +10,14 @@ import pytest
 import torch
 from beside import beside
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torchrun_checks import FAMILIES, WORLD4, per_config, run_config
+from torchrun_checks import FAMILIES, WORLD2, WORLD4, per_config, run_config
 
 from tpbench.config import RunConfig
 from tpbench.experiments import memory
 from tpbench.parallel import emulation
 from tpbench.predict import allocator, theory
 from tpbench.predict.allocator import CachingAllocator, replay
+from tpbench.run import compose
 
 SMALL = [
     "kind=memory",
@@ -223,3 +224,61 @@ def test_fake_rank_makes_what_fake_tensor_mode_makes_and_caches_by_quick_key(mon
     # new tensors and views are made by FakeRank's recipes; only ops that return an argument are not
     in_place = {"add_.Tensor", "_foreach_addcmul_.Scalar", "_foreach_addcdiv_.ScalarList"}
     assert {f.__name__ for f in handed_back} == in_place
+
+
+# Full recompute at a real model's shape, cut in layers: issue 35's fit row (Llama 3 70B, T 8, SP and VP,
+# micro-batch 16, seq 8192) on an emulated H100, and its neighbours. Its peak is block 1's forward made
+# again in its backward, at the SwiGLU's product; without SP, the post-attention norm's backward over the
+# whole [S, B, H] (theory.blocks.recomputed_swiglu, recomputed_post_attention_norm).
+REAL_SHAPE = [
+    "model=llama3_70b",
+    "layers=2",
+    "seq=8192",
+    "micro_batch=16",
+    "tp=8",
+    "kind=memory",
+    "steps=1",
+    "train.warmup=1",
+    "launch.device=cuda",
+    "launch.emulate=fake",
+    "launch.emulate_gpu=H100-80GB",
+]
+AT_REAL_SHAPE = {
+    "full_sp_vp": ["sp=true", "vp=true", "recompute=full", "precision=pure"],
+    "full_vp_mixed": ["vp=true", "recompute=full", "precision=mixed"],
+    "selective_sp_vp": ["sp=true", "vp=true", "recompute=selective", "precision=pure"],
+    "none_sp_vp": ["sp=true", "vp=true", "recompute=none", "precision=pure"],
+}
+SPLIT = ("params", "grads", "optimizer", "activations", "temporaries")
+
+
+@pytest.mark.parametrize("name", AT_REAL_SHAPE)
+def test_recompute_at_a_real_models_shape_is_predicted_to_the_byte_by_category(name):
+    (cfg,) = compose.expand([*REAL_SHAPE, *AT_REAL_SHAPE[name]], launching=False)
+    measured = {m.name: m.value for m in memory.measure_in_process(cfg).measurements}
+    predicted = theory.predict(cfg)
+    assert measured["peak_bytes"] == predicted.peak_bytes
+    split = predicted.breakdown()
+    assert [measured[f"mem_{k}_bytes"] for k in SPLIT] == [split[f"mem_{k}_bytes"] for k in SPLIT]
+
+
+# the same moments at the tiny shape, in test_parallel's world-2 job: every rank measured
+TINY_FULL = [*SMALL, "model.vocab_size=512", "parallel.tp=2", "parallel.vp=true", "train.recompute=full"]
+RECOMPUTED = {
+    "full_vp": (TINY_FULL, "recomputed post-attention norm 0"),
+    "full_vp_mixed_b8": ([*TINY_FULL, "train.precision=mixed", "train.micro_batch=8"], "recomputed swiglu 1"),
+}
+WORLD2.add("memory", "recomputed", {name: overrides for name, (overrides, _) in RECOMPUTED.items()})
+
+
+@beside
+def recomputed_job(folder: Path) -> dict:
+    return per_config(WORLD2.part(folder, "memory", "recomputed"))
+
+
+@pytest.mark.parametrize("name", RECOMPUTED)
+def test_full_recomputes_norm_and_swiglu_moments_are_measured_at_the_tiny_shape(recomputed_job, name):
+    overrides, moment = RECOMPUTED[name]
+    predicted = theory.predict(run_config(overrides))
+    assert predicted.peak.name == moment
+    assert [rank["peak"] for rank in recomputed_job[name]] == [predicted.peak_bytes] * 2

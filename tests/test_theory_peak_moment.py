@@ -28,6 +28,9 @@ def expected(cfg: RunConfig, moment: str) -> tuple[str, str]:
     if found := re.fullmatch(r"recomputed (block|attention|attention dropout) (\d+)", moment):
         kind, layer = found.groups()
         return "backward", f"model.layers.{layer}" + ("" if kind == "block" else ".self_attn")
+    if found := re.fullmatch(r"recomputed (swiglu|post-attention norm) (\d+)", moment):
+        kind, layer = found.groups()
+        return "backward", f"model.layers.{layer}." + {"swiglu": "mlp"}.get(kind, "post_attention_layernorm")
     return {
         "loss": ("backward", loss),
         "loss forward": ("forward", loss),

@@ -66,6 +66,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import Session
+from sqlalchemy.pool import StaticPool
 
 from tpbench import machine
 from tpbench.config import RunConfig, config_hash, hide_password, mode_label, public_config, world_size
@@ -206,7 +207,8 @@ class ResultsDB:
         """WAL, so that readers and one writer share the file. Switching to it needs the file alone for
         a moment, and SQLite answers "database is locked" at once, without its busy wait, when another
         process opens the file then: wait and look again, within the busy timeout. Once the file is in
-        WAL (it stays so) the pragma is only read."""
+        WAL (it stays so) the pragma is only read. A database that cannot be in WAL (SQLite in memory,
+        `sqlite://`) answers the switch with its own mode: it keeps it (asking again would never end)."""
         deadline = time.monotonic() + BUSY_TIMEOUT_S
         raw = self.engine.raw_connection()
         try:
@@ -215,7 +217,8 @@ class ResultsDB:
                 try:
                     if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal":
                         return
-                    conn.execute("PRAGMA journal_mode=WAL")
+                    if conn.execute("PRAGMA journal_mode=WAL").fetchone()[0].lower() != "wal":
+                        return
                 except sqlite3.OperationalError as e:
                     if "locked" not in str(e) or time.monotonic() > deadline:
                         raise
@@ -466,7 +469,10 @@ def _driver_url(url: str) -> URL:
 def _engine(url: str, sqlite: bool) -> Engine:
     if not sqlite:
         return create_engine(_driver_url(url))
-    engine = create_engine(url, connect_args={"timeout": BUSY_TIMEOUT_S})
+    if make_url(url).database in (None, "", ":memory:"):  # in memory: one database for every thread
+        engine = create_engine(url, poolclass=StaticPool, connect_args={"check_same_thread": False})
+    else:
+        engine = create_engine(url, connect_args={"timeout": BUSY_TIMEOUT_S})
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection, _record) -> None:

@@ -305,10 +305,20 @@ def _parse(parser: OverridesParser, overrides: Sequence[str]) -> list[Override]:
         raise ConfigError(f"{e.override}: not an override KEY=VALUE ({e.message.splitlines()[1]})") from None
     for o in parsed:
         if o.is_delete() or o.key_or_group.split(".")[0] == "hydra":
-            what = "removes a setting" if o.is_delete() else "Hydra's own setting, which tpbench never reads"
+            what = (
+                "removes a setting, which every run needs (set it: KEY=VALUE)"
+                if o.is_delete()
+                else "Hydra's own setting, which tpbench never reads (results go to db.url)"
+            )
             raise ConfigError(
-                f"{o.input_line}: {what} (results go to db.url); accepted are KEY=VALUE with the keys of "
-                "`tpbench run --cfg`"
+                f"{o.input_line}: {what}; accepted are KEY=VALUE with the keys of `tpbench run --cfg`"
+            )
+        group = o.key_or_group
+        if f"+{group}" in GROUPS and not o.is_add():  # Hydra: "Could not override 'fault'. No match ..."
+            names = sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
+            raise ConfigError(
+                f"{o.input_line}: {group} is a group added with +; accepted are "
+                + ", ".join(f"+{group}={name}" for name in names)
             )
     return [
         dataclasses.replace(o, key_or_group=SHORT_NAMES.get(o.key_or_group, o.key_or_group)) for o in parsed

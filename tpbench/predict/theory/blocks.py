@@ -54,6 +54,17 @@ def unsaved_norm_output(d: Dims) -> int:
     return fp32 + (d.p * d.Ns * d.H if d.sp and not d.block_regather else 0)
 
 
+def prefetched_input(d: Dims, linears: int) -> int:
+    """Overlap with SP's re-gather: a region's input gathered again from the region's exit backward on
+    (tpbench.parallel.overlap starts it there, to hide behind the region's backward), so alive through
+    all of that backward, [N, H]: once, or under parallel.sp_gather=linear once for each of the region's
+    `linears` column linears. Without overlap it is gathered when the first linear's backward needs it
+    (`mlp_backward`, `head_norm_backward`)."""
+    if not (d.overlap and d.sp and d.block_regather):
+        return 0
+    return d.p * d.N * d.H * (linears if d.per_linear else 1)
+
+
 def attention_dropout(d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int) -> Moment:
     """model.dropout: the top block's attention-probability dropout drawing its mask, in its hash's
     last fold (two int32 copies of the probabilities' shape: tpbench.models.dropout). As at the
@@ -115,7 +126,7 @@ def down_backward(
     incoming = d.s * d.Ns * d.H + (d.p * d.N * d.H if d.sp else 0)
     if d.dropout and not d.mixed and not d.sp:  # the MLP dropout's input gradient, down's to take
         incoming += d.p * d.N * d.H
-    temps = ffn + d.p * weight + incoming + (d.V_l * d.H * d.w if d.tied else 0)
+    temps = ffn + d.p * weight + incoming + (d.V_l * d.H * d.w if d.tied else 0) + prefetched_input(d, 2)
     grads = top_block_grads(d, (), buckets, own_grads)
     activations = after_head(acts) + LOSS_AND_GRAD - stream_mask(d)  # the MLP dropout's backward ran
     if d.recompute == "selective":  # down's input (and weight cast) made again, not kept from forward
@@ -146,7 +157,7 @@ def swiglu_backward(
     if d.mixed and d.recompute == "none":
         freed += d.p * d.I_l * d.H  # down's weight cast
     done = ("mlp.down_proj",)
-    temps = 3 * ffn + d.s * d.Ns * d.H + (d.V_l * d.H * d.w if d.tied else 0)
+    temps = 3 * ffn + d.s * d.Ns * d.H + (d.V_l * d.H * d.w if d.tied else 0) + prefetched_input(d, 2)
     grads = top_block_grads(d, done, buckets, own_grads)
     return Moment("swiglu backward", P, grads, optim, after_head(acts) - freed + LOSS_AND_GRAD, temps)
 
@@ -191,6 +202,34 @@ def post_attention_norm_backward(
     grads = top_block_grads(d, done, buckets, own_grads)
     activations = after_head(acts) - freed + LOSS_AND_GRAD
     return Moment("post-attention norm backward", P, grads, optim, activations, temps)
+
+
+def recomputed_post_attention_norm(
+    d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool, layer: int
+) -> Moment:
+    """Full recompute: block `layer`'s post-attention RMSNorm backward, at pow's backward, as
+    `post_attention_norm_backward` with the recomputed tensors (`recomputed`) in place of the saved
+    ones: the MLP has run its backward (its gathered input, the SwiGLU's tensors and, mixed, its weight
+    casts freed, its weight gradients made), 5 fp32 temporaries of the stream's shape (a sixth, the
+    fp32 input made again, unless the stream is fp32). Without SP they are [S, B, H] each: at a real
+    model's shape the block's largest moment. The blocks above have finished, as for
+    `recomputed_block`."""
+    saved = recomputed(d)
+    freed = saved["mlp input"] + saved["swiglu"] + stream_mask(d)
+    if d.mixed:
+        freed += d.p * sum(n for name, n in layer_params(d) if name.startswith("mlp."))
+    above, residual = d.L - 1 - layer, d.s * d.Ns * d.H  # the norm's input: a temporary (`recomputed_swiglu`)
+    activations = after_head(acts) - above * (acts["blocks"] // d.L) + sum(saved.values()) - freed - residual
+    temps = (6 if d.s != FP32 else 5) * FP32 * d.Ns * d.H + residual + (d.V_l * d.H * d.w if d.tied else 0)
+    done: tuple[str, ...] = ("mlp.", "post_attention_layernorm")
+    if d.s == FP32:  # an fp32 stream (mixed precision): at the peak the mean's [S, B, 1] fp32
+        temps += FP32 * d.Ns  # gradient is alive and the norm's weight gradient not made yet
+        done = ("mlp.",)
+    grads = d.H + sum(n for name, n in layer_params(d) if name.startswith(done))
+    grads += above * sum(n for _, n in layer_params(d)) + (0 if d.tied else d.V_l * d.H)
+    grads = buckets + (grads * d.w if own_grads else 0)
+    name = f"recomputed post-attention norm {layer}"
+    return Moment(name, P, grads, optim, activations + LOSS_AND_GRAD, temps)
 
 
 def head_norm_backward(
@@ -263,7 +302,7 @@ def attention_backward(
     grads = d.H + sum(n for name, n in layer_params(d) if name.startswith(tuple(done)))
     grads += above * sum(n for _, n in layer_params(d)) + (0 if d.tied else d.V_l * d.H)
     tied_head = d.V_l * d.H * d.w if d.tied else 0
-    flowing = d.s * d.Ns * d.H + d.p * d.N * v_width
+    flowing = d.s * d.Ns * d.H + d.p * d.N * v_width + prefetched_input(d, 3)
     grads = buckets + (grads * d.w if own_grads else 0)
     activations = after_head(acts) - above * (acts["blocks"] // d.L) - freed + LOSS_AND_GRAD
     activations += sum(saved.values()) if full else 0
@@ -324,3 +363,39 @@ def recomputed_block(
     temps = 3 * ffn + d.s * d.Ns * d.H + tied_head
     grads = buckets + (grads * d.w if own_grads else 0)
     return Moment(f"recomputed block {layer}", P, grads, optim, activations, temps)
+
+
+def recomputed_swiglu(
+    d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool, layer: int
+) -> Moment:
+    """Full recompute: block `layer`'s forward made again in its backward, at its SwiGLU's product
+    (silu(gate) is made, then silu(gate) * up beside it: 4 tensors of the SwiGLU's size at once, gate,
+    up and the product saved). The blocks above have finished, as for `recomputed_block`.
+    What the recomputation has saved up to there is alive: all of `recomputed` but down_proj's weight
+    cast (mixed) and the MLP dropout's mask. So are what its forward holds without saving it, the
+    post-attention norm's output that the MLP region's entry gathered or cast (`unsaved_norm_output`),
+    and what started the recomputation: down_proj's backward, with the stream's gradient and down's
+    output gradient (SP's all-gathered one, or under mixed precision its bf16 cast); with dropout, the MLP
+    dropout's backward, before those (as `recomputed_attention_dropout`). A tied head's gradient waits
+    (a temporary) for the embedding's share.
+    The split follows MemTracker's: a tensor the recomputation makes is an activation while one of the
+    block's modules runs its forward (a module's pre-forward hook marks it, its post-forward hook
+    unmarks it), a temporary otherwise. So silu(gate) and the norm's output count as activations, and
+    the residual sum the post-attention norm keeps (recompute needs the lean norm), made by the block
+    itself between its modules, as a temporary."""
+    ffn = d.p * d.N * d.I_l
+    above = d.L - 1 - layer
+    saved = sum(recomputed(d).values()) - stream_mask(d) - (d.p * d.H * d.I_l if d.mixed else 0)
+    residual = d.s * d.Ns * d.H
+    activations = after_head(acts) - above * (acts["blocks"] // d.L) + saved + LOSS_AND_GRAD
+    activations += ffn + unsaved_norm_output(d) - residual
+    if d.dropout:
+        flowing = d.s * d.Ns * d.H + (d.p * d.Ns * d.H if d.mixed else 0)
+    else:
+        # down's output gradient: SP's all-gathered [N, H] (of a cast shard, freed, under mixed), else
+        # under mixed precision the stream's gradient cast to bf16
+        flowing = d.s * d.Ns * d.H + (d.p * d.N * d.H if d.sp or d.mixed else 0)
+    temps = residual + flowing + (d.V_l * d.H * d.w if d.tied else 0)
+    grads = d.H + above * sum(n for _, n in layer_params(d)) + (0 if d.tied else d.V_l * d.H)
+    grads = buckets + (grads * d.w if own_grads else 0)
+    return Moment(f"recomputed swiglu {layer}", P, grads, optim, activations, temps)

@@ -41,11 +41,14 @@ def moments(d: Dims) -> list[Moment]:
     temp = d.p * d.N * d.V_l + d.V_l * d.H * d.p + d.p * d.N * d.H
     if d.sp and d.vp and d.regather:  # the head's input, all-gathered again
         temp += d.p * d.N * d.H
-    out.append(Moment("head backward", P, buckets, O, A + LOSS_AND_GRAD, temp))
+    head = A + LOSS_AND_GRAD
+    if d.vp and not d.logits_mean:  # the vocab-parallel loss made the logits' gradient in place of the
+        head, temp = head + d.p * d.N * d.V_l, temp - d.p * d.N * d.V_l  # logits: an activation still
+    out.append(Moment("head backward", P, buckets, O, head, temp))
     if d.overlap and d.vp and d.mixed:  # the head's weight gradient deferred to its entry's backward
         # (tpbench.parallel.overlap): made there in bf16 and cast to fp32 while the logits' gradient
         # (which it is made from) and the rest of the head's backward are live, its bf16 weight cast gone
-        cast = A + LOSS_AND_GRAD - acts["head weight cast"]
+        cast = head - acts["head weight cast"]
         out.append(Moment("head entry backward", P, buckets, O, cast, temp + d.V_l * d.H * d.w))
     if d.mixed:  # the head's weight gradient cast to fp32, beside its bf16 one and the input's gradient
         after = A - acts["head input"] - acts["head weight cast"] + LOSS_AND_GRAD
@@ -53,7 +56,10 @@ def moments(d: Dims) -> list[Moment]:
         out.append(Moment("head weight cast's backward", P, buckets, O, after, cast))
     out.append(blocks.final_norm_backward(d, acts, P, O, buckets, G > 0))
     if d.recompute == "full":
-        out += [blocks.recomputed_block(d, acts, P, O, buckets, G > 0, i) for i in sorted({d.L - 1, 0})]
+        for i in sorted({d.L - 1, 0}):
+            out.append(blocks.recomputed_swiglu(d, acts, P, O, buckets, G > 0, i))
+            out.append(blocks.recomputed_block(d, acts, P, O, buckets, G > 0, i))
+            out.append(blocks.recomputed_post_attention_norm(d, acts, P, O, buckets, G > 0, i))
     else:
         out += blocks.down_backward(d, acts, P, O, buckets, G > 0)
         out.append(blocks.swiglu_backward(d, acts, P, O, buckets, G > 0))
