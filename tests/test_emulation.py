@@ -127,7 +127,14 @@ def test_an_emulated_gpu_rank_matches_the_model_and_reports_the_allocator(name):
 # FSDP 32 x TP 8, micro-batch 16, full activation checkpointing, and of Llama 3.1 8B at FSDP 8,
 # micro-batch 2, selective recompute; S 8192, bf16 mixed (FSDP2's MixedPrecisionPolicy)
 TORCHTITAN = {
-    "llama3_70b_fsdp32_tp8": ["model=llama3_70b", "tp=8", "dp=32", "micro_batch=16", "recompute=full"],
+    "llama3_70b_fsdp32_tp8": [
+        "model=llama3_70b",
+        "mode=tp_sp_vp",
+        "tp=8",
+        "dp=32",
+        "micro_batch=16",
+        "recompute=full",
+    ],
     "llama3_8b_fsdp8": ["model=llama3_8b", "tp=1", "dp=8", "micro_batch=2", "recompute=selective"],
 }
 
