@@ -11,7 +11,9 @@ Every such job runs in a thread beside the tests, one after another in its lane,
 session's tests first need them (conftest.py starts them once the session has collected). A torchrun
 job then computes on both cores while a test in this process uses one. Jobs that mostly wait (a hang
 waiting out its collective timeout) have a lane of their own, so that their waiting leaves no core idle.
-A job no selected test needs never starts; a test that needs one before it started starts it.
+A job no selected test needs never starts. A test must name the jobs it waits on as its fixtures: one
+looked up inside it (request.getfixturevalue) would start unseen, in the quick tier too (conftest.py's
+`quick` reads the fixtures), and is refused.
 """
 
 from __future__ import annotations
@@ -52,7 +54,11 @@ class Beside:
             self.futures[key] = self.lanes[lane].submit(job, self.tmp.mktemp(key.split("::")[1]))
 
     def result(self, key: str) -> object:
-        self.start(key)
+        if key not in self.futures:
+            raise LookupError(
+                f"job {key} was not started for the collected tests: a test looked it up inside itself "
+                "(request.getfixturevalue); name it among the test's fixtures"
+            )
         return self.futures[key].result()  # the job's own exception, if it failed
 
     def key(self, item: pytest.Item, fixture: str) -> str | None:

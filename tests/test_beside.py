@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CONFTEST = """
 from beside import BESIDE
 
@@ -44,21 +46,44 @@ def test_b(measured):
 def test_c():
     pass
 """,
+    "test_d.py": """
+from beside import beside
+
+@beside
+def looked_up(folder):  # as in the quick tier: no selected test names it
+    return folder.name
+
+def test_d_looks_it_up(request):
+    assert request.getfixturevalue("looked_up").startswith("looked_up")
+""",
 }
 
 
-def test_a_job_imported_into_another_module_is_a_job_there_too(tmp_path: Path):
-    (tmp_path / "conftest.py").write_text(CONFTEST)
+@pytest.fixture(scope="module")
+def session(tmp_path_factory) -> subprocess.CompletedProcess:
+    """One pytest session of the files above, with BESIDE's hooks as conftest.py has them."""
+    folder = tmp_path_factory.mktemp("beside")
+    (folder / "conftest.py").write_text(CONFTEST)
     for name, text in TESTS.items():
-        (tmp_path / name).write_text(text)
+        (folder / name).write_text(text)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent))
-    command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", str(tmp_path)]
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    needs = [line for line in done.stdout.splitlines() if line.startswith("NEEDS")]
+    command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", str(folder)]
+    return subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_job_imported_into_another_module_is_a_job_there_too(session):
+    needs = [line for line in session.stdout.splitlines() if line.startswith("NEEDS")]
     assert needs == [
         "NEEDS test_a.py::test_a ['measured']",
         "NEEDS test_b.py::test_b ['measured']",
         "NEEDS test_b.py::test_c []",
+        "NEEDS test_d.py::test_d_looks_it_up []",
     ]
-    assert "3 passed" in done.stdout
+    assert "3 passed" in session.stdout, session.stdout + session.stderr
+
+
+def test_a_job_looked_up_inside_a_test_is_refused(session):
+    """Unseen by its fixtures, it would start in the quick tier (test_sharded_dp's broken levels once
+    launched two torchrun jobs there)."""
+    assert "1 failed, 3 passed" in session.stdout, session.stdout + session.stderr
+    assert "LookupError: job test_d::looked_up was not started for the collected tests" in session.stdout

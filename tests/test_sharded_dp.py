@@ -109,13 +109,11 @@ def test_each_level_matches_dense_at_dp2_with_mode_ddp(dp2_tp1, name):
     assert r["failed"] == [] and r["metrics"]["passed"] == 1.0
 
 
-@pytest.mark.parametrize(
-    "job, name",
-    [("dp2_tp2", n) for n in DP2_TP2 if n.startswith("broken")]
-    + [("dp2_tp1", n) for n in DP2_TP1 if n.startswith("broken")],
-)
-def test_a_broken_reduce_scatter_or_all_gather_fails(request, job, name):
-    r = request.getfixturevalue(job)[name]
+@pytest.mark.parametrize("name", [n for n in (*DP2_TP2, *DP2_TP1) if n.startswith("broken")])
+def test_a_broken_reduce_scatter_or_all_gather_fails(dp2_tp2, dp2_tp1, name):
+    """Both jobs as fixtures, not looked up inside the test: the quick tier (conftest.py) leaves out
+    what waits on a job by its fixtures."""
+    r = (dp2_tp2 | dp2_tp1)[name]
     assert r["metrics"]["passed"] == 0.0 and r["failed"]
 
 
