@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from beside import BESIDE
+from beside import BESIDE, under_xdist
 from ci_skips import (  # noqa: F401 (hooks: under CI a skip for a missing part fails)
     pytest_configure,
     pytest_make_collect_report,
@@ -159,6 +159,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     BESIDE.shutdown()
 
 
+ONCE_PER_SESSION = (
+    "%s: one server for the session, which under pytest-xdist (-n) each worker would start again: "
+    "accepted are -n with -m quick, or no -n"
+)
+
+
 # -- PostgreSQL: one real server for the session, a fresh database per test ---------------------------
 
 PG_PASSWORD = "s3cret-pg-Pa55"  # must never show up in what tpbench stores, logs or prints
@@ -234,6 +240,8 @@ def _postgres_bindir() -> Path | None:
 def postgres(tmp_path_factory) -> Iterator[PostgresServer]:
     """Skipped, with the reason, only where this machine cannot run PostgreSQL (under CI: failed,
     ci_skips.py)."""
+    if under_xdist():
+        pytest.fail(ONCE_PER_SESSION % "PostgreSQL")
     bindir = _postgres_bindir()
     if bindir is None:
         pytest.skip("PostgreSQL is not installed (no pg_ctl): `bash scripts/setup.sh --tests` installs it")
@@ -271,6 +279,8 @@ def db_url(request, tmp_path) -> str:
 @pytest.fixture(scope="session")
 def slurm() -> Iterator[OneNodeCluster]:
     """Skipped, with the reason, only where this machine cannot run Slurm (under CI: failed, ci_skips.py)."""
+    if under_xdist():
+        pytest.fail(ONCE_PER_SESSION % "Slurm")
     reason = why_not()
     if reason:
         pytest.skip(reason)

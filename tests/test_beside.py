@@ -60,15 +60,24 @@ def test_d_looks_it_up(request):
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory) -> subprocess.CompletedProcess:
-    """One pytest session of the files above, with BESIDE's hooks as conftest.py has them."""
+def folder(tmp_path_factory) -> Path:
+    """The files above, with BESIDE's hooks as conftest.py has them."""
     folder = tmp_path_factory.mktemp("beside")
     (folder / "conftest.py").write_text(CONFTEST)
     for name, text in TESTS.items():
         (folder / name).write_text(text)
+    return folder
+
+
+def pytest_in(folder: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent))
-    command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", str(folder)]
+    command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *args, str(folder)]
     return subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def session(folder: Path) -> subprocess.CompletedProcess:
+    return pytest_in(folder)
 
 
 def test_a_job_imported_into_another_module_is_a_job_there_too(session):
@@ -87,3 +96,13 @@ def test_a_job_looked_up_inside_a_test_is_refused(session):
     launched two torchrun jobs there)."""
     assert "1 failed, 3 passed" in session.stdout, session.stdout + session.stderr
     assert "LookupError: job test_d::looked_up was not started for the collected tests" in session.stdout
+
+
+def test_xdist_workers_start_no_job_and_refuse_the_tests_that_wait_on_one(folder: Path):
+    """Under `-n 2` each worker is a session of its own: a job would run once per worker. None starts;
+    the tests that wait on one fail with the line that says so, the others run."""
+    done = pytest_in(folder, "-n", "2")
+    assert "1 failed, 1 passed, 2 errors" in done.stdout, done.stdout + done.stderr  # test_c passed
+    for job in ("test_a::measured", "test_d::looked_up"):
+        said = f"LookupError: job {job} was not started for the collected tests: under pytest-xdist (-n)"
+        assert said in done.stdout
