@@ -131,7 +131,10 @@ def quick(item: pytest.Item) -> bool:
     file = path.split("::")[0]
     if f"{file}::{name}" in QUICK_LAUNCHES:
         return True
-    if file in SLOW_FILES or f"{file}::{name}" in SLOW_TESTS or "[postgresql]" in item.nodeid:
+    if item.get_closest_marker("not_quick"):  # a case its file marks slow (test_documented_commands)
+        return False
+    on_postgres = getattr(item, "callspec", None) and item.callspec.params.get("db_url") == "postgresql"
+    if file in SLOW_FILES or f"{file}::{name}" in SLOW_TESTS or on_postgres:
         return False
     needs = set(getattr(item, "fixturenames", ()))
     return not needs & SLOW_FIXTURES and not any(BESIDE.needs(item, n) for n in needs)

@@ -70,7 +70,8 @@ def folder(tmp_path_factory) -> Path:
 
 
 def pytest_in(folder: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}  # run by a worker
+    env["PYTHONPATH"] = str(Path(__file__).parent)
     command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *args, str(folder)]
     return subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=120)
 
