@@ -101,13 +101,10 @@ VALIDATE_T2 |= {
     "tp_fused": [*MODES["tp"], *FUSED],
     "tp_sp_linear_vp_fused_mixed": [*MODES["tp_sp_linear_vp"], *PRECISIONS["mixed"], *FUSED],
 }
-# train.compile: each block compiled by inductor, its collectives custom ops in the graph. One config per
-# graph the blocks compile to: TP's all-reduces (f, f-bar), SP's gather and reduce-scatter per region,
-# SP's gather per column linear, and overlap's pieces between the linears; autocast's bf16 matmuls
-# inside a whole block ride in the TP one (a separate fp32 `tp_compile` compiled the same ops: 48 CPU s
-# of inductor on a cold cache for no check the others lack; fp32 graphs are the two SP ones)
+# train.compile: each block compiled by inductor, its collectives custom ops in the graph
 COMPILE = ["train.compile=true"]
 COMPILED = {  # compiled config -> the same config eager
+    "tp_compile": "tp",
     "tp_sp_keep_full_compile": "tp_sp_keep_full",
     "tp_sp_linear_keep_full_compile": "tp_sp_linear_keep_full",
     "tp_vp_compile_mixed": "tp_vp_mixed",
