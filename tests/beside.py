@@ -11,11 +11,15 @@ Every such job runs in a thread beside the tests, one after another in its lane,
 session's tests first need them (conftest.py starts them once the session has collected). A torchrun
 job then computes on both cores while a test in this process uses one. Jobs that mostly wait (a hang
 waiting out its collective timeout) have a lane of their own, so that their waiting leaves no core idle.
-A job no selected test needs never starts; a test that needs one before it started starts it.
+A job no selected test needs never starts. A test must name the jobs it waits on as its fixtures: one
+looked up inside it (request.getfixturevalue) would start unseen, in the quick tier too (conftest.py's
+`quick` reads the fixtures), and is refused. Under pytest-xdist (`-n 2`) each worker is a session of
+its own and would run every job again: none starts there, and a test that waits on one is refused.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -52,7 +56,14 @@ class Beside:
             self.futures[key] = self.lanes[lane].submit(job, self.tmp.mktemp(key.split("::")[1]))
 
     def result(self, key: str) -> object:
-        self.start(key)
+        if key not in self.futures:
+            why = (
+                "under pytest-xdist (-n) each worker is a session of its own, which would run it again: "
+                "accepted are -n with -m quick, or no -n"
+                if under_xdist()
+                else "a test looked it up inside itself (request.getfixturevalue); name it among its fixtures"
+            )
+            raise LookupError(f"job {key} was not started for the collected tests: {why}")
         return self.futures[key].result()  # the job's own exception, if it failed
 
     def key(self, item: pytest.Item, fixture: str) -> str | None:
@@ -69,7 +80,9 @@ class Beside:
         return self.key(item, fixture) is not None
 
     def start_for(self, items: list[pytest.Item]) -> None:
-        """Start the jobs these tests need, first needed first."""
+        """Start the jobs these tests need, first needed first (none in a pytest-xdist worker)."""
+        if under_xdist():
+            return
         for item in items:
             for name in getattr(item, "fixturenames", ()):
                 if key := self.key(item, name):
@@ -78,6 +91,11 @@ class Beside:
     def shutdown(self) -> None:
         for lane in self.lanes.values():
             lane.shutdown(cancel_futures=True)  # the job under way ends first
+
+
+def under_xdist() -> bool:
+    """In a worker of pytest-xdist (`-n 2`, for the quick tier): a session of its own, like its siblings."""
+    return bool(os.environ.get("PYTEST_XDIST_WORKER"))
 
 
 BESIDE = Beside()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from beside import BESIDE
+from beside import BESIDE, under_xdist
 from ci_skips import (  # noqa: F401 (hooks: under CI a skip for a missing part fails)
     pytest_configure,
     pytest_make_collect_report,
@@ -131,7 +131,10 @@ def quick(item: pytest.Item) -> bool:
     file = path.split("::")[0]
     if f"{file}::{name}" in QUICK_LAUNCHES:
         return True
-    if file in SLOW_FILES or f"{file}::{name}" in SLOW_TESTS or "[postgresql]" in item.nodeid:
+    if item.get_closest_marker("not_quick"):  # a case its file marks slow (test_documented_commands)
+        return False
+    on_postgres = getattr(item, "callspec", None) and item.callspec.params.get("db_url") == "postgresql"
+    if file in SLOW_FILES or f"{file}::{name}" in SLOW_TESTS or on_postgres:
         return False
     needs = set(getattr(item, "fixturenames", ()))
     return not needs & SLOW_FIXTURES and not any(BESIDE.needs(item, n) for n in needs)
@@ -157,6 +160,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     BESIDE.shutdown()
+
+
+ONCE_PER_SESSION = (
+    "%s: one server for the session, which under pytest-xdist (-n) each worker would start again: "
+    "accepted are -n with -m quick, or no -n"
+)
 
 
 # -- PostgreSQL: one real server for the session, a fresh database per test ---------------------------
@@ -234,6 +243,8 @@ def _postgres_bindir() -> Path | None:
 def postgres(tmp_path_factory) -> Iterator[PostgresServer]:
     """Skipped, with the reason, only where this machine cannot run PostgreSQL (under CI: failed,
     ci_skips.py)."""
+    if under_xdist():
+        pytest.fail(ONCE_PER_SESSION % "PostgreSQL")
     bindir = _postgres_bindir()
     if bindir is None:
         pytest.skip("PostgreSQL is not installed (no pg_ctl): `bash scripts/setup.sh --tests` installs it")
@@ -271,6 +282,8 @@ def db_url(request, tmp_path) -> str:
 @pytest.fixture(scope="session")
 def slurm() -> Iterator[OneNodeCluster]:
     """Skipped, with the reason, only where this machine cannot run Slurm (under CI: failed, ci_skips.py)."""
+    if under_xdist():
+        pytest.fail(ONCE_PER_SESSION % "Slurm")
     reason = why_not()
     if reason:
         pytest.skip(reason)

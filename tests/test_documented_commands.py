@@ -17,6 +17,7 @@ Placeholders are filled: shell variables from the block's assignments (`C="..."`
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 from dataclasses import dataclass
@@ -121,6 +122,15 @@ class Launched(Exception):
 COMMANDS = documented()
 
 
+def composes_many(doc: Documented) -> bool:
+    """A `sweep` or `plan` of a preset or of 8 configs or more: seconds of Hydra composing (one
+    compose is about 0.1 s idle), run in the whole suite, left out of the quick tier (`not_quick`)."""
+    verb, *args = shlex.split(doc.command)[1:]
+    swept = [len(a.split("=", 1)[1].split(",")) for a in args if "=" in a and not a.startswith("-")]
+    preset = any(a.startswith("+preset=") for a in args)
+    return verb in ("sweep", "plan") and (preset or math.prod(swept) >= 8)
+
+
 def test_the_docs_quote_commands_of_every_verb():
     verbs = {shlex.split(d.command)[1] for d in COMMANDS}
     assert verbs >= {"run", "sweep", "runs", "report", "plan", "fit", "diagram"}
@@ -161,6 +171,28 @@ def test_placeholders_are_filled_and_refusals_read():
     ]
 
 
+def test_a_preset_or_a_sweep_of_eight_configs_leaves_the_quick_tier(request):
+    assert composes_many(Documented("", "tpbench sweep +preset=seed_check", None))
+    assert composes_many(Documented("", "tpbench plan tp=1,2 dp_shard=none,optimizer,grads,full", None))
+    assert not composes_many(Documented("", "tpbench sweep mode=tp,tp_sp kind=validate,memory", None))
+    assert not composes_many(Documented("", "tpbench fit +preset=seed_check", None))
+    assert request.node.get_closest_marker("quick")  # conftest.py marks the others quick
+    slow = [d.command for d in COMMANDS if composes_many(d)]
+    assert "tpbench sweep +preset=seed_tp_memory_cpu" in slow and len(slow) < len(COMMANDS) / 3
+    from conftest import quick
+
+    class Case:  # a test_documented_command item as conftest.py's `quick` reads it
+        nodeid, fixturenames = "tests/test_documented_commands.py::test_documented_command[x]", ["folder"]
+
+        def __init__(self, marked: bool) -> None:
+            self.marked = marked
+
+        def get_closest_marker(self, name: str) -> bool:
+            return self.marked and name == "not_quick"
+
+    assert quick(Case(marked=False)) and not quick(Case(marked=True))
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("documented")
@@ -170,7 +202,11 @@ def folder(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("doc", COMMANDS, ids=[d.command for d in COMMANDS])
+@pytest.mark.parametrize(
+    "doc",
+    [pytest.param(d, marks=[pytest.mark.not_quick] if composes_many(d) else []) for d in COMMANDS],
+    ids=[d.command for d in COMMANDS],
+)
 def test_documented_command(doc: Documented, folder: Path, monkeypatch):
     import torch
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper

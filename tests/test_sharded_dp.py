@@ -1,10 +1,11 @@
 """Sharded data parallelism (parallel.dp_shard: ZeRO-1, FSDP2's ZeRO-2 and ZeRO-3, HSDP) validated
 against the dense model, and each level seen failing with its reduce-scatter or its all-gather broken.
 
-Two torchrun jobs run every config below through validate.run (this file is their script): 4 ranks
-for DP 2 x TP 2 (each TP mode of both engines under some level, in fp32 and mixed precision, with
-recompute and overlap) and HSDP's DP 4; 2 ranks for DP 2 x TP 1 (mode=ddp) at every level. The whole
-grid, every level x every mode, in fp32 (and again with `precision=mixed dtype=bfloat16`):
+The shared torchrun jobs (tests/torchrun_checks.py's WORLD4 and WORLD2, beside test_parallel's configs)
+run every config below through validate.run, on every rank: 4 ranks for DP 2 x TP 2 (each TP mode of
+both engines under some level, in fp32 and mixed precision, with recompute and overlap) and HSDP's
+DP 4; 2 ranks for DP 2 x TP 1 (mode=ddp) at every level. The whole grid, every level x every mode, in
+fp32 (and again with `precision=mixed dtype=bfloat16`):
 
     tpbench sweep kind=validate dp=2 dp_shard=optimizer,grads,full \
         mode=tp,tp_sp,tp_sp_linear,tp_vp,tp_sp_vp,ddp
@@ -14,14 +15,12 @@ grid, every level x every mode, in fp32 (and again with `precision=mixed dtype=b
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import pytest
 from beside import beside
 from test_cli import nothing_written, workdir  # noqa: F401 (a fixture)
-from torchrun_checks import run_config, torchrun
+from torchrun_checks import WORLD2, WORLD4, per_config, same_on_every_rank
 from typer.testing import CliRunner
 
 from tpbench.cli import app
@@ -68,36 +67,31 @@ DP2_TP1 = {  # mode=ddp
     "broken_full_reduce_scatter": [*DDP, "parallel.dp_shard=full", "debug.shard_fault=no_reduce_scatter"],
 }
 
-# --- the torchrun jobs ---------------------------------------------------------------------------
+# --- the torchrun jobs: the shared world-4 and world-2 ones (one launch each for several files) ------
+
+WORLD4.add("validate", "sharded", {k: [*TINY, f"parallel.dp={4 if k.startswith('hsdp') else 2}", *v]
+                                   for k, v in DP2_TP2.items()})  # fmt: skip
+WORLD2.add("validate", "sharded", {k: [*TINY, "parallel.dp=2", *v] for k, v in DP2_TP1.items()})
 
 
-def _main(out: str, world: int) -> None:
-    import torch.distributed as dist
-
-    from tpbench.experiments import validate
-
-    dist.init_process_group("gloo")
-    results: dict[str, dict] = {}
-    for name, overrides in (DP2_TP2 if world == 4 else DP2_TP1).items():
-        dp = 4 if name.startswith("hsdp") else 2
-        r = validate.run(run_config([*TINY, f"parallel.dp={dp}", *overrides]))
-        metrics = {m.name: m.value for m in r.measurements if m.step is None}
-        comm = [[c.op, c.purpose, c.count, c.bytes] for c in r.comm]
-        results[name] = {"metrics": metrics, "failed": r.failed, "comm": comm}
-    dist.barrier()
-    if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
+def _rank0(ranks: list[dict]) -> dict:
+    """Rank 0's results per config, once every rank reported the same verdict figures and collectives
+    (the failed checks' lines are rank 0's alone: what the database records)."""
+    out = {}
+    for name, per_rank in per_config(ranks).items():
+        same_on_every_rank([{"metrics": r["metrics"], "comm": r["comm"]} for r in per_rank])
+        out[name] = per_rank[0]
+    return out
 
 
 @beside
 def dp2_tp2(folder: Path) -> dict:
-    return torchrun(Path(__file__), 4, folder / "sharded_4.json", "4")
+    return _rank0(WORLD4.part(folder, "validate", "sharded"))
 
 
 @beside
 def dp2_tp1(folder: Path) -> dict:
-    return torchrun(Path(__file__), 2, folder / "sharded_2.json", "2")
+    return _rank0(WORLD2.part(folder, "validate", "sharded"))
 
 
 # --- the assertions ------------------------------------------------------------------------------
@@ -115,13 +109,11 @@ def test_each_level_matches_dense_at_dp2_with_mode_ddp(dp2_tp1, name):
     assert r["failed"] == [] and r["metrics"]["passed"] == 1.0
 
 
-@pytest.mark.parametrize(
-    "job, name",
-    [("dp2_tp2", n) for n in DP2_TP2 if n.startswith("broken")]
-    + [("dp2_tp1", n) for n in DP2_TP1 if n.startswith("broken")],
-)
-def test_a_broken_reduce_scatter_or_all_gather_fails(request, job, name):
-    r = request.getfixturevalue(job)[name]
+@pytest.mark.parametrize("name", [n for n in (*DP2_TP2, *DP2_TP1) if n.startswith("broken")])
+def test_a_broken_reduce_scatter_or_all_gather_fails(dp2_tp2, dp2_tp1, name):
+    """Both jobs as fixtures, not looked up inside the test: the quick tier (conftest.py) leaves out
+    what waits on a job by its fixtures."""
+    r = (dp2_tp2 | dp2_tp1)[name]
     assert r["metrics"]["passed"] == 0.0 and r["failed"]
 
 
@@ -182,7 +174,3 @@ def test_a_memory_run_the_model_is_not_checked_for_is_refused(workdir):  # noqa:
     assert done.stderr.startswith("kind=memory: the memory model is not checked for parallel.dp_shard=full")
     assert "recompute=full" in done.stderr and len(done.stderr.splitlines()) == 1
     assert nothing_written(workdir)
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1], int(sys.argv[2]))
