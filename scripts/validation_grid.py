@@ -96,6 +96,13 @@ def main() -> None:
     parser.add_argument(
         "--scales", default="", help="with --planted: the scale bug's debug.grad_scale list, e.g. 1.03,1.04"
     )
+    parser.add_argument(
+        "--bf16-gemm",
+        choices=("fp32_accumulate", "native"),
+        default="fp32_accumulate",
+        help="the bf16 parts' launch.bf16_gemm (default fp32_accumulate: a GPU's bf16 GEMM at fp32 speed; "
+        "native parts are labelled grid_<part>_native)",
+    )
     parser.add_argument("--report", action="store_true", help="only read the database")
     args = parser.parse_args()
     if unknown := set(args.parts) - set(PARTS):
@@ -136,6 +143,10 @@ def run_part(part: str, args: argparse.Namespace, llama: Path) -> None:
     shape, dtype, tp, modes = PARTS[part]
     seeds = ",".join(str(s) for s in range(args.first_seed, args.first_seed + args.seeds))
     overrides = [o.format(llama=llama) for o in SHAPES[shape]] + DTYPES[dtype]
+    label = part
+    if dtype == "bf16":
+        overrides.append(f"launch.bf16_gemm={args.bf16_gemm}")
+        label += "_native" if args.bf16_gemm == "native" else ""
     command = [
         str(Path(sys.executable).parent / "tpbench"),
         "sweep",
@@ -144,7 +155,7 @@ def run_part(part: str, args: argparse.Namespace, llama: Path) -> None:
         f"tp={tp}",
         f"mode={args.modes or modes}",
         f"train.seed={seeds}",
-        f"sweep=grid_{part}",
+        f"sweep=grid_{label}",
         f"db.url={args.db}",
     ]
     print("+", " ".join(command), flush=True)
@@ -204,10 +215,10 @@ def report(url: str) -> str:
     params = db.param_errors(runs["id"].tolist())
     params = params[params["rank"] == 0]
     lines = [
-        "| part | runs | OK | failed | "
+        "| part | runs | OK | failed | CPU s per rank (median; max) | "
         + " | ".join(f"{c} worst of bound (max ratio; above floor)" for c in CHECKS)
         + " |",
-        "|---" * (4 + len(CHECKS)) + "|",
+        "|---" * (5 + len(CHECKS)) + "|",
     ]
     for sweep, group in runs.groupby("sweep", sort=False):
         ids = group["id"].tolist()
@@ -226,7 +237,10 @@ def report(url: str) -> str:
             over = (value[above] / ref[above]).max() if above.any() else float("nan")
             cells.append(f"{of_bound:.2f} ({ratio:.2f}; {over:.2f})")
         ok = int((group["status"] == "OK").sum())
-        lines.append(f"| {sweep[5:]} | {len(group)} | {ok} | {len(group) - ok} | " + " | ".join(cells) + " |")
+        cpu = m["validate_cpu_s"].dropna() if "validate_cpu_s" in m else pd.Series(dtype=float)
+        cpu_cell = f"{cpu.median():.1f}; {cpu.max():.1f}" if len(cpu) else "-"
+        head = f"| {sweep[5:]} | {len(group)} | {ok} | {len(group) - ok} | {cpu_cell} | "
+        lines.append(head + " | ".join(cells) + " |")
     worst = params.assign(
         of_bound=params["grad_rel_l2"] / (4 * params["grad_ref_rel_l2"] + FLOORS["grad_rel_l2"])
     )

@@ -117,6 +117,8 @@ def table(cfg: RunConfig, checks: list[Verdict], rows: list[ParamRow], passed: b
     p, t = cfg.parallel, cfg.train
     reference = "fp64" if t.dtype == "float32" else "fp32"
     title = f"validate {mode_label(p)}  tp={p.tp} dp={p.dp}  {t.dtype} {t.precision}"
+    if cfg.launch.bf16_gemm != "native":  # tpbench.experiments.gemm
+        title += "  bf16 GEMMs: fp32-accumulated, rounded once"
     main = Table(title=title)
     for col in ("check", "worst parameter", "measured", f"dense vs {reference}", "bound", "ok"):
         main.add_column(col, justify="left" if col in ("check", "worst parameter") else "right", no_wrap=True)

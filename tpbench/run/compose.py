@@ -67,6 +67,7 @@ CHOICES = {
     "fault": ("", *FAULTS),
     "launch.emulate": FLAVOURS,
     "launch.emulate_gpu": hardware.allocator_names(),
+    "launch.bf16_gemm": ("native", "fp32_accumulate"),
     "debug.overlap_fault": ("", "no_wait", "early_bucket"),
     "debug.ddp_fault": ("", "no_divide", "drop_bucket"),
     "debug.validate_fault": ("", "rank1_param", "rope_offset", "no_backward_sum"),
@@ -234,6 +235,7 @@ def check(cfg: RunConfig) -> None:
             raise ConfigError(f"debug.skip_grad_sum has {name!r}: accepted are {accepted}")
     _check_keep_output(cfg)
     _check_emulation(cfg)
+    _check_bf16_gemm(cfg)
     _check_nodes(cfg)
     _check_fault(cfg)
     check_shardable(cfg)
@@ -291,6 +293,11 @@ def resolve_device(cfg: RunConfig) -> None:
             f"launch.device=cuda: {local_ranks} ranks on a node need {local_ranks} GPUs, "
             + (f"launch.slurm.gpus_per_node={gpus}" if launch.launcher == "slurm" else f"torch sees {gpus}")
             + "; accepted here are auto, cpu"
+        )
+    if launch.device == "cuda" and launch.bf16_gemm != "native":
+        raise ConfigError(
+            f"launch.bf16_gemm={launch.bf16_gemm} with launch.device=cuda: a GPU's bf16 GEMM accumulates "
+            "in fp32 already; accepted is launch.bf16_gemm=native there (or launch.device=cpu)"
         )
     if launch.backend == "auto":
         launch.backend = "nccl" if launch.device == "cuda" else "gloo"
@@ -468,6 +475,25 @@ def _check_emulation(cfg: RunConfig) -> None:
     if launch.nnodes != "1" or cfg.fault:
         what = f"launch.nnodes={launch.nnodes}" if launch.nnodes != "1" else f"fault={cfg.fault}"
         raise ConfigError(f"{what} with launch.emulate={launch.emulate}: an emulated rank runs alone")
+
+
+def _check_bf16_gemm(cfg: RunConfig) -> None:
+    """launch.bf16_gemm=fp32_accumulate: bf16 validation's GEMMs as a GPU computes them, refused where
+    it would change nothing or measure something else (the CUDA case: resolve_device)."""
+    if cfg.launch.bf16_gemm == "native":
+        return
+    what = f"launch.bf16_gemm={cfg.launch.bf16_gemm}"
+    if cfg.train.dtype != "bfloat16":
+        raise ConfigError(
+            f"{what} with train.dtype={cfg.train.dtype}: it computes bf16 GEMMs; accepted is "
+            "train.dtype=bfloat16 (precision pure or mixed)"
+        )
+    if cfg.kind != "validate" or cfg.train.compile:
+        why = f"kind={cfg.kind}" if cfg.kind != "validate" else "train.compile=true"
+        raise ConfigError(
+            f"{what} with {why}: it emulates a GPU's bf16 arithmetic for validation and would slow a "
+            "measured step; accepted is kind=validate with train.compile=false"
+        )
 
 
 def _check_fault(cfg: RunConfig) -> None:
