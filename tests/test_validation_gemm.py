@@ -146,3 +146,17 @@ def test_the_switch_at_its_default_keeps_every_run_id():
         ["kind=validate", "tp=2", "train.dtype=bfloat16", "launch.bf16_gemm=fp32_accumulate"]
     )
     assert config_hash(native) == config_hash(cfg) != config_hash(emulated)
+
+
+def test_the_estimate_and_the_slow_kernel_line_count_its_gemms_as_fp32():
+    from tpbench.predict import rate_probe
+    from tpbench.sizing import estimate
+
+    (native,) = compose.expand(["kind=validate", "tp=2", "train.dtype=bfloat16"])
+    (emulated,) = compose.expand(
+        ["kind=validate", "tp=2", "train.dtype=bfloat16", "launch.bf16_gemm=fp32_accumulate"]
+    )
+    flops = estimate.executed_flops(native)
+    assert set(flops) == {"bfloat16", "float32"}
+    assert estimate.executed_flops(emulated) == {"float32": pytest.approx(sum(flops.values()))}
+    assert rate_probe.slow_kernel_line("bfloat16", emulated, 1) is None
