@@ -104,6 +104,13 @@ def main() -> None:
         "native parts are labelled grid_<part>_native)",
     )
     parser.add_argument("--report", action="store_true", help="only read the database")
+    parser.add_argument(
+        "--compare",
+        metavar="DB",
+        default="",
+        help="with --report: the runs of --db against the same runs (mode, T, seed) of this database, "
+        "e.g. bf16 native against fp32_accumulate",
+    )
     args = parser.parse_args()
     if unknown := set(args.parts) - set(PARTS):
         sys.exit(f"--parts {sorted(unknown)}: accepted are {', '.join(PARTS)}")
@@ -136,7 +143,10 @@ def main() -> None:
             llama.write_text(json.dumps(LLAMA))
             for part in args.parts:
                 run_part(part, args, llama)
-    print(planted(args.db) if args.planted else report(args.db))
+    if args.compare:
+        print(compare(args.db, args.compare))
+    else:
+        print(planted(args.db) if args.planted else report(args.db))
 
 
 def run_part(part: str, args: argparse.Namespace, llama: Path) -> None:
@@ -160,6 +170,46 @@ def run_part(part: str, args: argparse.Namespace, llama: Path) -> None:
     ]
     print("+", " ".join(command), flush=True)
     subprocess.run(command, stdout=subprocess.DEVNULL, check=False)
+
+
+def _by_run(url: str) -> pd.DataFrame:
+    """Each grid run's verdict and each check's worst figure / bound, keyed by (mode, tp, seed)."""
+    from tpbench.db import ResultsDB
+
+    db = ResultsDB(url)
+    runs = db.runs(kind="validate")
+    runs = runs[runs["sweep"].fillna("").str.startswith("grid_")]
+    metrics = db.metrics(runs["id"].tolist())
+    seeds = [db.run_record(int(i))["config"]["train"]["seed"] for i in runs["id"]]
+    table = runs.assign(seed=seeds).set_index("id")[["mode", "tp", "seed", "status"]]
+    table = table.join(metrics[[f"{check}_of_bound" for check in CHECKS]])
+    return table.set_index(["mode", "tp", "seed"])
+
+
+def compare(url: str, other: str) -> str:
+    """A markdown table: per run of both databases, the status of each and, per check, its worst
+    figure / bound in each (this database's first); then per check the largest ratio of the two."""
+    a, b = _by_run(url), _by_run(other)
+    both = a.add_suffix("_a").join(b.add_suffix("_b"), how="inner")
+    lines = ["| mode | T | seed | status | " + " | ".join(CHECKS) + " |", "|---" * (4 + len(CHECKS)) + "|"]
+    ratios = {check: [] for check in CHECKS}
+    for (mode, tp, seed), r in both.iterrows():
+        cells = []
+        for check in CHECKS:
+            x, y = r[f"{check}_of_bound_a"], r[f"{check}_of_bound_b"]
+            cells.append(f"{x:.2f} / {y:.2f}")
+            if x > 0 and y > 0:
+                ratios[check].append(max(x / y, y / x))
+        status = r["status_a"] if r["status_a"] == r["status_b"] else f"{r['status_a']} / {r['status_b']}"
+        lines.append(f"| {mode} | {tp} | {seed} | {status} | " + " | ".join(cells) + " |")
+    same = int((both["status_a"] == both["status_b"]).sum())
+    lines += [
+        "",
+        f"{len(both)} runs in both, {same} with the same status; the largest factor between the two's "
+        "figure / bound, per check: "
+        + ", ".join(f"{check} {max(v):.2f}" for check, v in ratios.items() if v),
+    ]
+    return "\n".join(lines)
 
 
 def planted(url: str) -> str:
