@@ -160,3 +160,10 @@ def test_the_estimate_and_the_slow_kernel_line_count_its_gemms_as_fp32():
     assert set(flops) == {"bfloat16", "float32"}
     assert estimate.executed_flops(emulated) == {"float32": pytest.approx(sum(flops.values()))}
     assert rate_probe.slow_kernel_line("bfloat16", emulated, 1) is None
+
+
+def test_a_run_under_the_switch_is_described_so():
+    from tpbench.config import emulation_label
+
+    assert emulation_label({"launch.bf16_gemm": "fp32_accumulate"}) == "bf16 GEMMs fp32-accumulated"
+    assert emulation_label({"launch.bf16_gemm": "native"}) == emulation_label({}) == ""

@@ -433,8 +433,11 @@ def _drop_new_defaults(data: dict, obj: object, prefix: str) -> None:
 
 
 def emulation_label(flat: dict) -> str:
-    """How a stored run (its config flattened to dotted keys) was emulated: "" for a real job."""
+    """How a stored run (its config flattened to dotted keys) was emulated: "" for a real job (a
+    validation's bf16 GEMMs fp32-accumulated, launch.bf16_gemm, says so: a GPU's arithmetic here)."""
     flavour = flat.get("launch.emulate", "none")
+    if flat.get("launch.bf16_gemm", "native") != "native":
+        return "bf16 GEMMs fp32-accumulated"
     if flavour == "none":
         return ""
     rank, world = flat.get("launch.emulate_rank"), flat["parallel.tp"] * flat["parallel.dp"]
