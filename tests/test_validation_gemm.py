@@ -137,17 +137,6 @@ def test_the_switch_is_refused_on_cuda_where_native_is_right():
         compose.resolve_device(cfg)
 
 
-def test_the_switch_at_its_default_keeps_every_run_id():
-    from tpbench.config import config_hash
-
-    (cfg,) = compose.expand(["kind=validate", "tp=2", "train.dtype=bfloat16"])
-    (native,) = compose.expand(["kind=validate", "tp=2", "train.dtype=bfloat16", "launch.bf16_gemm=native"])
-    (emulated,) = compose.expand(
-        ["kind=validate", "tp=2", "train.dtype=bfloat16", "launch.bf16_gemm=fp32_accumulate"]
-    )
-    assert config_hash(native) == config_hash(cfg) != config_hash(emulated)
-
-
 def test_the_estimate_and_the_slow_kernel_line_count_its_gemms_as_fp32():
     from tpbench.predict import rate_probe
     from tpbench.sizing import estimate
