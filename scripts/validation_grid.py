@@ -2,13 +2,17 @@
 that a correct model never fails validation (docs/results/validation.md).
 
 Each part is one `tpbench sweep` (its runs on warm workers, `train.seed=` an axis), labelled with
-`sweep=grid_<part>` in the database; `--parts` picks which run (on a 2-core AVX2 CPU bf16 matmuls are
-~90x slower than fp32, so the bf16 parts of the larger shapes take hours there). `--report` only reads
-the database: per part the runs, the failures, each check's worst value / bound, and the largest ratio
-of sharded-vs-dense to dense-vs-reference among the figures above their floor (what K has to cover).
+`sweep=grid_<part>` in the database; `--parts` picks which run. The bf16 parts run their GEMMs as a
+GPU does, fp32 accumulation rounded once (`launch.bf16_gemm=fp32_accumulate`, tpbench.experiments.gemm:
+on a 2-core AVX2 CPU torch's native bf16 matmuls are ~40-90x slower than fp32); `--bf16-gemm native`
+runs torch's kernels instead, labelled `grid_<part>_native`. `--report` only reads the database: per
+part the runs, the failures, the CPU time of a run, each check's worst value / bound, and the largest
+ratio of sharded-vs-dense to dense-vs-reference among the figures above their floor (what K has to
+cover); `--compare DB` sets each run beside the same run (mode, T, seed) of another database.
 
     .venv/bin/python scripts/validation_grid.py --seeds 20 --parts tiny_fp32 tiny_t4_fp32
     .venv/bin/python scripts/validation_grid.py --report
+    .venv/bin/python scripts/validation_grid.py --report --db sqlite:///runs/a.db --compare sqlite:///runs/b.db
     .venv/bin/python scripts/validation_grid.py --planted --db sqlite:///runs/planted_bugs.db
     .venv/bin/python scripts/validation_grid.py --planted --bugs scale --scales 1.03,1.04 --db ...
 """
@@ -265,10 +269,10 @@ def report(url: str) -> str:
     params = db.param_errors(runs["id"].tolist())
     params = params[params["rank"] == 0]
     lines = [
-        "| part | runs | OK | failed | CPU s per rank (median; max) | "
+        "| part | runs | OK | failed | stopped | CPU s per rank (median; max) | "
         + " | ".join(f"{c} worst of bound (max ratio; above floor)" for c in CHECKS)
         + " |",
-        "|---" * (5 + len(CHECKS)) + "|",
+        "|---" * (6 + len(CHECKS)) + "|",
     ]
     for sweep, group in runs.groupby("sweep", sort=False):
         ids = group["id"].tolist()
@@ -289,7 +293,9 @@ def report(url: str) -> str:
         ok = int((group["status"] == "OK").sum())
         cpu = m["validate_cpu_s"].dropna() if "validate_cpu_s" in m else pd.Series(dtype=float)
         cpu_cell = f"{cpu.median():.1f}; {cpu.max():.1f}" if len(cpu) else "-"
-        head = f"| {sweep[5:]} | {len(group)} | {ok} | {len(group) - ok} | {cpu_cell} | "
+        failed = int((group["status"] == "FAILED").sum())  # else stopped: INTERRUPTED, TIMEOUT
+        stopped = len(group) - ok - failed
+        head = f"| {sweep[5:]} | {len(group)} | {ok} | {failed} | {stopped} | {cpu_cell} | "
         lines.append(head + " | ".join(cells) + " |")
     worst = params.assign(
         of_bound=params["grad_rel_l2"] / (4 * params["grad_ref_rel_l2"] + FLOORS["grad_rel_l2"])
