@@ -188,3 +188,23 @@ def check_validate_faults(cfg: RunConfig) -> None:
             f"debug.grad_scale={cfg.debug.grad_scale} with kind={cfg.kind}: scales one gradient of a "
             "validation, accepted are finite numbers > 0 with kind=validate"
         )
+
+
+def check_bf16_gemm(cfg: RunConfig) -> None:
+    """launch.bf16_gemm=fp32_accumulate (tpbench.experiments.gemm): bf16 validation's GEMMs as a GPU
+    computes them, refused where it would change nothing or slow a measurement (on CUDA:
+    tpbench.run.compose.resolve_device); raises ConfigError naming the value and what is accepted."""
+    if cfg.launch.bf16_gemm == "native":
+        return
+    what = f"launch.bf16_gemm={cfg.launch.bf16_gemm}"
+    if cfg.train.dtype != "bfloat16":
+        raise ConfigError(
+            f"{what} with train.dtype={cfg.train.dtype}: it computes bf16 GEMMs; accepted is "
+            "train.dtype=bfloat16 (precision pure or mixed)"
+        )
+    if cfg.kind != "validate" or cfg.train.compile:
+        why = f"kind={cfg.kind}" if cfg.kind != "validate" else "train.compile=true"
+        raise ConfigError(
+            f"{what} with {why}: it emulates a GPU's bf16 arithmetic for validation and would slow a "
+            "measured step; accepted is kind=validate with train.compile=false"
+        )

@@ -40,7 +40,7 @@ from tpbench.config import (
     world_size,
 )
 from tpbench.experiments import KINDS
-from tpbench.experiments.criterion import check_validate_faults
+from tpbench.experiments.criterion import check_bf16_gemm, check_validate_faults
 from tpbench.parallel.checks import GRAD_SUMS, check_dp_shard, check_dtensor_shardable, check_shardable
 from tpbench.parallel.names import EMULATED_KINDS, FLAVOURS
 from tpbench.predict import hardware
@@ -235,7 +235,7 @@ def check(cfg: RunConfig) -> None:
             raise ConfigError(f"debug.skip_grad_sum has {name!r}: accepted are {accepted}")
     _check_keep_output(cfg)
     _check_emulation(cfg)
-    _check_bf16_gemm(cfg)
+    check_bf16_gemm(cfg)
     _check_nodes(cfg)
     _check_fault(cfg)
     check_shardable(cfg)
@@ -475,25 +475,6 @@ def _check_emulation(cfg: RunConfig) -> None:
     if launch.nnodes != "1" or cfg.fault:
         what = f"launch.nnodes={launch.nnodes}" if launch.nnodes != "1" else f"fault={cfg.fault}"
         raise ConfigError(f"{what} with launch.emulate={launch.emulate}: an emulated rank runs alone")
-
-
-def _check_bf16_gemm(cfg: RunConfig) -> None:
-    """launch.bf16_gemm=fp32_accumulate: bf16 validation's GEMMs as a GPU computes them, refused where
-    it would change nothing or measure something else (the CUDA case: resolve_device)."""
-    if cfg.launch.bf16_gemm == "native":
-        return
-    what = f"launch.bf16_gemm={cfg.launch.bf16_gemm}"
-    if cfg.train.dtype != "bfloat16":
-        raise ConfigError(
-            f"{what} with train.dtype={cfg.train.dtype}: it computes bf16 GEMMs; accepted is "
-            "train.dtype=bfloat16 (precision pure or mixed)"
-        )
-    if cfg.kind != "validate" or cfg.train.compile:
-        why = f"kind={cfg.kind}" if cfg.kind != "validate" else "train.compile=true"
-        raise ConfigError(
-            f"{what} with {why}: it emulates a GPU's bf16 arithmetic for validation and would slow a "
-            "measured step; accepted is kind=validate with train.compile=false"
-        )
 
 
 def _check_fault(cfg: RunConfig) -> None:
