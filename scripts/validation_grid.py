@@ -13,6 +13,7 @@ cover); `--compare DB` sets each run beside the same run (mode, T, seed) of anot
     .venv/bin/python scripts/validation_grid.py --seeds 20 --parts tiny_fp32 tiny_t4_fp32
     .venv/bin/python scripts/validation_grid.py --report
     .venv/bin/python scripts/validation_grid.py --report --db sqlite:///runs/a.db --compare sqlite:///runs/b.db
+    .venv/bin/python scripts/validation_grid.py --dense-cost
     .venv/bin/python scripts/validation_grid.py --planted --db sqlite:///runs/planted_bugs.db
     .venv/bin/python scripts/validation_grid.py --planted --bugs scale --scales 1.03,1.04 --db ...
 """
@@ -107,6 +108,12 @@ def main() -> None:
         help="the bf16 parts' launch.bf16_gemm (default fp32_accumulate: a GPU's bf16 GEMM at fp32 speed; "
         "native parts are labelled grid_<part>_native)",
     )
+    parser.add_argument(
+        "--dense-cost",
+        action="store_true",
+        help="in this process: the CPU time of one step of the dense model and of its reference per shape "
+        "(what every rank of every run steps beside its shard)",
+    )
     parser.add_argument("--report", action="store_true", help="only read the database")
     parser.add_argument(
         "--compare",
@@ -116,6 +123,8 @@ def main() -> None:
         "e.g. bf16 native against fp32_accumulate",
     )
     args = parser.parse_args()
+    if args.dense_cost:
+        return dense_cost()
     if unknown := set(args.parts) - set(PARTS):
         sys.exit(f"--parts {sorted(unknown)}: accepted are {', '.join(PARTS)}")
     if unknown := set(args.precisions) - set(PRECISIONS):
@@ -176,13 +185,58 @@ def run_part(part: str, args: argparse.Namespace, llama: Path) -> None:
     subprocess.run(command, stdout=subprocess.DEVNULL, check=False)
 
 
+def dense_cost() -> None:
+    """Per shape and precision (bf16 fp32-accumulated), the CPU seconds of one step (forward, backward,
+    AdamW) of the dense model and of its reference on the run's global batch, one thread, the second of
+    two steps: what every rank of a validation steps beside its own shard."""
+    import copy
+    import time
+
+    import torch
+
+    from tpbench.experiments.gemm import bf16_gemms
+    from tpbench.experiments.setup import build_dense, place
+    from tpbench.run import compose
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        llama = Path(tmp) / "config.json"
+        llama.write_text(json.dumps(LLAMA))
+        for shape, overrides in SHAPES.items():
+            for dtype, precision in (("float32", torch.float64), ("bfloat16", torch.float32)):
+                gemm = ["launch.bf16_gemm=fp32_accumulate"] if dtype == "bfloat16" else []
+                shaped = [o.format(llama=llama) for o in overrides]
+                (cfg,) = compose.expand(["kind=validate", "tp=2", *shaped, f"dtype={dtype}", *gemm])
+                batch = cfg.train.global_batch or cfg.train.micro_batch
+                ids = torch.randint(0, cfg.model.vocab_size, (batch, cfg.train.seq_len))
+                dense = build_dense(cfg)
+                reference = place(copy.deepcopy(dense), torch.device("cpu"), precision)
+                place(dense, torch.device("cpu"), getattr(torch, dtype))
+                seconds = []
+                for model, mode in ((dense, cfg.launch.bf16_gemm), (reference, "native")):
+                    opt = torch.optim.AdamW(model.parameters(), lr=cfg.validate.lr)
+                    for _ in range(2):
+                        start = time.process_time()
+                        with bf16_gemms(mode):
+                            model(ids, ids)[1].backward()
+                        opt.step()
+                        opt.zero_grad()
+                    seconds.append(time.process_time() - start)
+                print(
+                    f"{shape} {dtype}: dense {seconds[0]:.2f} s, reference ({precision}) {seconds[1]:.2f} s "
+                    f"a step (batch {batch}, S {cfg.train.seq_len})",
+                    flush=True,
+                )
+
+
 def _by_run(url: str) -> pd.DataFrame:
-    """Each grid run's verdict and each check's worst figure / bound, keyed by (mode, tp, seed)."""
+    """Each finished grid run's verdict and each check's worst figure / bound, keyed by (mode, tp,
+    seed)."""
     from tpbench.db import ResultsDB
 
     db = ResultsDB(url)
     runs = db.runs(kind="validate")
-    runs = runs[runs["sweep"].fillna("").str.startswith("grid_")]
+    runs = runs[runs["sweep"].fillna("").str.startswith("grid_") & runs["status"].isin(["OK", "FAILED"])]
     metrics = db.metrics(runs["id"].tolist())
     seeds = [db.run_record(int(i))["config"]["train"]["seed"] for i in runs["id"]]
     table = runs.assign(seed=seeds).set_index("id")[["mode", "tp", "seed", "status"]]

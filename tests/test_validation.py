@@ -30,6 +30,7 @@ PLANTED = {  # each must fail
 }
 # bf16 under launch.bf16_gemm=fp32_accumulate (tests/test_validation_gemm.py: the GEMMs themselves)
 BF16_GEMM = {"bf16_gemm": [*TP_SP_VP, "train.dtype=bfloat16", "launch.bf16_gemm=fp32_accumulate"]}
+BF16_GEMM["grad_scale_bf16_gemm"] = [*PLANTED["grad_scale_bf16"], "launch.bf16_gemm=fp32_accumulate"]
 
 
 # --- the torchrun job: test_parallel's world-2 job (tests/torchrun_checks.py WORLD2) ----------------
@@ -89,10 +90,11 @@ def test_a_missing_backward_collective_fails_the_gradients_not_the_forward(valid
     assert any(f.startswith("grad_rel_l2 model.") for f in r["failed"])
 
 
-@pytest.mark.parametrize("name", ["grad_scale_fp32", "grad_scale_bf16"])
+@pytest.mark.parametrize("name", ["grad_scale_fp32", "grad_scale_bf16", "grad_scale_bf16_gemm"])
 def test_one_gradient_scaled_fails_naming_that_parameter(validated, name):
-    """A relative error of 5% (fp32) and 10% (bf16) in one gradient: the failure names the parameter,
-    its figure and its bound, K x the dense model's own error + the floor."""
+    """A relative error of 5% (fp32) and 10% (bf16, and bf16 with its GEMMs fp32-accumulated) in one
+    gradient: the failure names the parameter, its figure and its bound, K x the dense model's own
+    error + the floor."""
     r = validated[name]
     scale = 0.05 if name.endswith("fp32") else 0.1
     value, reference = r["params"][SCALED]
