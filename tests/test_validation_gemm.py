@@ -106,6 +106,29 @@ def test_a_model_under_the_switch_equals_native_bf16_to_its_rounding(tiny_runs, 
         assert (grads_e[name] - g).norm() <= EPS * g.norm() + 1e-30, name
 
 
+def test_mixed_precision_under_the_switch_runs_the_autocast_gemms_in_fp32():
+    """precision=mixed: fp32 weights, forward under autocast to bf16; the switch takes the GEMMs
+    autocast made bf16 (forward and backward) and leaves the gradients within bf16's epsilon."""
+    cfg = MiniMindConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, vocab_size=256,
+        flash_attn=False,
+    )  # fmt: skip
+    base = build_model(cfg, seed=0)
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for mode in ("native", "fp32_accumulate"):
+        model = copy.deepcopy(base)
+        with _Seen() as seen, bf16_gemms(mode):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(ids, ids)[1]
+            loss.backward()
+        out[mode] = {n: p.grad for n, p in model.named_parameters()}, seen.dtypes
+    (grads, native), (grads_e, seen) = out["native"], out["fp32_accumulate"]
+    assert native[torch.bfloat16] > 0 and seen == Counter({torch.float32: sum(native.values())})
+    for name, g in grads.items():
+        assert 0 <= (grads_e[name] - g).norm() <= EPS * g.norm() + 1e-30, name
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
