@@ -174,6 +174,20 @@ def test_the_estimate_and_the_slow_kernel_line_count_its_gemms_as_fp32():
     assert rate_probe.slow_kernel_line("bfloat16", emulated, 1) is None
 
 
+def test_the_slow_kernel_line_of_a_native_bf16_validation_names_the_switch(monkeypatch):
+    from tpbench.predict import rate_probe
+
+    monkeypatch.setattr(
+        rate_probe, "rate", lambda dtype, cfg, threads: {"float32": 82e9, "bfloat16": 0.4e9}[dtype]
+    )
+    (validate,) = compose.expand(["kind=validate", "tp=2", "train.dtype=bfloat16"])
+    (memory,) = compose.expand(["kind=memory", "tp=2", "train.dtype=bfloat16"])
+    assert "to validate bf16: launch.bf16_gemm=fp32_accumulate" in rate_probe.slow_kernel_line(
+        "bfloat16", validate, 1
+    )
+    assert "bf16_gemm" not in rate_probe.slow_kernel_line("bfloat16", memory, 1)
+
+
 def test_a_run_under_the_switch_is_described_so():
     from tpbench.config import emulation_label
 
