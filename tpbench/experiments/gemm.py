@@ -2,11 +2,14 @@
 (`launch.bf16_gemm=fp32_accumulate`).
 
 A GPU's bf16 GEMM reads bf16 inputs, accumulates in fp32 and rounds the result to bf16 once. A CPU
-without AVX-512 BF16 computes the same thing in its native bf16 kernels about 90x slower than fp32
-(docs/results/validation.md). Under `fp32_accumulate` every bf16 GEMM of aten (mm, addmm, bmm,
-baddbmm, addbmm; nn.Linear and the matmul operator reach aten as these) runs as the fp32 GEMM of the
-same bf16 values, rounded once to bf16: forward and backward, the sharded model, the head, the dense
-model, anything run inside `bf16_gemms`. The result equals the native kernel's on all but a few
+without AVX-512 BF16 computes the same thing in its native bf16 kernels 40-90x slower than fp32
+(docs/results/validation.md). At the tiny model's size the mode costs more than it saves (a Python
+dispatch per aten op against GEMMs of microseconds); at the seed's check shape and above it pays.
+
+Under `fp32_accumulate` every bf16 GEMM of aten (mm, addmm, bmm, baddbmm, addbmm; nn.Linear and the
+matmul operator reach aten as these) runs as the fp32 GEMM of the same bf16 values, rounded once to
+bf16: forward and backward, the sharded model, the head, the dense model, anything run inside
+`bf16_gemms`. The result equals the native kernel's on all but a few
 elements, one bf16 ulp apart where the two sum in another order (tests/test_validation_gemm.py).
 
 Not covered: scaled_dot_product_attention's fused kernel (model.flash_attn=true) keeps its own bf16
