@@ -2,13 +2,18 @@
 that a correct model never fails validation (docs/results/validation.md).
 
 Each part is one `tpbench sweep` (its runs on warm workers, `train.seed=` an axis), labelled with
-`sweep=grid_<part>` in the database; `--parts` picks which run (on a 2-core AVX2 CPU bf16 matmuls are
-~90x slower than fp32, so the bf16 parts of the larger shapes take hours there). `--report` only reads
-the database: per part the runs, the failures, each check's worst value / bound, and the largest ratio
-of sharded-vs-dense to dense-vs-reference among the figures above their floor (what K has to cover).
+`sweep=grid_<part>` in the database; `--parts` picks which run. The bf16 parts run their GEMMs as a
+GPU does, fp32 accumulation rounded once (`launch.bf16_gemm=fp32_accumulate`, tpbench.experiments.gemm:
+on a 2-core AVX2 CPU torch's native bf16 matmuls are ~40-90x slower than fp32); `--bf16-gemm native`
+runs torch's kernels instead, labelled `grid_<part>_native`. `--report` only reads the database: per
+part the runs, the failures, the CPU time of a run, each check's worst value / bound, and the largest
+ratio of sharded-vs-dense to dense-vs-reference among the figures above their floor (what K has to
+cover); `--compare DB` sets each run beside the same run (mode, T, seed) of another database.
 
     .venv/bin/python scripts/validation_grid.py --seeds 20 --parts tiny_fp32 tiny_t4_fp32
     .venv/bin/python scripts/validation_grid.py --report
+    .venv/bin/python scripts/validation_grid.py --report --db sqlite:///runs/a.db --compare sqlite:///runs/b.db
+    .venv/bin/python scripts/validation_grid.py --dense-cost
     .venv/bin/python scripts/validation_grid.py --planted --db sqlite:///runs/planted_bugs.db
     .venv/bin/python scripts/validation_grid.py --planted --bugs scale --scales 1.03,1.04 --db ...
 """
@@ -96,8 +101,30 @@ def main() -> None:
     parser.add_argument(
         "--scales", default="", help="with --planted: the scale bug's debug.grad_scale list, e.g. 1.03,1.04"
     )
+    parser.add_argument(
+        "--bf16-gemm",
+        choices=("fp32_accumulate", "native"),
+        default="fp32_accumulate",
+        help="the bf16 parts' launch.bf16_gemm (default fp32_accumulate: a GPU's bf16 GEMM at fp32 speed; "
+        "native parts are labelled grid_<part>_native)",
+    )
+    parser.add_argument(
+        "--dense-cost",
+        action="store_true",
+        help="in this process: the CPU time of one step of the dense model and of its reference per shape "
+        "(what every rank of every run steps beside its shard)",
+    )
     parser.add_argument("--report", action="store_true", help="only read the database")
+    parser.add_argument(
+        "--compare",
+        metavar="DB",
+        default="",
+        help="with --report: the runs of --db against the same runs (mode, T, seed) of this database, "
+        "e.g. bf16 native against fp32_accumulate",
+    )
     args = parser.parse_args()
+    if args.dense_cost:
+        return dense_cost()
     if unknown := set(args.parts) - set(PARTS):
         sys.exit(f"--parts {sorted(unknown)}: accepted are {', '.join(PARTS)}")
     if unknown := set(args.precisions) - set(PRECISIONS):
@@ -129,13 +156,20 @@ def main() -> None:
             llama.write_text(json.dumps(LLAMA))
             for part in args.parts:
                 run_part(part, args, llama)
-    print(planted(args.db) if args.planted else report(args.db))
+    if args.compare:
+        print(compare(args.db, args.compare))
+    else:
+        print(planted(args.db) if args.planted else report(args.db))
 
 
 def run_part(part: str, args: argparse.Namespace, llama: Path) -> None:
     shape, dtype, tp, modes = PARTS[part]
     seeds = ",".join(str(s) for s in range(args.first_seed, args.first_seed + args.seeds))
     overrides = [o.format(llama=llama) for o in SHAPES[shape]] + DTYPES[dtype]
+    label = part
+    if dtype == "bf16":
+        overrides.append(f"launch.bf16_gemm={args.bf16_gemm}")
+        label += "_native" if args.bf16_gemm == "native" else ""
     command = [
         str(Path(sys.executable).parent / "tpbench"),
         "sweep",
@@ -144,11 +178,96 @@ def run_part(part: str, args: argparse.Namespace, llama: Path) -> None:
         f"tp={tp}",
         f"mode={args.modes or modes}",
         f"train.seed={seeds}",
-        f"sweep=grid_{part}",
+        f"sweep=grid_{label}",
         f"db.url={args.db}",
     ]
     print("+", " ".join(command), flush=True)
     subprocess.run(command, stdout=subprocess.DEVNULL, check=False)
+
+
+def dense_cost() -> None:
+    """Per shape and precision (bf16 fp32-accumulated), the CPU seconds of one step (forward, backward,
+    AdamW) of the dense model and of its reference on the run's global batch, one thread, the second of
+    two steps: what every rank of a validation steps beside its own shard."""
+    import copy
+    import time
+
+    import torch
+
+    from tpbench.experiments.gemm import bf16_gemms
+    from tpbench.experiments.setup import build_dense, place
+    from tpbench.run import compose
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        llama = Path(tmp) / "config.json"
+        llama.write_text(json.dumps(LLAMA))
+        for shape, overrides in SHAPES.items():
+            for dtype, precision in (("float32", torch.float64), ("bfloat16", torch.float32)):
+                gemm = ["launch.bf16_gemm=fp32_accumulate"] if dtype == "bfloat16" else []
+                shaped = [o.format(llama=llama) for o in overrides]
+                (cfg,) = compose.expand(["kind=validate", "tp=2", *shaped, f"dtype={dtype}", *gemm])
+                batch = cfg.train.global_batch or cfg.train.micro_batch
+                ids = torch.randint(0, cfg.model.vocab_size, (batch, cfg.train.seq_len))
+                dense = build_dense(cfg)
+                reference = place(copy.deepcopy(dense), torch.device("cpu"), precision)
+                place(dense, torch.device("cpu"), getattr(torch, dtype))
+                seconds = []
+                for model, mode in ((dense, cfg.launch.bf16_gemm), (reference, "native")):
+                    opt = torch.optim.AdamW(model.parameters(), lr=cfg.validate.lr)
+                    for _ in range(2):
+                        start = time.process_time()
+                        with bf16_gemms(mode):
+                            model(ids, ids)[1].backward()
+                        opt.step()
+                        opt.zero_grad()
+                    seconds.append(time.process_time() - start)
+                print(
+                    f"{shape} {dtype}: dense {seconds[0]:.2f} s, reference ({precision}) {seconds[1]:.2f} s "
+                    f"a step (batch {batch}, S {cfg.train.seq_len})",
+                    flush=True,
+                )
+
+
+def _by_run(url: str) -> pd.DataFrame:
+    """Each finished grid run's verdict and each check's worst figure / bound, keyed by (mode, tp,
+    seed)."""
+    from tpbench.db import ResultsDB
+
+    db = ResultsDB(url)
+    runs = db.runs(kind="validate")
+    runs = runs[runs["sweep"].fillna("").str.startswith("grid_") & runs["status"].isin(["OK", "FAILED"])]
+    metrics = db.metrics(runs["id"].tolist())
+    seeds = [db.run_record(int(i))["config"]["train"]["seed"] for i in runs["id"]]
+    table = runs.assign(seed=seeds).set_index("id")[["mode", "tp", "seed", "status"]]
+    table = table.join(metrics[[f"{check}_of_bound" for check in CHECKS]])
+    return table.set_index(["mode", "tp", "seed"])
+
+
+def compare(url: str, other: str) -> str:
+    """A markdown table: per run of both databases, the status of each and, per check, its worst
+    figure / bound in each (this database's first); then per check the largest ratio of the two."""
+    a, b = _by_run(url), _by_run(other)
+    both = a.add_suffix("_a").join(b.add_suffix("_b"), how="inner")
+    lines = ["| mode | T | seed | status | " + " | ".join(CHECKS) + " |", "|---" * (4 + len(CHECKS)) + "|"]
+    ratios = {check: [] for check in CHECKS}
+    for (mode, tp, seed), r in both.iterrows():
+        cells = []
+        for check in CHECKS:
+            x, y = r[f"{check}_of_bound_a"], r[f"{check}_of_bound_b"]
+            cells.append(f"{x:.2f} / {y:.2f}")
+            if x > 0 and y > 0:
+                ratios[check].append(max(x / y, y / x))
+        status = r["status_a"] if r["status_a"] == r["status_b"] else f"{r['status_a']} / {r['status_b']}"
+        lines.append(f"| {mode} | {tp} | {seed} | {status} | " + " | ".join(cells) + " |")
+    same = int((both["status_a"] == both["status_b"]).sum())
+    lines += [
+        "",
+        f"{len(both)} runs in both, {same} with the same status; the largest factor between the two's "
+        "figure / bound, per check: "
+        + ", ".join(f"{check} {max(v):.2f}" for check, v in ratios.items() if v),
+    ]
+    return "\n".join(lines)
 
 
 def planted(url: str) -> str:
@@ -204,10 +323,10 @@ def report(url: str) -> str:
     params = db.param_errors(runs["id"].tolist())
     params = params[params["rank"] == 0]
     lines = [
-        "| part | runs | OK | failed | "
+        "| part | runs | OK | failed | stopped | CPU s per rank (median; max) | "
         + " | ".join(f"{c} worst of bound (max ratio; above floor)" for c in CHECKS)
         + " |",
-        "|---" * (4 + len(CHECKS)) + "|",
+        "|---" * (6 + len(CHECKS)) + "|",
     ]
     for sweep, group in runs.groupby("sweep", sort=False):
         ids = group["id"].tolist()
@@ -226,7 +345,12 @@ def report(url: str) -> str:
             over = (value[above] / ref[above]).max() if above.any() else float("nan")
             cells.append(f"{of_bound:.2f} ({ratio:.2f}; {over:.2f})")
         ok = int((group["status"] == "OK").sum())
-        lines.append(f"| {sweep[5:]} | {len(group)} | {ok} | {len(group) - ok} | " + " | ".join(cells) + " |")
+        cpu = m["validate_cpu_s"].dropna() if "validate_cpu_s" in m else pd.Series(dtype=float)
+        cpu_cell = f"{cpu.median():.1f}; {cpu.max():.1f}" if len(cpu) else "-"
+        failed = int((group["status"] == "FAILED").sum())  # else stopped: INTERRUPTED, TIMEOUT
+        stopped = len(group) - ok - failed
+        head = f"| {sweep[5:]} | {len(group)} | {ok} | {failed} | {stopped} | {cpu_cell} | "
+        lines.append(head + " | ".join(cells) + " |")
     worst = params.assign(
         of_bound=params["grad_rel_l2"] / (4 * params["grad_ref_rel_l2"] + FLOORS["grad_rel_l2"])
     )

@@ -28,11 +28,14 @@ PLANTED = {  # each must fail
     "grad_scale_fp32": ["parallel.tp=2", "debug.grad_scale=1.05"],
     "grad_scale_bf16": ["parallel.tp=2", "train.dtype=bfloat16", "debug.grad_scale=1.1"],
 }
+# bf16 under launch.bf16_gemm=fp32_accumulate (tests/test_validation_gemm.py: the GEMMs themselves)
+BF16_GEMM = {"bf16_gemm": [*TP_SP_VP, "train.dtype=bfloat16", "launch.bf16_gemm=fp32_accumulate"]}
+BF16_GEMM["grad_scale_bf16_gemm"] = [*PLANTED["grad_scale_bf16"], "launch.bf16_gemm=fp32_accumulate"]
 
 
 # --- the torchrun job: test_parallel's world-2 job (tests/torchrun_checks.py WORLD2) ----------------
 
-WORLD2.add("validate", "validation", {name: TINY + o for name, o in (SEEDS | PLANTED).items()})
+WORLD2.add("validate", "validation", {name: TINY + o for name, o in (SEEDS | PLANTED | BF16_GEMM).items()})
 
 
 @beside
@@ -64,6 +67,15 @@ def test_other_seeds_pass_with_their_own_rounding_measured(validated, name):
         assert 0 < r["metrics"][own] < floor, own
 
 
+def test_bf16_with_its_gemms_fp32_accumulated_passes_with_bf16_rounding(validated):
+    """Every GEMM of the run (sharded, dense, forward and backward) went through the switch, and the
+    dense model is still a bf16 one: its own error against the fp32 reference at bf16's scale."""
+    r = validated["bf16_gemm"]
+    assert r["failed"] == [] and r["metrics"]["passed"] == 1.0
+    assert r["metrics"]["bf16_gemms_fp32_accumulated"] > 0
+    assert 1e-3 < r["metrics"]["dense_grad_max_rel_l2"] < 0.1
+
+
 def test_a_wrong_rope_offset_fails_the_forward(validated):
     r = validated["rope_offset"]
     assert r["metrics"]["passed"] == 0.0 and r["metrics"]["fwd_logits_max_abs"] > 1e-3
@@ -78,10 +90,11 @@ def test_a_missing_backward_collective_fails_the_gradients_not_the_forward(valid
     assert any(f.startswith("grad_rel_l2 model.") for f in r["failed"])
 
 
-@pytest.mark.parametrize("name", ["grad_scale_fp32", "grad_scale_bf16"])
+@pytest.mark.parametrize("name", ["grad_scale_fp32", "grad_scale_bf16", "grad_scale_bf16_gemm"])
 def test_one_gradient_scaled_fails_naming_that_parameter(validated, name):
-    """A relative error of 5% (fp32) and 10% (bf16) in one gradient: the failure names the parameter,
-    its figure and its bound, K x the dense model's own error + the floor."""
+    """A relative error of 5% (fp32) and 10% (bf16, and bf16 with its GEMMs fp32-accumulated) in one
+    gradient: the failure names the parameter, its figure and its bound, K x the dense model's own
+    error + the floor."""
     r = validated[name]
     scale = 0.05 if name.endswith("fp32") else 0.1
     value, reference = r["params"][SCALED]

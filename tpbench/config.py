@@ -215,6 +215,10 @@ class LaunchConfig:
     emulate: str = "none"
     emulate_rank: int | None = None  # the rank to emulate; None: the busiest rank of the mode
     emulate_gpu: str = "H100"  # device=cuda emulate=fake: whose allocator and cuBLAS workspaces
+    # kind=validate in bf16: how a bf16 GEMM computes. native: torch's kernels | fp32_accumulate: the
+    # fp32 GEMM of the bf16 values rounded once to bf16, as a GPU's bf16 GEMM computes; on a CPU
+    # without AVX-512 BF16 its GEMMs run 40-90x faster than native (tpbench.experiments.gemm)
+    bf16_gemm: str = "native"
 
 
 @dataclass
@@ -429,8 +433,11 @@ def _drop_new_defaults(data: dict, obj: object, prefix: str) -> None:
 
 
 def emulation_label(flat: dict) -> str:
-    """How a stored run (its config flattened to dotted keys) was emulated: "" for a real job."""
+    """How a stored run (its config flattened to dotted keys) was emulated: "" for a real job (a
+    validation's bf16 GEMMs fp32-accumulated, launch.bf16_gemm, says so: a GPU's arithmetic here)."""
     flavour = flat.get("launch.emulate", "none")
+    if flat.get("launch.bf16_gemm", "native") != "native":
+        return "bf16 GEMMs fp32-accumulated"
     if flavour == "none":
         return ""
     rank, world = flat.get("launch.emulate_rank"), flat["parallel.tp"] * flat["parallel.dp"]

@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from tpbench.config import RunConfig
-from tpbench.experiments import criterion
+from tpbench.experiments import criterion, gemm
 from tpbench.experiments.progress import StepProgress
 from tpbench.experiments.setup import (
     Batches,
@@ -68,6 +69,19 @@ def reference_dtype(cfg: RunConfig) -> torch.dtype:
 
 
 def run(cfg: RunConfig) -> RankResult:
+    """The three levels of checks, every GEMM under launch.bf16_gemm (tpbench.experiments.gemm:
+    fp32_accumulate records how many bf16 GEMMs it ran, over the whole run, on each rank), and each
+    rank's CPU time for the whole run (`validate_cpu_s`: what a grid of runs costs, whatever the load)."""
+    cpu = time.process_time()
+    with gemm.bf16_gemms(cfg.launch.bf16_gemm) as mode:
+        result = _run(cfg)
+    if mode is not None:
+        result.add("bf16_gemms_fp32_accumulated", mode.count)
+    result.add("validate_cpu_s", time.process_time() - cpu, "s")
+    return result
+
+
+def _run(cfg: RunConfig) -> RankResult:
     ctx = context(cfg)
     dense = build_dense(cfg)
     if cfg.parallel.engine == "ddp" and cfg.parallel.dp_shard == "none":

@@ -104,7 +104,7 @@ def probe_in_child(dtype: str, device: str = "cuda") -> float:
 def slow_kernel_line(dtype: str, cfg: RunConfig, threads: int | None) -> str | None:
     """One line where `dtype`'s matmuls run far below fp32's here (emulated: no fast kernel), with the
     figures, the CPU flags that are missing and what to do instead; None where they do not."""
-    if dtype == "float32":
+    if dtype == "float32" or cfg.launch.bf16_gemm != "native":  # its GEMMs run in fp32
         return None
     slow, fp32 = rate(dtype, cfg, threads), rate("float32", cfg, threads)
     if slow >= SLOW_KERNEL_RATIO * fp32:
@@ -118,6 +118,11 @@ def slow_kernel_line(dtype: str, cfg: RunConfig, threads: int | None) -> str | N
         f"{fp32 / 1e9:,.3g} ({where}); instead: dtype=float32 (the same run's matmuls "
         f"{fp32 / slow:,.0f}x faster), or launch.emulate=fake, whose memory peaks are byte-equal to a "
         "real run's and which runs no arithmetic"
+        + (
+            "; to validate bf16: launch.bf16_gemm=fp32_accumulate (a GPU's bf16 GEMM, at fp32's speed)"
+            if cfg.kind == "validate" and dtype == "bfloat16"
+            else ""
+        )
     )
 
 

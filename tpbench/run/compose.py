@@ -40,7 +40,7 @@ from tpbench.config import (
     world_size,
 )
 from tpbench.experiments import KINDS
-from tpbench.experiments.criterion import check_validate_faults
+from tpbench.experiments.criterion import check_bf16_gemm, check_validate_faults
 from tpbench.parallel.checks import GRAD_SUMS, check_dp_shard, check_dtensor_shardable, check_shardable
 from tpbench.parallel.names import EMULATED_KINDS, FLAVOURS
 from tpbench.predict import hardware
@@ -67,6 +67,7 @@ CHOICES = {
     "fault": ("", *FAULTS),
     "launch.emulate": FLAVOURS,
     "launch.emulate_gpu": hardware.allocator_names(),
+    "launch.bf16_gemm": ("native", "fp32_accumulate"),
     "debug.overlap_fault": ("", "no_wait", "early_bucket"),
     "debug.ddp_fault": ("", "no_divide", "drop_bucket"),
     "debug.validate_fault": ("", "rank1_param", "rope_offset", "no_backward_sum"),
@@ -234,6 +235,7 @@ def check(cfg: RunConfig) -> None:
             raise ConfigError(f"debug.skip_grad_sum has {name!r}: accepted are {accepted}")
     _check_keep_output(cfg)
     _check_emulation(cfg)
+    check_bf16_gemm(cfg)
     _check_nodes(cfg)
     _check_fault(cfg)
     check_shardable(cfg)
@@ -291,6 +293,11 @@ def resolve_device(cfg: RunConfig) -> None:
             f"launch.device=cuda: {local_ranks} ranks on a node need {local_ranks} GPUs, "
             + (f"launch.slurm.gpus_per_node={gpus}" if launch.launcher == "slurm" else f"torch sees {gpus}")
             + "; accepted here are auto, cpu"
+        )
+    if launch.device == "cuda" and launch.bf16_gemm != "native":
+        raise ConfigError(
+            f"launch.bf16_gemm={launch.bf16_gemm} with launch.device=cuda: a GPU's bf16 GEMM accumulates "
+            "in fp32 already; accepted is launch.bf16_gemm=native there (or launch.device=cpu)"
         )
     if launch.backend == "auto":
         launch.backend = "nccl" if launch.device == "cuda" else "gloo"

@@ -151,9 +151,10 @@ def executed_flops(cfg: RunConfig) -> dict[str, float]:
     steps = 1 + v.steps  # the counted forward and backward, then the AdamW steps
     compared = sum(1 for s in range(1, v.steps + 1) if s % v.every == 0 or s == v.steps)
     dense = theory.model_flops_per_step(cfg)  # the dense model runs the global batch on every rank
-    flops = {dtype: (dense + share) * (steps + compared / 3)}  # a comparison: a forward of each
-    if dtype != "float32":
-        flops["float32"] = dense * steps
+    gemms = "float32" if cfg.launch.bf16_gemm != "native" else dtype  # tpbench.experiments.gemm
+    flops = {gemms: (dense + share) * (steps + compared / 3)}  # a comparison: a forward of each
+    if dtype != "float32":  # the reference, in fp32
+        flops["float32"] = flops.get("float32", 0.0) + dense * steps
     return flops
 
 
