@@ -21,6 +21,7 @@ from torchrun_checks import (
     H,
     L,
     S,
+    agreed,
     per_config,
     same_on_every_rank,
     torchrun,
@@ -651,7 +652,7 @@ def test_overlap_changes_no_number(validated, name):
     same matmuls; the DP buckets sum each element over the same two ranks): bit-identical gradients,
     AdamW runs and logits, so every check's value is the same float."""
     on, off = validated[name], validated[OVERLAPPED[name]]
-    assert on["metrics"] == off["metrics"]
+    assert agreed(on["metrics"]) == agreed(off["metrics"])  # all but each run's own CPU time
     assert on["drift"] == off["drift"]
     assert on["failed"] == []
 

@@ -134,10 +134,10 @@ def per_config(ranks: list[dict]) -> dict[str, list]:
 PER_RANK = frozenset({"validate_cpu_s"})
 
 
-def _agreed(x):
+def agreed(x):
     """x without the figures that are each rank's own (PER_RANK), at any depth."""
     if isinstance(x, dict):
-        return {k: _agreed(v) for k, v in x.items() if k not in PER_RANK}
+        return {k: agreed(v) for k, v in x.items() if k not in PER_RANK}
     return x
 
 
@@ -145,7 +145,7 @@ def same_on_every_rank(ranks: list[dict]) -> dict:
     """Rank 0's results, once every other rank reported the same (figures reduced over the job; a
     rank's own CPU time, PER_RANK, aside)."""
     for r, other in enumerate(ranks[1:], 1):
-        differs = sorted(k for k in ranks[0] if _agreed(other.get(k)) != _agreed(ranks[0][k]))
+        differs = sorted(k for k in ranks[0] if agreed(other.get(k)) != agreed(ranks[0][k]))
         assert not differs, f"rank {r} reported otherwise than rank 0 for: {differs[:20]}"
     return ranks[0]
 

@@ -45,7 +45,7 @@ from tpbench.parallel.checks import GRAD_SUMS, check_dp_shard, check_dtensor_sha
 from tpbench.parallel.names import EMULATED_KINDS, FLAVOURS
 from tpbench.predict import hardware
 from tpbench.predict.checked import check_measurable
-from tpbench.run.faults import FAULTS
+from tpbench.run.faults import FAULTS, check_fault
 
 GROUPS = ("model", "mode", "batch", "kind", "device", "db", "launcher", "+preset", "+fault")
 
@@ -237,7 +237,7 @@ def check(cfg: RunConfig) -> None:
     _check_emulation(cfg)
     check_bf16_gemm(cfg)
     _check_nodes(cfg)
-    _check_fault(cfg)
+    check_fault(cfg)
     check_shardable(cfg)
     check_dtensor_shardable(cfg.model, cfg.parallel)
     if importlib.util.find_spec(f"tpbench.experiments.{cfg.kind}") is None:
@@ -485,21 +485,6 @@ def _check_emulation(cfg: RunConfig) -> None:
     if launch.nnodes != "1" or cfg.fault:
         what = f"launch.nnodes={launch.nnodes}" if launch.nnodes != "1" else f"fault={cfg.fault}"
         raise ConfigError(f"{what} with launch.emulate={launch.emulate}: an emulated rank runs alone")
-
-
-def _check_fault(cfg: RunConfig) -> None:
-    if cfg.fault.endswith("_on_rank1") and world_size(cfg) < 2:
-        raise ConfigError(f"fault={cfg.fault} needs a rank 1, in a world of {world_size(cfg)} rank")
-    p, kv = cfg.parallel, cfg.model.num_key_value_heads
-    needs = {
-        "hang_in_tp_group": (p.tp >= 2, "parallel.tp >= 2"),
-        "hang_in_dp_group": (p.dp >= 2, "parallel.dp >= 2"),
-        "hang_in_kv_group": (p.tp > kv, f"parallel.tp > model.num_key_value_heads={kv}"),
-    }
-    if cfg.fault in needs and not needs[cfg.fault][0]:
-        raise ConfigError(f"fault={cfg.fault} needs {needs[cfg.fault][1]}: rank 1 must share such a group")
-    if cfg.fault == "oom_on_rank1" and cfg.launch.memory_cap_mb == 0:
-        raise ConfigError("fault=oom_on_rank1 needs a cap to exceed: launch.memory_cap_mb > 0")
 
 
 def _get(cfg: RunConfig, key: str):

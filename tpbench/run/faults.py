@@ -24,7 +24,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from tpbench.config import RunConfig
+from tpbench.config import ConfigError, RunConfig, world_size
 from tpbench.results import RankResult
 
 if TYPE_CHECKING:
@@ -90,3 +90,19 @@ def after_experiment(cfg: RunConfig, result: RankResult) -> None:
     if cfg.fault == "big_result" and result.rank == 1:
         for step in range(BIG_RESULT_POINTS):
             result.add("fault_big_result", step, step=step)
+
+
+def check_fault(cfg: RunConfig) -> None:
+    """A fault switch refused in one line where the run cannot show it (compose.check calls it)."""
+    if cfg.fault.endswith("_on_rank1") and world_size(cfg) < 2:
+        raise ConfigError(f"fault={cfg.fault} needs a rank 1, in a world of {world_size(cfg)} rank")
+    p, kv = cfg.parallel, cfg.model.num_key_value_heads
+    needs = {
+        "hang_in_tp_group": (p.tp >= 2, "parallel.tp >= 2"),
+        "hang_in_dp_group": (p.dp >= 2, "parallel.dp >= 2"),
+        "hang_in_kv_group": (p.tp > kv, f"parallel.tp > model.num_key_value_heads={kv}"),
+    }
+    if cfg.fault in needs and not needs[cfg.fault][0]:
+        raise ConfigError(f"fault={cfg.fault} needs {needs[cfg.fault][1]}: rank 1 must share such a group")
+    if cfg.fault == "oom_on_rank1" and cfg.launch.memory_cap_mb == 0:
+        raise ConfigError("fault=oom_on_rank1 needs a cap to exceed: launch.memory_cap_mb > 0")
