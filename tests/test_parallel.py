@@ -349,6 +349,8 @@ def test_a_settled_collective_returns_with_its_tensors_let_go(units):
     for rank, checks in enumerate(units):
         assert checks["settling"]["settled"] == 0, rank
         assert checks["settling"]["settled_async"] == 0, rank  # parallel.overlap's settle at wait()
+        # the storage too: held through the worker's views when the tensor's own count is back to one
+        assert checks["settling"]["settled_storage"] == 0, rank
         assert checks["settling"]["settled_clones"] == 0, (
             rank
         )  # gloo's reduce-scatter: the clone it all-reduced

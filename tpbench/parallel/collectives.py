@@ -57,7 +57,7 @@ def _launch(
     purpose = instrumentation.counted_purpose(purpose)
     held = (x,) if out is None else (x, out)
     settle = instrumentation.is_settling() and dist.get_backend(group) == "gloo"
-    before = tuple(t._use_count() for t in held) if settle else ()
+    before = instrumentation.references(held) if settle else ()
     span = None
     if counter is not None and counter.timed:
         span = counter.timer.start(
@@ -80,10 +80,11 @@ def _launch(
         if span is not None:
             span.waiting()
         made = instrumentation.MadeStorages() if settle else contextlib.nullcontext()
-        with made:
-            work.pop().wait()
-        if settle:
-            instrumentation.settle_released(held, before, made.storages)
+        with instrumentation.waiting() if settle else contextlib.nullcontext():
+            with made:
+                work.pop().wait()
+            if settle:
+                instrumentation.settle_released(held, before, made.storages)
         if span is not None:
             span.waited()
 
