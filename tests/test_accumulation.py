@@ -160,3 +160,18 @@ def test_accumulation_at_its_default_keeps_the_run_id():
         config_hash(cfg)
     )
     assert config_hash(k2) != config_hash(cfg)
+
+
+def test_a_throughput_step_counts_the_tokens_and_flops_of_its_micro_batches(alone):
+    """One rank, K = 2: the step's tokens are both micro-batches', and the FLOPs it executes (counted)
+    are the model's FLOPs of both."""
+    from tpbench.experiments import throughput
+
+    cfg = run_config(["model.flash_attn=false", "parallel.tp=1", "parallel.dp=1", "train.seq_len=16",
+                      "train.accumulation=2", "train.steps=1", "train.warmup=0"])  # fmt: skip
+    alone(cfg)
+    figures = {m.name: m.value for m in throughput.run(cfg).measurements}
+    assert figures["tokens_per_step"] == 2 * cfg.train.micro_batch * 16
+    assert (
+        figures["flops_per_step"] == figures["model_flops_per_step"] == 2 * theory.model_flops_per_step(cfg)
+    )
