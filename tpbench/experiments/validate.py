@@ -2,7 +2,8 @@
 
 Both are built from the same dense weights, run in the run's precision (`train.dtype`, `pure` or
 `mixed` under autocast) and see the same tokens (the dense model the whole global batch, each DP rank
-its slice):
+its slice; under train.accumulation=K its slice is K micro-batches, taken as a training step takes
+them: `_accumulated`):
 1. forward: max |logits diff| (vocab-sharded logits are gathered for the check only), |loss diff|;
 2. backward: per parameter, the relative L2 error of the local gradient against the matching shard
    of the dense gradient, after the gradient sums (TP norms, KV replicas, DP average);
