@@ -36,6 +36,7 @@ SHORT_NAMES = {
     "vocab": "model.vocab_size",
     "seq": "train.seq_len",
     "micro_batch": "train.micro_batch",
+    "accumulation": "train.accumulation",
     "global_batch": "train.global_batch",
     "steps": "train.steps",
     "dtype": "train.dtype",
@@ -118,6 +119,10 @@ class TrainConfig:
     seq_len: int = 32
     micro_batch: int = 2  # fixed_per_rank: per DP rank (per TP group)
     global_batch: int = 4  # fixed_global: split over the DP ranks
+    # gradient accumulation: a step is this many micro-batches (of the batch policy's size) per DP rank,
+    # their losses averaged as one batch K times as large would, then one DP gradient sync (DDP, ZeRO-1,
+    # FSDP2 alike) and one optimizer step (tpbench.experiments.training.micro_batches)
+    accumulation: int = 1
     batch: str = "fixed_per_rank"  # fixed_per_rank | fixed_global
     dtype: str = "float32"  # float32 | bfloat16 | float16
     precision: str = "pure"  # pure: everything in dtype | mixed: fp32 master + autocast(dtype)

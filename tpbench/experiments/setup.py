@@ -126,24 +126,36 @@ def counting(cfg: RunConfig, counter: instrumentation.CommCounter) -> AbstractCo
 class Batches:
     """Seeded random token batches of the global batch; each DP rank takes its slice.
     A fixed pattern of ignored labels (every 7th position) exercises ignore_index with the same
-    number of valid tokens in every sequence, so DP's average of local means is the global mean."""
+    number of valid tokens in every sequence, so DP's average of local means is the global mean, and
+    so is gradient accumulation's average over micro-batches.
+
+    Under train.accumulation=K the global batch of a step is K micro-batches per DP rank: each rank's
+    slice is K x its micro-batch, contiguous, which `micro` splits in order."""
 
     def __init__(self, cfg: RunConfig, ctx: ParallelContext, seed_offset: int = 1):
         self.vocab = cfg.model.vocab_size
         self.seq = cfg.train.seq_len
-        self.local = local_batch(cfg)
+        self.local = local_batch(cfg)  # one micro-batch
+        self.accumulation = cfg.train.accumulation
         self.dp, self.dp_rank = ctx.dp, ctx.dp_rank
         self.device = ctx.device
         self.gen = torch.Generator().manual_seed(cfg.train.seed + seed_offset)
 
     def next_global(self) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.randint(self.vocab, (self.local * self.dp, self.seq), generator=self.gen)
+        rows = self.local * self.accumulation * self.dp
+        ids = torch.randint(self.vocab, (rows, self.seq), generator=self.gen)
         labels = ids.clone()
         labels[:, 3::7] = IGNORE_INDEX
         return moved_to(ids, self.device), moved_to(labels, self.device)  # fake tokens too
 
     def local_slice(self, t: torch.Tensor) -> torch.Tensor:
-        return t[self.dp_rank * self.local : (self.dp_rank + 1) * self.local]
+        """This DP rank's rows of a global batch: its K micro-batches."""
+        rows = self.local * self.accumulation
+        return t[self.dp_rank * rows : (self.dp_rank + 1) * rows]
+
+    def micro(self, t: torch.Tensor, i: int) -> torch.Tensor:
+        """Micro-batch i of a rank's slice."""
+        return t[i * self.local : (i + 1) * self.local]
 
     def next_local(self) -> tuple[torch.Tensor, torch.Tensor]:
         ids, labels = self.next_global()

@@ -13,6 +13,8 @@ says how: 1 CUDA events, 0 the host's wall clock.
 
 Beside them, rank 0 records the time model's prediction of the same step (tpbench.predict.steptime:
 `predicted_step_time_s`, its compute, exposed communication by purpose and optimizer, tokens/s, MFU).
+Under gradient accumulation (train.accumulation = K) a step is K micro-batches: its tokens and model
+FLOPs are K micro-batches' (the time model's prediction, one micro-batch's, is not recorded there).
 
 Model FLOPs come from the analytic model; the FLOPs every rank really executes are counted on one
 step and summed over ranks (replicated work under TP counts on every rank), by `LocalFlopCounter`:
@@ -92,16 +94,17 @@ def run(cfg: RunConfig) -> RankResult:
     times = _slowest(clock, times)
     median = statistics.median(times)
     world = cfg.parallel.dp * cfg.parallel.tp
-    tokens = local_batch(cfg) * cfg.parallel.dp * cfg.train.seq_len
+    k = cfg.train.accumulation  # a step's micro-batches: its tokens and FLOPs are all of theirs
+    tokens = local_batch(cfg) * cfg.parallel.dp * k * cfg.train.seq_len
     result.add("tokens_per_step", tokens, "tokens")  # the batch policy's: equal across modes at fixed_global
     result.add("step_time_s", median, "s")
     result.add("step_time_p10_s", _quantile(times, 0.1), "s")
     result.add("step_time_p90_s", _quantile(times, 0.9), "s")
     result.add("tokens_per_s", tokens / median, "tokens/s")
     result.add("tokens_per_s_per_device", tokens / median / world, "tokens/s")
-    model_flops = theory.model_flops_per_step(cfg)
+    model_flops = theory.model_flops_per_step(cfg) * k
     result.add("model_flops_per_step", model_flops, "FLOP")
-    result.add("predicted_recompute_flops_per_step", theory.recompute_flops_per_step(cfg), "FLOP")
+    result.add("predicted_recompute_flops_per_step", theory.recompute_flops_per_step(cfg) * k, "FLOP")
     result.add("predicted_comm_bytes_per_step", theory.predict(cfg).comm_bytes_per_step, "B")
     peak = None
     if trainer.ctx.device.type == "cuda":
@@ -109,7 +112,9 @@ def run(cfg: RunConfig) -> RankResult:
         peak = peak_flops(torch.cuda.get_device_name(trainer.ctx.device), cfg.train.dtype, tf32)
     if peak:
         result.add("mfu", model_flops / median / (world * peak))
-    if trainer.ctx.rank == 0:  # after the timed steps: a rate not cached yet is probed here
+    # after the timed steps: a rate not cached yet is probed here. The time model's step is one
+    # micro-batch's: under accumulation (k > 1) `tpbench fit` composes it, a run predicts none
+    if trainer.ctx.rank == 0 and k == 1:
         for name, value in predicted_time(cfg, device).fields().items():
             unit = "" if name == "predicted_mfu" else "tokens/s" if "tokens" in name else "s"
             result.add(name, value, unit)

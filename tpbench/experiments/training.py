@@ -81,23 +81,34 @@ class Trainer:
         return list(state.buckets.values())
 
     def step(self) -> torch.Tensor:
-        """One optimizer step on the next batch; returns the loss (a tensor: reading it would sync)."""
+        """One optimizer step on the next batch: train.accumulation micro-batches, each one's loss
+        divided by their count (their mean, as one batch K times as large), one DP gradient sync at
+        the last; returns the mean loss (a tensor: reading it would sync)."""
         ids, labels = self.batches.next_local()
+        k = self.cfg.train.accumulation
         self.optimizer.zero_grad(set_to_none=True)
-        with precision(self.cfg, self.ctx.device):
-            if self.cfg.train.loss == "logits_mean":  # the seed's memory benchmark
-                output = self.model(ids)
-                loss = output[0].float().mean()
-            else:
-                output = self.model(ids, labels)
-                loss = output[1]
-        if not self.cfg.train.keep_output:  # the logits are dropped here, not kept through backward
-            del output
-        loss.backward()
+        kept, losses = [], []  # train.keep_output: each micro-batch's output lives to the step's end
+        for i in range(k):
+            if k > 1:
+                set_gradient_sync(self.model, i == k - 1)
+            micro_ids, micro_labels = self.batches.micro(ids, i), self.batches.micro(labels, i)
+            with precision(self.cfg, self.ctx.device):
+                if self.cfg.train.loss == "logits_mean":  # the seed's memory benchmark
+                    output = self.model(micro_ids)
+                    loss = output[0].float().mean()
+                else:
+                    output = self.model(micro_ids, micro_labels)
+                    loss = output[1]
+            if self.cfg.train.keep_output:
+                kept.append(output)
+            del output  # without keep_output the logits are dropped here, not kept through backward
+            (loss / k if k > 1 else loss).backward()
+            losses.append(loss.detach())
         self.finish_grads()
         self.optimizer.step()
         self._hidden.clear()  # train.keep_output: the final hidden states live as long as the output
-        return loss.detach()
+        del kept
+        return losses[0] if k == 1 else torch.stack(losses).mean()
 
     def _keep_hidden(self, module: torch.nn.Module, args: tuple, hidden: torch.Tensor) -> None:
         """The final hidden states the LM head takes ([S, B, H]; this rank's [S/T, B, H] under SP with
@@ -108,6 +119,17 @@ class Trainer:
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)
         dist.barrier()
+
+
+def set_gradient_sync(model, on: bool) -> None:
+    """Whether the next micro-batch's backward syncs the DP gradients (off for all but a step's
+    last under train.accumulation): DDP's `no_sync` switch, FSDP2's set_requires_gradient_sync
+    (tpbench.parallel.fsdp). ZeRO-1's reduce-scatter and megatron's DP all-reduce run in
+    finish_grads, once a step, whatever this says."""
+    if isinstance(model, DistributedDataParallel):
+        model.require_backward_grad_sync = on  # what DDP's no_sync() sets
+    elif hasattr(model, "set_gradient_sync"):
+        model.set_gradient_sync(on)
 
 
 def build_ddp(

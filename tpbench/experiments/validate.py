@@ -2,7 +2,8 @@
 
 Both are built from the same dense weights, run in the run's precision (`train.dtype`, `pure` or
 `mixed` under autocast) and see the same tokens (the dense model the whole global batch, each DP rank
-its slice):
+its slice; under train.accumulation=K its slice is K micro-batches, taken as a training step takes
+them: `_accumulated`):
 1. forward: max |logits diff| (vocab-sharded logits are gathered for the check only), |loss diff|;
 2. backward: per parameter, the relative L2 error of the local gradient against the matching shard
    of the dense gradient, after the gradient sums (TP norms, KV replicas, DP average);
@@ -48,7 +49,7 @@ from tpbench.experiments.setup import (
     place,
     precision,
 )
-from tpbench.experiments.training import build_ddp, optimizer, shard_data_parallel
+from tpbench.experiments.training import build_ddp, optimizer, set_gradient_sync, shard_data_parallel
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindForCausalLM, shift_labels
 from tpbench.parallel import collectives, instrumentation, regions
 from tpbench.parallel.context import ParallelContext
@@ -103,11 +104,7 @@ def _run(cfg: RunConfig) -> RankResult:
     ref_loss.backward()
     counter = instrumentation.CommCounter()
     with counting(cfg, counter):
-        with precision(cfg, ctx.device):
-            logits, loss = pm(batches.local_slice(ids), batches.local_slice(labels))
-            logits = logits.detach().clone()  # the vocab-parallel loss's backward writes over the logits
-        loss.backward()
-        pm.finish_grads()
+        logits, loss = _accumulated(cfg, pm, batches, ids, labels)
     _scale_grad(cfg, pm)
     result.comm = counter.rows()
     result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")
@@ -119,7 +116,8 @@ def _run(cfg: RunConfig) -> RankResult:
         result.add("compile_graph_breaks", sum(counters["graph_break"].values()))
 
     figures = {}  # this rank's; the result keeps each one's worst over all ranks
-    figures["fwd_logits_max_abs"] = _max_abs(pm.full_logits(logits), batches.local_slice(dense_logits))
+    full_logits = torch.cat([pm.full_logits(micro) for micro in logits])  # [K b, S, V]
+    figures["fwd_logits_max_abs"] = _max_abs(full_logits, batches.local_slice(dense_logits))
     mean_loss = collectives.all_reduce(loss.detach().float().clone(), ctx.dp_group, "check") / ctx.dp
     figures["loss_abs_diff"] = (mean_loss - dense_loss.detach().float()).abs().item()
     # the dense model's own error against the reference
@@ -168,6 +166,29 @@ def _run(cfg: RunConfig) -> RankResult:
     return result
 
 
+def _accumulated(
+    cfg: RunConfig, pm: ParallelModel | DDPModel, batches: Batches, ids: torch.Tensor, labels: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The parallel model's forward and backward over this rank's slice of the global batch (ids,
+    labels [K x DP x b, S]) as a training step takes it: train.accumulation = K micro-batches of b,
+    each loss divided by K, the DP gradient sync at the last only (training.set_gradient_sync), then
+    the gradient sums. Returns each micro-batch's logits (copies: the vocab-parallel loss's backward
+    writes over them) and the mean loss."""
+    k = cfg.train.accumulation
+    mine_ids, mine_labels = batches.local_slice(ids), batches.local_slice(labels)
+    logits, losses = [], []
+    for i in range(k):
+        if k > 1:
+            set_gradient_sync(pm, i == k - 1)
+        with precision(cfg, batches.device):
+            out, loss = pm(batches.micro(mine_ids, i), batches.micro(mine_labels, i))
+            logits.append(out.detach().clone())
+        (loss / k if k > 1 else loss).backward()
+        losses.append(loss.detach())
+    pm.finish_grads()
+    return logits, losses[0] if k == 1 else torch.stack(losses).mean()
+
+
 class DDPModel:
     """The `ddp` engine as the checks take a parallel model: build_ddp's DistributedDataParallel, the
     one memory and throughput measure. Nothing is sharded (each rank holds the dense model and takes
@@ -179,6 +200,9 @@ class DDPModel:
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
         return self.ddp(input_ids, labels)
+
+    def set_gradient_sync(self, on: bool) -> None:
+        self.ddp.require_backward_grad_sync = on  # what DDP's no_sync() sets
 
     def finish_grads(self) -> None:
         """Nothing left: DDP waits for its buckets' all-reduces before backward returns."""
@@ -398,10 +422,7 @@ def _adamw(
             with precision(cfg, device) if model is dense else contextlib.nullcontext():
                 loss = model(ids, labels)[1]
             loss.backward()
-        with precision(cfg, device):
-            loss = pm(batches.local_slice(ids), batches.local_slice(labels))[1]
-        loss.backward()
-        pm.finish_grads()
+        _accumulated(cfg, pm, batches, ids, labels)
         _scale_grad(cfg, pm)
         _rounded_signs(cfg, pm, dense, reference, rounded_signs)
         for opt in (opt_p, *dense_opts):

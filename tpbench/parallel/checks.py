@@ -22,6 +22,7 @@ GRAD_SUMS = ("qk_norm", "kv_replicas", "sp_norms", "dp")
 def check_shardable(cfg: RunConfig) -> None:
     """Raise ConfigError if the model cannot be split as the parallel config asks."""
     check_dropout(cfg)
+    check_accumulation(cfg)
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.tp < 1 or p.dp < 1:
         raise ConfigError(f"parallel.tp={p.tp}, parallel.dp={p.dp}: both must be >= 1")
@@ -150,6 +151,25 @@ def check_dtensor_shardable(model: ModelConfig | MiniMindConfig, pcfg: ParallelC
 
 
 SHARD_FAULTS = ("no_reduce_scatter", "no_all_gather")  # debug.shard_fault, for every sharded level
+
+
+def check_accumulation(cfg: RunConfig) -> None:
+    """Raise ConfigError (one line) for gradient accumulation (train.accumulation > 1) where a step's
+    micro-batches cannot be taken apart as the whole batch would be."""
+    k, p = cfg.train.accumulation, cfg.parallel
+    if k == 1:
+        return
+    if cfg.model.dropout > 0:
+        raise ConfigError(
+            f"train.accumulation={k} with model.dropout={cfg.model.dropout}: the dropout masks are drawn "
+            "per DP slice, not per micro-batch; accepted are model.dropout=0 or train.accumulation=1"
+        )
+    if p.overlap and p.engine == "megatron" and p.dp > 1 and p.dp_shard == "none":
+        raise ConfigError(
+            f"train.accumulation={k} with parallel.overlap=true and parallel.dp={p.dp}: overlap's flat DP "
+            "buckets all-reduce during every backward; accepted are parallel.overlap=false, "
+            "parallel.dp_shard=optimizer, or train.accumulation=1"
+        )
 
 
 def check_dp_shard(cfg: RunConfig) -> None:

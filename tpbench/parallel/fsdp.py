@@ -166,6 +166,13 @@ class FSDPModel:
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
         return self.pm(input_ids, labels)
 
+    def set_gradient_sync(self, on: bool) -> None:
+        """train.accumulation: off for all but a step's last micro-batch. FSDP2 then skips each
+        unit's reduce-scatter (and HSDP's all-reduce) and keeps its gradients unsharded, adding each
+        micro-batch's into them, until the last backward reduce-scatters their sum (the API that
+        replaced FSDP1's no_sync())."""
+        self.module.set_requires_gradient_sync(on)
+
     def finish_grads(self) -> None:
         """The TP gradient sums, on the local tensors of FSDP2's sharded (averaged) gradients; the
         DTensor engine's as its model makes them (Partial gradients redistributed)."""

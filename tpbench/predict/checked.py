@@ -34,6 +34,12 @@ def unchecked(cfg: RunConfig) -> str | None:
         )
     if sharded := sharded_unchecked(cfg):
         why.append(f"parallel.dp_shard={cfg.parallel.dp_shard} with {sharded}")
+    if (k := cfg.train.accumulation) > 1:
+        why.append(
+            f"train.accumulation={k} (the gradients held from one micro-batch to the next at each moment "
+            "of a later one's step are not modelled: FSDP2's unsharded ones with its sync off, DDP's and "
+            "ZeRO-1's accumulating in place; the model is one micro-batch's step)"
+        )
     return "; ".join(why) or None
 
 

@@ -84,6 +84,7 @@ AT_LEAST_ONE = (
     "parallel.dp_replicate",
     "train.seq_len",
     "train.micro_batch",
+    "train.accumulation",
     "train.global_batch",
     "train.steps",
     "validate.steps",

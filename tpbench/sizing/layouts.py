@@ -189,17 +189,18 @@ class Fit:
 
 
 ACCUMULATION = (
-    "a run is one micro-batch per rank; fit predicts accumulation: N micro-steps, then one DP gradient "
-    "sync and the optimizer (DDP's all-reduce, ZeRO-1's reduce-scatter and all-gather, once per step); "
-    "FSDP's levels (grads, full) gather and reduce-scatter every micro-step, as FSDP2 does by default, "
-    "so their gradients stay sharded. Memory: the one micro-step's peak at every level (DDP and ZeRO-1 "
+    "N micro-steps, then one DP gradient sync and the optimizer (DDP's all-reduce, ZeRO-1's "
+    "reduce-scatter and all-gather, once per step, as train.accumulation runs them); FSDP's levels "
+    "(grads, full) gather and reduce-scatter every micro-step, torchtitan's default, so their gradients "
+    "stay sharded (train.accumulation syncs them once instead, holding them unsharded between "
+    "micro-batches: not modelled). Memory: the one micro-step's peak at every level (DDP and ZeRO-1 "
     "accumulate in the gradient buffer they hold anyway, FSDP in its sharded gradients)"
 )
 
 
 def configure(base: RunConfig, row: Row) -> RunConfig:
     """The run config of one row's micro-step: the base config with the row's layout, recompute and
-    micro-batch per DP rank (accumulation is fit's prediction, not the config's)."""
+    micro-batch per DP rank (the row's accumulation is composed from it: search.step_time)."""
     par = dataclasses.replace(
         base.parallel,
         tp=row.tp,

@@ -18,6 +18,7 @@ follow the step:
   collectives  each collective's count and ring bytes per step
   flops        the model's FLOPs and what full recompute adds
   sharding     sharded DP (parallel.dp_shard): ZeRO-1, ZeRO-2, FSDP's state, moments and DP collectives
+  accumulation gradient accumulation (train.accumulation): which collectives run per micro-batch
   depth        the peak as a line in the depth, F + L (a/T + r), per mode, and its limit against DDP
 """
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from tpbench.config import RunConfig
 from tpbench.predict.allocator import CUBLAS_HANDLES, cublas_workspace_bytes
 from tpbench.predict.theory import sharding
+from tpbench.predict.theory.accumulation import accumulated
 from tpbench.predict.theory.activations import layer_activations, model_activations
 from tpbench.predict.theory.collectives import comm_rows
 from tpbench.predict.theory.dims import BYTES, FP32, INT64, Dims, dims
@@ -104,8 +106,9 @@ class Prediction:
 def predict(cfg: RunConfig) -> Prediction:
     """Per-rank peak memory and collective bytes of one training step under `cfg`."""
     s = sharding.sharding(cfg)
+    rows = accumulated(cfg, comm_rows(cfg))  # a step of train.accumulation micro-batches
     if s.sharded:  # ZeRO-1, ZeRO-2, FSDP: the unsharded step's moments, their weights and gradients sharded
         d, step = sharding.level_dims(cfg), sharding.compute_dims(cfg)
-        return Prediction(d, sharding.moments(d, s, moments(step)), comm_rows(cfg), layer_activations(step))
+        return Prediction(d, sharding.moments(d, s, moments(step)), rows, layer_activations(step))
     d = dims(cfg)
-    return Prediction(d, moments(d), comm_rows(cfg), layer_activations(d))
+    return Prediction(d, moments(d), rows, layer_activations(d))

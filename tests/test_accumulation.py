@@ -1,0 +1,177 @@
+"""Gradient accumulation (train.accumulation = K): a step of K micro-batches per DP rank, the losses
+averaged as one batch K times as large, one DP gradient sync and one optimizer step.
+
+The shared torchrun jobs (tests/torchrun_checks.py's WORLD2 and WORLD4) validate K = 2 against the
+dense model on the whole K x DP x micro-batch (forward, loss, gradients, AdamW steps) at every
+dp_shard level at DP 2 x TP 1 (mode=ddp: DDP's no_sync, ZeRO-1's one reduce-scatter, FSDP2's
+set_requires_gradient_sync), and under TP at DP 2 x TP 2; their counted collectives equal the byte
+model's (tpbench.predict.theory.accumulation). The same checks with 20 AdamW steps, as the results
+page ran them:
+
+    tpbench sweep kind=validate accumulation=2 dp=2 mode=ddp dp_shard=none,optimizer,grads,full
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from beside import beside
+from test_cli import nothing_written, workdir  # noqa: F401 (a fixture)
+from torchrun_checks import WORLD2, WORLD4, per_config, run_config, same_on_every_rank
+from typer.testing import CliRunner
+
+from tpbench.cli import app
+from tpbench.predict import theory
+from tpbench.predict.theory import sharding
+
+TINY = ["model.flash_attn=false", "validate.steps=3", "validate.every=3", "train.accumulation=2"]
+DDP = ["parallel.engine=ddp", "parallel.tp=1", "parallel.dp=2"]
+DP2_TP1 = {f"{level}_ddp": [*TINY, *DDP, f"parallel.dp_shard={level}"] for level in sharding.LEVELS}
+DP2_TP2 = {
+    "none_tp_vp": [*TINY, "parallel.tp=2", "parallel.dp=2", "parallel.vp=true"],
+    "full_tp_sp_vp": [*TINY, "parallel.tp=2", "parallel.dp=2", "parallel.sp=true", "parallel.vp=true",
+                      "parallel.dp_shard=full"],
+}  # fmt: skip
+
+WORLD2.add("validate", "accumulation", DP2_TP1)
+WORLD4.add("validate", "accumulation", DP2_TP2)
+
+
+def _rank0(ranks: list[dict]) -> dict:
+    out = {}
+    for name, per_rank in per_config(ranks).items():
+        same_on_every_rank([{"metrics": r["metrics"], "comm": r["comm"]} for r in per_rank])
+        out[name] = per_rank[0]
+    return out
+
+
+@beside
+def accumulated(folder: Path) -> dict:
+    two, four = (w.part(folder, "validate", "accumulation") for w in (WORLD2, WORLD4))
+    return _rank0(two) | _rank0(four)
+
+
+@pytest.mark.parametrize("name", [*DP2_TP1, *DP2_TP2])
+def test_k_micro_batches_match_dense_on_the_whole_batch(accumulated, name):
+    r = accumulated[name]
+    assert r["failed"] == [] and r["metrics"]["passed"] == 1.0
+
+
+@pytest.mark.parametrize("name", [*DP2_TP1, *DP2_TP2])
+def test_counted_collectives_equal_the_model(accumulated, name):
+    """DP's gradient sync and the TP gradient sums once a step, TP's collectives and FSDP2's
+    all-gathers once per micro-batch, as counted over the validation's first step (forward, backward
+    and the gradient sums: ZeRO-1's all-gather, in the optimizer step, is after it)."""
+    cfg = run_config(DP2_TP1.get(name) or DP2_TP2[name])
+    rows = [r for r in theory.predict(cfg).comm_rows() if not (name.startswith("optimizer") and
+                                                               r.purpose == sharding.PARAMS)]  # fmt: skip
+    predicted = {(r.op, r.purpose): [r.count, r.bytes] for r in rows}
+    counted = {(op, purpose): [count, size] for op, purpose, count, size in accumulated[name]["comm"]}
+    assert counted == predicted
+    grads = [c for (op, purpose), (c, _) in counted.items() if purpose == sharding.GRADS]
+    assert grads and all(c == grads[0] for c in grads)
+
+
+def test_the_model_counts_tp_per_micro_batch_and_the_dp_sync_once():
+    one = run_config(DP2_TP2["full_tp_sp_vp"][:-1] + ["train.accumulation=1"])
+    one = dataclasses.replace(one, parallel=dataclasses.replace(one.parallel, dp_shard="full"))
+    four = dataclasses.replace(one, train=dataclasses.replace(one.train, accumulation=4))
+    rows_one = {(r.op, r.purpose): r for r in theory.predict(one).comm_rows()}
+    rows_four = {(r.op, r.purpose): r for r in theory.predict(four).comm_rows()}
+    assert rows_one.keys() == rows_four.keys()
+    for key, r in rows_one.items():
+        times = 1 if key[1] in (sharding.GRADS, "grad_sum") else 4
+        assert (rows_four[key].count, rows_four[key].bytes) == (times * r.count, times * r.bytes), key
+
+
+@pytest.fixture
+def alone():
+    """A process group of one rank (the fake backend: no collective runs), torn down after."""
+    from tpbench.parallel import emulation
+
+    def start(cfg):
+        emulation.init_process_group(cfg)
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_step_of_k_micro_batches_is_one_step_of_the_whole_batch(alone):
+    """One rank: K = 2 micro-batches of 1 draw the tokens one micro-batch of 2 draws, and their step
+    leaves the same mean loss and gradients (each micro-batch's loss divided by K)."""
+    from tpbench.experiments.training import Trainer
+
+    base = ["model.flash_attn=false", "parallel.tp=1", "parallel.dp=1", "train.seq_len=16"]
+    results = []
+    for k, b in ((1, 2), (2, 1)):
+        cfg = run_config([*base, f"train.accumulation={k}", f"train.micro_batch={b}"])
+        alone(cfg)
+        try:
+            trainer = Trainer(cfg)
+            loss = trainer.step()
+            results.append((loss, {n: p.grad.clone() for n, p in trainer.module.named_parameters()}))
+        finally:
+            dist.destroy_process_group()
+    (loss_one, grads_one), (loss_k, grads_k) = results
+    assert torch.allclose(loss_k, loss_one, rtol=1e-6)
+    for name, g in grads_one.items():
+        assert torch.allclose(grads_k[name], g, rtol=1e-4, atol=1e-7), name
+
+
+REFUSED = {  # before launch: one line, exit 2
+    "zero micro-batches": (
+        ["kind=validate", "accumulation=0"],
+        "train.accumulation=0: accepted are integers >= 1",
+    ),
+    "memory": (
+        ["kind=memory", "dp=2", "accumulation=2"],
+        "kind=memory: the memory model is not checked for train.accumulation=2 (the gradients held",
+    ),
+    "dropout": (
+        ["kind=validate", "dp=2", "accumulation=2", "model.dropout=0.1", "model.flash_attn=false"],
+        "train.accumulation=2 with model.dropout=0.1: the dropout masks",
+    ),
+    "megatron's overlapped DP buckets": (
+        ["kind=validate", "dp=2", "accumulation=2", "overlap=true"],
+        "train.accumulation=2 with parallel.overlap=true and parallel.dp=2",
+    ),
+}
+
+
+@pytest.mark.parametrize("overrides, says", REFUSED.values(), ids=REFUSED.keys())
+def test_accumulation_that_cannot_run_is_refused_in_one_line(workdir, overrides, says):  # noqa: F811
+    done = CliRunner().invoke(app, ["run", *overrides])
+    assert done.exit_code == 2, done.output
+    assert len(done.stderr.splitlines()) == 1 and says in done.stderr, done.stderr
+    assert nothing_written(workdir)
+
+
+def test_accumulation_at_its_default_keeps_the_run_id():
+    from tpbench.config import RunConfig, config_hash
+
+    cfg = RunConfig()
+    k2 = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, accumulation=2))
+    assert config_hash(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, accumulation=1))) == (
+        config_hash(cfg)
+    )
+    assert config_hash(k2) != config_hash(cfg)
+
+
+def test_a_throughput_step_counts_the_tokens_and_flops_of_its_micro_batches(alone):
+    """One rank, K = 2: the step's tokens are both micro-batches', and the FLOPs it executes (counted)
+    are the model's FLOPs of both."""
+    from tpbench.experiments import throughput
+
+    cfg = run_config(["model.flash_attn=false", "parallel.tp=1", "parallel.dp=1", "train.seq_len=16",
+                      "train.accumulation=2", "train.steps=1", "train.warmup=0"])  # fmt: skip
+    alone(cfg)
+    figures = {m.name: m.value for m in throughput.run(cfg).measurements}
+    assert figures["tokens_per_step"] == 2 * cfg.train.micro_batch * 16
+    assert (
+        figures["flops_per_step"] == figures["model_flops_per_step"] == 2 * theory.model_flops_per_step(cfg)
+    )

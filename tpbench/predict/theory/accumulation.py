@@ -1,0 +1,45 @@
+"""Gradient accumulation (train.accumulation = K, tpbench.experiments.training): a step of K
+micro-batches per DP rank, each one's forward and backward as a step of one micro-batch, then one
+DP gradient sync and one optimizer step. What it changes in the model of a step:
+
+Collectives (`accumulated`), from one micro-batch's step (tpbench.predict.theory.collectives):
+  per micro-batch, K times   TP's own (activation, regather, recompute, loss: inside forward and
+                             backward) and FSDP2's all-gathers of each unit's weights (dp_params
+                             under dp_shard=grads or full: gathered again for every forward, and
+                             under full for every backward)
+  once a step                the DP gradient sync (dp_grads: DDP's bucket all-reduces, megatron's
+                             DP sum, ZeRO-1's and FSDP2's reduce-scatters, HSDP's all-reduce), the
+                             TP gradient sums (grad_sum: in finish_grads, on the accumulated
+                             gradients) and ZeRO-1's all-gather of the stepped shard (dp_params,
+                             in the optimizer step)
+
+Memory: not modelled for K > 1 (tpbench.predict.checked refuses kind=memory there). What persists
+between micro-batches is named in docs/theory.md: DDP's buckets and ZeRO-1's grad buffer hold the
+accumulating gradients as they do in one micro-batch's step, while FSDP2 with its gradient sync off
+keeps every unit's gradients unsharded (in the reduce dtype) from the first backward to the last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tpbench.config import RunConfig
+from tpbench.predict.theory.sharding import GRADS, PARAMS, sharding
+from tpbench.results import CommRow
+
+ONCE = (GRADS, "grad_sum")  # synced once a step, on the accumulated gradients
+
+
+def once_a_step(cfg: RunConfig, row: CommRow) -> bool:
+    """Whether a collective of one micro-batch's step runs once a step under accumulation (else once
+    per micro-batch)."""
+    zero1_gather = row.purpose == PARAMS and sharding(cfg).level == "optimizer"
+    return row.purpose in ONCE or zero1_gather
+
+
+def accumulated(cfg: RunConfig, rows: list[CommRow]) -> list[CommRow]:
+    """One step's collectives under train.accumulation from one micro-batch's step's `rows`."""
+    k = cfg.train.accumulation
+    if k == 1:
+        return rows
+    return [r if once_a_step(cfg, r) else replace(r, count=r.count * k, bytes=r.bytes * k) for r in rows]
