@@ -134,7 +134,7 @@ BAD_INPUT = {
         "parallel.sp_gather=linear with engine=dtensor sp=True: ",
     ),
     "overlap in a memory run with recompute": (
-        ["kind=memory", "overlap=true", "train.recompute=selective", "dp=2"],
+        ["kind=memory", "overlap=true", "recompute=selective", "dp=2", "precision=mixed", "dtype=bfloat16"],
         "kind=memory: the memory model is not checked for parallel.overlap=true with train.recompute=sel",
     ),
     "compile with the re-gather": (

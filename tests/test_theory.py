@@ -440,14 +440,13 @@ def test_plan_prints_the_prediction_of_a_config_too_large_to_run():
 def test_plan_notes_overlap_whose_memory_it_does_not_model_and_a_memory_run_refuses_it():
     from tpbench.cli import app
 
-    result = CliRunner().invoke(app, ["plan", "tp=2", "dp=2", "overlap=true", "train.recompute=full"])
+    mixed = ["tp=2", "dp=2", "overlap=true", "train.recompute=full", "precision=mixed", "dtype=bfloat16"]
+    result = CliRunner().invoke(app, ["plan", *mixed])
     assert result.exit_code == 0, result.output
-    note = "not yet checked against a measured peak: parallel.overlap=true with train.recompute=full and"
+    note = "not yet checked against a measured peak: parallel.overlap=true with train.recompute=full, parall"
     assert note in result.stdout
     assert note not in CliRunner().invoke(app, ["plan", "tp=2", "overlap=true"]).stdout
-    result = CliRunner().invoke(
-        app, ["run", "kind=memory", "tp=2", "dp=2", "overlap=true", "train.recompute=full"]
-    )
+    result = CliRunner().invoke(app, ["run", "kind=memory", *mixed])
     assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1
     assert "kind=memory: the memory model is not checked for parallel.overlap=true with" in result.stderr
 

@@ -18,7 +18,9 @@ test_theory.py's dp 2 and T 4 overlap cases): every rank's measured peak equals 
 - `..._selective...`, `..._full_mixed`: overlap under recompute at dp 1. SP's re-gathered region input,
   prefetched at the region's exit backward, is alive through all of the region's backward (the top
   block's down_proj and SwiGLU backward under selective, the softmax's under manual attention); at dp 2
-  the flat DP buckets under recompute are not modelled yet, and such a memory run is refused.
+  (world-4 job) the late gradients (the final norm's, SP's norms') stay autograd's own beside the flat
+  DP buckets in every moment of backward once made. Refused still: dp 2 under recompute in mixed
+  precision (tpbench.predict.checked).
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ CHECKS["tp_sp_vp_overlap_selective_linear"] = [*T2_SP_VP, SELECTIVE, "parallel.s
 CHECKS["tp_sp_vp_overlap_selective_manual"] = [*T2_SP_VP, SELECTIVE, "model.flash_attn=false"]
 CHECKS["tp_sp_vp_overlap_full_mixed"] = [*T2_SP_VP, FULL, MIXED]
 WORLD4_CHECKS = {"dp2_tp_sp_vp_overlap_mixed": [*T2_SP_VP, "parallel.dp=2", MIXED]}
+# under recompute at dp 2: the late gradients (the final norm's, SP's norms') autograd's own beside the
+# flat DP buckets in every moment of backward (+128 B at the top MLP's, where selective peaks)
+WORLD4_CHECKS["dp2_tp_sp_vp_overlap_selective"] = [*T2_SP_VP, "parallel.dp=2", SELECTIVE]
+MANUAL = "model.flash_attn=false"
+WORLD4_CHECKS["dp2_tp_sp_vp_overlap_full_manual"] = [*T2_SP_VP, "parallel.dp=2", FULL, MANUAL]
 WORLD2.add("memory", "overlap", {name: SMALL + overrides for name, overrides in CHECKS.items()})
 WORLD4.add("memory", "overlap", {name: SMALL + overrides for name, overrides in WORLD4_CHECKS.items()})
 
@@ -88,6 +95,7 @@ def test_plan_models_overlap_under_mixed_precision_and_refuses_it_under_recomput
     )
     selective = ["kind=memory", "tp=2", "overlap=true", "train.recompute=selective"]
     assert len(compose.expand(selective, launching=False)) == 1  # dp 1: modelled, measured
-    result = CliRunner().invoke(app, ["run", *selective, "dp=2"])
+    assert len(compose.expand([*selective, "dp=2"], launching=False)) == 1  # dp 2 in pure precision
+    result = CliRunner().invoke(app, ["run", *selective, "dp=2", "precision=mixed", "dtype=bfloat16"])
     assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1
     assert "parallel.dp=2" in result.stderr

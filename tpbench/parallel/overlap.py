@@ -205,8 +205,8 @@ class DPGradBuckets:
         param, view = self.params[name], self.views[name]
         if param.grad is None:
             view.zero_()
-        elif param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)
+        elif param.grad is not view:  # not by data_ptr: a fake (meta) tensor's is its storage offset,
+            view.copy_(param.grad)  # so the gradient of a bucket's first slot (offset 0) matched it
             param.grad = view
 
     def _launch(self, i: int) -> None:

@@ -23,7 +23,7 @@ from tpbench.predict.theory.activations import (
 )
 from tpbench.predict.theory.dims import FP32, LOSS_AND_GRAD, Dims
 from tpbench.predict.theory.moments import Moment
-from tpbench.predict.theory.weights import layer_params
+from tpbench.predict.theory.weights import late_params, layer_params, params
 
 
 def attention_forward(d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int) -> Moment:
@@ -95,7 +95,7 @@ def final_norm_backward(
     grads = d.H + (0 if d.tied else d.V_l * d.H)
     tied_head = d.V_l * d.H * d.w if d.tied else 0
     temps = 5 * FP32 * d.Ns * d.H + tied_head
-    grads = buckets + (grads * d.w if own_grads else 0)
+    grads = buckets + (grads * d.w if own_grads else late_grads(d, d.L - 1, ()))
     activations = sum(acts.values()) - freed + LOSS_AND_GRAD
     return Moment("final norm backward", P, grads, optim, activations, temps)
 
@@ -106,7 +106,27 @@ def top_block_grads(d: Dims, done: tuple[str, ...] | list[str], buckets: int, ow
     beside DDP's buckets."""
     done_params = sum(n for name, n in layer_params(d) if name.removesuffix(".bias") in done)
     grads = d.H + done_params + (0 if d.tied else d.V_l * d.H)
-    return buckets + (grads * d.w if own_grads else 0)
+    return buckets + (grads * d.w if own_grads else late_grads(d, d.L - 1, done))
+
+
+def late_grads(d: Dims, layer: int, done: tuple[str, ...] | list[str]) -> int:
+    """Under megatron's flat DP buckets (`Dims.flat_dp`) the late gradients (weights.late_params: the
+    q/k norms', SP's norms', KV replicas') stay autograd's own to the end of backward, beside the
+    buckets: the bytes of those made by now, the final norm's, those of the blocks above `layer`, and
+    of block `layer` those whose name (or a prefix ending in ".") is in `done`."""
+    if not d.flat_dp:
+        return 0
+    prefixes = tuple(p for p in done if p.endswith("."))
+
+    def made(name: str) -> bool:
+        if not name.startswith("model.layers."):
+            return name == "model.norm"
+        i, leaf = name.split(".", 3)[2:]
+        mine = int(i) == layer and (leaf.removesuffix(".bias") in done or leaf.startswith(prefixes))
+        return int(i) > layer or mine
+
+    late = late_params(d)
+    return sum(n for name, n in params(d) if name in late and made(name)) * d.w
 
 
 def down_backward(
@@ -227,7 +247,7 @@ def recomputed_post_attention_norm(
         done = ("mlp.",)
     grads = d.H + sum(n for name, n in layer_params(d) if name.startswith(done))
     grads += above * sum(n for _, n in layer_params(d)) + (0 if d.tied else d.V_l * d.H)
-    grads = buckets + (grads * d.w if own_grads else 0)
+    grads = buckets + (grads * d.w if own_grads else late_grads(d, layer, done))
     name = f"recomputed post-attention norm {layer}"
     return Moment(name, P, grads, optim, activations + LOSS_AND_GRAD, temps)
 
@@ -303,7 +323,7 @@ def attention_backward(
     grads += above * sum(n for _, n in layer_params(d)) + (0 if d.tied else d.V_l * d.H)
     tied_head = d.V_l * d.H * d.w if d.tied else 0
     flowing = d.s * d.Ns * d.H + d.p * d.N * v_width + prefetched_input(d, 3)
-    grads = buckets + (grads * d.w if own_grads else 0)
+    grads = buckets + (grads * d.w if own_grads else late_grads(d, layer, done))
     activations = after_head(acts) - above * (acts["blocks"] // d.L) - freed + LOSS_AND_GRAD
     activations += sum(saved.values()) if full else 0
     name = f"recomputed attention {layer}" if full else "attention"
@@ -330,7 +350,7 @@ def recomputed_attention_dropout(
     activations = after_head(acts) - above * (acts["blocks"] // d.L) + sum(saved.values()) - later
     activations += FP32 * scores + LOSS_AND_GRAD
     grads = d.H + above * sum(n for _, n in layer_params(d)) + (0 if d.tied else d.V_l * d.H)
-    grads = buckets + (grads * d.w if own_grads else 0)
+    grads = buckets + (grads * d.w if own_grads else late_grads(d, layer, ()))
     cast = d.p * scores if d.p != FP32 else 0
     # the stream's gradient (mixed: and its bf16 cast for the MLP dropout, whose backward started this)
     flowing = d.s * d.Ns * d.H + (d.p * d.Ns * d.H if d.mixed else 0)
@@ -361,7 +381,7 @@ def recomputed_block(
     grads = d.H + above * block + d.H * d.I_l + (0 if d.tied else d.V_l * d.H)
     tied_head = d.V_l * d.H * d.w if d.tied else 0
     temps = 3 * ffn + d.s * d.Ns * d.H + tied_head
-    grads = buckets + (grads * d.w if own_grads else 0)
+    grads = buckets + (grads * d.w if own_grads else late_grads(d, layer, ("mlp.down_proj",)))
     return Moment(f"recomputed block {layer}", P, grads, optim, activations, temps)
 
 
@@ -397,5 +417,5 @@ def recomputed_swiglu(
         flowing = d.s * d.Ns * d.H + (d.p * d.N * d.H if d.sp or d.mixed else 0)
     temps = residual + flowing + (d.V_l * d.H * d.w if d.tied else 0)
     grads = d.H + above * sum(n for _, n in layer_params(d)) + (0 if d.tied else d.V_l * d.H)
-    grads = buckets + (grads * d.w if own_grads else 0)
+    grads = buckets + (grads * d.w if own_grads else late_grads(d, layer, ()))
     return Moment(f"recomputed swiglu {layer}", P, grads, optim, activations, temps)

@@ -33,10 +33,11 @@ import math
 from dataclasses import dataclass, replace
 
 from tpbench.config import RunConfig
-from tpbench.predict.theory.activations import after_head, model_activations
+from tpbench.predict.theory import blocks
+from tpbench.predict.theory.activations import after_head, layer_activations, model_activations
 from tpbench.predict.theory.dims import FP32, LOSS_AND_GRAD, Dims, dims
 from tpbench.predict.theory.moments import Moment
-from tpbench.predict.theory.weights import params
+from tpbench.predict.theory.weights import optimizer_bytes, param_bytes, params
 
 LEVELS = ("none", "optimizer", "grads", "full")
 LEVEL_NAMES = {"none": "DDP", "optimizer": "ZeRO-1", "grads": "ZeRO-2", "full": "FSDP"}
@@ -183,7 +184,7 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
     for name, n in params(d):
         whole[unit_of(name)] += n * c.w
     out = []
-    for m in base:
+    for m in base + _middle_blocks(c, s):
         if m.name in ("gradient sums", "optimizer"):
             continue
         held = [ROOT]  # gathered units MemTracker counts as parameters: in forward, or the running one
@@ -217,6 +218,7 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
     out.insert(0, _top_block_gather(c, s, st, gathered))
     if s.level == "full" and L > 1 and d.recompute != "full":
         out.append(_next_block_gather(c, st, gathered, rs_in, shard_g))
+    out.append(_bottom_input_norm_backward(c, st, base[-1].activations, gathered, rs_in, shard_g, whole))
     kept = base[-1].activations
     # the root's gradients reduce-scattered at backward's end: copied into a padded input, the output
     root_in, rs_out = rs_in[ROOT], shard_g[ROOT]
@@ -224,6 +226,27 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
     out.append(Moment("root reduce-scatter", st.params, sharded_blocks + whole[ROOT], st.optimizer, kept,
                       root_in + rs_out))  # fmt: skip
     out.append(Moment("optimizer", st.params, st.grads, st.optimizer, kept, _adam_temporaries(d, s)))
+    return out
+
+
+def _middle_blocks(d: Dims, s: Sharding) -> list[Moment]:
+    """FSDP2 under full recompute, L >= 3: the recomputed moments of the blocks between the top and the
+    bottom one (the unsharded step has those two only), as the unsharded model counts them. A middle
+    block alone has both FSDP2's buffers at its backward: the block below prefetched, the block
+    above's reduce-scatter input kept; both are the same for every middle block, and the rest of each
+    moment is affine in the layer, so the lowest and the highest middle block are the candidates."""
+    if d.recompute != "full" or not s.fsdp or d.L < 3:
+        return []
+    acts, P, O = model_activations(d), param_bytes(d), optimizer_bytes(d)  # noqa: E741
+    out = []
+    for i in sorted({1, d.L - 2}):
+        args = (d, acts, P, O, 0, True, i)
+        out += [blocks.recomputed_swiglu(*args), blocks.recomputed_block(*args)]
+        out.append(blocks.recomputed_post_attention_norm(*args))
+        if not d.flash:
+            out.append(blocks.attention_backward(*args))
+            if d.dropout:
+                out.append(blocks.recomputed_attention_dropout(*args))
     return out
 
 
@@ -260,6 +283,39 @@ def _next_block_gather(
     params = st.params + gathered[ROOT] + gathered[below]
     grads = shard_g[top] + root_grads
     return Moment("next block all-gather", params, grads, st.optimizer, activations, temps)
+
+
+def _bottom_input_norm_backward(
+    d: Dims,
+    st: State,
+    kept: int,
+    gathered: dict[str, int],
+    rs_in: dict[str, int],
+    shard_g: dict[str, int],
+    whole: dict[str, int],
+) -> Moment:
+    """FSDP2: block 0's input RMSNorm backward, the last op of the blocks' backward, at pow's backward.
+    Every block above has run its backward: its gradients are a shard, the last one's reduce-scatter
+    input (block 1's, fp32 under mixed precision) kept to the next reduce-scatter; block 0's gradients
+    are all made, whole (its norm's weight gradient before pow's), beside the root's own (the final
+    norm's, an untied head's; a tied head's waits, a temporary, for the embedding's share). Block 0 and
+    the root are gathered. Alive: the norm's saved input (the block's input, the stream's dtype; the
+    fp32 copy of MiniMind's own norm) beside what outlives backward, its fp32 temporaries (as
+    `blocks.post_attention_norm_backward`: a sixth, the fp32 input made again, where the stream is not
+    fp32) and the block's output gradient [Ns, H], waiting for the residual sum. Few tokens beside the
+    fp32 reduce-scatter input make it the peak (ZeRO-2, mixed, S 4)."""
+    blocks = [f"layers.{i}" for i in range(d.L)]
+    params = st.params + gathered[ROOT] + gathered[blocks[0]]
+    root_grads = (d.H + (0 if d.tied else d.V_l * d.H)) * d.w
+    grads = sum(shard_g[b] for b in blocks[1:]) + whole[blocks[0]] + root_grads
+    saved = (d.s if d.lean_rmsnorm else FP32) * d.Ns * d.H
+    if d.recompute == "full":  # what the checkpoint saved: the block's input, FSDP2's cast cos and sin
+        saved = sum(layer_activations(d).values())
+    norm = (6 if d.lean_rmsnorm and d.s != FP32 else 5) * FP32 * d.Ns * d.H
+    temps = (rs_in[blocks[1]] if d.L > 1 else 0) + norm + d.s * d.Ns * d.H
+    temps += d.V_l * d.H * d.w if d.tied else 0
+    activations = kept + LOSS_AND_GRAD - FP32 + saved  # the loss's gradient too
+    return Moment("input norm backward 0", params, grads, st.optimizer, activations, temps)
 
 
 def _zero1(d: Dims, s: Sharding, st: State, base: list[Moment]) -> list[Moment]:
