@@ -11,6 +11,9 @@ fp32 (and again with `precision=mixed dtype=bfloat16`):
         mode=tp,tp_sp,tp_sp_linear,tp_vp,tp_sp_vp,ddp
     tpbench sweep kind=validate dp=2 dp_shard=grads,full \
         mode=dtensor_tp,dtensor_tp_sp,dtensor_tp_vp,dtensor_tp_sp_vp
+
+(docs/results/sharded_dp.md: the mixed grid, each run's worst check against its bound, and the
+mixed cases below, each level broken.)
 """
 
 from __future__ import annotations
