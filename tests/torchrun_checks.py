@@ -141,7 +141,7 @@ def from_world_once(cls, tp: int, dp: int, device: torch.device, timeout=None) -
     """ParallelContext.from_world in a job: a fresh context on the groups and DeviceMesh that the
     first config of this (tp, dp) made. Each config made its own, and nothing destroyed them: each
     gloo group keeps threads that wake to poll its sockets while it lives (scripts/gloo-idle-groups.py:
-    50 idle groups cost a rank 0.6 CPU s per 10 s, most of it sys), and a job of a hundred configs
+    50 idle groups cost a rank 0.6-1 CPU s per 10 s, most of it sys), and a job of a hundred configs
     kept hundreds (docs/development.md#the-budget). Destroying each config's groups instead fails a
     later DTensor config, handed an earlier config's mesh by DTensor's caches. A real run has one
     context per process, as here per shape of the world."""
