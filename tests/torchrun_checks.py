@@ -11,6 +11,7 @@ live in the pytest files, which start the job with `torchrun(...)` below and rea
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import json
@@ -20,6 +21,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -114,6 +116,49 @@ class Shared:
 CHECKS = Path(__file__)
 SHARED = "--shared"  # first suite argument of a Shared job: its configs and results are keyed by suite
 WORLD2, WORLD4 = Shared(2), Shared(4)  # the world-2 and world-4 jobs of test_parallel and others
+
+
+# suite -> config -> [this rank's CPU s, wall s] (time.process_time: every thread of the rank, gloo's
+# too): written beside the results as OUT.cpu.json (`write_cpu`), where the job's CPU goes per config
+CPU: dict[str, dict[str, list[float]]] = {}
+
+
+def timed(suite: str, checks: dict) -> Iterator[tuple[str, object]]:
+    """checks.items(), with each config's CPU and wall seconds on this rank recorded in CPU[suite]."""
+    mine = CPU.setdefault(suite, {})
+    for name, value in checks.items():
+        cpu, wall = time.process_time(), time.perf_counter()
+        yield name, value
+        mine[name] = [round(time.process_time() - cpu, 3), round(time.perf_counter() - wall, 3)]
+
+
+@functools.cache
+def _world_groups(tp: int, dp: int, device: torch.device, timeout: object) -> ParallelContext:
+    return _FROM_WORLD(ParallelContext, tp, dp, device, timeout)
+
+
+def from_world_once(cls, tp: int, dp: int, device: torch.device, timeout=None) -> ParallelContext:
+    """ParallelContext.from_world in a job: a fresh context on the groups and DeviceMesh that the
+    first config of this (tp, dp) made. Each config made its own, and nothing destroyed them: each
+    gloo group keeps threads that wake to poll its sockets while it lives (scripts/gloo-idle-groups.py:
+    50 idle groups cost a rank 0.6-1 CPU s per 10 s, most of it sys), and a job of a hundred configs
+    kept hundreds (docs/development.md#the-budget). Destroying each config's groups instead fails a
+    later DTensor config, handed an earlier config's mesh by DTensor's caches. A real run has one
+    context per process, as here per shape of the world."""
+    return dataclasses.replace(_world_groups(tp, dp, device, timeout))
+
+
+_FROM_WORLD = ParallelContext.from_world.__func__
+
+
+def write_cpu(out_path: str, started_cpu: float) -> None:
+    """Every rank's CPU record (CPU, its imports before the suites, its total): rank 0 writes them as
+    OUT.cpu.json, a list in rank order. `scripts/job-cpu.py FOLDER` sums them per config."""
+    mine = {"start_cpu_s": round(started_cpu, 3), "total_cpu_s": round(time.process_time(), 3), "suites": CPU}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    if dist.get_rank() == 0:
+        Path(out_path).with_suffix(".cpu.json").write_text(json.dumps(ranks))
 
 
 def write_every_rank(out_path: str, results: object) -> None:
@@ -563,17 +608,18 @@ def check_regions(ctx: ParallelContext) -> dict:
 
 def suite_units(checks: dict) -> dict:
     ctx = ParallelContext.from_world(dist.get_world_size(), 1, torch.device("cpu"))
-    return {
-        "collectives": check_collectives(ctx),
-        "layers": check_layers(ctx),
-        "checkpoints": check_checkpoints(ctx),
-        "step_ops": check_step_ops(ctx),
-        "settling": check_settling(ctx),
-        "async_timing": check_async_timing(ctx),
-        "ddp_timing": check_ddp_timing(ctx),
-        "overlap_order": check_overlap_order(ctx),
-        "regions": check_regions(ctx),
+    units = {
+        "collectives": check_collectives,
+        "layers": check_layers,
+        "checkpoints": check_checkpoints,
+        "step_ops": check_step_ops,
+        "settling": check_settling,
+        "async_timing": check_async_timing,
+        "ddp_timing": check_ddp_timing,
+        "overlap_order": check_overlap_order,
+        "regions": check_regions,
     }
+    return {name: check(ctx) for name, check in timed("units", units)}
 
 
 def suite_validate(checks: dict) -> dict:
@@ -594,7 +640,7 @@ def suite_validate(checks: dict) -> dict:
         mine[0] = sum(int(m.sum()) for m in rounded.values())
 
     validate._rounded_signs = rounding
-    for name, overrides in checks.items():
+    for name, overrides in timed("validate", checks):
         draws.clear()
         mine[0] = 0
         cpu = time.process_time()
@@ -625,7 +671,7 @@ def suite_memory(checks: dict) -> dict:
     measured again by the memory experiment itself, on every rank (memory._late_freed: counted in
     `remeasured`), never here on a disagreement."""
     results = {}
-    for name, overrides in checks.items():
+    for name, overrides in timed("memory", checks):
         r = memory.run(run_config(overrides))
         results[name] = {
             "peak": next(m.value for m in r.measurements if m.name == "peak_bytes"),
@@ -640,7 +686,7 @@ def suite_memory(checks: dict) -> dict:
 def suite_flops(checks: dict) -> dict:
     """FLOPs of one training step summed over ranks: LocalFlopCounter, and torch's FlopCounterMode."""
     results = {}
-    for name, overrides in checks.items():
+    for name, overrides in timed("flops", checks):
         trainer = Trainer(run_config(overrides))
         counts = []
         for counter in (LocalFlopCounter(), FlopCounterMode(display=False)):
@@ -658,7 +704,7 @@ def suite_recompute(checks: dict) -> dict:
     largest difference of the losses and parameters against the same mode with train.recompute=none
     (the config named MODE/none, which comes first)."""
     results, reference = {}, {}
-    for name, overrides in checks.items():
+    for name, overrides in timed("recompute", checks):
         cfg = run_config(overrides)
         passed = next(m.value for m in validate.run(cfg).measurements if m.name == "passed")
         trainer = Trainer(cfg)
@@ -691,7 +737,7 @@ def suite_comm_per_step(checks: dict) -> dict:
     from tpbench.experiments.setup import Batches, build_parallel, context, counting
 
     results, ctx = {}, context(run_config(TINY))
-    for name, overrides in checks.items():
+    for name, overrides in timed("comm_per_step", checks):
         results[name] = {}
         for engine in ("dtensor", "megatron"):
             cfg = run_config([*overrides, f"parallel.engine={engine}"])
@@ -717,10 +763,12 @@ SUITES = {
 
 
 def main() -> None:
+    started_cpu = time.process_time()  # this rank's imports (torch, tpbench)
     out_path, suites = sys.argv[1], sys.argv[2:]
     checks = json.loads(os.environ["TPBENCH_CHECKS"])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
+    ParallelContext.from_world = classmethod(from_world_once)  # one set of groups per (tp, dp)
     gc.freeze()  # as tpbench.run.worker does: memory.run's gc.collect() then scans only what the run made
     if suites[0] == SHARED:  # keyed by suite however many there are (one when few files are collected)
         write_every_rank(out_path, {suite: SUITES[suite](checks.get(suite, {})) for suite in suites[1:]})
@@ -728,6 +776,7 @@ def main() -> None:
         write_every_rank(out_path, SUITES[suites[0]](checks))
     else:
         write_every_rank(out_path, {suite: SUITES[suite](checks.get(suite, {})) for suite in suites})
+    write_cpu(out_path, started_cpu)
     dist.destroy_process_group()
 
 
