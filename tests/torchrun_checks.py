@@ -11,7 +11,6 @@ live in the pytest files, which start the job with `torchrun(...)` below and rea
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import gc
 import json
@@ -130,25 +129,6 @@ def timed(suite: str, checks: dict) -> Iterator[tuple[str, object]]:
         cpu, wall = time.process_time(), time.perf_counter()
         yield name, value
         mine[name] = [round(time.process_time() - cpu, 3), round(time.perf_counter() - wall, 3)]
-
-
-@functools.cache
-def _world_groups(tp: int, dp: int, device: torch.device, timeout: object) -> ParallelContext:
-    return _FROM_WORLD(ParallelContext, tp, dp, device, timeout)
-
-
-def from_world_once(cls, tp: int, dp: int, device: torch.device, timeout=None) -> ParallelContext:
-    """ParallelContext.from_world in a job: a fresh context on the groups and DeviceMesh that the
-    first config of this (tp, dp) made. Each config made its own, and nothing destroyed them: each
-    gloo group keeps threads that wake to poll its sockets while it lives (scripts/gloo-idle-groups.py:
-    50 idle groups cost a rank 0.6-1 CPU s per 10 s, most of it sys), and a job of a hundred configs
-    kept hundreds (docs/development.md#the-budget). Destroying each config's groups instead fails a
-    later DTensor config, handed an earlier config's mesh by DTensor's caches. A real run has one
-    context per process, as here per shape of the world."""
-    return dataclasses.replace(_world_groups(tp, dp, device, timeout))
-
-
-_FROM_WORLD = ParallelContext.from_world.__func__
 
 
 def write_cpu(out_path: str, started_cpu: float) -> None:
@@ -768,7 +748,6 @@ def main() -> None:
     checks = json.loads(os.environ["TPBENCH_CHECKS"])
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    ParallelContext.from_world = classmethod(from_world_once)  # one set of groups per (tp, dp)
     gc.freeze()  # as tpbench.run.worker does: memory.run's gc.collect() then scans only what the run made
     if suites[0] == SHARED:  # keyed by suite however many there are (one when few files are collected)
         write_every_rank(out_path, {suite: SUITES[suite](checks.get(suite, {})) for suite in suites[1:]})

@@ -44,7 +44,7 @@ def tensor_device(cfg: RunConfig) -> torch.device:
 
 def context(cfg: RunConfig) -> ParallelContext:
     timeout = timedelta(seconds=cfg.launch.collective_timeout_s)
-    return ParallelContext.from_world(cfg.parallel.tp, cfg.parallel.dp, tensor_device(cfg), timeout)
+    return ParallelContext.of_world(cfg.parallel.tp, cfg.parallel.dp, tensor_device(cfg), timeout)
 
 
 def place(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:

@@ -7,6 +7,7 @@ group; those ranks form a KV-replica group whose k/v gradients are summed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -65,9 +66,35 @@ class ParallelContext:
             timeout=timeout,
         )
 
+    @classmethod
+    def of_world(
+        cls, tp: int, dp: int, device: torch.device, timeout: timedelta | None = None
+    ) -> ParallelContext:
+        """`from_world`, once per shape of the world in a process: a fresh context on the groups and
+        mesh that the first call for this (tp, dp, device, timeout) made (collective, as from_world:
+        every rank calls it with the same shapes in the same order).
+
+        A warm worker runs a sweep's configs one after another in one process, a test job a hundred.
+        A gloo group keeps threads that wake to poll its sockets for as long as it lives (50 idle groups
+        cost a rank 0.6-1 CPU s per 10 s, most of it sys: scripts/gloo-idle-groups.py), and nothing
+        destroyed a config's groups: a sweep's later runs were slowed by its earlier ones' groups.
+        Destroying them after each config is no way out: DTensor's caches hand a later config an
+        earlier one's mesh."""
+        key = ("world", tp, dp, str(device), timeout)
+        made = _made_in_this_world()
+        if key not in made:
+            made[key] = cls.from_world(tp, dp, device, timeout)
+        return dataclasses.replace(made[key])
+
     def setup_kv_replicas(self, num_kv_heads: int) -> None:
-        """Create the groups of TP ranks sharing one KV head (collective: every rank must call)."""
+        """Create the groups of TP ranks sharing one KV head (collective: every rank must call), once
+        per shape in a process (as `of_world`)."""
         if self.tp <= num_kv_heads or self.tp_group is None:
+            return
+        key = ("kv", self.tp, self.dp, num_kv_heads, self.timeout)
+        made = _made_in_this_world()
+        if key in made:
+            self.kv_replica_group = made[key]
             return
         replicas = self.tp // num_kv_heads
         for d in range(self.dp):
@@ -76,6 +103,22 @@ class ParallelContext:
                 group = dist.new_group(ranks, timeout=self.timeout)
                 if self.rank in ranks:
                     self.kv_replica_group = group
+        made[key] = self.kv_replica_group
+
+
+# the groups made by of_world and setup_kv_replicas, for the default group they were made in
+_MADE: dict[tuple, object] = {}
+_MADE_IN: list[object] = [None]
+
+
+def _made_in_this_world() -> dict[tuple, object]:
+    """The groups made so far under the current default process group: none once it has been
+    destroyed and another made (an emulated rank's, made per measurement), whose groups died with it."""
+    world = dist.group.WORLD
+    if _MADE_IN[0] is not world:
+        _MADE.clear()
+        _MADE_IN[0] = world
+    return _MADE
 
 
 def _own_group(all_ranks: list[list[int]], rank: int, timeout: timedelta | None) -> dist.ProcessGroup:
