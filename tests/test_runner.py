@@ -399,9 +399,28 @@ def test_two_nodes_meet_through_the_rendezvous_and_rank0s_node_records(tmp_path)
     common = [*FAST, "launch.nnodes=2", "launch.nproc_per_node=1", f"launch.rdzv_endpoint=localhost:{port}"]
     nodes = [work.start("run", *common, f"launch.node_rank={rank}") for rank in (0, 1)]
     outputs = [node.communicate(timeout=300) for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs
+    said = "\n".join(f"node {rank}'s stderr:\n{stderr}" for rank, (_, stderr) in enumerate(outputs))
+    assert [node.returncode for node in nodes] == [0, 0], said
     assert work.query("SELECT status, world_size, tp FROM runs") == [("OK", 2, 2)]
     assert sum("records it" in stderr for _, stderr in outputs) == 1
+
+
+def test_a_node_without_rank_0_says_why_its_ranks_failed(tmp_path):
+    """The node of rank 0 records the run, but only this node saw its own rank's error: it says it."""
+    work = Workdir(tmp_path)
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    # rank 0 learns of rank 1's end from its collective's timeout, or from its agent losing the
+    # rendezvous store where node 1's agent hosted it
+    common = [*FAST, "+fault=raise_on_rank1", "launch.nnodes=2", "launch.nproc_per_node=1"]
+    common += [f"launch.rdzv_endpoint=localhost:{port}", "launch.collective_timeout_s=15"]
+    nodes = [work.start("run", *common, f"launch.node_rank={rank}") for rank in (0, 1)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [1, 1], outputs
+    said = [line for line in outputs[1][1].splitlines() if "the node that ran rank 0 records it" in line]
+    assert len(said) == 1 and "on this node: rank 1: " in said[0] and "(logs: " in said[0], said
+    assert work.query("SELECT status FROM runs") in ([("FAILED",)], [("TIMEOUT",)])
 
 
 def test_the_default_run_is_the_tiny_model_with_every_kind(tmp_path):

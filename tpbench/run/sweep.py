@@ -20,7 +20,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from tpbench import machine
 from tpbench.config import ConfigError, RunConfig, config_hash, run_label
 from tpbench.db import ResultsDB, url_refused
-from tpbench.results import Outcome
+from tpbench.results import Outcome, Status
 from tpbench.run import compose  # torch loads with launch and batch, once a run is launched
 
 
@@ -136,7 +136,10 @@ def record(cfg: RunConfig, db: ResultsDB, outcome: Outcome, say: Callable[[str],
     """Record one run's Outcome. The run id is None on a node other than the one of rank 0 in a
     multi-node job, which leaves recording to that node, and when the database refused the record."""
     if not outcome.ran_rank0:
-        say(f"{run_label(cfg)}: {outcome.status}; the node that ran rank 0 records it")
+        said = f"{run_label(cfg)}: {outcome.status}; the node that ran rank 0 records it"
+        if outcome.status is not Status.OK:  # this node's failure, which rank 0's node may not see
+            said += f"; on this node: {outcome.error} (logs: {outcome.log_dir})"
+        say(said)
         outcome.release()
         return Ran(None, cfg, str(outcome.status))
     try:
