@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tpbench.cli.arguments import one_line, usage
-from tpbench.config import RunConfig, config_hash, mode_label, public_config, world_size
+from tpbench.config import ModelConfig, RunConfig, config_hash, mode_label, public_config, world_size
+from tpbench.models.shapes import model_name, shape_label
 
 if TYPE_CHECKING:  # pandas and the database (sqlalchemy) are imported where a command needs them:
     import pandas as pd  # `tpbench plan` starts without them
@@ -89,6 +90,9 @@ def run(db: ResultsDB, run_id: int, as_json: bool, full: bool = False) -> None:
         for key, value in record.items():
             if key not in ("config", "metrics"):
                 fields.add_row(key, str(value))
+        model = _model_of(record["config"])
+        if model is not None:
+            fields.add_row("model", f"{model_name(model)} {shape_label(model)}")
         out.print(fields)
     if full and record["status"] != "OK":  # `run` and `sweep` said it as the run ended
         logs = f"; its logs: {record['log_dir']}" if record["log_dir"] else ""
@@ -140,11 +144,21 @@ def configs(configs: list[RunConfig]) -> None:
     print("\n---\n".join(shown), end="")
 
 
+def _model_of(config: object) -> ModelConfig | None:
+    """The model of a stored run's config (a dict, or its JSON), its defaults filled; None if unreadable."""
+    if isinstance(config, str):
+        config = json.loads(config)
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        return None
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in config["model"].items() if k in known})
+
+
 def plan(cfg: RunConfig, prediction: Prediction, flops: float) -> None:
     """`tpbench plan`: the predicted memory per rank at each moment of a step, the collectives, FLOPs."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     title = (
-        f"{m.name} {mode_label(p)} tp={p.tp} dp={p.dp}{_level(p)} L{m.num_hidden_layers} H{m.hidden_size} "
+        f"{model_name(m)} {mode_label(p)} tp={p.tp} dp={p.dp}{_level(p)} ({shape_label(m)}) "
         f"seq {t.seq_len} micro-batch {prediction.dims.B} {t.dtype} {t.precision}"
     )
     memory = Table(title=f"{title}: predicted memory per rank (MiB)")

@@ -42,6 +42,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tpbench.config import ConfigError, RunConfig, mode_label
+from tpbench.models.shapes import model_name, shape_label
 from tpbench.results import ParamRow
 
 K = 4.0  # ValidateConfig.k's default
@@ -118,6 +119,7 @@ def table(cfg: RunConfig, checks: list[Verdict], rows: list[ParamRow], passed: b
     p, t = cfg.parallel, cfg.train
     reference = "fp64" if t.dtype == "float32" else "fp32"
     title = f"validate {mode_label(p)}  tp={p.tp} dp={p.dp}  {t.dtype} {t.precision}"
+    title += f"  {model_name(cfg.model)} {shape_label(cfg.model)} seq {t.seq_len}"
     if cfg.launch.bf16_gemm != "native":  # tpbench.experiments.gemm
         title += "  bf16 GEMMs: fp32-accumulated, rounded once"
     main = Table(title=title)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from tpbench.models.shapes import model_name, shape_label
 from tpbench.sizing.layouts import Fit, GiB, MiB, Row
 
 SHOWN = 10  # rows per table unless --rows says otherwise; --json has every row
@@ -19,7 +20,7 @@ def title(fit: Fit) -> str:
     )
     words = precision_words(t.precision, t.dtype)
     return (
-        f"{m.name} S {t.seq_len}, {t.precision} precision ({words}){batch} on "
+        f"{model_name(m)} ({shape_label(m)}) S {t.seq_len}, {t.precision} precision ({words}){batch} on "
         f"{fit.nodes} x {fit.gpus_per_node} {gpu.name} ({mem.usable_bytes / GiB:.1f} GiB usable, margin "
         f"{mem.margin:.0%})"
     )
