@@ -34,7 +34,6 @@ def test_qwen3_without_head_dim_takes_qwen3configs(tmp_path, capsys):
     assert model_fields(write(tmp_path, llama, "l"))["head_dim"] is None  # LlamaConfig's: H / heads
 
 
-
 def test_the_resolved_shape_is_in_every_title_that_names_the_model(tmp_path):
     """What config.json left out (the MLP width, tying, theta) shows where the model is named: plan's
     and fit's titles, the validation's table (a run's stored text) and `runs show`."""
@@ -57,7 +56,8 @@ def test_the_resolved_shape_is_in_every_title_that_names_the_model(tmp_path):
         return " ".join(done.stdout.split())  # rich wraps a title to its table's width
 
     assert f"({shape}) seq 32 micro-batch 2" in shown("plan", f"model.hf_config={path}", "tp=2")
-    assert f"({shape}) S 1024, mixed precision" in shown("fit", f"model.hf_config={path}", "seq=1024", "gpu=H100")
+    fitted = shown("fit", f"model.hf_config={path}", "seq=1024", "gpu=H100")
+    assert f"({shape}) S 1024, mixed precision" in fitted
     cfg = config(0)
     cfg.model = ModelConfig(**{**model_fields(path), "hf_config": str(path)})
     assert f"{shape} seq {cfg.train.seq_len}" in " ".join(table(cfg, [], [], passed=True).split())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import sqlite3
@@ -391,11 +392,27 @@ def test_four_sweeps_share_one_sqlite_file(tmp_path):
     assert work.integrity() == "ok"
 
 
+def rendezvous_port() -> int:
+    """A free port for two nodes' rendezvous, below Linux's ephemeral range (32768-60999). A port
+    taken with bind(0) and let go is ephemeral: until the nodes' agents bind it, another job's
+    `torchrun --standalone` (bind(0) too) can take it, and both nodes then meet in that job's store,
+    which goes with that job, failing whichever node touches it next."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    below = range(20000, low) if low > 20200 else range(low - 200, low)
+    for port in random.Random().sample(below, 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("localhost", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {below}")
+
+
 def test_two_nodes_meet_through_the_rendezvous_and_rank0s_node_records(tmp_path):
     work = Workdir(tmp_path)
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = rendezvous_port()
     common = [*FAST, "launch.nnodes=2", "launch.nproc_per_node=1", f"launch.rdzv_endpoint=localhost:{port}"]
     nodes = [work.start("run", *common, f"launch.node_rank={rank}") for rank in (0, 1)]
     outputs = [node.communicate(timeout=300) for node in nodes]
@@ -408,9 +425,7 @@ def test_two_nodes_meet_through_the_rendezvous_and_rank0s_node_records(tmp_path)
 def test_a_node_without_rank_0_says_why_its_ranks_failed(tmp_path):
     """The node of rank 0 records the run, but only this node saw its own rank's error: it says it."""
     work = Workdir(tmp_path)
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = rendezvous_port()
     # rank 0 learns of rank 1's end from its collective's timeout, or from its agent losing the
     # rendezvous store where node 1's agent hosted it
     common = [*FAST, "+fault=raise_on_rank1", "launch.nnodes=2", "launch.nproc_per_node=1"]

@@ -15,6 +15,7 @@ import functools
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -38,7 +39,7 @@ from tpbench.experiments.throughput import LocalFlopCounter
 from tpbench.experiments.training import Trainer
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, build_model
 from tpbench.parallel import collectives, instrumentation, regions
-from tpbench.parallel.context import ParallelContext
+from tpbench.parallel.context import ParallelContext, leave_world
 from tpbench.parallel.cross_entropy import VocabParallelCrossEntropy
 from tpbench.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tpbench.parallel.plan import parallelize, plan_layouts, shard_state_dict
@@ -70,6 +71,15 @@ FAMILIES = {
 LLAMA31_ROPE = ["model.rope_scaling_factor=8", "model.rope_original_max_position_embeddings=16"]
 
 
+def _why(stderr: str) -> str:
+    """A failed job's stderr for its assertion: the lines that say why a rank ended (a C++ abort's
+    "terminate called" and "what():", a Python error, a signal), which the agent's own report at the
+    end pushes out of a plain tail, then the tail."""
+    said = re.compile(r"terminate called|what\(\)|Error|Exception|Signal|signal|Traceback|enforce fail")
+    lines = [line for line in stderr.splitlines() if said.search(line) and "closing signal" not in line]
+    return "\n".join(["why:", *lines[:40], "tail:", stderr[-3000:]])
+
+
 def torchrun(script: Path, nproc: int, out: Path, *args: str, checks: dict | None = None) -> list:
     """Run `script OUT ARGS...` as a real torchrun job over gloo and return the JSON rank 0 wrote:
     a list of every rank's results, rank 0's first (`write_every_rank`)."""
@@ -77,7 +87,7 @@ def torchrun(script: Path, nproc: int, out: Path, *args: str, checks: dict | Non
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     proc = subprocess.run([*cmd, str(script), str(out), *args], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, _why(proc.stderr)
     return json.loads(Path(out).read_text())
 
 
@@ -756,7 +766,7 @@ def main() -> None:
     else:
         write_every_rank(out_path, {suite: SUITES[suite](checks.get(suite, {})) for suite in suites})
     write_cpu(out_path, started_cpu)
-    dist.destroy_process_group()
+    leave_world()
 
 
 if __name__ == "__main__":

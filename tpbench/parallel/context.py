@@ -8,6 +8,7 @@ group; those ranks form a KV-replica group whose k/v gradients are summed.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -109,6 +110,18 @@ class ParallelContext:
 # the groups made by of_world and setup_kv_replicas, for the default group they were made in
 _MADE: dict[tuple, object] = {}
 _MADE_IN: list[object] = [None]
+
+
+def leave_world() -> None:
+    """Destroy the default process group and every group made in it, the ones `of_world` keeps
+    included, while the interpreter is whole. A group still referenced when the process exits is
+    destroyed in the interpreter's own teardown, where gloo's threads can end in std::terminate
+    ("terminate called without an active exception", SIGABRT) on a rank whose work was done: its
+    agent then calls the run failed, and stops the ranks still writing."""
+    _MADE.clear()
+    _MADE_IN[0] = None
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def _made_in_this_world() -> dict[tuple, object]:

@@ -42,7 +42,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tpbench import machine
 from tpbench.config import RunConfig, load_run_config
 from tpbench.experiments import experiment
-from tpbench.parallel import emulation
+from tpbench.parallel import context, emulation
 from tpbench.results import RankResult
 from tpbench.run import faults
 
@@ -152,7 +152,7 @@ def _run(cfg: RunConfig, job_dir: Path, rank: int, device: torch.device, done: P
         if rank == 0:
             done.touch()
         dist.barrier()
-    dist.destroy_process_group()
+    context.leave_world()
 
 
 def _cap_memory(cfg: RunConfig, device: torch.device) -> None:
