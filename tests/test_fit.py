@@ -145,7 +145,8 @@ def test_llama70_in_mixed_precision_needs_more_than_one_node():
     done = runner.invoke(app, ["fit", *LLAMA70.split(), *T8])
     assert done.exit_code == 2 and done.stdout == "" and len(done.stderr.splitlines()) == 1
     said = done.stderr
-    assert "llama3_70b at S 8192 (mixed precision) fits no layout on 1 node(s) of 8 H100-SXM" in said, said
+    shape = "(L80 H8192 I28672 heads 64/8 head_dim 128 V128256 theta 500000 untied)"
+    assert f"llama3_70b {shape} at S 8192 (mixed precision) fits no layout on 1 node(s) of 8 H100-SXM" in said
     assert "fits on 2 nodes (16 GPUs) with sharded DP" in said, said
 
 

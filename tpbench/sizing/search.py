@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from tpbench.config import ConfigError, RunConfig
+from tpbench.models.shapes import model_name, shape_label
 from tpbench.predict import steptime, theory
 from tpbench.predict.hardware import GPU
 from tpbench.predict.theory import sharding
@@ -206,9 +207,10 @@ def nothing_fits(
     m, t, gpu = base.model, base.train, cluster.gpu
     runnable = [r for r in fit.rows if not r.reason]
     if not runnable and fit.rows:
-        return f"{m.name}: no layout can run ({fit.rows[0].reason})"
+        return f"{model_name(m)}: no layout can run ({fit.rows[0].reason})"
     here = (
-        f"{m.name} at S {t.seq_len} ({t.precision} precision) fits no layout on {cluster.nodes} node(s) of "
+        f"{model_name(m)} ({shape_label(m)}) at S {t.seq_len} ({t.precision} precision) fits no layout on "
+        f"{cluster.nodes} node(s) of "
         f"{cluster.gpus_per_node} {gpu.name} ({cluster.memory.usable_bytes / GiB:.1f} GiB usable, "
         f"{cluster.memory.margin:.0%} margin)"
     )
