@@ -134,8 +134,16 @@ BAD_INPUT = {
         "parallel.sp_gather=linear with engine=dtensor sp=True: ",
     ),
     "overlap in a memory run with recompute": (
-        ["kind=memory", "overlap=true", "recompute=selective", "dp=2", "precision=mixed", "dtype=bfloat16"],
-        "kind=memory: the memory model is not checked for parallel.overlap=true with train.recompute=sel",
+        [
+            "kind=memory",
+            "overlap=true",
+            "recompute=full",
+            "dp=2",
+            "vp=true",
+            "precision=mixed",
+            "dtype=bfloat16",
+        ],
+        "kind=memory: the memory model is not checked for parallel.overlap=true with train.recompute=full",
     ),
     "compile with the re-gather": (
         ["mode=tp_sp", "compile=true"],

@@ -440,7 +440,15 @@ def test_plan_prints_the_prediction_of_a_config_too_large_to_run():
 def test_plan_notes_overlap_whose_memory_it_does_not_model_and_a_memory_run_refuses_it():
     from tpbench.cli import app
 
-    mixed = ["tp=2", "dp=2", "overlap=true", "train.recompute=full", "precision=mixed", "dtype=bfloat16"]
+    mixed = [
+        "tp=2",
+        "dp=2",
+        "vp=true",
+        "overlap=true",
+        "train.recompute=full",
+        "precision=mixed",
+        "dtype=bfloat16",
+    ]
     result = CliRunner().invoke(app, ["plan", *mixed])
     assert result.exit_code == 0, result.output
     note = "not yet checked against a measured peak: parallel.overlap=true with train.recompute=full, parall"

@@ -19,8 +19,8 @@ test_theory.py's dp 2 and T 4 overlap cases): every rank's measured peak equals 
   prefetched at the region's exit backward, is alive through all of the region's backward (the top
   block's down_proj and SwiGLU backward under selective, the softmax's under manual attention); at dp 2
   (world-4 job) the late gradients (the final norm's, SP's norms') stay autograd's own beside the flat
-  DP buckets in every moment of backward once made. Refused still: dp 2 under recompute in mixed
-  precision (tpbench.predict.checked).
+  DP buckets in every moment of backward once made. Refused still: full recompute with VP in
+  mixed precision at dp 2 (tpbench.predict.checked).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ CHECKS = {
     ],
 }
 MIXED = "train.precision=mixed"
+PURE, SP_VP = "train.precision=pure", ["parallel.sp=true", "parallel.vp=true"]
 CHECKS["tp_sp_vp_overlap_mixed"] = [*T2_SP_VP, MIXED]
 CHECKS["tp_sp_vp_overlap_mixed_s32"] = [*T2_SP_VP, MIXED, "train.seq_len=32"]
 # under recompute: SP's re-gathered region input, prefetched at the region's exit backward, is alive
@@ -96,6 +97,63 @@ def test_plan_models_overlap_under_mixed_precision_and_refuses_it_under_recomput
     selective = ["kind=memory", "tp=2", "overlap=true", "train.recompute=selective"]
     assert len(compose.expand(selective, launching=False)) == 1  # dp 1: modelled, measured
     assert len(compose.expand([*selective, "dp=2"], launching=False)) == 1  # dp 2 in pure precision
-    result = CliRunner().invoke(app, ["run", *selective, "dp=2", "precision=mixed", "dtype=bfloat16"])
+    mixed = [*selective, "dp=2", "vp=true", "precision=mixed", "dtype=bfloat16"]
+    assert len(compose.expand(mixed, launching=False)) == 1  # dp 2 in mixed precision, VP too
+    full = [*mixed, "train.recompute=full"]
+    assert len(compose.expand(full[:-4] + full[-3:], launching=False)) == 1  # full recompute without VP
+    result = CliRunner().invoke(app, ["run", *full])
     assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1
     assert "parallel.dp=2" in result.stderr
+
+
+# Emulated ranks (fake tensors, in process) of overlap under recompute and mixed precision, each seen
+# off the model before its moment was fixed: the LM head entry's all-reduce of a clone of the input
+# gradient beside the deferred weight gradient (without SP, S 4: 1,024 B); the column linears' weight
+# casts made outside autocast's cache, so not held to the forward's end under full recompute (L 3:
+# 54,272 B); the tied head's gradient, a late one under the flat DP buckets, beside the embedding's
+# backward (V 4096, S 4); under SP the gradient's bf16 cast, a shard, gathered, not a second [N, H]
+# (selective: 8,448 B at S 64, 1,024 B at S 4); the MLP entry's deferred weight gradients and a
+# recomputed block's down_proj backward (full recompute, VP: 8,192 B under SP at S 64; pure
+# precision at S 4: 12,288 B)
+EMULATED = {
+    "selective_dp2_sp_vp": ["train.recompute=selective", "parallel.dp=2", *SP_VP],
+    "selective_dp2_sp_vp_s4": ["train.recompute=selective", "parallel.dp=2", *SP_VP, "train.seq_len=4"],
+    "full_dp2_sp_vp": ["train.recompute=full", "parallel.dp=2", *SP_VP],
+    "full_dp2_vp_s4_pure": [
+        "train.recompute=full",
+        "parallel.dp=2",
+        "parallel.vp=true",
+        "train.seq_len=4",
+        PURE,
+    ],
+    "head_entry_clone_dp2_s4": ["parallel.vp=true", "parallel.dp=2", "train.seq_len=4"],
+    "full_l3_casts_dp1": ["train.recompute=full", "model.num_hidden_layers=3"],
+    "full_l3_casts_dp2_sp": [
+        "train.recompute=full",
+        "model.num_hidden_layers=3",
+        "parallel.dp=2",
+        "parallel.sp=true",
+    ],
+    "selective_dp2_sp_s4": [
+        "train.recompute=selective",
+        "parallel.dp=2",
+        "parallel.sp=true",
+        "train.seq_len=4",
+    ],
+    "backward_end_flat_dp_v4096": [
+        "parallel.vp=true",
+        "parallel.dp=2",
+        "train.seq_len=4",
+        "model.vocab_size=4096",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", EMULATED)
+def test_emulated_overlap_under_recompute_in_mixed_precision_is_predicted_to_the_byte(name):
+    from tpbench.experiments import memory
+
+    overrides = EMULATED[name] if PURE in EMULATED[name] else [*EMULATED[name], MIXED]
+    cfg = run_config([*SMALL, "launch.emulate=fake", "parallel.tp=2", "parallel.overlap=true", *overrides])
+    measured, _ = memory.measure_busiest(cfg)
+    assert measured["peak_bytes"] == theory.predict(cfg).peak_bytes

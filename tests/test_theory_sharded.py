@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from tpbench.experiments.setup import build_dense
 from tpbench.predict import theory
-from tpbench.predict.checked import sharded_unchecked, unchecked
+from tpbench.predict.checked import unchecked
 from tpbench.predict.theory import sharding
 
 # odd sizes, so that FSDP2 pads: H 48 over D 5 and D 4, KV width 24, vocab 301, I 136
@@ -143,14 +143,17 @@ def test_plan_prints_the_split_of_a_sharded_level():
 
 def test_what_is_checked_is_named():
     """Every level is checked, FSDP under full recompute (a middle block's moments, and the bottom
-    one's input norm) too, but ZeRO-2 in mixed precision: equal emulated, not on real ranks at S 4."""
+    one's input norm) and in mixed precision too."""
     assert unchecked(level(["train.seq_len=4"], "full", 4)) is None
     assert unchecked(level([], "optimizer", 2)) is None
     assert unchecked(level(["parallel.tp=4", "model.num_key_value_heads=4"], "grads", 2)) is None
     assert unchecked(level([], "full", 4, replicate=2)) is None
     assert unchecked(level(["train.recompute=full"], "full", 2)) is None
-    assert unchecked(level(["train.precision=mixed", "train.dtype=bfloat16"], "full", 2)) is None
-    assert "precision=mixed" in sharded_unchecked(level(["train.precision=mixed"], "grads", 2))
+    for lv in ("grads", "full"):  # each block's reduce-scatter, gloo's clone of its input beside it
+        assert (
+            unchecked(level(["train.precision=mixed", "train.dtype=bfloat16", "train.seq_len=4"], lv, 2))
+            is None
+        )
 
 
 @pytest.mark.parametrize(
@@ -225,9 +228,9 @@ def test_fsdp_step_peak_is_predicted_to_the_byte(dp_shard, D, overrides):
     finally:
         dist.destroy_process_group()
     parallel = dataclasses.replace(cfg.parallel, dp_shard=dp_shard)
-    predicted = theory.predict(
-        dataclasses.replace(cfg, parallel=parallel, debug=dataclasses.replace(cfg.debug, skip_grad_sum=[]))
-    )
+    launch = dataclasses.replace(cfg.launch, emulate="fake")  # a fake group: no gloo clone to reduce-scatter
+    debug = dataclasses.replace(cfg.debug, skip_grad_sum=[])
+    predicted = theory.predict(dataclasses.replace(cfg, parallel=parallel, launch=launch, debug=debug))
     assert peak["Total"] == predicted.peak_bytes
     measured = {CATEGORIES[k]: v for k, v in peak.items() if k in CATEGORIES}
     for name in ("mem_params_bytes", "mem_optimizer_bytes", "mem_grads_bytes"):
@@ -283,6 +286,10 @@ SHARDED["dp2_tp1_full_recompute_s4"] = [*SHARDED["dp2_tp1_full"], "train.seq_len
 SHARDED["dp2_tp2_full_recompute_sp_vp_l3"] = [*SHARDED["dp2_tp2_full"], "parallel.sp=true",
                                               "parallel.vp=true", "train.recompute=full",
                                               "train.seq_len=256", "model.num_hidden_layers=3"]  # fmt: skip
+# few tokens: each block's reduce-scatter, gloo's clone of its input beside it (ZeRO-2 in mixed
+# precision, ZeRO-3 in pure)
+SHARDED["dp2_tp1_grads_mixed_s4"] = [*SHARDED["dp2_tp1_grads_mixed"], "train.seq_len=4"]
+SHARDED["dp2_tp1_full_s4"] = [*SHARDED["dp2_tp1_full"], "train.seq_len=4"]
 # HSDP: DP 4 x TP 1, two replicas of two shards each (the all-reduce across them counted)
 SHARDED["dp4_tp1_full_hsdp"] = [*SHARDED["dp2_tp1_full"], "parallel.dp=4", "parallel.dp_replicate=2"]
 WORLD2.add("memory", "sharded", {k: v for k, v in SHARDED.items() if k.startswith("dp2_tp1_")})

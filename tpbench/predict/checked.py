@@ -9,29 +9,18 @@ from __future__ import annotations
 from tpbench.config import ConfigError, RunConfig
 
 
-def sharded_unchecked(cfg: RunConfig) -> str | None:
-    """Why the memory model of a sharded DP level is not checked for `cfg` (None: it is measured equal
-    to the model, to the byte, on the CPU: tests/test_theory_sharded.py, docs/results/sharded_dp.md)."""
-    if cfg.parallel.dp_shard == "grads" and cfg.train.precision == "mixed":
-        return (
-            "precision=mixed (at S 4 real gloo ranks peak 132,384 B above the model, at a moment the "
-            "emulated rank, equal to it, does not have)"
-        )
-    return None
-
-
 def unchecked(cfg: RunConfig) -> str | None:
     """Why the memory model is not checked against a measured peak for `cfg`, or None."""
     why = []
     p, t = cfg.parallel, cfg.train
-    if p.overlap and t.recompute != "none" and p.dp > 1 and t.precision == "mixed":
+    if p.overlap and t.recompute == "full" and t.precision == "mixed" and p.vp and p.dp > 1:
         why.append(
-            f"parallel.overlap=true with train.recompute={t.recompute}, parallel.dp={p.dp} and "
-            "train.precision=mixed (the top block's down_proj backward beside the fp32 DP buckets: "
-            "8 KB off emulated at T 2; checked in pure precision and at dp 1)"
+            f"parallel.overlap=true with train.recompute=full, parallel.vp=true, train.precision=mixed "
+            f"and parallel.dp={p.dp} (emulated ranks peak up to 2.5 KB above the model at S 4: in a "
+            "recomputed block's MLP entry, where gate's and up's deferred weight gradients are made, "
+            "the weight casts and gradients alive are not the model's; checked in pure precision, at "
+            "dp 1, and without VP)"
         )
-    if sharded := sharded_unchecked(cfg):
-        why.append(f"parallel.dp_shard={cfg.parallel.dp_shard} with {sharded}")
     if (k := cfg.train.accumulation) > 1:
         why.append(
             f"train.accumulation={k} (the gradients held from one micro-batch to the next at each moment "

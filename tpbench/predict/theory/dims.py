@@ -60,6 +60,7 @@ class Dims:
     dropout: bool = False  # model.dropout > 0: each dropout keeps a 1-byte mask (tpbench.models.dropout)
     overlap: bool = False  # parallel.overlap (megatron): with dp > 1, the DP gradients in flat buckets
     rope_cast_once: bool = False  # cos, sin cast once per block, shared by q and k (FSDP2's input cast)
+    gloo_clone: bool = False  # real gloo ranks: a reduce-scatter all-reduces a clone of its input
 
     @property
     def flat_dp(self) -> bool:
@@ -175,4 +176,5 @@ def dims(cfg: RunConfig) -> Dims:
         bias=m.attention_bias,
         dropout=m.dropout > 0,
         overlap=par.overlap,
+        gloo_clone=cfg.launch.device == "cpu" and cfg.launch.emulate == "none",
     )

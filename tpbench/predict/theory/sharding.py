@@ -216,6 +216,8 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
         grads = made + sum(shard_g[u] for u in done)
         out.append(replace(m, params=weights, grads=grads, optimizer=st.optimizer, temporaries=temps))
     out.insert(0, _top_block_gather(c, s, st, gathered))
+    for i in sorted({L - 1, 0}) if s.fsdp else []:
+        out.append(_block_reduce_scatter(c, s, st, gathered, rs_in, shard_g, i))
     if s.level == "full" and L > 1 and d.recompute != "full":
         out.append(_next_block_gather(c, st, gathered, rs_in, shard_g))
     out.append(_bottom_input_norm_backward(c, st, base[-1].activations, gathered, rs_in, shard_g, whole))
@@ -283,6 +285,34 @@ def _next_block_gather(
     params = st.params + gathered[ROOT] + gathered[below]
     grads = shard_g[top] + root_grads
     return Moment("next block all-gather", params, grads, st.optimizer, activations, temps)
+
+
+def _block_reduce_scatter(
+    d: Dims, s: Sharding, st: State, gathered: dict[str, int], rs_in: dict[str, int],
+    shard_g: dict[str, int], layer: int,
+) -> Moment:  # fmt: skip
+    """FSDP2: block `layer`'s gradients reduce-scattered in its post-backward. The block is resharded
+    and its gradients copied into the reduce-scatter's input (fp32 under mixed precision), the
+    previous one's freed; the output, the shard, is made beside it, and gloo on real CPU ranks
+    all-reduces a clone of the whole input (`Dims.gloo_clone`). The blocks above are done (their
+    gradients shards), the root's own made, a tied head's waiting (a temporary) for the embedding's
+    share; alive too: the block's input gradient, what the blocks below saved, the block below
+    prefetched (ZeRO-3) or every block below still gathered (ZeRO-2)."""
+    blocks = [f"layers.{i}" for i in range(d.L)]
+    unit = blocks[layer]
+    params = st.params + gathered[ROOT]
+    temps = rs_in[unit] * (2 if d.gloo_clone else 1) + shard_g[unit] + d.s * d.Ns * d.H
+    if s.level == "grads":
+        params += sum(gathered[b] for b in blocks[:layer])
+    elif layer > 0:
+        temps += gathered[blocks[layer - 1]]
+    temps += d.V_l * d.H * d.w if d.tied else 0
+    root_grads = (d.H + (0 if d.tied else d.V_l * d.H)) * d.w
+    # the block's input norm's weight gradient is made after the hook runs, still autograd's own
+    grads = sum(shard_g[b] for b in blocks[layer + 1 :]) + root_grads + d.H * d.w
+    acts = model_activations(d)
+    activations = after_head(acts) - acts["blocks"] // d.L * (d.L - layer) + LOSS_AND_GRAD
+    return Moment(f"block reduce-scatter {layer}", params, grads, st.optimizer, activations, temps)
 
 
 def _bottom_input_norm_backward(

@@ -48,8 +48,10 @@ def moments(d: Dims) -> list[Moment]:
     if d.overlap and d.vp and d.mixed:  # the head's weight gradient deferred to its entry's backward
         # (tpbench.parallel.overlap): made there in bf16 and cast to fp32 while the logits' gradient
         # (which it is made from) and the rest of the head's backward are live, its bf16 weight cast gone
+        # (without SP the entry's all-reduce runs on a clone of the input gradient, both alive)
         cast = head - acts["head weight cast"]
-        out.append(Moment("head entry backward", P, buckets, O, cast, temp + d.V_l * d.H * d.w))
+        clone = 0 if d.sp else d.p * d.N * d.H
+        out.append(Moment("head entry backward", P, buckets, O, cast, temp + d.V_l * d.H * d.w + clone))
     if d.mixed:  # the head's weight gradient cast to fp32, beside its bf16 one and the input's gradient
         after = A - acts["head input"] - acts["head weight cast"] + LOSS_AND_GRAD
         cast = d.V_l * d.H * (d.p + d.w) + d.s * d.N * d.H
@@ -58,7 +60,10 @@ def moments(d: Dims) -> list[Moment]:
     if d.recompute == "full":
         for i in sorted({d.L - 1, 0}):
             out.append(blocks.recomputed_swiglu(d, acts, P, O, buckets, G > 0, i))
+            out.append(blocks.recomputed_down_backward(d, acts, P, O, buckets, G > 0, i))
             out.append(blocks.recomputed_block(d, acts, P, O, buckets, G > 0, i))
+            if d.overlap and d.T > 1:
+                out.append(blocks.recomputed_mlp_entry_backward(d, acts, P, O, buckets, G > 0, i))
             out.append(blocks.recomputed_post_attention_norm(d, acts, P, O, buckets, G > 0, i))
     else:
         out += blocks.down_backward(d, acts, P, O, buckets, G > 0)
@@ -67,6 +72,8 @@ def moments(d: Dims) -> list[Moment]:
         if d.qk_norm:
             out += [blocks.head_norm_backward(d, acts, P, O, buckets, G > 0, n) for n in ("k_norm", "q_norm")]
         out.append(blocks.mlp_backward(d, acts, P, O, buckets, G > 0))
+        if d.overlap and d.T > 1:
+            out.append(blocks.mlp_entry_backward(d, acts, P, O, buckets, G > 0))
     if not d.flash and d.recompute != "full":
         out.append(blocks.attention_forward(d, acts, P, O, buckets))
         if d.dropout:
@@ -82,11 +89,15 @@ def moments(d: Dims) -> list[Moment]:
     # under SP); the vocab-parallel one's masked ids ([S, B] int64, strided as the transposed batch)
     # are copied contiguous there
     embedding_temps = d.V_l * d.H * d.w + d.s * d.N * d.H + (8 * d.N if d.vp else 0)
-    if d.tied and d.overlap and d.vp and not d.flat_dp:  # the head's weight gradient, deferred to its
-        # entry's backward (tpbench.parallel.overlap), is .grad before the embedding's backward, which
-        # adds its own into it in place: every gradient held, the embedding's being made (as untied)
-        temps = embedding_temps
-        out.append(Moment("backward end", P, buckets + G, O, kept + LOSS_AND_GRAD - FP32, temps))
+    if d.tied and d.overlap and d.vp:  # the head's weight gradient, deferred to its entry's backward
+        # (tpbench.parallel.overlap), is .grad before the embedding's backward, which adds its own
+        # into it in place: every gradient held, the embedding's being made (as untied). Under the
+        # flat DP buckets the tied weight is a late one: that .grad, set by the entry and not by
+        # autograd's accumulation, is a temporary to MemTracker until the gradient sums
+        own, temps = G, embedding_temps
+        if d.flat_dp:
+            own, temps = weights.late_grad_bytes(d), embedding_temps + d.V_l * d.H * d.w
+        out.append(Moment("backward end", P, buckets + own, O, kept + LOSS_AND_GRAD - FP32, temps))
     elif d.tied:  # the LM head's gradient waits for the embedding's; the two are summed into a third
         E = d.V_l * d.H * d.w
         own = G - E if G else weights.late_grad_bytes(d)
@@ -94,8 +105,9 @@ def moments(d: Dims) -> list[Moment]:
     else:  # the embedding's backward, every other gradient made; the fused AdamW's moment is below it
         E = d.V_l * d.H * d.w
         own = G - E if G else weights.late_grad_bytes(d)
-        temps = embedding_temps
-        out.append(Moment("embedding backward", P, buckets + own, O, kept + LOSS_AND_GRAD - FP32, temps))
+        out.append(
+            Moment("embedding backward", P, buckets + own, O, kept + LOSS_AND_GRAD - FP32, embedding_temps)
+        )
     if d.dp > 1 and not d.ddp and not d.flat_dp:  # megatron's blocking DP sum: one flat copy of all
         out.append(Moment("gradient sums", P, buckets + G, O, kept, P))
     # AdamW's temporaries count as optimizer bytes, as MemTracker counts every tensor made inside
