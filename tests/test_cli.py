@@ -133,18 +133,6 @@ BAD_INPUT = {
         ["mode=dtensor_tp_sp", "parallel.sp_gather=linear"],
         "parallel.sp_gather=linear with engine=dtensor sp=True: ",
     ),
-    "overlap in a memory run with recompute": (
-        [
-            "kind=memory",
-            "overlap=true",
-            "recompute=full",
-            "dp=2",
-            "vp=true",
-            "precision=mixed",
-            "dtype=bfloat16",
-        ],
-        "kind=memory: the memory model is not checked for parallel.overlap=true with train.recompute=full",
-    ),
     "compile with the re-gather": (
         ["mode=tp_sp", "compile=true"],
         "train.compile=true with parallel.sp_regather",

@@ -205,9 +205,12 @@ def test_a_level_that_cannot_run_is_refused_in_one_line(workdir, overrides, says
 
 
 def test_a_memory_run_the_model_is_not_checked_for_is_refused(workdir):  # noqa: F811
+    from tpbench.run import compose
+
     overrides = ["kind=memory", "dp=2", "dp_shard=grads", "precision=mixed", "dtype=bfloat16"]
-    done = CliRunner().invoke(app, ["run", *overrides])
+    assert len(compose.expand(overrides, launching=False)) == 1  # every level is checked, mixed too
+    done = CliRunner().invoke(app, ["run", *overrides, "accumulation=2"])
     assert done.exit_code == 2, done.output
-    assert done.stderr.startswith("kind=memory: the memory model is not checked for parallel.dp_shard=grads")
-    assert "precision=mixed" in done.stderr and len(done.stderr.splitlines()) == 1
+    assert done.stderr.startswith("kind=memory: the memory model is not checked for train.accumulation=2")
+    assert len(done.stderr.splitlines()) == 1
     assert nothing_written(workdir)

@@ -12,15 +12,6 @@ from tpbench.config import ConfigError, RunConfig
 def unchecked(cfg: RunConfig) -> str | None:
     """Why the memory model is not checked against a measured peak for `cfg`, or None."""
     why = []
-    p, t = cfg.parallel, cfg.train
-    if p.overlap and t.recompute == "full" and t.precision == "mixed" and p.vp and p.dp > 1:
-        why.append(
-            f"parallel.overlap=true with train.recompute=full, parallel.vp=true, train.precision=mixed "
-            f"and parallel.dp={p.dp} (emulated ranks peak up to 2.5 KB above the model at S 4: in a "
-            "recomputed block's MLP entry, where gate's and up's deferred weight gradients are made, "
-            "the weight casts and gradients alive are not the model's; checked in pure precision, at "
-            "dp 1, and without VP)"
-        )
     if (k := cfg.train.accumulation) > 1:
         why.append(
             f"train.accumulation={k} (the gradients held from one micro-batch to the next at each moment "

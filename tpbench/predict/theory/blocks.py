@@ -425,6 +425,24 @@ def recomputed_block(
     return Moment(f"recomputed block {layer}", P, grads, optim, activations, temps)
 
 
+def recomputed_down_weight_cast(
+    d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool, layer: int
+) -> Moment:
+    """Full recompute under mixed precision: block `layer`'s down_proj weight gradient cast to fp32
+    (its cast's backward), as `down_backward`'s second moment: down's matmul has let go of its input
+    (the recomputed product), its weight cast and the bf16 gradient of its output; the fp32 weight
+    gradient lives beside the bf16 one."""
+    down = recomputed_down_backward(d, acts, P, optim, buckets, own_grads, layer)
+    weight = d.I_l * d.H
+    freed = d.p * d.N * d.I_l + d.p * weight
+    return replace(
+        down,
+        name=f"recomputed down_proj weight cast's backward {layer}",
+        activations=down.activations - freed,
+        temporaries=down.temporaries - d.p * d.N * d.H + d.w * weight,
+    )
+
+
 def recomputed_mlp_entry_backward(
     d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool, layer: int
 ) -> Moment:

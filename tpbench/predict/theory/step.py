@@ -61,6 +61,8 @@ def moments(d: Dims) -> list[Moment]:
         for i in sorted({d.L - 1, 0}):
             out.append(blocks.recomputed_swiglu(d, acts, P, O, buckets, G > 0, i))
             out.append(blocks.recomputed_down_backward(d, acts, P, O, buckets, G > 0, i))
+            if d.mixed:
+                out.append(blocks.recomputed_down_weight_cast(d, acts, P, O, buckets, G > 0, i))
             out.append(blocks.recomputed_block(d, acts, P, O, buckets, G > 0, i))
             if d.overlap and d.T > 1:
                 out.append(blocks.recomputed_mlp_entry_backward(d, acts, P, O, buckets, G > 0, i))
