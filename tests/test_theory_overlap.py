@@ -65,6 +65,11 @@ WORLD4_CHECKS = {"dp2_tp_sp_vp_overlap_mixed": [*T2_SP_VP, "parallel.dp=2", MIXE
 WORLD4_CHECKS["dp2_tp_sp_vp_overlap_selective"] = [*T2_SP_VP, "parallel.dp=2", SELECTIVE]
 MANUAL = "model.flash_attn=false"
 WORLD4_CHECKS["dp2_tp_sp_vp_overlap_full_manual"] = [*T2_SP_VP, "parallel.dp=2", FULL, MANUAL]
+# under recompute at dp 2 in mixed precision, on real ranks too: selective's top down_proj backward
+# (SP: the gradient's cast shard gathered), full recompute's down_proj weight cast at S 4 (VP, no SP)
+WORLD4_CHECKS["dp2_tp_sp_vp_overlap_selective_mixed"] = [*T2_SP_VP, "parallel.dp=2", SELECTIVE, MIXED]
+T2_VP = ["parallel.tp=2", "parallel.vp=true", "parallel.overlap=true"]
+WORLD4_CHECKS["dp2_tp_vp_overlap_full_mixed_s4"] = [*T2_VP, "parallel.dp=2", FULL, MIXED, "train.seq_len=4"]
 WORLD2.add("memory", "overlap", {name: SMALL + overrides for name, overrides in CHECKS.items()})
 WORLD4.add("memory", "overlap", {name: SMALL + overrides for name, overrides in WORLD4_CHECKS.items()})
 
