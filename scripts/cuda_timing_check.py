@@ -65,7 +65,7 @@ def check() -> int:
 
     def gather(purpose: str, blocking: bool, compute_ms: float) -> None:
         def fn() -> dist.Work:
-            works[purpose] = dist.all_gather_single(out, x, group, async_op=True)
+            works[purpose] = collectives.all_gather_single(out, x, group, async_op=True)
             return works[purpose]
 
         pending = collectives._launch("all_gather", purpose, x, x.numel() * 4, group, fn, out, blocking)

@@ -3,8 +3,17 @@
 # and the theory say of the same configs. Not part of CI (CI has no GPU: tests/test_cuda_path.py runs
 # every mode's training step on fake CUDA tensors there instead).
 #   bash scripts/gpu-check.sh [OUT_DIR]          (PYTHON=... to pick the interpreter that has CUDA torch)
-# Needs the project's dependencies importable (hydra-core, omegaconf, sqlalchemy besides torch).
-# Estimated 4-5 minutes on one H200 (not yet timed on one: the table prints the time it took).
+# Needs the project's dependencies importable (hydra-core, omegaconf, sqlalchemy, typer besides torch);
+# runs on torch 2.11 too (the guards in tpbench/run/launch.py and tpbench/parallel/collectives.py).
+# GPU_CHECK_SECONDS=N: stop each step still running N s after the start (a step cut short reads
+# "timed out" in the log, its run in progress INTERRUPTED, and the runs after it are not in the
+# table); default 1800.
+# About 7 minutes on one H200 (docs/results/gpu-check.md, 2026-12-04: with GPU_CHECK_SECONDS=330 it
+# stopped at 332 s with 5 of the 24 memory runs on the GPU left, which took 98 s more): steps 1, 4 and 3
+# 75 s, then 10 to 20 s per memory run. Give GPU_CHECK_SECONDS 480 or more to run it whole.
+# The fake-tensor sweep (step 2's emulated columns) runs on the CPU beside the GPU steps and ends
+# before them: 24 runs in 315 s there (129 s alone on the project's 2-core AMD EPYC), so it cuts
+# none of its configs.
 # 1. every kind (validate, memory, throughput) at T = 1 on CUDA;
 # 2. the busiest rank of every mode at T = 2, 4 and 8 (DTensor's at 2 and 4; DDP: one replica), the
 #    seed's memory preset at L 8, emulated with real CUDA tensors on the GPU (launch.emulate=real: the
@@ -15,6 +24,7 @@
 # 3. one throughput run with CUDA timing: MFU at H 2048, bf16, T = 1 (its record says timing_cuda_events 1);
 # 4. scripts/cuda_timing_check.py: CUDA-event times of a one-rank NCCL group's collectives (blocking,
 #    hidden behind compute, waited at once) against NCCL's own per-work duration, printed at the end.
+# The short steps (1, 4, 3) run first, the memory sweeps (2) last.
 # What one GPU cannot show: NCCL between ranks (every collective here is the fake backend's, which
 # moves no bytes and takes no time), hence neither the collectives' times and bandwidth, nor how much
 # of them overlap hides, nor NCCL's own buffers, nor the values of a T > 1 job (validate at T > 1).
@@ -25,7 +35,33 @@ mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=4
 started=$SECONDS
-tpbench() { "$py" -m tpbench "$@"; }
+deadline=$((started + ${GPU_CHECK_SECONDS:-1800}))
+say() { echo "gpu-check [$((SECONDS - started)) s] $*" >&2; }
+bounded() {  # COMMAND...: run it, stopped at the deadline (exit 124, as timeout says)
+  local left=$((deadline - SECONDS))
+  if ((left < 5)); then
+    say "skipped, out of time: $*"
+    return 124
+  fi
+  local rc=0
+  timeout -k 10 "$left" "$@" || rc=$?
+  ((rc != 124 && rc != 137)) || say "timed out: $*"
+  return $rc
+}
+tpbench() { bounded "$py" -m tpbench "$@"; }
+
+# the machine, as the driver and torch see it
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader || true; } |
+  sed 's/^/nvidia-smi: /' >&2
+"$py" - >&2 <<'PY' || true
+import sys
+
+import torch
+
+p = torch.cuda.get_device_properties(0)
+print(f"python {sys.version.split()[0]} | torch {torch.__version__} | CUDA {torch.version.cuda} | NCCL",
+      torch.cuda.nccl.version(), f"| {p.name} | {p.multi_processor_count} SMs | {p.total_memory / 2**30:.1f} GiB")
+PY
 gpu=$("$py" -c "import torch; from tpbench.predict.allocator import gpu_of; print(gpu_of(torch.cuda.get_device_name(0)) or 'H100')")
 memory() {  # FLAVOUR: the seed preset at L 8, every mode at T 2, 4, 8 and DDP, emulated (one db each)
   local flavour=$1 db="db.url=sqlite:///$out/memory-$1.db" rc=0
@@ -35,6 +71,7 @@ memory() {  # FLAVOUR: the seed preset at L 8, every mode at T 2, 4, 8 and DDP, 
   # DTensor's ColwiseParallel cannot replicate the seed's 4 KV heads over 8 ranks
   tpbench sweep "${args[@]}" mode=dtensor_tp,dtensor_tp_sp,dtensor_tp_vp,dtensor_tp_sp_vp tp=2,4 || rc=1
   tpbench sweep "${args[@]}" mode=ddp || rc=1
+  say "memory $flavour: done (exit $rc)"
   return $rc
 }
 
@@ -45,15 +82,19 @@ failed=0
 memory fake >"$out/memory-fake.jsonl" 2>"$out/memory-fake.log" &
 fake=$!
 db="db.url=sqlite:///$out/gpu-check.db"
+say "1. every kind at T = 1 on CUDA (the fake-tensor sweep runs beside, on the CPU)"
 tpbench run tp=1 device=cuda "$db" --json >"$out/t1.jsonl" || failed=1
-memory real >"$out/memory-real.jsonl" || failed=1
+say "4. the CUDA-event timing of collectives against NCCL's own duration, on a one-rank NCCL group"
+bounded "$py" scripts/cuda_timing_check.py >"$out/cuda-timing.txt" 2>&1 || failed=1
+say "3. throughput with CUDA timing: MFU at H 2048, bf16, T = 1"
 tpbench run kind=throughput tp=1 model=seed_memory hidden=2048 heads=16 kv_heads=8 dtype=bfloat16 \
   device=cuda "$db" --json >"$out/mfu.jsonl" || failed=1
-# the CUDA-event timing of collectives against NCCL's own duration, on a one-rank NCCL group
-"$py" scripts/cuda_timing_check.py >"$out/cuda-timing.txt" 2>&1 || failed=1
+say "2. the busiest rank of every mode on real CUDA tensors"
+memory real >"$out/memory-real.jsonl" || failed=1
+say "waiting for the fake-tensor sweep"
 wait "$fake" || { failed=1; echo "the fake-tensor emulation failed: see $out/memory-fake.log" >&2; }
 
-"$py" - "$out" "$gpu" "$((SECONDS - started))" <<'PY'
+"$py" - "$out" "$gpu" "$((SECONDS - started))" <<'PY' | tee "$out/table.txt" || failed=1
 import json, sys
 from pathlib import Path
 
@@ -75,9 +116,10 @@ pct = lambda a, b: f"{(a - b) / b:+.2%}" if a is not None and b else "-"
 ms = lambda m, k: f"{m[k] * 1e3:.2f}" if k in m else "-"
 fake = {key(r): r for r in rows("memory-fake.jsonl")}
 table = [("check", "mode", "T", "status", "GPU allocated MiB", "model MiB", "model - GPU",
-          "GPU live MiB", "emulated live MiB", "emulated allocated MiB", "emulated - GPU")]
+          "GPU live MiB", "emulated live MiB", "emulated allocated MiB", "emulated - GPU",
+          "GPU reserved MiB", "emulated reserved MiB")]
 for r in rows("t1.jsonl"):
-    table.append((f"{r['kind']} on CUDA", r["mode"], "1", r["status"], *["-"] * 7))
+    table.append((f"{r['kind']} on CUDA", r["mode"], "1", r["status"], *["-"] * 9))
 for r in rows("memory-real.jsonl"):
     m, f = r.get("metrics", {}), fake.get(key(r), {}).get("metrics", {})
     gpu_bytes = m.get("max_memory_allocated_bytes")
@@ -85,16 +127,29 @@ for r in rows("memory-real.jsonl"):
     replay = f.get("modelled_max_memory_allocated_bytes")
     table.append(("memory, busiest rank", r["mode"], str(key(r)[1]), r["status"], mib(gpu_bytes), mib(model),
                   pct(model, gpu_bytes), mib(m.get("peak_bytes")), mib(f.get("peak_bytes")), mib(replay),
-                  pct(replay, gpu_bytes)))
+                  pct(replay, gpu_bytes), mib(m.get("max_memory_reserved_bytes")),
+                  mib(f.get("modelled_max_memory_reserved_bytes"))))
+real = {key(r) for r in rows("memory-real.jsonl")}
+for k, r in fake.items():  # a config the GPU did not run (failed to launch, or cut by the deadline)
+    if k not in real:
+        f = r.get("metrics", {})
+        table.append(("memory, fake only", r["mode"], str(k[1]), r["status"], "-", "-", "-", "-",
+                      mib(f.get("peak_bytes")), mib(f.get("modelled_max_memory_allocated_bytes")), "-", "-",
+                      mib(f.get("modelled_max_memory_reserved_bytes"))))
 wide = []  # rows whose fourth cell runs to the end of the line
 for r in rows("mfu.jsonl"):
     m = r.get("metrics", {})
     # the step's time as the throughput experiment measures it on CUDA, and any CUDA-timed figure
     cuda = ", ".join(f"{k} {v:.4g}" for k, v in sorted(m.items()) if "cuda" in k or "event" in k)
     wide.append(("throughput, H 2048 bf16", r["mode"], "1",
-                 f"{r['status']}: MFU {m.get('mfu', float('nan')):.3f}, {m.get('tokens_per_s', 0):,.0f} tokens/s, "
-                 f"step {ms(m, 'step_time_s')} ms (p10 {ms(m, 'step_time_p10_s')}, p90 {ms(m, 'step_time_p90_s')})"
-                 + (f"; {cuda}" if cuda else "")))
+                 f"{r['status']}: MFU {m.get('mfu', float('nan')):.3f} (predicted "
+                 f"{m.get('predicted_mfu', float('nan')):.3f}), {m.get('tokens_per_s', 0):,.0f} tokens/s, "
+                 f"step {ms(m, 'step_time_s')} ms (p10 {ms(m, 'step_time_p10_s')}, p90 {ms(m, 'step_time_p90_s')};"
+                 f" predicted {ms(m, 'predicted_step_time_s')}), {m.get('model_flops_per_step', 0) / 1e12:.3g} "
+                 "TFLOP per step" + (f"; {cuda}" if cuda else "") + (f"; {r['error']}" if r.get("error") else "")))
+for r in rows("t1.jsonl") + rows("memory-real.jsonl") + rows("memory-fake.jsonl"):
+    if r.get("error"):
+        wide.append(("error", r["mode"], str(key(r)[1]), f"{r['kind']}: {r['error']}"))
 widths = [max(len(str(row[i])) for row in table + [w[:3] for w in wide] if i < len(row)) for i in range(len(table[0]))]
 for row in table:
     print(" | ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
@@ -104,6 +159,6 @@ print(f"{gpu} allocator model; {seconds} s in all. Not shown by one GPU: NCCL be
       "ranks are the fake backend's: no bytes moved, no time taken), so neither collective times, "
       "bandwidth, overlap's hiding, NCCL's buffers, nor a T > 1 job's values.")
 PY
-echo "CUDA-event timing of collectives (scripts/cuda_timing_check.py, one rank, NCCL):"
-cat "$out/cuda-timing.txt"
+echo "CUDA-event timing of collectives (scripts/cuda_timing_check.py, one rank, NCCL):" | tee -a "$out/table.txt"
+tee -a "$out/table.txt" <"$out/cuda-timing.txt"
 exit $failed

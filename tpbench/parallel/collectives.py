@@ -20,6 +20,12 @@ from tpbench.parallel import instrumentation
 
 Group = dist.ProcessGroup | None
 
+# torch 2.12 named these all_gather_single and reduce_scatter_single (2.13 deprecates the old names with
+# a FutureWarning); an older torch, such as the 2.11 of a GPU image (scripts/gpu-check.sh), has only
+# all_gather_into_tensor and reduce_scatter_tensor, the same collectives.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def group_size(group: Group) -> int:
     """None stands for no group at all (a single process): every op is then the identity."""
@@ -136,7 +142,7 @@ def _all_gather(x: torch.Tensor, group: Group, purpose: str, blocking: bool) -> 
         return Pending(x)
     x = x.contiguous()
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    fn = lambda: dist.all_gather_single(out, x, group, async_op=True)  # noqa: E731
+    fn = lambda: all_gather_single(out, x, group, async_op=True)  # noqa: E731
     return _launch("all_gather", purpose, x, out.numel() * out.element_size(), group, fn, out, blocking)
 
 
@@ -145,7 +151,7 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Group, purpose: s
     parameter buffer), blocking."""
     if group_size(group) == 1:
         return out.copy_(x.reshape(out.shape))
-    fn = lambda: dist.all_gather_single(out, x.contiguous(), group, async_op=True)  # noqa: E731
+    fn = lambda: all_gather_single(out, x.contiguous(), group, async_op=True)  # noqa: E731
     return _launch("all_gather", purpose, x, out.numel() * out.element_size(), group, fn, out, True).wait()
 
 
@@ -167,7 +173,7 @@ def _reduce_scatter(x: torch.Tensor, group: Group, purpose: str, blocking: bool)
         return Pending(x)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    fn = lambda: dist.reduce_scatter_single(out, x, group=group, async_op=True)  # noqa: E731
+    fn = lambda: reduce_scatter_single(out, x, group=group, async_op=True)  # noqa: E731
     return _launch("reduce_scatter", purpose, x, x.numel() * x.element_size(), group, fn, out, blocking)
 
 

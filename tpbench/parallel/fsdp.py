@@ -68,7 +68,7 @@ class CountedAllGather(AllGather):
             return None
 
         def fn() -> dist.Work:
-            return dist.all_gather_single(output_tensor, input_tensor, group, async_op=True)
+            return collectives.all_gather_single(output_tensor, input_tensor, group, async_op=True)
 
         pending = collectives.launch_counted(
             "all_gather", input_tensor, output_tensor, group, "dp_params", fn
@@ -96,7 +96,9 @@ class CountedReduceScatter(ReduceScatter):
             return None
 
         def fn() -> dist.Work:
-            return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=True)
+            return collectives.reduce_scatter_single(
+                output_tensor, input_tensor, op=op, group=group, async_op=True
+            )
 
         pending = collectives.launch_counted(
             "reduce_scatter", input_tensor, output_tensor, group, "dp_grads", fn

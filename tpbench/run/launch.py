@@ -173,8 +173,13 @@ def launch_config(cfg: RunConfig, job: Path) -> LaunchConfig:
         rdzv_endpoint=launch.rdzv_endpoint or "localhost:0",
         rdzv_configs=rdzv_configs,
         max_restarts=0,
-        shutdown_timeout=5,
+        **_SHUTDOWN_TIMEOUT,
     )
+
+
+# Workers get 5 s between SIGTERM and SIGKILL when a job ends, not the default 30: a field torch 2.12
+# added. On an older torch (2.11 on a GPU image: scripts/gpu-check.sh) the default stays.
+_SHUTDOWN_TIMEOUT = {"shutdown_timeout": 5} if hasattr(LaunchConfig, "shutdown_timeout") else {}
 
 
 def _read_results(cfg: RunConfig, folder: Path) -> list[RankResult]:
