@@ -112,11 +112,13 @@ def test_plan_models_overlap_under_mixed_precision_and_under_recompute_with_dp()
 # gradient beside the deferred weight gradient (without SP, S 4: 1,024 B); the column linears' weight
 # casts made outside autocast's cache, so not held to the forward's end under full recompute (L 3:
 # 54,272 B); the tied head's gradient, a late one under the flat DP buckets, beside the embedding's
-# backward (V 4096, S 4); under SP the gradient's bf16 cast, a shard, gathered, not a second [N, H]
+# backward (V 4096, S 4); the MLP entry's deferred weight gradients (pure precision, S 4, SP and VP:
+# 10,240 B); under SP the gradient's bf16 cast, a shard, gathered, not a second [N, H]
 # (selective: 8,448 B at S 64, 1,024 B at S 4); the MLP entry's deferred weight gradients and a
 # recomputed block's down_proj backward and its weight gradient's fp32 cast (full recompute, VP:
 # 8,192 B under SP at S 64; 13,312 B at S 4; pure precision at S 4: 12,288 B)
 EMULATED = {
+    "mlp_entry_dp2_sp_vp_s4_pure": ["parallel.dp=2", *SP_VP, "train.seq_len=4", PURE],
     "selective_dp2_sp_vp": ["train.recompute=selective", "parallel.dp=2", *SP_VP],
     "selective_dp2_sp_vp_s4": ["train.recompute=selective", "parallel.dp=2", *SP_VP, "train.seq_len=4"],
     "full_dp2_sp_vp": ["train.recompute=full", "parallel.dp=2", *SP_VP],

@@ -13,6 +13,7 @@ follow the step:
   moments      a moment's bytes by category (`Moment`), and what the loss holds at its moments
   blocks       the moments inside the model: the top block's softmax in forward, the backward from
                the final norm down through the top block, the recomputed blocks
+  entries      parallel.overlap's MLP entry backward, the deferred weight gradients made there
   step         the moments of a step in order: the loss's, the head's, the blocks', the embedding's,
                the gradient sums' and the optimizer's
   collectives  each collective's count and ring bytes per step

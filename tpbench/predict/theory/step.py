@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tpbench.predict.theory import blocks, weights
+from tpbench.predict.theory import blocks, entries, weights
 from tpbench.predict.theory.activations import bias_casts, forward_only_casts, model_activations
 from tpbench.predict.theory.dims import FP32, LOSS_AND_GRAD, Dims
 from tpbench.predict.theory.moments import Moment, loss_backward, loss_extra, loss_forward
@@ -65,7 +65,7 @@ def moments(d: Dims) -> list[Moment]:
                 out.append(blocks.recomputed_down_weight_cast(d, acts, P, O, buckets, G > 0, i))
             out.append(blocks.recomputed_block(d, acts, P, O, buckets, G > 0, i))
             if d.overlap and d.T > 1:
-                out.append(blocks.recomputed_mlp_entry_backward(d, acts, P, O, buckets, G > 0, i))
+                out.append(entries.recomputed_mlp_entry_backward(d, acts, P, O, buckets, G > 0, i))
             out.append(blocks.recomputed_post_attention_norm(d, acts, P, O, buckets, G > 0, i))
     else:
         out += blocks.down_backward(d, acts, P, O, buckets, G > 0)
@@ -75,7 +75,7 @@ def moments(d: Dims) -> list[Moment]:
             out += [blocks.head_norm_backward(d, acts, P, O, buckets, G > 0, n) for n in ("k_norm", "q_norm")]
         out.append(blocks.mlp_backward(d, acts, P, O, buckets, G > 0))
         if d.overlap and d.T > 1:
-            out.append(blocks.mlp_entry_backward(d, acts, P, O, buckets, G > 0))
+            out.append(entries.mlp_entry_backward(d, acts, P, O, buckets, G > 0))
     if not d.flash and d.recompute != "full":
         out.append(blocks.attention_forward(d, acts, P, O, buckets))
         if d.dropout:
