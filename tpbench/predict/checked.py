@@ -11,14 +11,13 @@ from tpbench.config import ConfigError, RunConfig
 
 def unchecked(cfg: RunConfig) -> str | None:
     """Why the memory model is not checked against a measured peak for `cfg`, or None."""
-    why = []
     if (k := cfg.train.accumulation) > 1:
-        why.append(
+        return (
             f"train.accumulation={k} (the gradients held from one micro-batch to the next at each moment "
             "of a later one's step are not modelled: FSDP2's unsharded ones with its sync off, DDP's and "
             "ZeRO-1's accumulating in place; the model is one micro-batch's step)"
         )
-    return "; ".join(why) or None
+    return None
 
 
 def check_measurable(cfg: RunConfig) -> None:

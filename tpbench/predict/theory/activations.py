@@ -111,8 +111,8 @@ def forward_only_casts(d: Dims) -> int:
     if not d.mixed or d.recompute == "none":
         return 0
     per_layer = block_linears(d) if d.recompute == "full" else d.H * d.I_l
-    if d.recompute == "full" and d.overlap and d.T > 1:  # the column linears cast outside autocast's
-        # cache (tpbench.parallel.overlap.linear_deferred): only o_proj's and down_proj's are held
+    if d.recompute == "full" and d.deferred:  # the column linears cast outside autocast's cache:
+        # only o_proj's and down_proj's are held
         per_layer = sum(n for name, n in layer_params(d) if name.endswith(("o_proj", "down_proj")))
     return d.L * d.p * per_layer
 

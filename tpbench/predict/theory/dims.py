@@ -69,6 +69,13 @@ class Dims:
         return self.overlap and self.dp > 1 and not self.ddp
 
     @property
+    def deferred(self) -> bool:
+        """parallel.overlap with TP: the column linears' weight gradients are deferred to their
+        region's entry backward, their weights cast outside autocast's cache
+        (tpbench.parallel.overlap.linear_deferred)."""
+        return self.overlap and self.T > 1
+
+    @property
     def s(self) -> int:
         """Bytes of a residual-stream element: fp32 under mixed precision (the embedding is fp32 and
         adding a bf16 branch to it stays fp32), else the activation dtype."""

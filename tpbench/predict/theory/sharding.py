@@ -281,10 +281,16 @@ def _next_block_gather(
     below, top = f"layers.{d.L - 2}", f"layers.{d.L - 1}"
     activations = after_head(acts) - acts["blocks"] // d.L + LOSS_AND_GRAD
     temps = gathered[below] + rs_in[top] + d.s * d.Ns * d.H + (d.V_l * d.H * d.w if d.tied else 0)
-    root_grads = (d.H + (0 if d.tied else d.V_l * d.H)) * d.w  # the final norm's, an untied head's
+    root_grads = _root_grads(d)
     params = st.params + gathered[ROOT] + gathered[below]
     grads = shard_g[top] + root_grads
     return Moment("next block all-gather", params, grads, st.optimizer, activations, temps)
+
+
+def _root_grads(d: Dims) -> int:
+    """The root's own gradients once the blocks' backward has begun: the final norm's and an untied
+    head's (a tied head's waits, a temporary, for the embedding's share)."""
+    return (d.H + (0 if d.tied else d.V_l * d.H)) * d.w
 
 
 def _block_reduce_scatter(
@@ -307,7 +313,7 @@ def _block_reduce_scatter(
     elif layer > 0:
         temps += gathered[blocks[layer - 1]]
     temps += d.V_l * d.H * d.w if d.tied else 0
-    root_grads = (d.H + (0 if d.tied else d.V_l * d.H)) * d.w
+    root_grads = _root_grads(d)
     # the block's input norm's weight gradient is made after the hook runs, still autograd's own
     grads = sum(shard_g[b] for b in blocks[layer + 1 :]) + root_grads + d.H * d.w
     acts = model_activations(d)
@@ -336,7 +342,7 @@ def _bottom_input_norm_backward(
     fp32 reduce-scatter input make it the peak (ZeRO-2, mixed, S 4)."""
     blocks = [f"layers.{i}" for i in range(d.L)]
     params = st.params + gathered[ROOT] + gathered[blocks[0]]
-    root_grads = (d.H + (0 if d.tied else d.V_l * d.H)) * d.w
+    root_grads = _root_grads(d)
     grads = sum(shard_g[b] for b in blocks[1:]) + whole[blocks[0]] + root_grads
     saved = (d.s if d.lean_rmsnorm else FP32) * d.Ns * d.H
     if d.recompute == "full":  # what the checkpoint saved: the block's input, FSDP2's cast cos and sin

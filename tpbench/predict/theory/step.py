@@ -64,7 +64,7 @@ def moments(d: Dims) -> list[Moment]:
             if d.mixed:
                 out.append(blocks.recomputed_down_weight_cast(d, acts, P, O, buckets, G > 0, i))
             out.append(blocks.recomputed_block(d, acts, P, O, buckets, G > 0, i))
-            if d.overlap and d.T > 1:
+            if d.deferred:
                 out.append(entries.recomputed_mlp_entry_backward(d, acts, P, O, buckets, G > 0, i))
             out.append(blocks.recomputed_post_attention_norm(d, acts, P, O, buckets, G > 0, i))
     else:
@@ -74,7 +74,7 @@ def moments(d: Dims) -> list[Moment]:
         if d.qk_norm:
             out += [blocks.head_norm_backward(d, acts, P, O, buckets, G > 0, n) for n in ("k_norm", "q_norm")]
         out.append(blocks.mlp_backward(d, acts, P, O, buckets, G > 0))
-        if d.overlap and d.T > 1:
+        if d.deferred:
             out.append(entries.mlp_entry_backward(d, acts, P, O, buckets, G > 0))
     if not d.flash and d.recompute != "full":
         out.append(blocks.attention_forward(d, acts, P, O, buckets))
