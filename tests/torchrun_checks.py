@@ -39,7 +39,7 @@ from tpbench.experiments.throughput import LocalFlopCounter
 from tpbench.experiments.training import Trainer
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, build_model
 from tpbench.parallel import collectives, instrumentation, regions
-from tpbench.parallel.context import ParallelContext, leave_world
+from tpbench.parallel.context import ParallelContext, exit_now, leave_world
 from tpbench.parallel.cross_entropy import VocabParallelCrossEntropy
 from tpbench.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from tpbench.parallel.plan import parallelize, plan_layouts, shard_state_dict
@@ -771,3 +771,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()

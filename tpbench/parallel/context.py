@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -122,6 +125,21 @@ def leave_world() -> None:
     _MADE_IN[0] = None
     dist.destroy_process_group()
     gc.collect()
+
+
+def exit_now() -> NoReturn:
+    """End this rank's process, its work done and `leave_world` called, without the interpreter's
+    teardown: status 0, stdout and stderr flushed first.
+
+    Groups that objects still hold outlive `leave_world`: after a ZeRO-2 memory run, FSDP2's modules
+    stay reachable from autograd nodes that C++ holds, out of the cycle collector's reach, and three
+    gloo groups' threads still run. Destroyed in the teardown, they aborted the rank ("terminate
+    called without an active exception", SIGABRT) in 2 of 25 such runs here, after its results were
+    handed in; its agent then calls the run failed. Nothing is left to do at that point that the
+    teardown would do."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _made_in_this_world() -> dict[tuple, object]:

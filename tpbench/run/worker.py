@@ -201,3 +201,4 @@ if __name__ == "__main__":
         main_batch(Path(sys.argv[2]))
     else:
         main(Path(sys.argv[1]))
+    context.exit_now()
