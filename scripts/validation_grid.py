@@ -176,8 +176,9 @@ def run_part(part: str, args: argparse.Namespace, llama: Path) -> None:
         "kind=validate",
         *overrides,
         f"tp={tp}",
-        f"mode={args.modes or modes}",
+        # the modes of a seed next to each other: warm workers validate them beside one dense model
         f"train.seed={seeds}",
+        f"mode={args.modes or modes}",
         f"sweep=grid_{label}",
         f"db.url={args.db}",
     ]

@@ -15,7 +15,8 @@ from beside import beside
 from torchrun_checks import TINY, WORLD2, per_config, run_config
 
 from tpbench.experiments.criterion import CHECKS, Verdict, verdicts
-from tpbench.experiments.validate import SCALED, _param_errors, _rounded_signs
+from tpbench.experiments.planted import SCALED
+from tpbench.experiments.validate import _param_errors, _rounded_signs
 from tpbench.results import ParamRow
 from tpbench.run import compose
 

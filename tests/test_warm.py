@@ -1,5 +1,6 @@
 """Warm workers (launch.reuse_workers, tpbench.run.batch): a sweep's runs in one torchrun job measure what
-fresh jobs measure, to the byte, and a run that fails in a batch fails as it would alone, the runs after
+fresh jobs measure, to the byte (two validate runs beside one dense model, each alone when fresh), and a
+run that fails in a batch fails as it would alone, the runs after
 it running on. Real torchrun jobs (gloo on CPU, the tiny model)."""
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from conftest import Workdir
 
 # two modes, validate then memory: each memory run on workers that ran other runs before it (throughput
 # stores timings, and its byte figures, the collectives, are validate's too: left out, four fresh jobs
-# cost 40 s)
+# cost 40 s); the two validate runs next to each other, so that warm workers validate them beside one
+# dense model (launch.share_dense)
 SWEEP = [
-    "mode=tp_sp,tp_vp",
     "kind=validate,memory",
+    "mode=tp_sp,tp_vp",
     "validate.steps=2",
     "validate.every=1",
     "train.steps=2",
@@ -28,14 +30,14 @@ SWEEP = [
 
 def figures(work: Workdir) -> dict[tuple, tuple]:
     """What each run stored that does not depend on time, by run and row: every memory and validate
-    figure but a time (validate_cpu_s) and the count of re-measured steps, every other figure in bytes,
-    each collective's count and bytes, the gradient errors."""
+    figure but a time (validate_cpu_s), the count of re-measured steps and how many runs shared a
+    dense model, every other figure in bytes, each collective's count and bytes, the gradient errors."""
     queries = {
         "measurements": "m.rank, m.name, m.step, m.value, m.unit FROM measurements m "
         "JOIN runs r ON r.id = m.run_id WHERE (r.kind != 'throughput' OR m.unit = 'B') AND m.unit != 's' "
         # how often a step was measured again after gloo's thread freed a storage late: a race, not a
         # figure of the config (docs/design.md, "Equal peaks"); the peak it gives is compared
-        "AND m.name != 'memory_steps_remeasured'",
+        "AND m.name != 'memory_steps_remeasured' AND m.name != 'validate_shared_by'",
         "comm": "c.rank, c.op, c.purpose, c.count, c.bytes FROM comm c JOIN runs r ON r.id = c.run_id",
         "param_errors": "p.rank, p.name, p.semantics, p.shape, p.grad_mean_abs, p.grad_max_abs, "
         "p.grad_rel_l2 FROM param_errors p JOIN runs r ON r.id = p.run_id",
@@ -70,6 +72,10 @@ def test_warm_workers_measure_what_fresh_jobs_measure(warm_and_fresh):
     assert [status for status, _, _ in warm_runs] == ["OK"] * 4
     assert all(before[2] == after[1] for before, after in zip(warm_runs, warm_runs[1:], strict=False))
     assert not any(before[2] == after[1] for before, after in zip(fresh_runs, fresh_runs[1:], strict=False))
+    # warm, the two validate runs stepped one dense model and its reference; fresh, each its own
+    shared = "SELECT value FROM measurements WHERE name = 'validate_shared_by'"
+    assert [v for (v,) in warm.query(shared)] == [2.0] * 4
+    assert [v for (v,) in fresh.query(shared)] == [1.0] * 4
     warm_figures, fresh_figures = figures(warm), figures(fresh)
     assert len(warm_figures) > 100
     differ = {
@@ -128,3 +134,23 @@ def _runs_steps(job: Path, steps: int) -> bool:
         return started and yaml.safe_load((job / "config.yaml").read_text())["validate"]["steps"] == steps
     except FileNotFoundError:
         return False
+
+
+def test_a_run_that_ends_a_group_beside_one_dense_model_fails_alone(tmp_path):
+    """Two validate runs beside one dense model, the second raising: the job ends in the group, so
+    both run again each alone (launch.share_dense=false), and each failure is its own run's."""
+    work = Workdir(tmp_path)
+    done = work.run(
+        "sweep", "kind=validate", "validate.steps=2", "debug.validate_fault=rope_offset,raise_in_forward"
+    )
+    assert done.returncode == 1, done.stderr
+    rows = work.query(
+        "SELECT json_extract(config, '$.debug.validate_fault'), status, error, "
+        "json_extract(config, '$.launch.share_dense') FROM runs ORDER BY id"
+    )
+    (first, status1, error1, shared1), (second, status2, error2, shared2) = rows
+    assert (first, status1, shared1) == ("rope_offset", "FAILED", 0)
+    assert error1.startswith("validate out of bounds: fwd_logits_max_abs")  # its own checks' failure
+    assert (second, status2, shared2) == ("raise_in_forward", "FAILED", 0)
+    assert "rank 1: RuntimeError: debug.validate_fault=raise_in_forward: rank 1 raised on purpose" in error2
+    assert work.live_workers() == [] and work.integrity() == "ok"

@@ -215,6 +215,11 @@ class LaunchConfig:
     # Consecutive runs of a sweep that fit one torchrun job run in it, its workers warm from one run to
     # the next (tpbench.run.batch says which fit); false: a fresh torchrun job for every run
     reuse_workers: bool = True
+    # kind=validate on warm workers: consecutive runs that differ only in the parallel model (mode,
+    # parallel.*, debug.*) are validated beside one dense model and its reference, stepped once for
+    # them all (tpbench.experiments.validate.run_beside): the same figures, to the bit, for about a
+    # quarter of the CPU of a sweep of modes; false: each run steps its own
+    share_dense: bool = True
     # One process stands in for one rank of the tp x dp job, on torch's fake process group (see
     # tpbench.parallel.emulation): none | real (real tensors on this machine's device) | fake (FakeTensorMode)
     emulate: str = "none"
@@ -248,9 +253,10 @@ class DebugConfig:
     # Plant an error where rank 0 cannot see it, to prove every validation figure is the worst over all
     # ranks: rank1_param (rank 1 adds 1 to one of its parameters after the AdamW steps; kind=validate)
     # rope_offset (TP rank 1, or DP rank 1 without TP, computes RoPE one position off) | no_backward_sum
-    # (the first region entered under TP or SP without its backward all-reduce / reduce-scatter)
+    # (the first region entered under TP or SP without its backward all-reduce / reduce-scatter) |
+    # raise_in_forward (rank 1 raises as its model's forward starts: a run that ends its job)
     validate_fault: str = ""
-    # kind=validate: the gradient of one parameter (tpbench.experiments.validate.SCALED) multiplied by
+    # kind=validate: the gradient of one parameter (tpbench.experiments.planted.SCALED) multiplied by
     # this after the gradient sums, at every step: a relative gradient error of |grad_scale - 1|
     grad_scale: float = 1.0
     # Leave one dim's offset out of every dropout's mask (each rank draws part 0's mask there), to prove
@@ -367,6 +373,7 @@ _UNHASHED_LAUNCH = (
     "job_timeout_s",
     "max_result_mb",
     "reuse_workers",
+    "share_dense",
 )
 
 

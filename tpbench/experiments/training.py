@@ -26,7 +26,7 @@ from tpbench.experiments.setup import (
     place,
     precision,
 )
-from tpbench.models.minimind import DTYPES
+from tpbench.models.minimind import DTYPES, MiniMindForCausalLM
 from tpbench.parallel import collectives, instrumentation
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.plan import ParallelModel
@@ -261,3 +261,37 @@ def _counted_allreduce(state, bucket):  # no annotations: DDP checks them and ou
         if bucket.is_last():
             torch.autograd.Variable._execution_engine.queue_callback(state.wait_timed)
     return future
+
+
+class DDPModel:
+    """The `ddp` engine as the checks take a parallel model: build_ddp's DistributedDataParallel, the
+    one memory and throughput measure. Nothing is sharded (each rank holds the dense model and takes
+    its DP slice of the batch); DDP's comm hook averages the gradients during backward."""
+
+    def __init__(self, cfg: RunConfig, ctx: ParallelContext):
+        self.ddp, _ = build_ddp(cfg, ctx)
+        self.module: MiniMindForCausalLM = self.ddp.module
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        return self.ddp(input_ids, labels)
+
+    def set_gradient_sync(self, on: bool) -> None:
+        self.ddp.require_backward_grad_sync = on  # what DDP's no_sync() sets
+
+    def finish_grads(self) -> None:
+        """Nothing left: DDP waits for its buckets' all-reduces before backward returns."""
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        return {n: p.grad for n, p in self.module.named_parameters()}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.module.named_parameters()}
+
+    def semantics(self, name: str) -> str:
+        return "replicated"
+
+    def shard_like(self, name: str, dense: torch.Tensor) -> torch.Tensor:
+        return dense.detach()
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits

@@ -30,14 +30,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tpbench.config import RunConfig
-from tpbench.experiments import criterion, gemm
+from tpbench.config import RunConfig, public_config
+from tpbench.experiments import criterion, gemm, planted
 from tpbench.experiments.progress import StepProgress
 from tpbench.experiments.setup import (
     Batches,
@@ -49,19 +53,16 @@ from tpbench.experiments.setup import (
     place,
     precision,
 )
-from tpbench.experiments.training import build_ddp, optimizer, set_gradient_sync, shard_data_parallel
+from tpbench.experiments.training import DDPModel, optimizer, set_gradient_sync, shard_data_parallel
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindForCausalLM, shift_labels
-from tpbench.parallel import collectives, instrumentation, regions
+from tpbench.parallel import collectives, instrumentation
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.plan import ParallelModel
-from tpbench.parallel.wrappers import Boundary, SPGather, TPCopy
 from tpbench.predict import theory
 from tpbench.results import ParamRow, RankResult
 
 # The logits drift against dense at each compared AdamW step, each the worst over ranks, stored per step
 DRIFT = ("adamw_logits_mean_abs", "adamw_logits_max_abs", "adamw_logits_rel_l2")
-# The parameter whose gradient debug.grad_scale scales: a column shard in every tensor-parallel mode
-SCALED = "model.layers.0.self_attn.q_proj.weight"
 
 
 def reference_dtype(cfg: RunConfig) -> torch.dtype:
@@ -70,42 +71,143 @@ def reference_dtype(cfg: RunConfig) -> torch.dtype:
 
 
 def run(cfg: RunConfig) -> RankResult:
-    """The three levels of checks, every GEMM under launch.bf16_gemm (tpbench.experiments.gemm:
-    fp32_accumulate records how many bf16 GEMMs it ran, over the whole run, on each rank), and each
-    rank's CPU time for the whole run (`validate_cpu_s`: what a grid of runs costs, whatever the load)."""
+    """The three levels of checks for one parallel model (`run_beside` with one config)."""
+    return run_beside([cfg])[0]
+
+
+def dense_key(cfg: RunConfig) -> str | None:
+    """What a validation's dense side (the dense model, its reference, the batches, the AdamW steps)
+    depends on: the config but the parallel model's own settings (parallel.* but tp and dp, debug.*).
+    Consecutive runs of a batch with the same key are validated beside one dense side
+    (tpbench.run.worker); None (another kind, launch.share_dense=false, an emulated rank): the run
+    is validated alone."""
+    if cfg.kind != "validate" or not cfg.launch.share_dense or cfg.launch.emulate != "none":
+        return None
+    data = public_config(cfg)
+    data["parallel"] = {"tp": cfg.parallel.tp, "dp": cfg.parallel.dp}
+    del data["debug"]
+    return json.dumps(data, sort_keys=True)
+
+
+def run_beside(cfgs: Sequence[RunConfig]) -> list[RankResult]:
+    """The three levels of checks for each config's parallel model, all against one dense model and
+    one reference, stepped once for them all: the configs share a `dense_key`. Every GEMM runs under
+    launch.bf16_gemm (tpbench.experiments.gemm: fp32_accumulate records a run's bf16 GEMMs, its own
+    and the dense side's, as a run alone counts them). A model's figures are those of a run of its
+    own, to the bit (tests/test_warm.py): each model's work reads the dense side, nothing of the
+    others'. The dense side is most of a run's CPU (80-88% at the seed's check shape: docs/results/
+    validation.md), so 9 modes beside one cost about a quarter of 9 alone. Each rank records its CPU time
+    (`validate_cpu_s`: its model's own work and its share of the dense side, what a grid of runs
+    costs whatever the load) and how many runs shared the dense side (`validate_shared_by`)."""
     cpu = time.process_time()
-    with gemm.bf16_gemms(cfg.launch.bf16_gemm) as mode:
-        result = _run(cfg)
-    if mode is not None:
-        result.add("bf16_gemms_fp32_accumulated", mode.count)
-    result.add("validate_cpu_s", time.process_time() - cpu, "s")
-    return result
+    with gemm.bf16_gemms(cfgs[0].launch.bf16_gemm) as mode:
+        checked = _run(cfgs, mode)
+        total_gemms = mode.count if mode is not None else 0
+    shared = time.process_time() - cpu - sum(c.cpu for c in checked)
+    shared_gemms = total_gemms - sum(c.gemms for c in checked)
+    for c in checked:
+        if mode is not None:
+            c.result.add("bf16_gemms_fp32_accumulated", c.gemms + shared_gemms)
+        c.result.add("validate_cpu_s", c.cpu + shared / len(checked), "s")
+        c.result.add("validate_shared_by", len(checked))
+    return [c.result for c in checked]
 
 
-def _run(cfg: RunConfig) -> RankResult:
-    ctx = context(cfg)
-    dense = build_dense(cfg)
+@dataclass
+class _Checked:
+    """One parallel model under validation and what its checks gather; `own()` times its own work
+    (CPU seconds and bf16 GEMMs), apart from the dense side's."""
+
+    cfg: RunConfig
+    pm: ParallelModel | DDPModel
+    result: RankResult
+    mode: gemm.Fp32Accumulate | None
+    cpu: float = 0.0
+    gemms: int = 0
+    figures: dict[str, float] = field(default_factory=dict)  # this rank's: each one's worst is kept
+    grads: list = field(default_factory=list)
+    rounded_signs: dict[str, torch.Tensor] = field(default_factory=dict)
+    drift: list[tuple[int, list[float], float]] = field(default_factory=list)
+    opt: Any = None
+
+    @contextlib.contextmanager
+    def own(self) -> Iterator[None]:
+        cpu, gemms = time.process_time(), self._gemms()
+        try:
+            yield
+        finally:
+            self.cpu += time.process_time() - cpu
+            self.gemms += self._gemms() - gemms
+
+    def _gemms(self) -> int:
+        return self.mode.count if self.mode is not None else 0
+
+
+def _parallel(cfg: RunConfig, ctx: ParallelContext, dense: MiniMindForCausalLM) -> ParallelModel | DDPModel:
     if cfg.parallel.engine == "ddp" and cfg.parallel.dp_shard == "none":
-        pm = DDPModel(cfg, ctx)
-    else:
-        pm = shard_data_parallel(cfg, build_parallel(cfg, ctx, dense), cfg.validate.lr)
-    reference = place(copy.deepcopy(dense), ctx.device, reference_dtype(cfg))
-    place(dense, ctx.device, param_dtype(cfg))
-    _plant_model_fault(cfg, pm, ctx)
-    batches = Batches(cfg, ctx)
-    result = RankResult(rank=ctx.rank)
+        return DDPModel(cfg, ctx)
+    return shard_data_parallel(cfg, build_parallel(cfg, ctx, dense), cfg.validate.lr)
+
+
+def _run(cfgs: Sequence[RunConfig], mode: gemm.Fp32Accumulate | None) -> list[_Checked]:
+    first = cfgs[0]
+    ctx = context(first)
+    dense = build_dense(first)
+    checked = []
+    for cfg in cfgs:
+        c = _Checked(cfg, None, RankResult(rank=ctx.rank), mode)  # type: ignore[arg-type]
+        with c.own():
+            c.pm = _parallel(cfg, ctx, dense)
+        checked.append(c)
+    reference = place(copy.deepcopy(dense), ctx.device, reference_dtype(first))
+    place(dense, ctx.device, param_dtype(first))
+    for c in checked:
+        planted.plant_model_fault(c.cfg, c.pm, ctx)
+    batches = Batches(first, ctx)
 
     # 1. forward and 2. backward, one step, with the collectives of a training step counted
     ids, labels = batches.next_global()
-    with precision(cfg, ctx.device):
+    with precision(first, ctx.device):
         dense_logits, dense_loss = dense(ids, labels)
     dense_loss.backward()
     ref_logits, ref_loss = reference(ids, labels)
     ref_loss.backward()
+    dense_figures = {  # the dense model's own error against the reference
+        "dense_fwd_logits_max_abs": _max_abs(dense_logits, ref_logits),
+        "dense_loss_abs_diff": (dense_loss.detach().double() - ref_loss.detach().double()).abs().item(),
+        "dense_token_loss_mean_abs_diff": _token_loss_error(dense_logits, ref_logits, labels),
+    }
+    for c in checked:
+        with c.own():
+            _first_step(c, ctx, batches, (ids, labels), (dense_logits, dense_loss), dense_figures)
+            c.grads = _grad_errors(c.pm, dense, reference)
+
+    # 3. AdamW steps on all of them
+    initial = {n: p.detach().clone() for n, p in dense.named_parameters()}
+    for c in checked:
+        full = c.pm.full_parameters()
+        c.rounded_signs = {n: torch.zeros_like(p, dtype=torch.bool) for n, p in full.items()}
+    _adamw(first, checked, dense, reference, batches, (ids, labels))
+    for c in checked:
+        with c.own():
+            _verdicts(c, dense, reference, initial)
+    return checked
+
+
+def _first_step(
+    c: _Checked,
+    ctx: ParallelContext,
+    batches: Batches,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    dense_out: tuple[torch.Tensor, torch.Tensor],
+    dense_figures: dict[str, float],
+) -> None:
+    """The parallel model's first step, its collectives counted, and its forward figures."""
+    cfg, pm, result = c.cfg, c.pm, c.result
     counter = instrumentation.CommCounter()
     with counting(cfg, counter):
-        logits, loss = _accumulated(cfg, pm, batches, ids, labels)
-    _scale_grad(cfg, pm)
+        logits, loss = _accumulated(cfg, pm, batches, *batch)
+    planted.scale_grad(cfg, pm)
     result.comm = counter.rows()
     result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")
     result.add("predicted_comm_bytes_per_step", theory.predict(cfg).comm_bytes_per_step, "B")
@@ -115,55 +217,53 @@ def _run(cfg: RunConfig) -> RankResult:
         result.add("compile_graphs", counters["stats"]["unique_graphs"])
         result.add("compile_graph_breaks", sum(counters["graph_break"].values()))
 
-    figures = {}  # this rank's; the result keeps each one's worst over all ranks
+    dense_logits, dense_loss = dense_out
     full_logits = torch.cat([pm.full_logits(micro) for micro in logits])  # [K b, S, V]
-    figures["fwd_logits_max_abs"] = _max_abs(full_logits, batches.local_slice(dense_logits))
+    c.figures["fwd_logits_max_abs"] = _max_abs(full_logits, batches.local_slice(dense_logits))
     mean_loss = collectives.all_reduce(loss.detach().float().clone(), ctx.dp_group, "check") / ctx.dp
-    figures["loss_abs_diff"] = (mean_loss - dense_loss.detach().float()).abs().item()
-    # the dense model's own error against the reference
-    figures["dense_fwd_logits_max_abs"] = _max_abs(dense_logits, ref_logits)
-    figures["dense_loss_abs_diff"] = (dense_loss.detach().double() - ref_loss.detach().double()).abs().item()
-    figures["dense_token_loss_mean_abs_diff"] = _token_loss_error(dense_logits, ref_logits, labels)
-    grads = _grad_errors(pm, dense, reference)
+    c.figures["loss_abs_diff"] = (mean_loss - dense_loss.detach().float()).abs().item()
+    c.figures.update(dense_figures)
 
-    # 3. AdamW steps on all three
-    initial = {n: p.detach().clone() for n, p in dense.named_parameters()}
-    rounded_signs = {n: torch.zeros_like(p, dtype=torch.bool) for n, p in pm.full_parameters().items()}
-    drift = _adamw(cfg, pm, dense, reference, batches, (ids, labels), rounded_signs)
-    _plant_error(cfg, pm)
-    params = _param_errors(pm, dense, reference, initial, rounded_signs)
-    rows = _rows(pm, grads, params)
-    if ctx.rank == 0:
+
+def _verdicts(
+    c: _Checked, dense: torch.nn.Module, reference: torch.nn.Module, initial: dict[str, torch.Tensor]
+) -> None:
+    """After the AdamW steps: the parameters' figures, every figure's worst over the ranks, the
+    verdicts, all in the model's result."""
+    cfg, pm, result = c.cfg, c.pm, c.result
+    planted.plant_error(cfg, pm)
+    params = _param_errors(pm, dense, reference, initial, c.rounded_signs)
+    rows = _rows(pm, c.grads, params)
+    if result.rank == 0:
         result.params = rows
-    figures["adamw_param_max_abs"] = max(r.param_max_abs for r in rows)  # the seed chapter's figure
+    c.figures["adamw_param_max_abs"] = max(r.param_max_abs for r in rows)  # the seed chapter's figure
 
-    worst = _worst_over_ranks(figures)  # the drift's figures are the worst over ranks already
+    worst = _worst_over_ranks(c.figures)  # the drift's figures are the worst over ranks already
     # the elements the AdamW-parameter figure left out (_rounded_signs), summed over the ranks: an
     # element of a parameter held whole on several ranks counts once per rank that flipped it
     (worst["adamw_rounded_signs"],) = collectives.reduce_floats(
-        [float(sum(int(m.sum()) for m in rounded_signs.values()))]
+        [float(sum(int(m.sum()) for m in c.rounded_signs.values()))]
     )
     worst["grad_max_abs"] = max(r.grad_max_abs for r in rows)
     worst["grad_max_rel_l2"] = max(r.grad_rel_l2 for r in rows)
     worst["dense_grad_max_rel_l2"] = max(r.grad_ref_rel_l2 for r in rows)
     worst["adamw_param_max_rel_l2"] = max(r.param_rel_l2 for r in rows)
     worst["dense_adamw_param_max_rel_l2"] = max(r.param_ref_rel_l2 for r in rows)
-    worst["adamw_drift_max_abs"] = max(values[1] for _, values, _ in drift)
-    worst["dense_adamw_drift_max_abs"] = max(own for *_, own in drift)
+    worst["adamw_drift_max_abs"] = max(values[1] for _, values, _ in c.drift)
+    worst["dense_adamw_drift_max_abs"] = max(own for *_, own in c.drift)
     checks = criterion.verdicts(cfg, worst, rows)
     for v in checks:  # each check's worst item against its bound: at most 1 passes
         worst[f"{v.check}_of_bound"] = v.of_bound
     for name, value in worst.items():
         result.add(name, value)
-    for step, values, _ in drift:
+    for step, values, _ in c.drift:
         for name, value in zip(DRIFT, values, strict=True):
             result.add(name, value, step=step)
     passed = all(v.ok for v in checks)
     result.add("passed", float(passed))
-    if ctx.rank == 0:
+    if result.rank == 0:
         result.failed = [v.failure() for v in checks if not v.ok]
         result.text = criterion.table(cfg, checks, rows, passed)
-    return result
 
 
 def _accumulated(
@@ -187,40 +287,6 @@ def _accumulated(
         losses.append(loss.detach())
     pm.finish_grads()
     return logits, losses[0] if k == 1 else torch.stack(losses).mean()
-
-
-class DDPModel:
-    """The `ddp` engine as the checks take a parallel model: build_ddp's DistributedDataParallel, the
-    one memory and throughput measure. Nothing is sharded (each rank holds the dense model and takes
-    its DP slice of the batch); DDP's comm hook averages the gradients during backward."""
-
-    def __init__(self, cfg: RunConfig, ctx: ParallelContext):
-        self.ddp, _ = build_ddp(cfg, ctx)
-        self.module: MiniMindForCausalLM = self.ddp.module
-
-    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
-        return self.ddp(input_ids, labels)
-
-    def set_gradient_sync(self, on: bool) -> None:
-        self.ddp.require_backward_grad_sync = on  # what DDP's no_sync() sets
-
-    def finish_grads(self) -> None:
-        """Nothing left: DDP waits for its buckets' all-reduces before backward returns."""
-
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        return {n: p.grad for n, p in self.module.named_parameters()}
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self.module.named_parameters()}
-
-    def semantics(self, name: str) -> str:
-        return "replicated"
-
-    def shard_like(self, name: str, dense: torch.Tensor) -> torch.Tensor:
-        return dense.detach()
-
-    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits
 
 
 def _token_loss_error(logits: torch.Tensor, reference: torch.Tensor, labels: torch.Tensor) -> float:
@@ -311,50 +377,6 @@ def _rows(pm: ParallelModel | DDPModel, grads: list, params: list) -> list[Param
     ]
 
 
-def _plant_error(cfg: RunConfig, pm: ParallelModel | DDPModel) -> None:
-    """debug.validate_fault=rank1_param: rank 1 adds 1 to its copy of model.norm.weight (replicated in
-    every mode, so no other rank's figures hold it), to prove that its figures count."""
-    if cfg.debug.validate_fault == "rank1_param" and dist.get_rank() == 1:
-        with torch.no_grad():
-            dict(pm.module.named_parameters())["model.norm.weight"].view(-1)[0].add_(1.0)
-
-
-class _NoBackwardSum(Boundary):
-    """debug.validate_fault=no_backward_sum: a region entered without its backward collective (the
-    all-reduce of f under TP; under SP the all-gather stays and backward keeps this rank's part, no
-    reduce-scatter)."""
-
-    def __init__(self, group: collectives.Group, sp: bool):
-        super().__init__()
-        self.group, self.sp = group, sp
-
-    def forward(self, x: torch.Tensor, body) -> torch.Tensor:
-        return body(regions.gather_from_sp_region_replicated(x, self.group) if self.sp else x)
-
-
-def _plant_model_fault(cfg: RunConfig, pm: ParallelModel | DDPModel, ctx: ParallelContext) -> None:
-    """The validate faults planted in the model before its first forward, to prove validation catches
-    them: rope_offset (tensor-parallel rank 1, or DP rank 1 without TP, computes RoPE one position
-    off) and no_backward_sum (the first region entered under TP or SP has no backward collective)."""
-    fault = cfg.debug.validate_fault
-    if fault == "rope_offset" and (ctx.tp_rank if ctx.tp > 1 else ctx.dp_rank) == 1:
-        decoder, rope = pm.module.model, pm.module.model.rope
-        decoder.rope = lambda seq_len, device: tuple(t.roll(1, 0) for t in rope(seq_len, device))
-    if fault == "no_backward_sum":
-        for module in pm.module.modules():
-            entry = module._modules.get("entry")
-            if isinstance(entry, TPCopy | SPGather):
-                module._modules["entry"] = _NoBackwardSum(entry.group, isinstance(entry, SPGather))
-                return
-
-
-def _scale_grad(cfg: RunConfig, pm: ParallelModel | DDPModel) -> None:
-    """debug.grad_scale: the gradient of SCALED multiplied by it on every rank after the gradient sums,
-    a relative gradient error of |scale - 1| (1: none)."""
-    if cfg.debug.grad_scale != 1.0:
-        dict(pm.module.named_parameters())[SCALED].grad.mul_(cfg.debug.grad_scale)
-
-
 def _rounded_signs(
     cfg: RunConfig,
     pm: ParallelModel | DDPModel,
@@ -390,19 +412,21 @@ def _rounded_signs(
 
 def _adamw(
     cfg: RunConfig,
-    pm: ParallelModel | DDPModel,
+    checked: Sequence[_Checked],
     dense: torch.nn.Module,
     reference: torch.nn.Module,
     batches: Batches,
     first: tuple[torch.Tensor, torch.Tensor],
-    rounded_signs: dict[str, torch.Tensor],
-) -> list[tuple[int, list[float], float]]:
-    """The AdamW steps; at every compared step (step, the DRIFT figures each the worst over ranks,
-    the dense model's own max |logits diff| against the reference's). validate.batch=fixed trains
-    every step on `first`, the forward check's global batch, and compares on it; fresh draws a batch
-    to compare on, then one per step."""
+) -> None:
+    """The AdamW steps, each parallel model's beside the dense model's and the reference's; at every
+    compared step each model's drift (step, the DRIFT figures each the worst over ranks, the dense
+    model's own max |logits diff| against the reference's). validate.batch=fixed trains every step
+    on `first`, the forward check's global batch, and compares on it; fresh draws a batch to compare
+    on, then one per step."""
     v = cfg.validate
-    opt_p = optimizer(cfg, pm, v.lr)  # fused under train.fused_optimizer; a sharded level's own
+    for c in checked:  # fused under train.fused_optimizer; a sharded level's own
+        with c.own():
+            c.opt = optimizer(c.cfg, c.pm, v.lr)
     dense_opts = [
         torch.optim.AdamW(m.parameters(), lr=v.lr, weight_decay=cfg.train.weight_decay)
         for m in (dense, reference)
@@ -411,29 +435,32 @@ def _adamw(
     fixed = v.batch == "fixed"
     eval_ids = first[0] if fixed else batches.next_global()[0]
     ids, labels = first
-    drift = []
     progress = StepProgress("validate", v.steps)
     for step in range(1, v.steps + 1):
         if not fixed:
             ids, labels = batches.next_global()
-        for opt in (opt_p, *dense_opts):
+        for opt in (*(c.opt for c in checked), *dense_opts):
             opt.zero_grad(set_to_none=True)
         for model in (dense, reference):  # the reference runs without autocast
             with precision(cfg, device) if model is dense else contextlib.nullcontext():
                 loss = model(ids, labels)[1]
             loss.backward()
-        _accumulated(cfg, pm, batches, ids, labels)
-        _scale_grad(cfg, pm)
-        _rounded_signs(cfg, pm, dense, reference, rounded_signs)
-        for opt in (opt_p, *dense_opts):
+        for c in checked:
+            with c.own():
+                _accumulated(c.cfg, c.pm, batches, ids, labels)
+                planted.scale_grad(c.cfg, c.pm)
+                _rounded_signs(c.cfg, c.pm, dense, reference, c.rounded_signs)
+                c.opt.step()
+        for opt in dense_opts:
             opt.step()
         if step % v.every == 0 or step == v.steps:
             with torch.no_grad():
                 with precision(cfg, device):
-                    full = pm.full_logits(pm(batches.local_slice(eval_ids))[0])
                     ref = batches.local_slice(dense(eval_ids)[0])
                 own = _max_abs(ref, batches.local_slice(reference(eval_ids)[0]))
-            worst = collectives.reduce_floats([*logits_drift(full, ref), own], dist.ReduceOp.MAX)
-            drift.append((step, worst[:-1], worst[-1]))
+                for c in checked:
+                    with c.own(), precision(cfg, device):
+                        full = c.pm.full_logits(c.pm(batches.local_slice(eval_ids))[0])
+                        worst = collectives.reduce_floats([*logits_drift(full, ref), own], dist.ReduceOp.MAX)
+                    c.drift.append((step, worst[:-1], worst[-1]))
         progress.step()
-    return drift

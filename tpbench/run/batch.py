@@ -23,6 +23,7 @@ the run before), several nodes, and Slurm.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -91,14 +92,36 @@ def run_batch(
             job.start()
             for cfg, job_dir in zip(list(rest), job.jobs, strict=True):
                 ended = job.wait(cfg, job_dir, on_start(cfg))
+                job_ended = not job.thread.is_alive() and job.failure is not None
+                if job_ended and ended.status is not Status.INTERRUPTED and _alone(rest):
+                    shutil.rmtree(job_dir, ignore_errors=True)
+                    break  # a group validated beside one dense model ended the job: each alone now
                 rest.pop(0)
                 yield cfg, ended
                 if ended.status is Status.INTERRUPTED:
                     return
-                if not job.thread.is_alive() and job.failure is not None:
+                if job_ended:
                     break  # the job ended with this run: the rest in a fresh one
         finally:
             job.close()
+
+
+def _alone(rest: list[RunConfig]) -> bool:
+    """When the job ended during the first of `rest`: whether it was the first of a group of validate
+    runs beside one dense model (tpbench.run.worker), which the workers ran as one, so that the
+    failure may be any one's. If so, the group's runs are set to run each alone
+    (launch.share_dense=false), and the failure is then its own run's."""
+    from tpbench.experiments.validate import dense_key
+
+    key = dense_key(rest[0])
+    count = 1
+    while key is not None and count < len(rest) and dense_key(rest[count]) == key:
+        count += 1
+    if count == 1:
+        return False
+    for i in range(count):
+        rest[i] = dataclasses.replace(rest[i], launch=dataclasses.replace(rest[i].launch, share_dense=False))
+    return True
 
 
 class _Job:

@@ -70,7 +70,7 @@ CHOICES = {
     "launch.bf16_gemm": ("native", "fp32_accumulate"),
     "debug.overlap_fault": ("", "no_wait", "early_bucket"),
     "debug.ddp_fault": ("", "no_divide", "drop_bucket"),
-    "debug.validate_fault": ("", "rank1_param", "rope_offset", "no_backward_sum"),
+    "debug.validate_fault": ("", "rank1_param", "rope_offset", "no_backward_sum", "raise_in_forward"),
     "validate.batch": ("fresh", "fixed"),
 }
 AT_LEAST_ONE = (

@@ -68,23 +68,70 @@ def main(job_dir: Path) -> None:
 @record
 def main_batch(batch_dir: Path) -> None:
     """Each job folder listed in BATCH_DIR/jobs, in order: runs the launcher found compatible
-    (tpbench.run.batch.batch_key), so that one process setup fits them all."""
+    (tpbench.run.batch.batch_key), so that one process setup fits them all. Consecutive validate runs
+    with one dense side (tpbench.experiments.validate.dense_key) run as one, beside it (`_beside`)."""
     jobs = [Path(line) for line in (batch_dir / "jobs").read_text().splitlines()]
+    configs = [load_run_config(str(job_dir / "config.yaml")) for job_dir in jobs]
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     fresh_rng = torch.get_rng_state()
     device = None
-    for index, job_dir in enumerate(jobs):
-        cfg = load_run_config(str(job_dir / "config.yaml"))
-        with _logs_in(job_dir, local_rank):
-            _register(job_dir, rank)
-            signal.alarm(math.ceil(cfg.launch.job_timeout_s))
-            device = device or _device(cfg, local_rank)
-            machine.write_rank_device(job_dir, rank, machine.rank_device_name(cfg, device))
+    for index, count in _beside(configs):
+        cfgs, job_dirs = configs[index : index + count], jobs[index : index + count]
+        with _logs_in(job_dirs[0], local_rank):
+            for job_dir in job_dirs:
+                _register(job_dir, rank)
+            signal.alarm(math.ceil(sum(cfg.launch.job_timeout_s for cfg in cfgs)))
+            device = device or _device(cfgs[0], local_rank)
+            for job_dir in job_dirs:
+                machine.write_rank_device(job_dir, rank, machine.rank_device_name(cfgs[0], device))
+            _point_to_logs(job_dirs, local_rank)
             torch.set_rng_state(fresh_rng)
             gc.collect()  # what the run before left in cycles: gone, as in a fresh process
-            _init_group(cfg, device, store_prefix=f"tpbench-run-{index}")
-            _run(cfg, job_dir, rank, device, done=job_dir / DONE)
+            _init_group(cfgs[0], device, store_prefix=f"tpbench-run-{index}")
+            _run_beside(cfgs, job_dirs, rank, device)
             signal.alarm(0)
+
+
+def _beside(configs: list[RunConfig]) -> Iterator[tuple[int, int]]:
+    """(first index, count) of each group of consecutive configs run as one: validate runs with the
+    same dense key, every other run alone."""
+    from tpbench.experiments.validate import dense_key
+
+    index = 0
+    while index < len(configs):
+        key, count = dense_key(configs[index]), 1
+        while key is not None and index + count < len(configs) and dense_key(configs[index + count]) == key:
+            count += 1
+        yield index, count
+        index += count
+
+
+def _point_to_logs(job_dirs: list[Path], local_rank: int) -> None:
+    """The runs validated beside the first write to its logs: each one's own log says where."""
+    for job_dir in job_dirs[1:]:
+        folder = job_dir / BATCH_LOGS / str(local_rank)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "stdout.log").write_text(
+            f"validated beside {job_dirs[0].name}, one dense model for {len(job_dirs)} runs: "
+            f"this run's lines are in {job_dirs[0] / BATCH_LOGS / str(local_rank)}\n"
+        )
+
+
+def _run_beside(cfgs: list[RunConfig], job_dirs: list[Path], rank: int, device: torch.device) -> None:
+    """Validate runs beside one dense side (tpbench.experiments.validate.run_beside), each one's
+    results handed in and its done mark written in order; one run: `_run`."""
+    if len(cfgs) == 1:
+        _run(cfgs[0], job_dirs[0], rank, device, done=job_dirs[0] / DONE)
+        return
+    from tpbench.experiments.validate import run_beside
+
+    gc.freeze()
+    for result, job_dir in zip(run_beside(cfgs), job_dirs, strict=True):
+        _hand_in(result, job_dir / "results")
+        if rank == 0:
+            (job_dir / DONE).touch()
+        dist.barrier()
+    context.leave_world()
 
 
 MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
