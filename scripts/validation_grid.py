@@ -40,6 +40,9 @@ LLAMA = {
     "vocab_size": 1000,
 }
 SHAPES = {"tiny": ["model=tiny"], "seed": ["model=seed_check"], "llama": ["model.hf_config={llama}"]}
+# How many of a seed's modes are validated beside one dense model (launch.share_dense): all 9 where
+# they fit in memory; the Llama shape's 9 held up to 11 GB a rank (an OOM kill beside the test suite)
+SHARE = {"tiny": 9, "seed": 9, "llama": 4}
 DTYPES = {"fp32": ["dtype=float32"], "bf16": ["dtype=bfloat16"]}
 # part name -> (shape, dtype, tp, modes)
 PARTS = {
@@ -176,6 +179,7 @@ def run_part(part: str, args: argparse.Namespace, llama: Path) -> None:
         "kind=validate",
         *overrides,
         f"tp={tp}",
+        f"launch.share_dense={SHARE[shape]}",
         # the modes of a seed next to each other: warm workers validate them beside one dense model
         f"train.seed={seeds}",
         f"mode={args.modes or modes}",

@@ -14,9 +14,10 @@ import pytest
 from beside import beside
 from torchrun_checks import TINY, WORLD2, per_config, run_config
 
+from tpbench.config import RunConfig
 from tpbench.experiments.criterion import CHECKS, Verdict, verdicts
 from tpbench.experiments.planted import SCALED
-from tpbench.experiments.validate import _param_errors, _rounded_signs
+from tpbench.experiments.validate import _param_errors, _rounded_signs, count_beside
 from tpbench.results import ParamRow
 from tpbench.run import compose
 
@@ -191,3 +192,20 @@ def test_adamw_leaves_out_only_the_elements_whose_gradient_sign_rounding_decided
 def test_bad_validation_settings_are_refused_before_launch(overrides, message):
     with pytest.raises(compose.ConfigError, match=re.escape(message)):
         compose.expand(["kind=validate", "tp=2", *overrides])
+
+
+def test_runs_beside_one_dense_model_are_consecutive_ones_of_one_dense_side_up_to_the_cap():
+    """validate.count_beside: the configs a warm worker validates as one (tpbench.run.worker): consecutive,
+    the same dense side (the parallel model's settings may differ, the seed may not), at most
+    launch.share_dense of them; another kind, or share_dense 1, alone."""
+
+    def config(seed: int = 0, sp: bool = False, share: int = 4, kind: str = "validate") -> RunConfig:
+        cfg = RunConfig(kind=kind)
+        cfg.train.seed, cfg.parallel.sp, cfg.launch.share_dense = seed, sp, share
+        return cfg
+
+    runs = [config(), config(sp=True), config(), config(seed=1), config(seed=1, sp=True), config()]
+    assert [count_beside(runs, i) for i in (0, 3, 5)] == [3, 2, 1]
+    assert count_beside([config(share=2)] * 3, 0) == 2
+    assert count_beside([config(share=1)] * 3, 0) == 1
+    assert count_beside([config(kind="memory")] * 3, 0) == 1

@@ -138,7 +138,7 @@ def _runs_steps(job: Path, steps: int) -> bool:
 
 def test_a_run_that_ends_a_group_beside_one_dense_model_fails_alone(tmp_path):
     """Two validate runs beside one dense model, the second raising: the job ends in the group, so
-    both run again each alone (launch.share_dense=false), and each failure is its own run's."""
+    both run again each alone (launch.share_dense=1), and each failure is its own run's."""
     work = Workdir(tmp_path)
     done = work.run(
         "sweep", "kind=validate", "validate.steps=2", "debug.validate_fault=rope_offset,raise_in_forward"
@@ -149,8 +149,8 @@ def test_a_run_that_ends_a_group_beside_one_dense_model_fails_alone(tmp_path):
         "json_extract(config, '$.launch.share_dense') FROM runs ORDER BY id"
     )
     (first, status1, error1, shared1), (second, status2, error2, shared2) = rows
-    assert (first, status1, shared1) == ("rope_offset", "FAILED", 0)
+    assert (first, status1, shared1) == ("rope_offset", "FAILED", 1)
     assert error1.startswith("validate out of bounds: fwd_logits_max_abs")  # its own checks' failure
-    assert (second, status2, shared2) == ("raise_in_forward", "FAILED", 0)
+    assert (second, status2, shared2) == ("raise_in_forward", "FAILED", 1)
     assert "rank 1: RuntimeError: debug.validate_fault=raise_in_forward: rank 1 raised on purpose" in error2
     assert work.live_workers() == [] and work.integrity() == "ok"

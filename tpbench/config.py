@@ -215,11 +215,12 @@ class LaunchConfig:
     # Consecutive runs of a sweep that fit one torchrun job run in it, its workers warm from one run to
     # the next (tpbench.run.batch says which fit); false: a fresh torchrun job for every run
     reuse_workers: bool = True
-    # kind=validate on warm workers: consecutive runs that differ only in the parallel model (mode,
-    # parallel.*, debug.*) are validated beside one dense model and its reference, stepped once for
-    # them all (tpbench.experiments.validate.run_beside): the same figures, to the bit, for about a
-    # quarter of the CPU of a sweep of modes; false: each run steps its own
-    share_dense: bool = True
+    # kind=validate on warm workers: up to this many consecutive runs that differ only in the parallel
+    # model (mode, parallel.*, debug.*) are validated beside one dense model and its reference,
+    # stepped once for them all (tpbench.experiments.validate.run_beside): the same figures, to the
+    # bit, for a fraction of the CPU; each model's weights, gradients and AdamW moments stay in host
+    # memory meanwhile (the Llama shape, 9 beside one: up to 11 GB a rank). 1: each run alone
+    share_dense: int = 4
     # One process stands in for one rank of the tp x dp job, on torch's fake process group (see
     # tpbench.parallel.emulation): none | real (real tensors on this machine's device) | fake (FakeTensorMode)
     emulate: str = "none"

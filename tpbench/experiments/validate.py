@@ -79,14 +79,24 @@ def dense_key(cfg: RunConfig) -> str | None:
     """What a validation's dense side (the dense model, its reference, the batches, the AdamW steps)
     depends on: the config but the parallel model's own settings (parallel.* but tp and dp, debug.*).
     Consecutive runs of a batch with the same key are validated beside one dense side
-    (tpbench.run.worker); None (another kind, launch.share_dense=false, an emulated rank): the run
-    is validated alone."""
-    if cfg.kind != "validate" or not cfg.launch.share_dense or cfg.launch.emulate != "none":
+    (tpbench.run.worker), up to launch.share_dense of them; None (another kind, launch.share_dense=1,
+    an emulated rank): the run is validated alone."""
+    if cfg.kind != "validate" or cfg.launch.share_dense < 2 or cfg.launch.emulate != "none":
         return None
     data = public_config(cfg)
     data["parallel"] = {"tp": cfg.parallel.tp, "dp": cfg.parallel.dp}
     del data["debug"]
     return json.dumps(data, sort_keys=True)
+
+
+def count_beside(configs: Sequence[RunConfig], index: int) -> int:
+    """How many configs from `index` on are validated as one (at least 1): consecutive ones with the
+    same dense key, up to launch.share_dense of them."""
+    key, count = dense_key(configs[index]), 1
+    most = min(len(configs) - index, configs[index].launch.share_dense)
+    while key is not None and count < most and dense_key(configs[index + count]) == key:
+        count += 1
+    return count
 
 
 def run_beside(cfgs: Sequence[RunConfig]) -> list[RankResult]:

@@ -110,17 +110,14 @@ def _alone(rest: list[RunConfig]) -> bool:
     """When the job ended during the first of `rest`: whether it was the first of a group of validate
     runs beside one dense model (tpbench.run.worker), which the workers ran as one, so that the
     failure may be any one's. If so, the group's runs are set to run each alone
-    (launch.share_dense=false), and the failure is then its own run's."""
-    from tpbench.experiments.validate import dense_key
+    (launch.share_dense=1), and the failure is then its own run's."""
+    from tpbench.experiments.validate import count_beside
 
-    key = dense_key(rest[0])
-    count = 1
-    while key is not None and count < len(rest) and dense_key(rest[count]) == key:
-        count += 1
+    count = count_beside(rest, 0)
     if count == 1:
         return False
     for i in range(count):
-        rest[i] = dataclasses.replace(rest[i], launch=dataclasses.replace(rest[i].launch, share_dense=False))
+        rest[i] = dataclasses.replace(rest[i], launch=dataclasses.replace(rest[i].launch, share_dense=1))
     return True
 
 

@@ -81,6 +81,7 @@ AT_LEAST_ONE = (
     "model.vocab_size",
     "parallel.tp",
     "parallel.dp",
+    "launch.share_dense",
     "parallel.dp_replicate",
     "train.seq_len",
     "train.micro_batch",

@@ -94,14 +94,12 @@ def main_batch(batch_dir: Path) -> None:
 
 def _beside(configs: list[RunConfig]) -> Iterator[tuple[int, int]]:
     """(first index, count) of each group of consecutive configs run as one: validate runs with the
-    same dense key, every other run alone."""
-    from tpbench.experiments.validate import dense_key
+    same dense key, up to launch.share_dense of them; every other run alone."""
+    from tpbench.experiments.validate import count_beside
 
     index = 0
     while index < len(configs):
-        key, count = dense_key(configs[index]), 1
-        while key is not None and index + count < len(configs) and dense_key(configs[index + count]) == key:
-            count += 1
+        count = count_beside(configs, index)
         yield index, count
         index += count
 
