@@ -154,11 +154,13 @@ def main() -> None:
                     [tpbench, "sweep", *sweep, f"db.url={args.db}"], stdout=subprocess.DEVNULL, check=False
                 )
     elif not args.report:
-        with tempfile.TemporaryDirectory() as tmp:
-            llama = Path(tmp) / "config.json"
-            llama.write_text(json.dumps(LLAMA))
-            for part in args.parts:
-                run_part(part, args, llama)
+        # a fixed folder: the model's name is its folder's, and the name is part of a run's identity,
+        # so that a sweep run again skips the runs its database has
+        llama = Path("runs") / "llama_h256_l4" / "config.json"
+        llama.parent.mkdir(parents=True, exist_ok=True)
+        llama.write_text(json.dumps(LLAMA))
+        for part in args.parts:
+            run_part(part, args, llama)
     if args.compare:
         print(compare(args.db, args.compare))
     else:

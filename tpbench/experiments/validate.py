@@ -105,8 +105,8 @@ def run_beside(cfgs: Sequence[RunConfig]) -> list[RankResult]:
     launch.bf16_gemm (tpbench.experiments.gemm: fp32_accumulate records a run's bf16 GEMMs, its own
     and the dense side's, as a run alone counts them). A model's figures are those of a run of its
     own, to the bit (tests/test_warm.py): each model's work reads the dense side, nothing of the
-    others'. The dense side is most of a run's CPU (80-88% at the seed's check shape: docs/results/
-    validation.md), so 9 modes beside one cost about a quarter of 9 alone. Each rank records its CPU time
+    others'. The dense side is most of a run's CPU: 9 modes at the seed's check shape beside one
+    cost 2.9x less than 9 alone (docs/results/validation.md). Each rank records its CPU time
     (`validate_cpu_s`: its model's own work and its share of the dense side, what a grid of runs
     costs whatever the load) and how many runs shared the dense side (`validate_shared_by`)."""
     cpu = time.process_time()
