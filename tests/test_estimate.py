@@ -166,14 +166,31 @@ def test_the_estimate_is_the_time_models_step_times_the_steps_run(cache, monkeyp
     assert estimate.estimate(fake).flops == {} and estimate.estimate(fake).seconds == estimate.LAUNCH_S
 
 
-def test_validate_counts_the_dense_model_the_shard_and_the_fp32_reference(cache):
+def test_validate_counts_the_dense_model_the_shard_and_the_reference(cache):
     cfg = vary(config("kind=validate"), "validate", steps=9, every=3)
     dense, share = theory.model_flops_per_step(cfg), estimate.rank_step_flops(cfg)
     assert share < dense  # tp=2
-    # 1 + 9 steps of both models, and 3 comparisons (steps 3, 6, 9): a forward of each
-    assert estimate.executed_flops(cfg) == {"float32": pytest.approx((dense + share) * (10 + 3 / 3))}
+    # 1 + 9 steps of both models, and 3 comparisons (steps 3, 6, 9): a forward of each; the fp64
+    # reference's 1 + 9 steps
+    assert estimate.executed_flops(cfg) == {
+        "float32": pytest.approx((dense + share) * (10 + 3 / 3)),
+        "float64": pytest.approx(dense * 10),
+    }
     bf16 = estimate.executed_flops(vary(cfg, "train", dtype="bfloat16"))
     assert bf16["float32"] == pytest.approx(dense * 10) and bf16["bfloat16"] > 0
+    # beside the run before it (launch.share_dense), its own model only
+    assert estimate.executed_flops(cfg, beside=True) == {"float32": pytest.approx(share * (10 + 3 / 3))}
+
+
+def test_the_fp64_reference_is_the_fp32_step_at_the_fp64_matmul_rate(cache):
+    cfg = vary(config("kind=validate"), "validate", steps=9, every=3)
+    write_rates(cache, cfg, {"float32": 80e9, "float64": 20e9})
+    e = estimate.estimate(cfg)
+    assert e.steps["fp64 reference"] == 10 and e.step_s["fp64 reference"] == pytest.approx(
+        4 * e.step_s["dense"]
+    )
+    alone, beside = e.compute_s, estimate.estimate(cfg, beside=True).compute_s
+    assert beside == pytest.approx(e.steps["step"] * e.step_s["step"]) and beside < alone / 2
 
 
 # -- what the command line says before it launches -------------------------------------------------

@@ -59,6 +59,18 @@ PLAIN_EVERY_S = 10.0
 SAME_EVERY_S = 60.0  # a step that lasts: its line again, so that a log is never silent for long
 
 
+def _beside_the_one_before(group: list[RunConfig]) -> list[bool]:
+    """Per run of a batch: whether it is validated beside the run before it (launch.share_dense)."""
+    from tpbench.experiments.validate import count_beside
+
+    flags, index = [], 0
+    while index < len(group):
+        count = count_beside(group, index) if len(group) > 1 else 1
+        flags += [False] + [True] * (count - 1)
+        index += count
+    return flags
+
+
 def say_estimates(configs: Sequence[RunConfig], sweep: bool) -> list[float]:
     """Print the runs' estimates on stderr (one line per run; a sweep's total and longest in one), a
     line for each run estimated long and for each dtype with no fast kernel here; their seconds."""
@@ -69,9 +81,9 @@ def say_estimates(configs: Sequence[RunConfig], sweep: bool) -> list[float]:
     from tpbench.sizing import estimate
 
     estimates = [
-        replace(estimate.estimate(c), warm=i > 0)
+        replace(estimate.estimate(c, beside=b), warm=i > 0)
         for group in batch.batches(configs)
-        for i, c in enumerate(group)
+        for i, (c, b) in enumerate(zip(group, _beside_the_one_before(group), strict=True))
     ]
     if sweep and len(estimates) > 1:
         longest = max(estimates, key=lambda e: e.seconds)

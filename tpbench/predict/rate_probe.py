@@ -24,7 +24,6 @@ import torch
 
 from tpbench import machine
 from tpbench.config import RunConfig
-from tpbench.models.minimind import DTYPES
 from tpbench.parallel import emulation
 
 PROBE = "matmul, CPU time"  # how a rate is measured: a figure measured otherwise is measured again
@@ -47,7 +46,8 @@ def rate(dtype: str, cfg: RunConfig, threads: int | None) -> float:
     for entry in entries:
         if {k: entry.get(k) for k in key} == key and _valid_rate(entry.get("flops_per_s")):
             return float(entry["flops_per_s"])
-    measured = probe(DTYPES[dtype], device, threads) if device.type == "cpu" else probe_in_child(dtype)
+    on_cpu = device.type == "cpu"
+    measured = probe(getattr(torch, dtype), device, threads) if on_cpu else probe_in_child(dtype)
     kept = [e for e in entries if {k: e.get(k) for k in key} != key]
     now = datetime.now(UTC).isoformat(timespec="seconds")
     _write_cache([*kept, {**key, "flops_per_s": measured, "measured_at": now}])
@@ -104,7 +104,7 @@ def probe_in_child(dtype: str, device: str = "cuda") -> float:
 def slow_kernel_line(dtype: str, cfg: RunConfig, threads: int | None) -> str | None:
     """One line where `dtype`'s matmuls run far below fp32's here (emulated: no fast kernel), with the
     figures, the CPU flags that are missing and what to do instead; None where they do not."""
-    if dtype == "float32" or cfg.launch.bf16_gemm != "native":  # its GEMMs run in fp32
+    if dtype not in FAST_FLAGS or cfg.launch.bf16_gemm != "native":  # fp32 or fp64, or GEMMs in fp32
         return None
     slow, fp32 = rate(dtype, cfg, threads), rate("float32", cfg, threads)
     if slow >= SLOW_KERNEL_RATIO * fp32:

@@ -4,9 +4,11 @@ the rates probed here and cached) times the steps the run executes, plus the lau
 (torchrun's start and every worker's imports).
 
   validate    the sharded model's step and the dense model's on the global batch (one rank of it: every
-              rank runs it) and, off fp32, the dense model in fp32 (the reference), for 1 +
-              validate.steps steps, and the forwards that compare their logits every validate.every
-              steps (a forward: a third of a step)
+              rank runs it) and the reference (the dense model in fp64 for an fp32 run: the fp32
+              step at the fp64 matmul rate; else in fp32), for 1 + validate.steps steps, and the
+              forwards that compare their logits every validate.every steps (a forward: a third of a
+              step). A run validated beside the run before it (launch.share_dense) steps its own model
+              only: the first of the group steps the dense side for them all
   memory      max(train.warmup, the steps to a steady state) + train.steps steps
   throughput  train.warmup + 1 (the FLOP-counted step) + train.steps steps, + 1 counted step for dtensor
 
@@ -84,25 +86,30 @@ class Estimate:
         )
 
 
-def estimate(cfg: RunConfig) -> Estimate:
-    """The estimate of one run on this machine, measuring a rate it has no cached figure for."""
-    flops = executed_flops(cfg)
+def estimate(cfg: RunConfig, beside: bool = False) -> Estimate:
+    """The estimate of one run on this machine, measuring a rate it has no cached figure for;
+    `beside`: validated beside the run before it, whose run steps the dense side."""
+    flops = executed_flops(cfg, beside)
     threads = worker_threads(cfg)
     rates = {dtype: rate(dtype, cfg, threads) for dtype in flops}
     if cfg.launch.emulate == "fake":
         return Estimate(cfg, flops, rates, threads)
-    steps = executed_steps(cfg)
+    steps = executed_steps(cfg, beside)
     models = {"step": cfg, "dense": dense(cfg), "fp32 reference": dense(cfg, "float32")}
+    models["fp64 reference"] = models["fp32 reference"]  # its step at the fp64 rate, below
     step_s = {
         k: steptime.predict_time(models[k], steptime.rates_for(models[k], threads=threads)).step_s
         for k in steps
     }
+    if "fp64 reference" in step_s:  # the time model has no fp64: its fp32 step, slower as fp64's matmuls
+        fp32, fp64 = (rate(dtype, cfg, threads) for dtype in ("float32", "float64"))
+        step_s["fp64 reference"] *= fp32 / fp64
     return Estimate(cfg, flops, rates, threads, steps=steps, step_s=step_s)
 
 
-def executed_steps(cfg: RunConfig) -> dict[str, float]:
+def executed_steps(cfg: RunConfig, beside: bool = False) -> dict[str, float]:
     """The steps a run executes, by what runs them: its own model's ("step"), and validate's dense
-    model and fp32 reference (a comparison's forward a third of a step)."""
+    model and reference (a comparison's forward a third of a step) unless `beside` a run before it."""
     t = cfg.train
     if cfg.kind == "memory":
         return {"step": max(t.warmup, steady_after(cfg)) + t.steps}
@@ -110,9 +117,10 @@ def executed_steps(cfg: RunConfig) -> dict[str, float]:
         return {"step": t.warmup + 1 + (cfg.parallel.engine == "dtensor") + t.steps}
     v = cfg.validate
     compared = sum(1 for s in range(1, v.steps + 1) if s % v.every == 0 or s == v.steps)
-    steps = {"step": 1 + v.steps + compared / 3, "dense": 1 + v.steps + compared / 3}
-    if t.dtype != "float32":
-        steps["fp32 reference"] = 1 + v.steps
+    steps = {"step": 1 + v.steps + compared / 3}
+    if not beside:
+        steps["dense"] = 1 + v.steps + compared / 3
+        steps["fp32 reference" if t.dtype != "float32" else "fp64 reference"] = 1 + v.steps
     return steps
 
 
@@ -136,9 +144,10 @@ def rank_step_flops(cfg: RunConfig) -> float:
     return 3.0 * forward + theory.recompute_flops_per_step(cfg) / (d.T * d.dp)
 
 
-def executed_flops(cfg: RunConfig) -> dict[str, float]:
+def executed_flops(cfg: RunConfig, beside: bool = False) -> dict[str, float]:
     """FLOPs the busiest rank of the run executes, by the dtype its matmuls run in (the module's
-    docstring says what each kind runs); none under fake-tensor emulation."""
+    docstring says what each kind runs; `beside`: validate's own model only); none under fake-tensor
+    emulation."""
     if cfg.launch.emulate == "fake":
         return {}
     t, dtype = cfg.train, cfg.train.dtype
@@ -152,9 +161,11 @@ def executed_flops(cfg: RunConfig) -> dict[str, float]:
     compared = sum(1 for s in range(1, v.steps + 1) if s % v.every == 0 or s == v.steps)
     dense = theory.model_flops_per_step(cfg)  # the dense model runs the global batch on every rank
     gemms = "float32" if cfg.launch.bf16_gemm != "native" else dtype  # tpbench.experiments.gemm
+    if beside:
+        return {gemms: share * (steps + compared / 3)}
     flops = {gemms: (dense + share) * (steps + compared / 3)}  # a comparison: a forward of each
-    if dtype != "float32":  # the reference, in fp32
-        flops["float32"] = flops.get("float32", 0.0) + dense * steps
+    reference = "float32" if dtype != "float32" else "float64"  # one precision up
+    flops[reference] = flops.get(reference, 0.0) + dense * steps
     return flops
 
 
