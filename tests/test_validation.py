@@ -179,6 +179,24 @@ def test_adamw_leaves_out_only_the_elements_whose_gradient_sign_rounding_decided
     assert _param_errors(pm, models[1], models[2], initial, rounded)[0][1] > 0.01
 
 
+def test_the_rounding_per_element_is_over_the_elements_the_gradient_touched():
+    """An embedding's rows of tokens no batch held have gradient 0 in every model: counted in the rms,
+    they spread a row's rounding thin, and a flip that rounding decided in a row seen once stayed in
+    the AdamW-parameter figure (issue 34's Llama shape, seed 8: the embedding at 1.08 of its bound)."""
+    import torch
+
+    models = [torch.nn.Embedding(100, 4) for _ in range(3)]  # sharded, dense, reference
+    grad = torch.zeros(100, 4)
+    grad[0], grad[1] = torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.tensor([1.0, -1.0, 1.0, 1e-3])
+    flipped = grad.clone()
+    flipped[1, 3] = -1e-3  # 2e-3 off: within the touched elements' rounding (4 x 1e-3 rms)
+    for m, g in zip(models, (flipped, grad, grad + (grad != 0) * 1e-3), strict=True):
+        m.weight.grad = g.clone()
+    rounded = {"weight": torch.zeros(100, 4, dtype=torch.bool)}
+    _rounded_signs(run_config([]), _Unsharded(models[0]), models[1], models[2], rounded)
+    assert rounded["weight"].nonzero().tolist() == [[1, 3]]
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
