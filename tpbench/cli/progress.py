@@ -61,14 +61,9 @@ SAME_EVERY_S = 60.0  # a step that lasts: its line again, so that a log is never
 
 def _beside_the_one_before(group: list[RunConfig]) -> list[bool]:
     """Per run of a batch: whether it is validated beside the run before it (launch.share_dense)."""
-    from tpbench.experiments.validate import count_beside
+    from tpbench.experiments.validate import groups_beside
 
-    flags, index = [], 0
-    while index < len(group):
-        count = count_beside(group, index) if len(group) > 1 else 1
-        flags += [False] + [True] * (count - 1)
-        index += count
-    return flags
+    return [i > 0 for _, count in groups_beside(group) for i in range(count)]
 
 
 def say_estimates(configs: Sequence[RunConfig], sweep: bool) -> list[float]:

@@ -99,6 +99,16 @@ def count_beside(configs: Sequence[RunConfig], index: int) -> int:
     return count
 
 
+def groups_beside(configs: Sequence[RunConfig]) -> Iterator[tuple[int, int]]:
+    """(first index, count) of each group of `configs` validated as one (`count_beside`), in order;
+    every run that is not a validate run sharing a dense side is a group of one."""
+    index = 0
+    while index < len(configs):
+        count = count_beside(configs, index)
+        yield index, count
+        index += count
+
+
 def run_beside(cfgs: Sequence[RunConfig]) -> list[RankResult]:
     """The three levels of checks for each config's parallel model, all against one dense model and
     one reference, stepped once for them all: the configs share a `dense_key`. Every GEMM runs under

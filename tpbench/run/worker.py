@@ -69,13 +69,15 @@ def main(job_dir: Path) -> None:
 def main_batch(batch_dir: Path) -> None:
     """Each job folder listed in BATCH_DIR/jobs, in order: runs the launcher found compatible
     (tpbench.run.batch.batch_key), so that one process setup fits them all. Consecutive validate runs
-    with one dense side (tpbench.experiments.validate.dense_key) run as one, beside it (`_beside`)."""
+    with one dense side run as one, beside it (tpbench.experiments.validate.groups_beside)."""
     jobs = [Path(line) for line in (batch_dir / "jobs").read_text().splitlines()]
     configs = [load_run_config(str(job_dir / "config.yaml")) for job_dir in jobs]
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     fresh_rng = torch.get_rng_state()
     device = None
-    for index, count in _beside(configs):
+    from tpbench.experiments.validate import groups_beside
+
+    for index, count in groups_beside(configs):
         cfgs, job_dirs = configs[index : index + count], jobs[index : index + count]
         with _logs_in(job_dirs[0], local_rank):
             for job_dir in job_dirs:
@@ -90,18 +92,6 @@ def main_batch(batch_dir: Path) -> None:
             _init_group(cfgs[0], device, store_prefix=f"tpbench-run-{index}")
             _run_beside(cfgs, job_dirs, rank, device)
             signal.alarm(0)
-
-
-def _beside(configs: list[RunConfig]) -> Iterator[tuple[int, int]]:
-    """(first index, count) of each group of consecutive configs run as one: validate runs with the
-    same dense key, up to launch.share_dense of them; every other run alone."""
-    from tpbench.experiments.validate import count_beside
-
-    index = 0
-    while index < len(configs):
-        count = count_beside(configs, index)
-        yield index, count
-        index += count
 
 
 def _point_to_logs(job_dirs: list[Path], local_rank: int) -> None:
