@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from tpbench import machine
 from tpbench.experiments.training import Trainer
 from tpbench.predict import steptime
 from tpbench.run.compose import expand
@@ -60,6 +61,7 @@ def main() -> None:
     cfg = expand([*sys.argv[1:], "kind=throughput"], single=True)[0]
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
+    machine.keep_freed_memory()  # as a worker does
     trainer = Trainer(cfg)
     for _ in range(WARMUP):
         trainer.step()

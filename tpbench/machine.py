@@ -9,8 +9,10 @@ a run is recorded under and the key an older database's rows are labelled with o
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
+import sys
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +23,31 @@ if TYPE_CHECKING:
     from tpbench.config import RunConfig
 
 NAMES = "devices"  # in the job folder: one file per rank of this node, the name of the device it saw
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+MMAP_THRESHOLD = 32 * 2**20  # the largest glibc takes (HEAP_MAX_SIZE / 2 on 64-bit)
+TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep what a CPU step frees for the next one, as a GPU's caching allocator
+    does; True where it took (glibc), False elsewhere (another libc: left as it is).
+
+    By default glibc serves a block over its mmap threshold (128 KiB, raised as blocks are freed, to
+    32 MiB at most) with a fresh mapping, unmapped when freed, and hands the heap's free top over
+    128 KiB back to the kernel: a step's activations, logits and gradients are then paged in and
+    zeroed by the kernel afresh every step, at a cost no probe of a warm kernel sees and that differs
+    from rank to rank (each rank's heap its own), so the ranks reach each collective apart. MiniMind
+    H 256, L 4, S 256, T 2, fp32 on a 2-core EPYC: 5,800-6,600 page faults a step a rank and a
+    median step of 205 ms by default; 160-600 and 184 ms with this (docs/results/time_model.md).
+    Blocks over MMAP_THRESHOLD are still mapped afresh each time."""
+    if sys.platform != "linux":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
 def key(device: str, device_name: str, device_count: int, nnodes: str, emulate: str = "none") -> str:

@@ -236,6 +236,7 @@ def probe_time_rates(threads: int | None) -> dict[str, float]:
     counted over the full S x S, backward 2.5 x forward), an elementwise add's bytes/s (3 x 16 MiB),
     and the fixed cost of one op: a training step of a MiniMind too small for its arithmetic to
     count (H 16, 2 layers, 4 tokens: Python, dispatch and autograd), over the aten ops it dispatches."""
+    machine.keep_freed_memory()  # as a worker runs its steps (tpbench.run.worker)
     saved = torch.get_num_threads()
     n = threads or saved
     torch.set_num_threads(n)

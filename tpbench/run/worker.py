@@ -144,6 +144,7 @@ def _device(cfg: RunConfig, local_rank: int) -> torch.device:
     if cfg.launch.device == "cuda" and not emulation.gpu_emulated(cfg):
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
+    machine.keep_freed_memory()  # a step's buffers reused, not paged in afresh each step
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores between the ranks of this node
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     return torch.device("cpu")
