@@ -195,8 +195,11 @@ def _sync(device: torch.device) -> None:
 
 # --- the time model's rates on a CPU (tpbench.predict.steptime) --------------------------------------
 
-TIME_PROBE = "time model v1, CPU time; collectives wall clock"
-COLLECTIVE_BYTES = (4 * 2**10, 4 * 2**20)  # the full tensors of the collective probe: alpha, then beta
+TIME_PROBE = "time model v2, CPU time; collectives wall clock between GEMMs"
+# the full tensors of the collective probe, alpha then beta: 4 KiB, and DDP's default bucket (25 MiB,
+# beyond most CPUs' last-level cache, as a step's gradient buckets and large activations are)
+COLLECTIVE_BYTES = (4 * 2**10, 25 * 2**20)
+GAP_GEMMS = 16  # [256, 256] GEMMs before each probed collective: about 5 ms of one core's work
 
 
 def time_rates(cfg: RunConfig, threads: int | None, group: int) -> dict[str, float]:
@@ -298,7 +301,9 @@ def _dispatched(fn) -> int:
 def probe_collectives(group: int) -> dict[str, float]:
     """gloo's alpha (s) and beta (s per ring byte, as CommCounter counts them) of all_reduce,
     all_gather and reduce_scatter over `group` processes on this machine (the calls tpbench's
-    collectives make), by the wall clock: the median of 10 of each at COLLECTIVE_BYTES."""
+    collectives make), by the wall clock, each called as a step calls it: after a few ms of GEMMs
+    on every rank, its cost what it adds to a loop of them (docs/time-model.md: on a 2-core VM a
+    4 KiB all-reduce costs 0.3 ms right after a barrier and 1.1-1.9 ms after compute)."""
     code = "from tpbench.predict import rate_probe; rate_probe._collectives_main()"
     done = subprocess.run(
         [sys.executable, "-c", code, str(group)], capture_output=True, text=True, timeout=300, check=True
@@ -340,18 +345,31 @@ def _collectives_rank(rank: int, group: int, folder: str) -> None:
             return (lambda x: dist.all_gather_into_tensor(whole, x)), shard
         return (lambda x: dist.reduce_scatter_tensor(shard, x)), whole
 
+    machine.keep_freed_memory()  # as a worker runs its steps
+    a = torch.randn(256, 256)
+
+    def compute() -> None:  # a few ms of GEMMs, as a step runs between its collectives
+        for _ in range(GAP_GEMMS):
+            a @ a
+
+    def loop(fn, x, n: int) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(n):
+            compute()
+            if fn is not None:
+                fn(x)
+        return (time.perf_counter() - start) / n
+
     rates = {}
     for kind in ("all_reduce", "all_gather", "reduce_scatter"):
         seconds = []
         for full in COLLECTIVE_BYTES:
             fn, x = make(kind, full)
-            times = []
-            for _ in range(12):
-                dist.barrier()
-                start = time.perf_counter()
-                fn(x)
-                times.append(time.perf_counter() - start)
-            seconds.append(statistics.median(times[2:]))
+            n = 20 if full < 2**20 else 6
+            # each rank's loop with the collective after each compute, less the same loop without:
+            # what a collective adds to a step that calls it between GEMMs, interleaved, the median
+            seconds.append(statistics.median(loop(fn, x, n) - loop(None, x, n) for _ in range(5)))
         small, big = (ring_bytes(kind, full, group) for full in COLLECTIVE_BYTES)
         beta = max((seconds[1] - seconds[0]) / (big - small), 1e-15)
         rates[f"alpha_{kind}"] = max(seconds[0] - small * beta, 1e-7)
