@@ -347,9 +347,14 @@ def _collectives_rank(rank: int, group: int, folder: str) -> None:
 
     machine.keep_freed_memory()  # as a worker runs its steps
     a = torch.randn(256, 256)
+    cores = os.cpu_count() or 1
+    # more ranks than cores share them: fewer GEMMs each keep the gap a few ms of wall time
+    # and a smaller large collective: 25 MiB over 32 ranks on 2 cores takes seconds a call
+    gemms, reps = (GAP_GEMMS, 5) if group <= cores else (max(2, GAP_GEMMS * cores // group), 3)
+    sizes = COLLECTIVE_BYTES if group <= cores else (COLLECTIVE_BYTES[0], 4 * 2**20)
 
     def compute() -> None:  # a few ms of GEMMs, as a step runs between its collectives
-        for _ in range(GAP_GEMMS):
+        for _ in range(gemms):
             a @ a
 
     def loop(fn, x, n: int) -> float:
@@ -364,13 +369,13 @@ def _collectives_rank(rank: int, group: int, folder: str) -> None:
     rates = {}
     for kind in ("all_reduce", "all_gather", "reduce_scatter"):
         seconds = []
-        for full in COLLECTIVE_BYTES:
+        for full in sizes:
             fn, x = make(kind, full)
             n = 20 if full < 2**20 else 6
             # each rank's loop with the collective after each compute, less the same loop without:
             # what a collective adds to a step that calls it between GEMMs, interleaved, the median
-            seconds.append(statistics.median(loop(fn, x, n) - loop(None, x, n) for _ in range(5)))
-        small, big = (ring_bytes(kind, full, group) for full in COLLECTIVE_BYTES)
+            seconds.append(statistics.median(loop(fn, x, n) - loop(None, x, n) for _ in range(reps)))
+        small, big = (ring_bytes(kind, full, group) for full in sizes)
         beta = max((seconds[1] - seconds[0]) / (big - small), 1e-15)
         rates[f"alpha_{kind}"] = max(seconds[0] - small * beta, 1e-7)
         rates[f"beta_{kind}"] = beta
