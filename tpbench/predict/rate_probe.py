@@ -303,7 +303,7 @@ def probe_collectives(group: int) -> dict[str, float]:
     all_gather and reduce_scatter over `group` processes on this machine (the calls tpbench's
     collectives make), by the wall clock, each called as a step calls it: after a few ms of GEMMs
     on every rank, its cost what it adds to a loop of them (docs/time-model.md: on a 2-core VM a
-    4 KiB all-reduce costs 0.3 ms right after a barrier and 1.1-1.9 ms after compute)."""
+    4 KiB all-reduce costs 0.3 ms right after a barrier and 1.1-2.9 ms after compute)."""
     code = "from tpbench.predict import rate_probe; rate_probe._collectives_main()"
     done = subprocess.run(
         [sys.executable, "-c", code, str(group)], capture_output=True, text=True, timeout=300, check=True
