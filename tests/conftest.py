@@ -123,7 +123,6 @@ SLOW_TESTS = {  # a few seconds or more each (`--durations` on the files), cover
     "test_report.py::test_browser_checks_catch_errors_and_blank_charts",
     "test_report.py::test_markdown_has_the_tables_and_png_charts_beside_it",
     "test_report.py::test_filters_select_runs",
-    "test_worker_env.py::test_a_cpu_step_reuses_what_the_one_before_freed",
 }
 
 

@@ -4,8 +4,6 @@ a real GPU gets CUDA_DEVICE_MAX_CONNECTIONS=1, as Megatron sets it, and records 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -81,43 +79,6 @@ def test_a_cuda_run_records_the_value_it_ran_under(monkeypatch, tmp_path, env, r
 
 
 # -- glibc keeps what a CPU step frees (machine.keep_freed_memory) -----------------------------------
-
-FAULTS = """
-import resource, sys, torch
-from tpbench import machine
-from tpbench.models.minimind import MiniMindConfig, build_model
-kept = machine.keep_freed_memory() if sys.argv[1] == "keep" else None
-torch.manual_seed(0)
-torch.set_num_threads(1)
-model = build_model(MiniMindConfig(hidden_size=128, num_hidden_layers=1, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=6400))
-optimizer = torch.optim.AdamW(model.parameters())
-ids = torch.randint(0, 6400, (2, 256))
-def step():
-    optimizer.zero_grad(set_to_none=True)
-    model(ids, ids)[1].backward()
-    optimizer.step()
-step(); step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(4):
-    step()
-print(kept, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 4)
-"""
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt")
-def test_a_cpu_step_reuses_what_the_one_before_freed():
-    """A training step whose logits (2 x 256 x 6400 fp32: 13 MB) and their gradients are over glibc's
-    default thresholds: by default the kernel pages them in afresh every step (thousands of page
-    faults a step); with the worker's setting a step reuses the memory the one before freed."""
-    faults = {}
-    for how in ("default", "keep"):
-        out = subprocess.run([sys.executable, "-c", FAULTS, how], capture_output=True, text=True, check=True)
-        kept, faults[how] = out.stdout.split()
-        assert kept == {"default": "None", "keep": "True"}[how]
-    default, keep = int(faults["default"]), int(faults["keep"])
-    assert default > 2000, faults  # 13 MB is 3,200 pages: without the setting they come back each step
-    assert keep < default / 3, faults
 
 
 def test_the_worker_keeps_freed_memory_on_a_cpu(monkeypatch):
