@@ -294,6 +294,14 @@ def test_every_rank_reports_the_same_verdict_figures_and_collectives(validated_r
         same_on_every_rank([{k: rank[k] for k in shared} for rank in ranks])
 
 
+def test_the_sign_rule_writes_the_gradients_where_the_step_reads_them(validated_ranks):
+    """validate's sign rule mends gradients through write_gradients: for every config here (both
+    engines, T 2 to 8, DP, overlap's deferred weights), every gradient doubled, read back doubled
+    (then restored), on every rank."""
+    for name, ranks in validated_ranks.items():
+        assert [rank["write_gradients_error"] for rank in ranks] == [0.0] * len(ranks), name
+
+
 def test_collectives_forward_and_backward(units):
     for rank, checks in enumerate(units):
         for name, value in checks["collectives"].items():

@@ -124,6 +124,14 @@ def test_each_level_matches_dense_at_dp2_with_mode_ddp(dp2_tp1, name):
     assert r["failed"] == [] and r["metrics"]["passed"] == 1.0
 
 
+@pytest.mark.parametrize("name", [*DP2_TP2, *DP2_TP1])
+def test_the_sign_rule_writes_the_gradients_where_each_level_steps_them(dp2_tp2, dp2_tp1, name):
+    """write_gradients (validate's sign rule) into ZeRO-1's shard, FSDP2's sharded DTensors, HSDP's:
+    every gradient doubled, read back doubled (then restored), on every rank."""
+    r = (dp2_tp2 | dp2_tp1)[name]
+    assert r["write_gradients_error"] == 0.0
+
+
 @pytest.mark.parametrize("name", [n for n in (*DP2_TP2, *DP2_TP1) if n.startswith("broken")])
 def test_a_broken_reduce_scatter_or_all_gather_fails(dp2_tp2, dp2_tp1, name):
     """Both jobs as fixtures, not looked up inside the test: the quick tier (conftest.py) leaves out

@@ -17,7 +17,8 @@ from torchrun_checks import TINY, WORLD2, per_config, run_config
 from tpbench.config import RunConfig
 from tpbench.experiments.criterion import CHECKS, Verdict, verdicts
 from tpbench.experiments.planted import SCALED
-from tpbench.experiments.validate import _param_errors, _rounded_signs, count_beside
+from tpbench.experiments.signs import mend_rounded_signs
+from tpbench.experiments.validate import count_beside
 from tpbench.results import ParamRow
 from tpbench.run import compose
 
@@ -44,12 +45,19 @@ WORLD2.add("validate", "validation", {name: TINY + o for name, o in (SEEDS | PLA
 def validated(folder: Path) -> dict:
     """Rank 0's results per config: its figures reduced over the job, its failed checks' lines and its
     parameters' rows (what the database records); and every rank's count of the elements the sign
-    rule left out."""
+    rule mended."""
     ranks = per_config(WORLD2.part(folder, "validate", "validation"))
     return {name: each[0] | {"rounded": [r["rounded"] for r in each]} for name, each in ranks.items()}
 
 
 # --- the assertions ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [*SEEDS, *PLANTED, *BF16_GEMM])
+def test_the_sign_rule_writes_the_gradients_where_the_step_reads_them(validated, name):
+    """write_gradients of a TP model (both engines' configs here): every gradient doubled, read back
+    doubled (then restored), on every rank."""
+    assert validated[name]["write_gradients_error"] == 0.0
 
 
 @pytest.mark.parametrize("name", SEEDS)
@@ -107,9 +115,9 @@ def test_one_gradient_scaled_fails_naming_that_parameter(validated, name):
     assert f"(4 x {reference:.3g} + 1e-05)" in failure
 
 
-def test_the_elements_left_out_are_counted_over_all_ranks(validated):
-    """adamw_rounded_signs is the total over the ranks of the elements the sign rule left out, not
-    the worst rank's count (bf16: each rank leaves some out)."""
+def test_the_elements_mended_are_counted_over_all_ranks(validated):
+    """adamw_rounded_signs is the total over the ranks of the elements the sign rule mended, not
+    the worst rank's count (bf16: each rank mends some)."""
     r = validated["grad_scale_bf16"]
     assert min(r["rounded"]) > 0
     assert r["metrics"]["adamw_rounded_signs"] == sum(r["rounded"])
@@ -149,40 +157,36 @@ class _Unsharded:
     def full_gradients(self):
         return {n: p.grad for n, p in self.module.named_parameters()}
 
+    def write_gradients(self, grads):
+        for name, grad in grads.items():
+            self.full_gradients()[name].copy_(grad)
+
     def full_parameters(self):
         return {n: p.detach() for n, p in self.module.named_parameters()}
 
 
-def test_adamw_leaves_out_only_the_elements_whose_gradient_sign_rounding_decided():
-    """Issue 34's false failure in mixed precision: an element whose gradient is within rounding of 0
-    has the other sign in the sharded model, so AdamW moves it lr the other way; the AdamW-parameter
-    figure leaves it out. An element whose gradient differs by more than rounding (a bug) stays in."""
+def test_the_elements_whose_gradient_sign_rounding_decided_step_with_the_dense_gradient():
+    """Issue 34's false failures: an element whose gradient is within rounding of 0 has the other sign
+    in the sharded model, so AdamW would move it lr the other way, and its momentum on; it steps with
+    the dense model's gradient instead. An element whose gradient differs by more than rounding (a
+    bug's) keeps its own."""
     import torch
 
     models = [torch.nn.Linear(8, 1, bias=False) for _ in range(3)]  # sharded, dense, reference
     grad = torch.tensor([[1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, 1e-3]])
-    for m, g in zip(
-        models, (grad * torch.tensor([1, 1, 1, 1, 1, 1, -1, -1]), grad, grad + 1e-3), strict=True
-    ):
+    sharded = grad * torch.tensor([1, 1, 1, 1, 1, 1, -1, -1])
+    for m, g in zip(models, (sharded, grad, grad + 1e-3), strict=True):
         m.weight.grad = g.clone()
-    pm = _Unsharded(models[0])
     rounded = {"weight": torch.zeros(1, 8, dtype=torch.bool)}
-    _rounded_signs(run_config([]), pm, models[1], models[2], rounded)
+    mend_rounded_signs(run_config([]), _Unsharded(models[0]), models[1], models[2], rounded)
     assert rounded["weight"].tolist() == [[False] * 7 + [True]]  # element 6's flip is 2, not rounding
-    initial = {"weight": models[1].weight.detach() - 0.1}  # the dense model moved 0.1 per element
-    with torch.no_grad():
-        models[0].weight.copy_(models[1].weight)
-        models[0].weight[0, 7] += 1.0  # the rounded element: left out
-    assert _param_errors(pm, models[1], models[2], initial, rounded)[0][1] == 0
-    with torch.no_grad():
-        models[0].weight[0, 6] += 0.01  # a bug's element: counted
-    assert _param_errors(pm, models[1], models[2], initial, rounded)[0][1] > 0.01
+    assert models[0].weight.grad[0].tolist() == pytest.approx([1, -1, 1, -1, 1, -1, -1, 1e-3])
 
 
 def test_the_rounding_per_element_is_over_the_elements_the_gradient_touched():
     """An embedding's rows of tokens no batch held have gradient 0 in every model: counted in the rms,
-    they spread a row's rounding thin, and a flip that rounding decided in a row seen once stayed in
-    the AdamW-parameter figure (issue 34's Llama shape, seed 8: the embedding at 1.08 of its bound)."""
+    they spread a row's rounding thin, and a flip that rounding decided in a row seen once went on
+    (issue 34's Llama shape, seed 8: the embedding at 1.08 of its bound)."""
     import torch
 
     models = [torch.nn.Embedding(100, 4) for _ in range(3)]  # sharded, dense, reference
@@ -193,8 +197,31 @@ def test_the_rounding_per_element_is_over_the_elements_the_gradient_touched():
     for m, g in zip(models, (flipped, grad, grad + (grad != 0) * 1e-3), strict=True):
         m.weight.grad = g.clone()
     rounded = {"weight": torch.zeros(100, 4, dtype=torch.bool)}
-    _rounded_signs(run_config([]), _Unsharded(models[0]), models[1], models[2], rounded)
+    mend_rounded_signs(run_config([]), _Unsharded(models[0]), models[1], models[2], rounded)
     assert rounded["weight"].nonzero().tolist() == [[1, 3]]
+
+
+def test_an_elements_rounding_is_its_rows_and_its_columns():
+    """A weight's gradient element sums dy[t, o] x[t, i] over the tokens: its rounding scales with its
+    row and its column. Issue 34's Llama shape at T 4, seed 8: token 485's embedding row carried 30x
+    the shard's rms gradient; one of its elements flipped by 3.7e-6, 3.4 of the row's own rounding
+    but 4.6 of the shard's rms, and went on (the run FAILED). A flip as large in a row that rounds
+    10x less is a bug's, and keeps its own gradient."""
+    import torch
+
+    models = [torch.nn.Embedding(10, 4) for _ in range(3)]  # sharded, dense, reference
+    grad = torch.tensor([[1.0, -1.0, 1.0, 1e-4]] * 2 + [[0.0] * 4] * 8)
+    error = torch.zeros(10, 4)
+    error[0], error[1] = 1e-3, 1e-4  # row 0 rounds 10x more than row 1
+    flipped = grad.clone()
+    flipped[0, 3] = flipped[1, 3] = -2.9e-3  # 3e-3 off in both rows
+    for m, g in zip(models, (flipped, grad, grad + error), strict=True):
+        m.weight.grad = g.clone()
+    rounded = {"weight": torch.zeros(10, 4, dtype=torch.bool)}
+    mend_rounded_signs(run_config([]), _Unsharded(models[0]), models[1], models[2], rounded)
+    # row 0 allows 4 x 1e-3, row 1 4 x 1e-4; the parameter's rms (7.1e-4) would allow 2.8e-3 in both
+    assert rounded["weight"].nonzero().tolist() == [[0, 3]]
+    assert models[0].weight.grad[:2, 3].tolist() == pytest.approx([1e-4, -2.9e-3])
 
 
 @pytest.mark.parametrize(

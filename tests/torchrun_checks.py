@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from tpbench.config import ParallelConfig, RunConfig
-from tpbench.experiments import memory, validate
+from tpbench.experiments import memory, signs, validate
 from tpbench.experiments.throughput import LocalFlopCounter
 from tpbench.experiments.training import Trainer
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, build_model
@@ -623,15 +623,23 @@ def suite_validate(checks: dict) -> dict:
         return next_global(self)
 
     validate.Batches.next_global = counted
-    rounded_signs, mine = validate._rounded_signs, [0]
+    rounded_signs, mine, written = signs.mend_rounded_signs, [0], []
 
-    def rounding(cfg, pm, dense, reference, rounded):  # this rank's elements left out, the last step
+    def rounding(cfg, pm, dense, reference, rounded):  # this rank's elements it mended, the last step
+        if not written:  # once a config: the sign rule's write lands where the step reads (x 2, back)
+            before = {n: g.detach().clone() for n, g in pm.full_gradients().items()}
+            pm.write_gradients({n: 2 * g for n, g in before.items()})
+            after = pm.full_gradients()
+            errors = [(after[n].double() - 2 * g.double()).abs().max().item() for n, g in before.items()]
+            written.append(max(errors))
+            pm.write_gradients(before)
         rounded_signs(cfg, pm, dense, reference, rounded)
         mine[0] = sum(int(m.sum()) for m in rounded.values())
 
-    validate._rounded_signs = rounding
+    signs.mend_rounded_signs = rounding
     for name, overrides in timed("validate", checks):
         draws.clear()
+        written.clear()
         mine[0] = 0
         cpu = time.process_time()
         r = validate.run(run_config(overrides))
@@ -646,6 +654,7 @@ def suite_validate(checks: dict) -> dict:
             "params": {p.name: [p.grad_rel_l2, p.grad_ref_rel_l2] for p in r.params},  # rank 0's rows
             "failed": r.failed,
             "rounded": mine[0],
+            "write_gradients_error": written[0] if written else None,
             "cpu_s": round(time.process_time() - cpu, 2),  # this rank's, for `--durations`-like sums
         }
     return results

@@ -22,10 +22,11 @@ K = 4 leaves 1.5x room above it. It is 4, not 10
 bf16, where each gradient's own error is 0.4-2.6e-2 (a 5% error fails for about half the parameters
 there).
 
-The AdamW-parameter figure leaves out the elements whose gradient's sign rounding decided
-(tpbench.experiments.validate._rounded_signs): AdamW steps such an element by about lr one way or the
-other, a difference no reference, itself one draw of that chance, can bound (issue 34: mixed precision
-failed a correct model on layer 0's q/k norm weights, 8 elements each, one flipped).
+Where rounding decides the sign of an element's gradient, the parallel model steps that element with
+the dense model's gradient (tpbench.experiments.signs, at every AdamW step): AdamW moves such an element
+by about lr one way or the other and its momentum carries it on, a difference no reference, itself
+one draw of that chance, can bound (issue 34: mixed precision failed a correct model on layer 0's
+q/k norm weights, 8 elements each, one flipped; the Llama shape at T 4 on one embedding element).
 
 The floors (ValidateConfig.tol_*) are the differences too small to mean anything whatever the
 reference says: a figure under its floor passes even when the reference is 0 (an fp32 figure whose

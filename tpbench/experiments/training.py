@@ -29,7 +29,7 @@ from tpbench.experiments.setup import (
 from tpbench.models.minimind import DTYPES, MiniMindForCausalLM
 from tpbench.parallel import collectives, instrumentation
 from tpbench.parallel.context import ParallelContext
-from tpbench.parallel.plan import ParallelModel
+from tpbench.parallel.plan import ParallelModel, write_in_place
 from tpbench.parallel.recompute import apply_recompute
 from tpbench.parallel.rng import place_dropouts
 from tpbench.parallel.zero import DistributedOptimizer, ZeroModel
@@ -283,6 +283,9 @@ class DDPModel:
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         return {n: p.grad for n, p in self.module.named_parameters()}
+
+    def write_gradients(self, grads: dict[str, torch.Tensor]) -> None:
+        write_in_place(self.full_gradients(), grads)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.module.named_parameters()}

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tpbench.config import RunConfig, public_config
-from tpbench.experiments import criterion, gemm, planted
+from tpbench.experiments import criterion, gemm, planted, signs
 from tpbench.experiments.progress import StepProgress
 from tpbench.experiments.setup import (
     Batches,
@@ -252,15 +252,15 @@ def _verdicts(
     verdicts, all in the model's result."""
     cfg, pm, result = c.cfg, c.pm, c.result
     planted.plant_error(cfg, pm)
-    params = _param_errors(pm, dense, reference, initial, c.rounded_signs)
+    params = _param_errors(pm, dense, reference, initial)
     rows = _rows(pm, c.grads, params)
     if result.rank == 0:
         result.params = rows
     c.figures["adamw_param_max_abs"] = max(r.param_max_abs for r in rows)  # the seed chapter's figure
 
     worst = _worst_over_ranks(c.figures)  # the drift's figures are the worst over ranks already
-    # the elements the AdamW-parameter figure left out (_rounded_signs), summed over the ranks: an
-    # element of a parameter held whole on several ranks counts once per rank that flipped it
+    # the elements that stepped with the dense gradient at least once (signs.mend_rounded_signs),
+    # summed over the ranks: an element of a parameter held whole on several ranks counts once per rank
     (worst["adamw_rounded_signs"],) = collectives.reduce_floats(
         [float(sum(int(m.sum()) for m in c.rounded_signs.values()))]
     )
@@ -364,23 +364,20 @@ def _param_errors(
     dense: torch.nn.Module,
     reference: torch.nn.Module,
     initial: dict[str, torch.Tensor],
-    rounded_signs: dict[str, torch.Tensor],
 ) -> list:
     """Per parameter of this rank after the AdamW steps: max |diff| against its shard of the dense
     model's, and the relative L2 of that diff and of the dense model's against the reference's, both
-    against how far the dense model's shard moved (every replica of a replicated weight counts). The
-    relative L2 leaves out the elements whose gradient's sign rounding decided (see _rounded_signs)."""
+    against how far the dense model's shard moved (every replica of a replicated weight counts)."""
     dense_params, ref_params = dict(dense.named_parameters()), dict(reference.named_parameters())
     stats = []
     for name, p in pm.full_parameters().items():
         want = pm.shard_like(name, dense_params[name])
         exact = pm.shard_like(name, ref_params[name])
         moved = want.double() - pm.shard_like(name, initial[name]).double()
-        kept = p.detach().double().where(~rounded_signs[name], want.double())  # those elements: no diff
         stats.append(
             [
                 (p.double() - want.double()).abs().max(),
-                _rel_l2(kept, want, moved),
+                _rel_l2(p, want, moved),
                 _rel_l2(want, exact, moved),
             ]
         )
@@ -395,44 +392,6 @@ def _rows(pm: ParallelModel | DDPModel, grads: list, params: list) -> list[Param
         ParamRow(n, pm.semantics(n), list(p.shape), *w)
         for (n, p), w in zip(pm.full_parameters().items(), worst, strict=True)
     ]
-
-
-def _rounded_signs(
-    cfg: RunConfig,
-    pm: ParallelModel | DDPModel,
-    dense: torch.nn.Module,
-    reference: torch.nn.Module,
-    rounded: dict[str, torch.Tensor],
-) -> None:
-    """Marks in `rounded` (per parameter of this rank, a bool per element) the elements whose
-    gradient has the other sign than the dense model's while the two differ by no more than the
-    parameter's rounding allows: k x its rms per element error against the reference
-    (||dense - reference|| / sqrt(n)) + the gradient floor's share (tol_grad_rel x ||dense|| / sqrt(n)),
-    n the elements the step's gradient touched (nonzero in either model): the embedding's rows of
-    tokens no batch held are 0 in every model, and counting them spread its rounding thin (the
-    issue's Llama shape, V 1000, seed 8: flips of rows seen once left in, the embedding at 1.08 of
-    its bound in 4 of 9 modes; 0.14 counted over the touched elements)
-
-    AdamW steps each element by about lr x sign(its gradient) while the gradient is small against its
-    history (m / sqrt(v)), so an element whose gradient is within rounding of 0 moves by lr one way in
-    one model and the other way in the other: a difference of 2 lr a step that rounding, not a bug,
-    decides. In a small parameter this dominates the check: the q/k norm weights of the tiny model
-    hold 8 elements (head_dim), so one such element is a third of ||dense - initial|| (0.36 under
-    precision=mixed, where bf16 gradients put elements within rounding of 0 and fp32 master weights
-    let lr-sized steps through; in pure bf16 such steps round away at a weight near 1, in fp32 the
-    rounding is 1e-7 and almost never decides a sign). The dense model against its reference is one
-    draw of the same chance (it flipped none there), so it cannot bound it. The gradient check
-    covers these elements' gradients; the AdamW-parameter check leaves them out. A bug's gradient
-    differs by more than rounding, so its elements stay in."""
-    dense_params, ref_params = dict(dense.named_parameters()), dict(reference.named_parameters())
-    v = cfg.validate
-    for name, grad in pm.full_gradients().items():
-        g = grad.detach().double()
-        want = pm.shard_like(name, dense_params[name].grad).double()
-        exact = pm.shard_like(name, ref_params[name].grad).double()
-        touched = max(int(((want != 0) | (g != 0)).sum()), 1)  # a row no token reached: 0 in all
-        per_element = (v.k * (want - exact).norm() + v.tol_grad_rel * want.norm()) / touched**0.5
-        rounded[name] |= (g.sign() != want.sign()) & ((g - want).abs() <= per_element)
 
 
 def _adamw(
@@ -474,7 +433,7 @@ def _adamw(
             with c.own():
                 _accumulated(c.cfg, c.pm, batches, ids, labels)
                 planted.scale_grad(c.cfg, c.pm)
-                _rounded_signs(c.cfg, c.pm, dense, reference, c.rounded_signs)
+                signs.mend_rounded_signs(c.cfg, c.pm, dense, reference, c.rounded_signs)
                 c.opt.step()
         for opt in dense_opts:
             opt.step()

@@ -63,7 +63,7 @@ from tpbench.models.minimind import IGNORE_INDEX, MiniMindForCausalLM
 from tpbench.parallel import collectives, instrumentation
 from tpbench.parallel.checks import GRAD_SUMS, check_dtensor_shardable
 from tpbench.parallel.context import ParallelContext
-from tpbench.parallel.plan import Layout, plan_layouts, tp_styles
+from tpbench.parallel.plan import Layout, plan_layouts, tp_styles, write_in_place
 
 # --- the plan ----------------------------------------------------------------------------------
 
@@ -217,6 +217,9 @@ class DTensorParallelModel:
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Each parameter's gradient on this rank: its local TP shard (as validate compares them)."""
         return {n: p.grad for n, p in self.module.named_parameters()}
+
+    def write_gradients(self, grads: dict[str, torch.Tensor]) -> None:
+        write_in_place(self.full_gradients(), grads)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Each parameter's local TP shard, as full_gradients."""

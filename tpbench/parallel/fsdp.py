@@ -190,6 +190,21 @@ class FSDPModel:
         """Each parameter's gradient with its DP shards gathered (for checks only, not counted)."""
         return {n: _full(p.grad) for n, p in nn.Module.named_parameters(self.module)}
 
+    def write_gradients(self, grads: dict[str, torch.Tensor]) -> None:
+        """Gradients shaped as full_gradients gives them: each rank's DP shard of them written into
+        its sharded gradient (validate's sign rule only; Replicate -> Shard is local, no collective)."""
+        params = dict(nn.Module.named_parameters(self.module))
+        with torch.no_grad():
+            for name, grad in grads.items():
+                own = params[name].grad
+                if not isinstance(own, DTensor):
+                    own.copy_(grad)
+                    continue
+                names = own.device_mesh.mesh_dim_names or ()
+                whole = [p if n == "tp" else Replicate() for n, p in zip(names, own.placements, strict=True)]
+                mine = DTensor.from_local(grad, own.device_mesh, whole, run_check=False)
+                own.to_local().copy_(mine.redistribute(own.device_mesh, own.placements).to_local())
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Each parameter's sharded master gathered (the units resharded first: grads leaves the
         gathered weights in place after a forward)."""

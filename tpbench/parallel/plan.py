@@ -243,6 +243,9 @@ class ParallelModel:
         """Each parameter's gradient on this rank (TP-local: a sharded DP level gathers its DP shards)."""
         return {n: p.grad for n, p in self.module.named_parameters()}
 
+    def write_gradients(self, grads: dict[str, torch.Tensor]) -> None:
+        write_in_place(self.full_gradients(), grads)
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Each parameter on this rank (TP-local), as full_gradients."""
         return {n: p.detach() for n, p in self.module.named_parameters()}
@@ -488,3 +491,10 @@ def gather_state_dict(pm: ParallelModel) -> dict[str, torch.Tensor]:
             dist.all_gather(shards, local, group=pm.ctx.tp_group)
         out[name] = pm.layouts[name].unshard(shards, pm.module.config.vocab_size)
     return out
+
+
+def write_in_place(own: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
+    """`grads` into `own`: full_gradients where they are the tensors the optimizer steps."""
+    with torch.no_grad():
+        for name, grad in grads.items():
+            own[name].copy_(grad)

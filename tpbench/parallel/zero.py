@@ -132,6 +132,18 @@ class DistributedOptimizer:
         as a step's)."""
         return self._unflatten(collectives.all_gather(self.grad_shard, self.group, "check"))
 
+    def write_gradients(self, grads: dict[str, torch.Tensor]) -> None:
+        """Whole gradients (as full_gradients gives them): the part of each in this rank's shard
+        written into the shard the step takes (validate's sign rule only; no collective)."""
+        base, first = self.grad_buffer.storage_offset(), self.dp_rank * self.shard_numel
+        with torch.no_grad():
+            for name, grad in grads.items():
+                start = self.grad_views[name].storage_offset() - base
+                lo, hi = max(start, first), min(start + grad.numel(), first + self.shard_numel)
+                if lo < hi:
+                    part = grad.reshape(-1).narrow(0, lo - start, hi - lo)
+                    self.grad_shard.narrow(0, lo - first, hi - lo).copy_(part)
+
     def full_masters(self) -> dict[str, torch.Tensor]:
         """Every parameter's master weights (fp32 under mixed precision), gathered as full_gradients."""
         return self._unflatten(collectives.all_gather(self.master.detach(), self.group, "check"))
@@ -176,6 +188,9 @@ class ZeroModel:
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         return self.optimizer.full_gradients()
+
+    def write_gradients(self, grads: dict[str, torch.Tensor]) -> None:
+        self.optimizer.write_gradients(grads)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """The master weights the optimizer steps (under mixed precision, not the bf16 copies)."""
