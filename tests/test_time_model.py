@@ -203,3 +203,27 @@ def test_plan_prints_the_predicted_step_its_split_and_mfu_on_the_given_gpu():
     assert said["predicted_mfu"] == pytest.approx(expected.mfu)
     done = CliRunner().invoke(app, ["plan", *line.split(), "gpu=A100-80GB"])
     assert "predicted step time on an A100-80GB: " in done.output and "predicted MFU: " in done.output
+
+
+def test_ranks_that_outnumber_the_cores_compute_on_their_share_of_them(monkeypatch):
+    """The probes time one process's threads by CPU time; 4 ranks of 1 thread on 2 cores each get half
+    a core, so each op takes twice as long on the wall clock (the design card's T 4 validate runs
+    took 2.2x their estimate before); the collectives, probed over the group, stay as probed."""
+    import os
+
+    from tpbench.predict.steptime import cpu_rates
+
+    probed = {"gemm_small": 4e9, "attention": 3e9, "bandwidth": 1e10, "op_s": 1e-5}
+    probed |= {f"{p}_{k}": 1e-4 for k in KINDS for p in ("alpha", "beta")}
+    monkeypatch.setattr(rate_probe, "rate", lambda dtype, cfg, threads: 1e10)
+    monkeypatch.setattr(rate_probe, "time_rates", lambda cfg, threads, group: probed)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    two, four = (cpu_rates(config(f"mode=tp tp={t}"), threads=1) for t in (2, 4))
+    assert (two.gemm, two.op_s, two.overlap) == ({"large": 1e10, "small": 4e9}, 1e-5, False)
+    assert four.gemm == {"large": 5e9, "small": 2e9} and four.attention == 1.5e9
+    assert (four.bandwidth, four.op_s, four.alpha, four.beta) == (5e9, 2e-5, two.alpha, two.beta)
+    assert "4 threads on 2 cores" in four.source
+    dense = cpu_rates(config("mode=tp tp=1"), threads=1, ranks=4)  # validate's, on each of the 4 ranks
+    assert (dense.gemm, dense.bandwidth) == (four.gemm, four.bandwidth)
+    one_each = cpu_rates(config("mode=tp tp=2"), threads=None)
+    assert one_each.gemm == two.gemm and one_each.overlap is False

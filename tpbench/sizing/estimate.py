@@ -97,10 +97,9 @@ def estimate(cfg: RunConfig, beside: bool = False) -> Estimate:
     steps = executed_steps(cfg, beside)
     models = {"step": cfg, "dense": dense(cfg), "fp32 reference": dense(cfg, "float32")}
     models["fp64 reference"] = models["fp32 reference"]  # its step at the fp64 rate, below
-    step_s = {
-        k: steptime.predict_time(models[k], steptime.rates_for(models[k], threads=threads)).step_s
-        for k in steps
-    }
+    ranks = local_world_size(cfg)  # every rank steps the dense side too: they share the cores
+    rates_of = {k: steptime.rates_for(models[k], threads=threads, ranks=ranks) for k in steps}
+    step_s = {k: steptime.predict_time(models[k], rates_of[k]).step_s for k in steps}
     if "fp64 reference" in step_s:  # the time model has no fp64: its fp32 step, slower as fp64's matmuls
         fp32, fp64 = (rate(dtype, cfg, threads) for dtype in ("float32", "float64"))
         step_s["fp64 reference"] *= fp32 / fp64

@@ -18,7 +18,7 @@ table's rates for a GPU that is not here.
 
 from __future__ import annotations
 
-from tpbench.config import RunConfig, local_batch
+from tpbench.config import RunConfig, local_batch, local_world_size
 from tpbench.predict import hardware
 from tpbench.predict.steptime.model import TimePrediction, predict_ops
 from tpbench.predict.steptime.rates import KINDS, Rates, gpu_rates
@@ -38,10 +38,14 @@ def predict_time(cfg: RunConfig, rates: Rates) -> TimePrediction:
     return out
 
 
-def cpu_rates(cfg: RunConfig, threads: int | None) -> Rates:
-    """This CPU's rates for a worker of `cfg` (probed once, cached: tpbench.predict.rate_probe). A
-    collective overlaps nothing here when the ranks' threads fill the cores: gloo's threads then take
-    the compute's."""
+def cpu_rates(cfg: RunConfig, threads: int | None, ranks: int | None = None) -> Rates:
+    """This CPU's rates for a worker of `cfg` (probed once, cached: tpbench.predict.rate_probe). The
+    probes time one process's threads by CPU time; where the node's ranks run more threads than it has
+    cores (T 4 on 2 cores), each rank computes on its share of them, cores / threads, and its ops take
+    that much longer on the wall clock (the collectives are probed over the group, wall clock: as
+    they are). `ranks`: the processes computing at once on this node, where they are not `cfg`'s own
+    (validate's dense model, which every rank of the run steps). A collective overlaps nothing when
+    the ranks' threads fill the cores: gloo's threads then take the compute's."""
     import os
 
     from tpbench.predict import rate_probe
@@ -51,26 +55,30 @@ def cpu_rates(cfg: RunConfig, threads: int | None) -> Rates:
     group = max(cfg.parallel.tp, cfg.parallel.dp)
     r = rate_probe.time_rates(cfg, threads, group)
     slow = 1.0 if dtype == "float32" else large / rate_probe.rate("float32", cfg, threads)
-    ranks = cfg.parallel.tp * cfg.parallel.dp
+    busy, cores = (ranks or local_world_size(cfg)) * (threads or 1), os.cpu_count() or 1
+    share = min(1.0, cores / busy)
+    shared = f"; {busy} threads on {cores} cores: a rank computes on {share:.2g}" if share < 1 else ""
     return Rates(
-        gemm={"large": large, "small": r["gemm_small"] * slow},
-        attention=r["attention"] * slow,
-        bandwidth=r["bandwidth"],
-        op_s=r["op_s"],
+        gemm={"large": large * share, "small": r["gemm_small"] * slow * share},
+        attention=r["attention"] * slow * share,
+        bandwidth=r["bandwidth"] * share,
+        op_s=r["op_s"] / share,
         alpha={k: r.get(f"alpha_{k}", 0.0) for k in KINDS},
         beta={k: r.get(f"beta_{k}", 0.0) for k in KINDS},
-        source=f"probed on {rate_probe.machine.cpu_name()}, {threads} thread(s), gloo over {group}",
-        overlap=ranks * (threads or 1) < (os.cpu_count() or 1),
+        source=f"probed on {rate_probe.machine.cpu_name()}, {threads} thread(s), gloo over {group}{shared}",
+        overlap=busy < cores,
         peak=large,
     )
 
 
-def rates_for(cfg: RunConfig, gpu: str | None = None, threads: int | None = None) -> Rates:
+def rates_for(
+    cfg: RunConfig, gpu: str | None = None, threads: int | None = None, ranks: int | None = None
+) -> Rates:
     """The rates of `cfg`'s device: a GPU's from the table (`gpu` names its row; else the one
-    launch.emulate_gpu names), the CPU's probed."""
+    launch.emulate_gpu names), the CPU's probed (`cpu_rates`: `threads`, `ranks`)."""
     if cfg.launch.device == "cuda":
         row = hardware.gpu(gpu or cfg.launch.emulate_gpu or "H100-SXM")
         if row is None:
             raise ValueError(f"gpu={gpu!r}: accepted are {', '.join(hardware.names())}")
         return gpu_rates(row, cfg.train.dtype)
-    return cpu_rates(cfg, threads)
+    return cpu_rates(cfg, threads, ranks)
