@@ -200,9 +200,7 @@ class FSDPModel:
                 if not isinstance(own, DTensor):
                     own.copy_(grad)
                     continue
-                names = own.device_mesh.mesh_dim_names or ()
-                whole = [p if n == "tp" else Replicate() for n, p in zip(names, own.placements, strict=True)]
-                mine = DTensor.from_local(grad, own.device_mesh, whole, run_check=False)
+                mine = DTensor.from_local(grad, own.device_mesh, _tp_local(own), run_check=False)
                 own.to_local().copy_(mine.redistribute(own.device_mesh, own.placements).to_local())
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
@@ -243,6 +241,10 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     """The TP-local whole of a DP-sharded DTensor (a DTensor engine's TP shard stays its local part)."""
     if not isinstance(t, DTensor):
         return t
+    return t.redistribute(t.device_mesh, _tp_local(t)).to_local()
+
+
+def _tp_local(t: DTensor) -> list:
+    """t's placements with every mesh dimension but TP replicated: its TP-local whole's."""
     names = t.device_mesh.mesh_dim_names or ()
-    placements = [p if name == "tp" else Replicate() for name, p in zip(names, t.placements, strict=True)]
-    return t.redistribute(t.device_mesh, placements).to_local()
+    return [p if name == "tp" else Replicate() for name, p in zip(names, t.placements, strict=True)]
