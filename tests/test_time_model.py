@@ -57,6 +57,25 @@ def test_op_time_is_the_roofline_plus_the_fixed_cost_on_a_cpu_and_the_larger_on_
     assert sum(model.op_time(tiny, gpu)) == pytest.approx(7e-5)  # its launches
 
 
+def test_megatrons_fused_norm_softmax_and_dropout_are_one_launch_each_and_read_once():
+    """Megatron's kernels (Korthikanti et al.'s): one fused kernel each (apex's LayerNorm, the scaled
+    masked softmax, dropout), the input read and the output written, launched once (backward: the
+    norm twice, the others once); tpbench's own pay every aten op's launch and their fp32 passes."""
+    gpu = replace(rates(), gpu=True, op_s=1e-3)  # launches outlast the traffic: what they count shows
+    fused = O.Implementation((), fused_dropout=True, fused_softmax=True, fused_norm=True)
+    d = dims(config("mode=tp model.dropout=0.1 model.flash_attn=false"))
+    for impl, launches in ((fused, 1), (O.TPBENCH, None)):
+        forward = {op.name: op for op in O.layer_forward(d, impl)}
+        for name, elements in (("input norm", d.Ns * d.H), ("softmax", d.B * d.Nq_l * d.S**2)):
+            op = forward[name]
+            assert (op.kernels == launches) if launches else op.kernels > 1
+            assert (op.bytes == 2 * d.p * elements) if launches else op.bytes > 2 * d.p * elements
+        for name in ("o_proj dropout", "mlp dropout", "attention dropout"):
+            assert (forward[name].kernels == 1) if launches else forward[name].kernels > 1
+        if launches:
+            assert sum(model.op_time(forward["mlp dropout"], gpu)) == pytest.approx(1e-3)
+
+
 def test_a_collective_costs_alpha_per_call_plus_beta_per_ring_byte_of_its_kind():
     r = rates()
     assert r.collective_s("all_reduce", 3, 1e6) == pytest.approx(3e-4 + 1e-3)

@@ -107,8 +107,9 @@ def rmsnorm(name: str, rows: int, width: int, p: int, fused: bool = False) -> Op
     """MiniMind's RMSNorm in fp32: x.float(), pow, mean, + eps, rsqrt, mul, type_as, * weight: the
     [rows, width] input read in p, five fp32 passes, the output written in p (7 ops dispatched);
     `fused`: one kernel, the input read and the output written."""
-    passes = 0 if fused else 5 * FP32 + (0 if p == FP32 else FP32)
-    return elementwise(name, rows * width, 2 * p + passes, kernels=7)
+    if fused:
+        return elementwise(name, rows * width, 2 * p, kernels=1, backward_kernels=2)
+    return elementwise(name, rows * width, 2 * p + 5 * FP32 + (0 if p == FP32 else FP32), kernels=7)
 
 
 def layer_forward(d: Dims, impl: Implementation = TPBENCH) -> list[Op]:
@@ -165,9 +166,9 @@ def attention_core(d: Dims, heads: int, impl: Implementation = TPBENCH) -> list[
     ops = [
         gemm("qk^T", S, S, D, p, batch=heads),  # with the scaling
         # the causal mask made, added in fp32, softmax in fp32, cast back: [heads, S, S] passes
-        elementwise(
-            "softmax", scores, 2 * p if impl.fused_softmax else p + 4 * FP32 + (p if p != FP32 else 0), 36, 10
-        ),
+        elementwise("softmax", scores, 2 * p, 1, 1)
+        if impl.fused_softmax
+        else elementwise("softmax", scores, p + 4 * FP32 + (p if p != FP32 else 0), 36, 10),
     ]
     if d.dropout:
         ops.append(_dropout("attention dropout", scores, p, impl))
@@ -177,9 +178,9 @@ def attention_core(d: Dims, heads: int, impl: Implementation = TPBENCH) -> list[
 def _dropout(name: str, elements: int, p: int, impl: Implementation = TPBENCH) -> Op:
     """tpbench's dropout: each element's mask a hash of its position (tpbench.models.dropout: two
     int32 copies in its folds), the input read, the output and its 1-byte mask written."""
-    return elementwise(
-        name, elements, 2 * p + 1 + (0 if impl.fused_dropout else 4 * 4), 77, backward_kernels=2
-    )
+    if impl.fused_dropout:
+        return elementwise(name, elements, 2 * p + 1, 1, backward_kernels=1)
+    return elementwise(name, elements, 2 * p + 1 + 4 * 4, 77, backward_kernels=2)
 
 
 def outside_forward(d: Dims) -> list[Op]:
