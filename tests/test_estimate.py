@@ -249,6 +249,23 @@ def test_runs_on_warm_workers_pay_one_launch(cache, capsys):
     assert lines[1].endswith("on the run before's workers)") and lines[3].endswith("s to launch)")
 
 
+def test_runs_validated_beside_one_dense_side_take_the_first_runs_time(cache, capsys):
+    """A share_dense group is stepped in one process (tpbench.experiments.validate.run_beside): the
+    first run's time holds the dense side and every run's own model; the others end with it."""
+    base = vary(config("kind=validate"), "validate", steps=9, every=3)
+    write_rates(cache, base, {"float32": 1e10, "float64": 1e9})
+    modes = [vary(base, "parallel", sp=sp, vp=vp) for sp, vp in ((False, False), (True, False), (True, True))]
+    seconds = progress.say_estimates(modes, sweep=False)
+    lines = capsys.readouterr().err.splitlines()
+    alone = [estimate.estimate(c) for c in modes]
+    own = [estimate.estimate(c, beside=True).compute_s for c in modes]
+    assert seconds[0] == pytest.approx(alone[0].seconds + own[1] + own[2]) and seconds[1:] == [0.0, 0.0]
+    assert f"{own[1] + own[2]:.3g} s (2 runs beside it)" in lines[0]
+    assert "~0 s (validated beside the run before, in its time" in lines[1]
+    one = [vary(c, "launch", share_dense=1) for c in modes]  # each alone: its own dense side
+    assert progress.say_estimates(one, sweep=False)[1] > estimate.WARM_RUN_S + alone[1].compute_s / 2
+
+
 def test_a_busy_machine_is_said_to_make_runs_longer(cache, capsys, monkeypatch):
     write_rates(cache, config("kind=memory"), {"float32": 1e10})
     monkeypatch.setattr(progress.os, "getloadavg", lambda: (26.4, 20.0, 10.0))

@@ -75,11 +75,14 @@ def say_estimates(configs: Sequence[RunConfig], sweep: bool) -> list[float]:
     from tpbench.run import batch
     from tpbench.sizing import estimate
 
-    estimates = [
-        replace(estimate.estimate(c, beside=b), warm=i > 0)
-        for group in batch.batches(configs)
-        for i, (c, b) in enumerate(zip(group, _beside_the_one_before(group), strict=True))
-    ]
+    estimates = []
+    for group in batch.batches(configs):
+        beside = _beside_the_one_before(group)
+        each = [
+            replace(estimate.estimate(c, beside=b), warm=i > 0)
+            for i, (c, b) in enumerate(zip(group, beside, strict=True))
+        ]
+        estimates += estimate.share_dense_sides(each, beside)
     if sweep and len(estimates) > 1:
         longest = max(estimates, key=lambda e: e.seconds)
         total = sum(e.seconds for e in estimates)

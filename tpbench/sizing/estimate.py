@@ -7,8 +7,9 @@ the rates probed here and cached) times the steps the run executes, plus the lau
               rank runs it) and the reference (the dense model in fp64 for an fp32 run: the fp32
               step at the fp64 matmul rate; else in fp32), for 1 + validate.steps steps, and the
               forwards that compare their logits every validate.every steps (a forward: a third of a
-              step). A run validated beside the run before it (launch.share_dense) steps its own model
-              only: the first of the group steps the dense side for them all
+              step). Runs validated beside one dense side (launch.share_dense) are stepped in one
+              process, in the first's time: it steps the dense side and every run's own model, the
+              others are estimated at ~0 s (`share_dense_sides`)
   memory      max(train.warmup, the steps to a steady state) + train.steps steps
   throughput  train.warmup + 1 (the FLOP-counted step) + train.steps steps, + 1 counted step for dtensor
 
@@ -50,10 +51,16 @@ class Estimate:
     warm: bool = False  # runs on the warm workers of the run before it: no launch of its own
     steps: dict[str, float] = field(default_factory=dict)  # what runs them -> steps executed
     step_s: dict[str, float] = field(default_factory=dict)  # what runs them -> the time model's step
+    # validate runs beside one dense side (launch.share_dense) are stepped together, in the first's
+    # time: the first carries the others' own steps (`beside_s`, `carries` runs); each other run is
+    # `carried`: its results are written when the first's are
+    beside_s: float = 0.0
+    carries: int = 0
+    carried: bool = False
 
     @property
     def launch_s(self) -> float:
-        return WARM_RUN_S if self.warm else LAUNCH_S
+        return 0.0 if self.carried else WARM_RUN_S if self.warm else LAUNCH_S
 
     @property
     def compute_s(self) -> float:
@@ -61,7 +68,7 @@ class Estimate:
 
     @property
     def seconds(self) -> float:
-        return self.launch_s + self.compute_s
+        return 0.0 if self.carried else self.launch_s + self.compute_s + self.beside_s
 
     def line(self) -> str:
         """One line: the estimate and what it is made of."""
@@ -74,7 +81,14 @@ class Estimate:
         ]
         work = " + ".join(parts) if parts else "no arithmetic (fake tensors)"
         steps = ", ".join(f"{n:.3g} x {self.step_s[k]:.3g} s ({k})" for k, n in self.steps.items())
+        if self.carries:
+            steps += f", {self.beside_s:.3g} s ({self.carries} run{'s' * (self.carries != 1)} beside it)"
         model = f"time model: {steps}; " if steps else ""
+        if self.carried:
+            return (
+                f"estimate: {run_label(self.cfg)} {self.cfg.train.dtype}: ~0 s (validated beside the "
+                f"run before, in its time: {model}{work} on the busiest rank)"
+            )
         return (
             f"estimate: {run_label(self.cfg)} {self.cfg.train.dtype}: ~{duration(self.seconds)} "
             f"({model}{work} on the busiest rank, {where}; "
@@ -104,6 +118,23 @@ def estimate(cfg: RunConfig, beside: bool = False) -> Estimate:
         fp32, fp64 = (rate(dtype, cfg, threads) for dtype in ("float32", "float64"))
         step_s["fp64 reference"] *= fp32 / fp64
     return Estimate(cfg, flops, rates, threads, steps=steps, step_s=step_s)
+
+
+def share_dense_sides(group: list[Estimate], beside: list[bool]) -> list[Estimate]:
+    """The estimates of a batch's runs (`beside`: each validated beside the run before it, whose
+    process steps them all, tpbench.run.worker): each group's first carries the others' own steps,
+    the others take no time of their own."""
+    out: list[Estimate] = []
+    first = 0
+    for e, b in zip(group, beside, strict=True):
+        if b and out:
+            f = out[first]
+            out[first] = replace(f, beside_s=f.beside_s + e.compute_s, carries=f.carries + 1)
+            e = replace(e, carried=True)
+        else:
+            first = len(out)
+        out.append(e)
+    return out
 
 
 def executed_steps(cfg: RunConfig, beside: bool = False) -> dict[str, float]:
