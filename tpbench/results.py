@@ -49,8 +49,8 @@ class ParamRow:
     grad_rel_l2: float
     grad_ref_rel_l2: float | None = None  # the dense gradient against the reference's
     param_max_abs: float | None = None  # after the AdamW steps
-    param_rel_l2: float | None = None  # ||sharded - dense|| / ||dense - initial||
-    param_ref_rel_l2: float | None = None  # ||dense - reference|| / ||dense - initial||
+    param_rel_l2: float | None = None  # ||sharded - dense|| / ||moved|| (dense's or reference's, the farther)
+    param_ref_rel_l2: float | None = None  # ||dense - reference|| / ||moved||
 
 
 @dataclass
