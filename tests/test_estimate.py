@@ -82,6 +82,18 @@ def test_the_rate_is_measured_once_then_read_from_the_cache(cache, monkeypatch):
     assert rate_probe.rate("float32", cfg, 1) == measured
 
 
+def test_fp32_accumulates_cost_per_op_is_probed_once_then_read_from_the_cache(cache, monkeypatch):
+    """What launch.bf16_gemm=fp32_accumulate's dispatch mode adds to each op: the tiny step with and
+    without it, per op (Python's __torch_dispatch__ on every aten op: microseconds, not nothing)."""
+    cfg = config("kind=validate dtype=bfloat16 launch.bf16_gemm=fp32_accumulate")
+    op_s = rate_probe.fp32_accumulate_op_s(cfg, 1)
+    assert 1e-8 < op_s < 1e-3
+    (entry,) = json.loads(cache.read_text())["rates"]
+    assert (entry["op_s"], entry["probe"]) == (op_s, rate_probe.ACCUMULATE_PROBE)
+    monkeypatch.setattr(rate_probe, "_tiny_step", no_probe)
+    assert rate_probe.fp32_accumulate_op_s(cfg, 1) == op_s
+
+
 @pytest.mark.parametrize(
     "stored",
     [

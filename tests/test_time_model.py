@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tpbench.experiments.gemm import MODES
 from tpbench.models.minimind import MiniMindConfig, build_model
 from tpbench.predict import hardware, rate_probe
 from tpbench.predict.steptime import Rates, gpu_rates, model, predict_time
@@ -246,3 +247,33 @@ def test_ranks_that_outnumber_the_cores_compute_on_their_share_of_them(monkeypat
     assert (dense.gemm, dense.bandwidth) == (four.gemm, four.bandwidth)
     one_each = cpu_rates(config("mode=tp tp=2"), threads=None)
     assert one_each.gemm == two.gemm and one_each.overlap is False
+
+
+def test_bf16_gemms_fp32_accumulated_run_at_fp32s_rate_with_their_casts(monkeypatch):
+    """launch.bf16_gemm=fp32_accumulate (tpbench.experiments.gemm): each bf16 GEMM is the fp32 GEMM of
+    its inputs widened, its output rounded (three casts moving 3 x its bf16 bytes), and the dispatch
+    mode adds its own cost to every op (probed); the flash kernel keeps bf16's rate. Native bf16 keeps
+    bf16's probed rate: on a CPU with AVX512-BF16 faster than fp32, which the runs are not."""
+    from tpbench.predict.steptime import cpu_rates
+
+    probed = {"gemm_small": 4e9, "attention": 3e9, "bandwidth": 1e10, "op_s": 1e-5}
+    probed |= {f"{p}_{k}": 1e-4 for k in KINDS for p in ("alpha", "beta")}
+    monkeypatch.setattr(rate_probe, "rate", lambda dtype, cfg, threads: {"float32": 1e10}.get(dtype, 2e10))
+    monkeypatch.setattr(rate_probe, "time_rates", lambda cfg, threads, group: probed)
+    monkeypatch.setattr(rate_probe, "fp32_accumulate_op_s", lambda cfg, threads: 3e-6)
+    line = "kind=validate mode=tp dtype=bfloat16"
+    native, wide = (cpu_rates(config(f"{line} launch.bf16_gemm={g}"), threads=1) for g in MODES)
+    assert (native.gemm, native.attention, native.op_s, native.widen) == (
+        {"large": 2e10, "small": 8e9},
+        6e9,
+        1e-5,
+        0,
+    )
+    assert (wide.gemm, wide.attention, wide.widen) == ({"large": 1e10, "small": 4e9}, 6e9, 3)
+    assert wide.op_s == pytest.approx(1.3e-5)
+    assert "fp32-accumulated" in wide.source
+    mm = O.gemm("w", 1024, 1024, 1024, 2)
+    assert model.op_time(mm, wide) == pytest.approx((2 * 2**30 / 1e10 + 3 * mm.bytes / 1e10, 7 * 1.3e-5))
+    backward = replace(mm, phase=O.BACKWARD, kernels=8)
+    assert model.op_time(backward, wide)[1] == pytest.approx((8 + 6) * 1.3e-5)  # two GEMMs' casts
+    assert model.op_time(mm, native) == (2 * 2**30 / 2e10, 4e-5)

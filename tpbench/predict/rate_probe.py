@@ -222,6 +222,40 @@ def time_rates(cfg: RunConfig, threads: int | None, group: int) -> dict[str, flo
     return measured
 
 
+ACCUMULATE_PROBE = "fp32_accumulate's dispatch mode, CPU time"
+
+
+def fp32_accumulate_op_s(cfg: RunConfig, threads: int | None) -> float:
+    """What one aten op's fixed cost gains under launch.bf16_gemm=fp32_accumulate, whose dispatch
+    mode (tpbench.experiments.gemm) sees every op of the run: the tiny step of `probe_time_rates`
+    with and without the mode, per op dispatched; cached, else measured and cached."""
+    key = {**_key("float32", cfg, threads), "probe": ACCUMULATE_PROBE}
+    entries = _read_cache()
+    for entry in entries:
+        if {k: entry.get(k) for k in key} == key and _valid_rate(entry.get("op_s", 0.0) + 1.0):
+            return float(entry["op_s"])
+    from tpbench.experiments import gemm
+
+    machine.keep_freed_memory()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)  # Python and dispatch: one thread's work
+    try:
+        step = _tiny_step()
+        plain = _cpu_seconds(step, 5, 1)
+
+        def under_mode() -> None:
+            with gemm.bf16_gemms("fp32_accumulate"):
+                step()
+
+        measured = max(0.0, _cpu_seconds(under_mode, 5, 1) - plain) / _dispatched(step)
+    finally:
+        torch.set_num_threads(saved)
+    kept = [e for e in entries if {k: e.get(k) for k in key} != key]
+    now = datetime.now(UTC).isoformat(timespec="seconds")
+    _write_cache([*kept, {**key, "op_s": measured, "measured_at": now}])
+    return measured
+
+
 def _cpu_seconds(fn, reps: int, threads: int) -> float:
     """CPU time of one call of `fn` (after a warm one) over `threads` threads, the median of `reps`."""
     fn()

@@ -51,23 +51,31 @@ def cpu_rates(cfg: RunConfig, threads: int | None, ranks: int | None = None) -> 
     from tpbench.predict import rate_probe
 
     dtype = cfg.train.dtype
-    large = rate_probe.rate(dtype, cfg, threads)
     group = max(cfg.parallel.tp, cfg.parallel.dp)
     r = rate_probe.time_rates(cfg, threads, group)
-    slow = 1.0 if dtype == "float32" else large / rate_probe.rate("float32", cfg, threads)
+    fp32 = rate_probe.rate("float32", cfg, threads)
+    slow = 1.0 if dtype == "float32" else rate_probe.rate(dtype, cfg, threads) / fp32
+    # launch.bf16_gemm=fp32_accumulate (validate in bf16): each GEMM an fp32 one, its casts counted
+    # (Rates.widen); the flash attention kernel keeps its bf16 arithmetic (tpbench.experiments.gemm)
+    accumulate = dtype == "bfloat16" and cfg.kind == "validate" and cfg.launch.bf16_gemm != "native"
+    gemm_slow = 1.0 if accumulate else slow
+    large = fp32 * gemm_slow
+    op_s = r["op_s"] + (rate_probe.fp32_accumulate_op_s(cfg, threads) if accumulate else 0.0)
     busy, cores = (ranks or local_world_size(cfg)) * (threads or 1), os.cpu_count() or 1
     share = min(1.0, cores / busy)
     shared = f"; {busy} threads on {cores} cores: a rank computes on {share:.2g}" if share < 1 else ""
+    shared += "; bf16 GEMMs fp32-accumulated" if accumulate else ""
     return Rates(
-        gemm={"large": large * share, "small": r["gemm_small"] * slow * share},
+        gemm={"large": large * share, "small": r["gemm_small"] * gemm_slow * share},
         attention=r["attention"] * slow * share,
         bandwidth=r["bandwidth"] * share,
-        op_s=r["op_s"] / share,
+        op_s=op_s / share,
         alpha={k: r.get(f"alpha_{k}", 0.0) for k in KINDS},
         beta={k: r.get(f"beta_{k}", 0.0) for k in KINDS},
         source=f"probed on {rate_probe.machine.cpu_name()}, {threads} thread(s), gloo over {group}{shared}",
         overlap=busy < cores,
         peak=large,
+        widen=3.0 if accumulate else 0.0,
     )
 
 

@@ -2,6 +2,8 @@
 which tpbench's CommCounter checks), at the rates of the machine (`Rates`).
 
   op          max(FLOPs / rate of its class, bytes / bandwidth), plus kernels x the fixed per-op cost
+              (a GEMM under launch.bf16_gemm=fp32_accumulate: fp32's rate, and its casts' bytes and
+              kernels added; every op's fixed cost that of the dispatch mode's too)
               (added on a CPU, where Python, dispatch and autograd run on the compute's thread; on a
               GPU the larger of the two: the host runs ahead of the kernels)
   collective  count x alpha + ring bytes x beta, of its kind and group size
@@ -93,13 +95,17 @@ class TimePrediction:
 def op_time(op: O.Op, rates: Rates) -> tuple[float, float]:
     """(roofline seconds, fixed-cost seconds) of an op: on a GPU the fixed cost is what the launches
     take beyond the roofline time (zero for a kernel longer than its launch)."""
+    kernels = op.kernels
     if op.kind == O.GEMM:
         roof = max(op.flops / rates.gemm_rate(op.mnk), op.bytes / rates.bandwidth)
+        if rates.widen:  # fp32_accumulate's casts: 3 per GEMM (backward: 2 GEMMs)
+            roof += rates.widen * op.bytes / rates.bandwidth
+            kernels += 3 * (2 if op.phase == O.BACKWARD else 1)
     elif op.kind == O.ATTENTION:
         roof = max(op.flops / rates.attention, op.bytes / rates.bandwidth)
     else:
         roof = op.bytes / rates.bandwidth
-    fixed = op.kernels * rates.op_s
+    fixed = kernels * rates.op_s
     return (roof, max(0.0, fixed - roof)) if rates.gpu else (roof, fixed)
 
 
