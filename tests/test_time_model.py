@@ -77,6 +77,27 @@ def test_megatrons_fused_norm_softmax_and_dropout_are_one_launch_each_and_read_o
             assert sum(model.op_time(forward["mlp dropout"], gpu)) == pytest.approx(1e-3)
 
 
+def test_an_elementwise_gradient_moves_what_it_reads_and_writes():
+    """The residual add's gradient is one add where the stream's two gradients meet (3 tensors, as
+    forward); dropout's reads the gradient and the 1-byte mask and writes one (no mask made again);
+    Megatron's fused norm and softmax read two tensors and write one; an op that says nothing moves
+    twice its forward's bytes."""
+    d = dims(config("mode=tp model.dropout=0.1 model.flash_attn=false"))
+    fused = O.Implementation((), fused_dropout=True, fused_softmax=True, fused_norm=True)
+    for impl in (O.TPBENCH, fused):
+        forward = {op.name: op for op in O.layer_forward(d, impl)}
+        back = {name: O.backward_of(op).bytes for name, op in forward.items()}
+        stream = d.Ns * d.H
+        assert back["residual add"] == forward["residual add"].bytes == 3 * d.s * stream
+        assert back["mlp dropout"] == (2 * d.p + 1) * stream
+        assert back["swiglu"] == 2 * forward["swiglu"].bytes
+        norm, softmax = (3 * d.p, 3 * d.p) if impl is fused else (None, None)
+        for name, per in (("input norm", norm), ("softmax", softmax)):
+            want = 2 * forward[name].bytes if per is None else per * forward[name].flops
+            assert back[name] == want, name
+    assert O.backward_of(forward["mlp dropout"].times(3)).bytes == 3 * back["mlp dropout"]
+
+
 def test_a_collective_costs_alpha_per_call_plus_beta_per_ring_byte_of_its_kind():
     r = rates()
     assert r.collective_s("all_reduce", 3, 1e6) == pytest.approx(3e-4 + 1e-3)

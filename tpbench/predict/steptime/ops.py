@@ -8,10 +8,13 @@ model.dropout). Outside the blocks: the embedding, the final norm, the LM head, 
 
 Backward (`backward_of`) is each op's gradient: a GEMM's two (input and weight gradient, twice the
 forward's FLOPs), the flash attention kernel's backward (2.5x its forward: it remakes the scores),
-an elementwise op's twice the forward's bytes and kernels. Recompute adds forward ops again in
-backward: full, every op of a block up to down_proj's input (down_proj too with dropout: the
-recomputation runs to the MLP dropout's mask); selective, the ops `Implementation.selective`
-names (tpbench's: the SwiGLU; Megatron's: the attention core).
+an elementwise op's what its gradient reads and writes where that is plain from the op (the
+residual add's: one add, where the stream's two gradients meet; dropout's: the gradient and the
+mask read, one written; Megatron's fused norm and softmax: three passes), else twice the
+forward's bytes; its kernels BACKWARD_KERNELS x the forward's (counted) unless it says. Recompute
+adds forward ops again in backward: full, every op of a block up to down_proj's input (down_proj
+too with dropout: the recomputation runs to the MLP dropout's mask); selective, the ops
+`Implementation.selective` names (tpbench's: the SwiGLU; Megatron's: the attention core).
 
 Bytes are what each kernel reads and writes at the element sizes of `Dims` (p activations, s the
 stream, fp32 where RMSNorm, softmax and the loss compute); kernels are the aten ops dispatched,
@@ -70,15 +73,18 @@ class Op:
     layer: bool = True  # inside a block (the blocks' ops are L x these)
     mnk: tuple[int, int, int] = (0, 0, 0)  # a GEMM's (m, n, k): its shape class
     backward_kernels: int | None = None  # None: BACKWARD_KERNELS x kernels
+    backward_bytes: float | None = None  # what its gradient reads and writes; None: twice `bytes`
 
     def times(self, n: float) -> Op:
         back = None if self.backward_kernels is None else round(self.backward_kernels * n)
+        back_bytes = None if self.backward_bytes is None else self.backward_bytes * n
         return replace(
             self,
             flops=self.flops * n,
             bytes=self.bytes * n,
             kernels=round(self.kernels * n),
             backward_kernels=back,
+            backward_bytes=back_bytes,
         )
 
 
@@ -91,8 +97,16 @@ def gemm(name: str, m: int, n: int, k: int, p: int, batch: int = 1, kernels: int
 
 
 def elementwise(
-    name: str, elements: int, bytes_per_element: float, kernels: int, backward_kernels: int | None = None
+    name: str,
+    elements: int,
+    bytes_per_element: float,
+    kernels: int,
+    backward_kernels: int | None = None,
+    backward_bytes_per_element: float | None = None,
 ) -> Op:
+    """`backward_bytes_per_element`: what its gradient reads and writes per element, where that is
+    known from the op (None: twice the forward's passes)."""
+    back = None if backward_bytes_per_element is None else elements * backward_bytes_per_element
     return Op(
         name,
         ELEMENTWISE,
@@ -100,15 +114,25 @@ def elementwise(
         elements * bytes_per_element,
         kernels,
         backward_kernels=backward_kernels,
+        backward_bytes=back,
     )
+
+
+def residual_add(elements: int, s: int) -> Op:
+    """The residual stream's add: two read, one written. Its gradient passes to both inputs as is;
+    where the stream branches (into the norm and the add), autograd sums the two gradients: one add
+    again (backward bytes = forward's)."""
+    return elementwise("residual add", elements, 3 * s, 1, backward_bytes_per_element=3 * s)
 
 
 def rmsnorm(name: str, rows: int, width: int, p: int, fused: bool = False) -> Op:
     """MiniMind's RMSNorm in fp32: x.float(), pow, mean, + eps, rsqrt, mul, type_as, * weight: the
     [rows, width] input read in p, five fp32 passes, the output written in p (7 ops dispatched);
     `fused`: one kernel, the input read and the output written."""
-    if fused:
-        return elementwise(name, rows * width, 2 * p, kernels=1, backward_kernels=2)
+    if fused:  # backward: x and the output's gradient read, the input's written (the weight's: small)
+        return elementwise(
+            name, rows * width, 2 * p, kernels=1, backward_kernels=2, backward_bytes_per_element=3 * p
+        )
     return elementwise(name, rows * width, 2 * p + 5 * FP32 + (0 if p == FP32 else FP32), kernels=7)
 
 
@@ -139,7 +163,7 @@ def layer_forward(d: Dims, impl: Implementation = TPBENCH) -> list[Op]:
     if d.dropout:
         ops.append(_dropout("o_proj dropout", Ns * H, p, impl))
     ops += [
-        elementwise("residual add", Ns * H, 3 * s, 1),
+        residual_add(Ns * H, s),
         rmsnorm("post-attention norm", Ns, H, s, impl.fused_norm),
     ]
     if d.mixed:
@@ -150,7 +174,7 @@ def layer_forward(d: Dims, impl: Implementation = TPBENCH) -> list[Op]:
     ops.append(gemm("down_proj", N, H, d.I_l, p))
     if d.dropout:
         ops.append(_dropout("mlp dropout", Ns * H, p, impl))
-    ops.append(elementwise("residual add", Ns * H, 3 * s, 1))
+    ops.append(residual_add(Ns * H, s))
     return ops
 
 
@@ -166,7 +190,7 @@ def attention_core(d: Dims, heads: int, impl: Implementation = TPBENCH) -> list[
     ops = [
         gemm("qk^T", S, S, D, p, batch=heads),  # with the scaling
         # the causal mask made, added in fp32, softmax in fp32, cast back: [heads, S, S] passes
-        elementwise("softmax", scores, 2 * p, 1, 1)
+        elementwise("softmax", scores, 2 * p, 1, 1, backward_bytes_per_element=3 * p)
         if impl.fused_softmax
         else elementwise("softmax", scores, p + 4 * FP32 + (p if p != FP32 else 0), 36, 10),
     ]
@@ -177,10 +201,15 @@ def attention_core(d: Dims, heads: int, impl: Implementation = TPBENCH) -> list[
 
 def _dropout(name: str, elements: int, p: int, impl: Implementation = TPBENCH) -> Op:
     """tpbench's dropout: each element's mask a hash of its position (tpbench.models.dropout: two
-    int32 copies in its folds), the input read, the output and its 1-byte mask written."""
+    int32 copies in its folds), the input read, the output and its 1-byte mask written. Backward:
+    the output's gradient and the mask read, the input's gradient written."""
     if impl.fused_dropout:
-        return elementwise(name, elements, 2 * p + 1, 1, backward_kernels=1)
-    return elementwise(name, elements, 2 * p + 1 + 4 * 4, 77, backward_kernels=2)
+        return elementwise(
+            name, elements, 2 * p + 1, 1, backward_kernels=1, backward_bytes_per_element=2 * p + 1
+        )
+    return elementwise(
+        name, elements, 2 * p + 1 + 4 * 4, 77, backward_kernels=2, backward_bytes_per_element=2 * p + 1
+    )
 
 
 def outside_forward(d: Dims) -> list[Op]:
@@ -203,10 +232,12 @@ def outside_forward(d: Dims) -> list[Op]:
 
 def backward_of(op: Op) -> Op:
     """An op's gradient: a GEMM's input and weight gradients (twice its FLOPs), the flash kernel's
-    backward (2.5x: it remakes the scores), an elementwise op's gradient (twice its passes)."""
+    backward (2.5x: it remakes the scores), an elementwise op's gradient (what it reads and writes
+    where the op says, else twice its passes)."""
     factor = 2.5 if op.kind == ATTENTION else 2.0
     kernels = op.backward_kernels if op.backward_kernels is not None else round(BACKWARD_KERNELS * op.kernels)
-    return replace(op, flops=factor * op.flops, bytes=2 * op.bytes, kernels=kernels, phase=BACKWARD)
+    back = 2 * op.bytes if op.backward_bytes is None else op.backward_bytes
+    return replace(op, flops=factor * op.flops, bytes=back, kernels=kernels, phase=BACKWARD)
 
 
 def recomputed(d: Dims, impl: Implementation = TPBENCH) -> list[Op]:
