@@ -94,6 +94,29 @@ def test_fp32_accumulates_cost_per_op_is_probed_once_then_read_from_the_cache(ca
     assert rate_probe.fp32_accumulate_op_s(cfg, 1) == op_s
 
 
+def test_rates_probed_on_a_busy_machine_are_probed_again_once_it_is_idle(cache, monkeypatch):
+    """The collectives are timed on the wall clock: an entry records the load it was probed at, and
+    one probed above the cores is measured again when the load is not (kept while it still is)."""
+    cfg = config("kind=memory")
+    write_rates(cache, cfg, {"float32": 1e10})
+    stored = json.loads(cache.read_text())
+    for entry in stored["rates"]:
+        entry["load"] = 7.5 if entry.get("group") == 2 else 0.3
+    cache.write_text(json.dumps(stored))
+    monkeypatch.setattr(rate_probe.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(rate_probe.os, "getloadavg", lambda: (6.0, 6.0, 6.0))  # still busy
+    monkeypatch.setattr(rate_probe, "probe_time_rates", no_probe)
+    assert rate_probe.time_rates(cfg, 1, 2) == {**TIME_RATES, **GLOO}
+    monkeypatch.setattr(rate_probe.os, "getloadavg", lambda: (0.4, 0.4, 0.4))  # idle
+    assert rate_probe.time_rates(cfg, 1, 1) == TIME_RATES  # probed idle: kept
+    fresh = {"gemm_small": 1.0, "attention": 1.0, "bandwidth": 1.0, "op_s": 1.0}
+    monkeypatch.setattr(rate_probe, "probe_time_rates", lambda threads: dict(fresh))
+    monkeypatch.setattr(rate_probe, "probe_collectives", lambda group: {"alpha_all_reduce": 2.0})
+    assert rate_probe.time_rates(cfg, 1, 2) == {**fresh, "alpha_all_reduce": 2.0}
+    (entry,) = [e for e in json.loads(cache.read_text())["rates"] if e.get("group") == 2]
+    assert entry["load"] == 0.4
+
+
 @pytest.mark.parametrize(
     "stored",
     [

@@ -205,20 +205,27 @@ GAP_GEMMS = 16  # [256, 256] GEMMs before each probed collective: about 5 ms of 
 def time_rates(cfg: RunConfig, threads: int | None, group: int) -> dict[str, float]:
     """This machine's rates for the time model, for a worker of `cfg` with `threads` CPU threads and
     collectives over `group` ranks: cached, else measured (`probe_time_rates`, and the collectives
-    in child processes, `probe_collectives`) and cached."""
+    in child processes, `probe_collectives`) and cached. The collectives are timed on the wall clock:
+    on a busy machine (load average above the cores) they come out slower than the machine is (probed
+    while this 2-core VM installed packages, the tiny model's TP step was predicted at 107 ms; its
+    steps take about 30 ms), so an entry records the load it was probed at, and one probed busy is
+    probed again once the machine is not."""
     key = {**_key("float32", cfg, threads), "probe": TIME_PROBE, "group": group}
     entries = _read_cache()
+    cores, load = os.cpu_count() or 1, os.getloadavg()[0]
     for entry in entries:
         if {k: entry.get(k) for k in key} == key and all(
             _valid_rate(v) for v in entry.get("rates", {}).values()
         ):
+            if entry.get("load", 0.0) > cores >= load:  # probed busy, idle now: again
+                break
             return dict(entry["rates"])
     measured = probe_time_rates(threads)
     if group > 1:
         measured |= probe_collectives(group)
     kept = [e for e in entries if {k: e.get(k) for k in key} != key]
     now = datetime.now(UTC).isoformat(timespec="seconds")
-    _write_cache([*kept, {**key, "rates": measured, "measured_at": now}])
+    _write_cache([*kept, {**key, "rates": measured, "measured_at": now, "load": load}])
     return measured
 
 
