@@ -207,7 +207,7 @@ def time_rates(cfg: RunConfig, threads: int | None, group: int) -> dict[str, flo
     collectives over `group` ranks: cached, else measured (`probe_time_rates`, and the collectives
     in child processes, `probe_collectives`) and cached. The collectives are timed on the wall clock:
     on a busy machine (load average above the cores) they come out slower than the machine is (probed
-    while this 2-core VM installed packages, the tiny model's TP step was predicted at 107 ms; its
+    while this 2-core VM installed packages, the tiny model's TP+SP step was predicted at 107 ms; its
     steps take about 30 ms), so an entry records the load it was probed at, and one probed busy is
     probed again once the machine is not."""
     key = {**_key("float32", cfg, threads), "probe": TIME_PROBE, "group": group}
