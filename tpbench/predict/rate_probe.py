@@ -239,8 +239,9 @@ def fp32_accumulate_op_s(cfg: RunConfig, threads: int | None) -> float:
     key = {**_key("float32", cfg, threads), "probe": ACCUMULATE_PROBE}
     entries = _read_cache()
     for entry in entries:
-        if {k: entry.get(k) for k in key} == key and _valid_rate(entry.get("op_s", 0.0) + 1.0):
-            return float(entry["op_s"])
+        op_s = entry.get("op_s")
+        if {k: entry.get(k) for k in key} == key and (op_s == 0.0 or _valid_rate(op_s)):
+            return float(op_s)
     from tpbench.experiments import gemm
 
     machine.keep_freed_memory()

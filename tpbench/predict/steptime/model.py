@@ -2,10 +2,10 @@
 which tpbench's CommCounter checks), at the rates of the machine (`Rates`).
 
   op          max(FLOPs / rate of its class, bytes / bandwidth), plus kernels x the fixed per-op cost
-              (a GEMM under launch.bf16_gemm=fp32_accumulate: fp32's rate, and its casts' bytes and
-              kernels added; every op's fixed cost that of the dispatch mode's too)
               (added on a CPU, where Python, dispatch and autograd run on the compute's thread; on a
-              GPU the larger of the two: the host runs ahead of the kernels)
+              GPU the larger of the two: the host runs ahead of the kernels). A GEMM under
+              launch.bf16_gemm=fp32_accumulate: at fp32's rate, its casts' bytes and kernels added,
+              and every op's fixed cost with the dispatch mode's (`Rates.widen`)
   collective  count x alpha + ring bytes x beta, of its kind and group size
   overlap     a collective that the implementation runs beside compute (DDP's buckets and
               parallel.overlap's flat buckets behind backward; parallel.overlap's backward entry
