@@ -3,7 +3,7 @@ that a correct model never fails validation (docs/results/validation.md).
 
 Each part is one `tpbench sweep` (its runs on warm workers, `train.seed=` an axis), labelled with
 `sweep=grid_<part>` in the database; `--parts` picks which run. The bf16 parts run their GEMMs as a
-GPU does, fp32 accumulation rounded once (`launch.bf16_gemm=fp32_accumulate`, tpbench.experiments.gemm:
+GPU does, fp32 accumulation rounded once (`launch.bf16_gemm=fp32_accumulate`, tpbench.models.gemm:
 on a 2-core AVX2 CPU torch's native bf16 matmuls are ~40-90x slower than fp32); `--bf16-gemm native`
 runs torch's kernels instead, labelled `grid_<part>_native`. `--report` only reads the database: per
 part the runs, the failures, the CPU time of a run, each check's worst value / bound, and the largest
@@ -201,8 +201,8 @@ def dense_cost() -> None:
 
     import torch
 
-    from tpbench.experiments.gemm import bf16_gemms
     from tpbench.experiments.setup import build_dense, place
+    from tpbench.models.gemm import bf16_gemms
     from tpbench.run import compose
 
     torch.set_num_threads(1)

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tpbench.experiments.gemm import MODES
+from tpbench.models.gemm import MODES
 from tpbench.models.minimind import MiniMindConfig, build_model
 from tpbench.predict import hardware, rate_probe
 from tpbench.predict.steptime import Rates, gpu_rates, model, predict_time
@@ -271,7 +271,7 @@ def test_ranks_that_outnumber_the_cores_compute_on_their_share_of_them(monkeypat
 
 
 def test_bf16_gemms_fp32_accumulated_run_at_fp32s_rate_with_their_casts(monkeypatch):
-    """launch.bf16_gemm=fp32_accumulate (tpbench.experiments.gemm): each bf16 GEMM is the fp32 GEMM of
+    """launch.bf16_gemm=fp32_accumulate (tpbench.models.gemm): each bf16 GEMM is the fp32 GEMM of
     its inputs widened, its output rounded (three casts moving 3 x its bf16 bytes), and the dispatch
     mode adds its own cost to every op (probed); the flash kernel keeps bf16's rate. Native bf16 keeps
     bf16's probed rate: on a CPU with AVX512-BF16 faster than fp32, which the runs are not."""

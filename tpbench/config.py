@@ -228,7 +228,7 @@ class LaunchConfig:
     emulate_gpu: str = "H100"  # device=cuda emulate=fake: whose allocator and cuBLAS workspaces
     # kind=validate in bf16: how a bf16 GEMM computes. native: torch's kernels | fp32_accumulate: the
     # fp32 GEMM of the bf16 values rounded once to bf16, as a GPU's bf16 GEMM computes; on a CPU
-    # without AVX-512 BF16 its GEMMs run 40-90x faster than native (tpbench.experiments.gemm)
+    # without AVX-512 BF16 its GEMMs run 40-90x faster than native (tpbench.models.gemm)
     bf16_gemm: str = "native"
 
 

@@ -121,7 +121,7 @@ def table(cfg: RunConfig, checks: list[Verdict], rows: list[ParamRow], passed: b
     reference = "fp64" if t.dtype == "float32" else "fp32"
     title = f"validate {mode_label(p)}  tp={p.tp} dp={p.dp}  {t.dtype} {t.precision}"
     title += f"  {model_name(cfg.model)} {shape_label(cfg.model)} seq {t.seq_len}"
-    if cfg.launch.bf16_gemm != "native":  # tpbench.experiments.gemm
+    if cfg.launch.bf16_gemm != "native":  # tpbench.models.gemm
         title += "  bf16 GEMMs: fp32-accumulated, rounded once"
     main = Table(title=title)
     for col in ("check", "worst parameter", "measured", f"dense vs {reference}", "bound", "ok"):
@@ -195,7 +195,7 @@ def check_validate_faults(cfg: RunConfig) -> None:
 
 
 def check_bf16_gemm(cfg: RunConfig) -> None:
-    """launch.bf16_gemm=fp32_accumulate (tpbench.experiments.gemm): bf16 validation's GEMMs as a GPU
+    """launch.bf16_gemm=fp32_accumulate (tpbench.models.gemm): bf16 validation's GEMMs as a GPU
     computes them, refused where it would change nothing or slow a measurement (on CUDA:
     tpbench.run.compose.resolve_device); raises ConfigError naming the value and what is accepted."""
     if cfg.launch.bf16_gemm == "native":

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tpbench.config import RunConfig, public_config
-from tpbench.experiments import criterion, gemm, planted, signs
+from tpbench.experiments import criterion, planted, signs
 from tpbench.experiments.progress import StepProgress
 from tpbench.experiments.setup import (
     Batches,
@@ -54,6 +54,7 @@ from tpbench.experiments.setup import (
     precision,
 )
 from tpbench.experiments.training import DDPModel, optimizer, set_gradient_sync, shard_data_parallel
+from tpbench.models import gemm
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindForCausalLM, shift_labels
 from tpbench.parallel import collectives, instrumentation
 from tpbench.parallel.context import ParallelContext
@@ -112,7 +113,7 @@ def groups_beside(configs: Sequence[RunConfig]) -> Iterator[tuple[int, int]]:
 def run_beside(cfgs: Sequence[RunConfig]) -> list[RankResult]:
     """The three levels of checks for each config's parallel model, all against one dense model and
     one reference, stepped once for them all: the configs share a `dense_key`. Every GEMM runs under
-    launch.bf16_gemm (tpbench.experiments.gemm: fp32_accumulate records a run's bf16 GEMMs, its own
+    launch.bf16_gemm (tpbench.models.gemm: fp32_accumulate records a run's bf16 GEMMs, its own
     and the dense side's, as a run alone counts them). A model's figures are those of a run of its
     own, to the bit (tests/test_warm.py): each model's work reads the dense side, nothing of the
     others'. The dense side is most of a run's CPU: 9 modes at the seed's check shape beside one

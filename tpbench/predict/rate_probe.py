@@ -234,7 +234,7 @@ ACCUMULATE_PROBE = "fp32_accumulate's dispatch mode, CPU time"
 
 def fp32_accumulate_op_s(cfg: RunConfig, threads: int | None) -> float:
     """What one aten op's fixed cost gains under launch.bf16_gemm=fp32_accumulate, whose dispatch
-    mode (tpbench.experiments.gemm) sees every op of the run: the tiny step of `probe_time_rates`
+    mode (tpbench.models.gemm) sees every op of the run: the tiny step of `probe_time_rates`
     with and without the mode, per op dispatched; cached, else measured and cached."""
     key = {**_key("float32", cfg, threads), "probe": ACCUMULATE_PROBE}
     entries = _read_cache()
@@ -242,7 +242,7 @@ def fp32_accumulate_op_s(cfg: RunConfig, threads: int | None) -> float:
         op_s = entry.get("op_s")
         if {k: entry.get(k) for k in key} == key and (op_s == 0.0 or _valid_rate(op_s)):
             return float(op_s)
-    from tpbench.experiments import gemm
+    from tpbench.models import gemm
 
     machine.keep_freed_memory()
     saved = torch.get_num_threads()

@@ -190,7 +190,7 @@ def executed_flops(cfg: RunConfig, beside: bool = False) -> dict[str, float]:
     steps = 1 + v.steps  # the counted forward and backward, then the AdamW steps
     compared = sum(1 for s in range(1, v.steps + 1) if s % v.every == 0 or s == v.steps)
     dense = theory.model_flops_per_step(cfg)  # the dense model runs the global batch on every rank
-    gemms = "float32" if cfg.launch.bf16_gemm != "native" else dtype  # tpbench.experiments.gemm
+    gemms = "float32" if cfg.launch.bf16_gemm != "native" else dtype  # tpbench.models.gemm
     if beside:
         return {gemms: share * (steps + compared / 3)}
     flops = {gemms: (dense + share) * (steps + compared / 3)}  # a comparison: a forward of each

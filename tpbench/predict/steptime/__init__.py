@@ -56,7 +56,7 @@ def cpu_rates(cfg: RunConfig, threads: int | None, ranks: int | None = None) -> 
     fp32 = rate_probe.rate("float32", cfg, threads)
     slow = 1.0 if dtype == "float32" else rate_probe.rate(dtype, cfg, threads) / fp32
     # launch.bf16_gemm=fp32_accumulate (validate in bf16): each GEMM an fp32 one, its casts counted
-    # (Rates.widen); the flash attention kernel keeps its bf16 arithmetic (tpbench.experiments.gemm)
+    # (Rates.widen); the flash attention kernel keeps its bf16 arithmetic (tpbench.models.gemm)
     accumulate = dtype == "bfloat16" and cfg.kind == "validate" and cfg.launch.bf16_gemm != "native"
     gemm_slow = 1.0 if accumulate else slow
     large = fp32 * gemm_slow

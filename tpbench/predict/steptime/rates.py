@@ -64,7 +64,7 @@ class Rates:
     overlap: bool = True  # a collective can run beside compute (False: it takes the compute's cores)
     peak: float = 0.0  # the MFU's denominator: FLOP/s of one device
     notes: dict[str, str] = field(default_factory=dict)
-    # launch.bf16_gemm=fp32_accumulate (tpbench.experiments.gemm): each bf16 GEMM an fp32 one of its
+    # launch.bf16_gemm=fp32_accumulate (tpbench.models.gemm): each bf16 GEMM an fp32 one of its
     # inputs widened and its output rounded, three casts that move 3 x the GEMM's bf16 bytes (read 2,
     # write 4 per input element; read 4, write 2 per output element); 0: native GEMMs
     widen: float = 0.0
