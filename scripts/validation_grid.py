@@ -1,14 +1,15 @@
-"""The validation grid: many seeds of three shapes, every tensor-parallel mode, fp32 and bf16, to show
-that a correct model never fails validation (docs/results/validation.md).
+"""The validation grid: many seeds of three shapes, every tensor-parallel mode, fp32, bf16 and mixed
+precision, to show that a correct model never fails validation (docs/results/validation.md).
 
 Each part is one `tpbench sweep` (its runs on warm workers, `train.seed=` an axis), labelled with
-`sweep=grid_<part>` in the database; `--parts` picks which run. The bf16 parts run their GEMMs as a
-GPU does, fp32 accumulation rounded once (`launch.bf16_gemm=fp32_accumulate`, tpbench.models.gemm:
-on a 2-core AVX2 CPU torch's native bf16 matmuls are ~40-90x slower than fp32); `--bf16-gemm native`
-runs torch's kernels instead, labelled `grid_<part>_native`. `--report` only reads the database: per
-part the runs, the failures, the CPU time of a run, each check's worst value / bound, and the largest
-ratio of sharded-vs-dense to dense-vs-reference among the figures above their floor (what K has to
-cover); `--compare DB` sets each run beside the same run (mode, T, seed) of another database.
+`sweep=grid_<part>` in the database; `--parts` picks which run. The bf16 and mixed parts run their
+GEMMs as a GPU does, fp32 accumulation rounded once (`launch.bf16_gemm=fp32_accumulate`,
+tpbench.models.gemm: on a 2-core AVX2 CPU torch's native bf16 matmuls are ~40-90x slower than fp32);
+`--bf16-gemm native` runs torch's kernels instead, labelled `grid_<part>_native`. `--report` only
+reads the database: per part the runs, the failures, the CPU time of a run, each check's worst value
+/ bound, and the largest ratio of sharded-vs-dense to dense-vs-reference among the figures above
+their floor (what K has to cover); `--compare DB` sets each run beside the same run (mode, T, seed)
+of another database.
 
     .venv/bin/python scripts/validation_grid.py --seeds 20 --parts tiny_fp32 tiny_t4_fp32
     .venv/bin/python scripts/validation_grid.py --report
@@ -43,7 +44,11 @@ SHAPES = {"tiny": ["model=tiny"], "seed": ["model=seed_check"], "llama": ["model
 # How many of a seed's modes are validated beside one dense model (launch.share_dense): all 9 where
 # they fit in memory; the Llama shape's 9 held up to 11 GB a rank (an OOM kill beside the test suite)
 SHARE = {"tiny": 9, "seed": 9, "llama": 4}
-DTYPES = {"fp32": ["dtype=float32"], "bf16": ["dtype=bfloat16"]}
+DTYPES = {
+    "fp32": ["dtype=float32"],
+    "bf16": ["dtype=bfloat16"],
+    "mixed": ["dtype=bfloat16", "precision=mixed"],  # fp32 master weights, the forward in bf16
+}
 # part name -> (shape, dtype, tp, modes)
 PARTS = {
     f"{shape}_{t}{dtype}": (shape, dtype, tp, modes)
@@ -172,7 +177,7 @@ def run_part(part: str, args: argparse.Namespace, llama: Path) -> None:
     seeds = ",".join(str(s) for s in range(args.first_seed, args.first_seed + args.seeds))
     overrides = [o.format(llama=llama) for o in SHAPES[shape]] + DTYPES[dtype]
     label = part
-    if dtype == "bf16":
+    if dtype in ("bf16", "mixed"):
         overrides.append(f"launch.bf16_gemm={args.bf16_gemm}")
         label += "_native" if args.bf16_gemm == "native" else ""
     command = [

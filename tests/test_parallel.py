@@ -524,11 +524,14 @@ def test_logits_drift_figures():
 def test_the_drift_bound_fails_the_run(validated):
     """validate.tol_drift is the floor of the AdamW logits drift's worst step: with k = 0 (no room for the
     dense model's own drift against fp64, which is measured, not 0) and the floor below the drift, that
-    check alone fails, and with it the run."""
+    check alone fails, and with it the run; the same drift passes the default bound (k = 0 also
+    narrows the sign rule's allowance to the floor's, so the figure is not the `tp` run's bit for bit)."""
     r = validated["tight_drift"]
     assert [f.split()[0] for f in r["failed"]] == ["adamw_drift_max_abs"]
     assert r["metrics"]["passed"] == 0.0 and r["metrics"]["dense_adamw_drift_max_abs"] > 0
-    assert r["metrics"]["adamw_drift_max_abs"] == validated["tp"]["metrics"]["adamw_drift_max_abs"]
+    tp = validated["tp"]["metrics"]
+    default_bound = tp["adamw_drift_max_abs"] / tp["adamw_drift_max_abs_of_bound"]
+    assert 0 < r["metrics"]["adamw_drift_max_abs"] <= default_bound
 
 
 def test_debug_faults_are_refused_where_they_break_nothing():

@@ -183,6 +183,34 @@ def test_the_elements_whose_gradient_sign_rounding_decided_step_with_the_dense_g
     assert models[0].weight.grad[0].tolist() == pytest.approx([1, -1, 1, -1, 1, -1, -1, 1e-3])
 
 
+def test_an_element_rounding_set_near_adamws_eps_steps_with_the_dense_gradient_though_its_sign_agrees():
+    """AdamW's first step moves an element by lr x g / (|g| + 1e-8): the tiny model's layer-0 q_norm
+    under precision=mixed (T 2, SP's gather in the linear, seed 0, a Xeon with AMX) took 1.2e-8 where
+    the dense model took 1.3e-5, both within rounding of 0, and stepped 0.54 lr against 1 lr: 1.64
+    of its bound, a false failure. Within rounding of 0 rounding decides the sign, flipped or not,
+    so the element steps with the dense gradient; one as near 0 but off by more than rounding (a
+    bug's) keeps its own."""
+    import torch
+
+    models = [torch.nn.Linear(8, 1, bias=False) for _ in range(3)]  # sharded, dense, reference
+    grad = torch.tensor([[1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.3e-5, 1.3e-5]])
+    sharded = grad.clone()
+    sharded[0, 6], sharded[0, 7] = 1.2e-8, 0.5  # rounding's; a bug's
+    for m, g in zip(models, (sharded, grad, grad + 1e-5), strict=True):
+        m.weight.grad = g.clone()
+    steps = []
+    for g in (sharded, grad):
+        w = torch.zeros(1, 8, requires_grad=True)
+        w.grad = g.clone()
+        torch.optim.AdamW([w], lr=1.0, weight_decay=0.0).step()
+        steps.append(-float(w[0, 6]))
+    assert steps == pytest.approx([0.54, 1.0], abs=0.01)  # what rounding alone would have done
+    rounded = {"weight": torch.zeros(1, 8, dtype=torch.bool)}
+    mend_rounded_signs(run_config([]), _Unsharded(models[0]), models[1], models[2], rounded)
+    assert rounded["weight"].tolist() == [[False] * 6 + [True, False]]
+    assert models[0].weight.grad[0, 6:].tolist() == pytest.approx([1.3e-5, 0.5])
+
+
 def test_the_rounding_per_element_is_over_the_elements_the_gradient_touched():
     """An embedding's rows of tokens no batch held have gradient 0 in every model: counted in the rms,
     they spread a row's rounding thin, and a flip that rounding decided in a row seen once went on
