@@ -228,22 +228,28 @@ def test_the_ops_kernels_are_the_aten_ops_the_dense_model_dispatches():
 
 
 def test_plan_prints_the_predicted_step_its_split_and_mfu_on_the_given_gpu():
+    """On a machine without the GPUs, as the issue asks it (`launch.device=cuda gpu=NAME`): a plan runs
+    nothing; `tpbench run` of the same line is refused before anything starts."""
     import json
 
     from typer.testing import CliRunner
 
     from tpbench.cli import app
 
-    line = "tp=8 sp=true model=seed_memory launch.device=cuda launch.emulate=fake"
+    line = "tp=8 sp=true model=seed_memory launch.device=cuda"
     done = CliRunner().invoke(app, ["plan", *line.split(), "gpu=A100-80GB", "--json"])
     assert done.exit_code == 0, done.output
     said = json.loads(done.output.splitlines()[0])
-    cfg = compose.expand([*line.split(), "launch.emulate_gpu=A100-80GB"])[0]  # kind=all: memory first
+    # kind=all: memory first
+    cfg = compose.expand([*line.split(), "launch.emulate_gpu=A100-80GB"], launching=False)[0]
     expected = predict_time(cfg, gpu_rates(hardware.gpu("A100-80GB"), cfg.train.dtype))
     assert said["predicted_step_time_s"] == pytest.approx(expected.step_s)
     assert said["predicted_mfu"] == pytest.approx(expected.mfu)
     done = CliRunner().invoke(app, ["plan", *line.split(), "gpu=A100-80GB"])
     assert "predicted step time on an A100-80GB: " in done.output and "predicted MFU: " in done.output
+    if not torch.cuda.is_available():
+        done = CliRunner().invoke(app, ["run", *line.split(), "kind=memory"])
+        assert done.exit_code == 2 and "launch.device=cuda: 8 ranks on a node need 8 GPUs" in done.output
 
 
 def test_ranks_that_outnumber_the_cores_compute_on_their_share_of_them(monkeypatch):

@@ -164,7 +164,7 @@ def expand(overrides: Sequence[str], single: bool = False, launching: bool = Tru
         check(run)
         if launching:
             check_measurable(run)
-        resolve_device(run)
+        resolve_device(run, launching)
     return runs
 
 
@@ -280,8 +280,10 @@ def _check_compile(cfg: RunConfig) -> None:
             raise ConfigError(f"train.compile=true with {what}: accepted is {accepted}")
 
 
-def resolve_device(cfg: RunConfig) -> None:
-    """Replace device/backend `auto` by what this node has: CUDA + NCCL with a GPU per local rank."""
+def resolve_device(cfg: RunConfig, launching: bool = True) -> None:
+    """Replace device/backend `auto` by what this node has: CUDA + NCCL with a GPU per local rank.
+    `launching`: the runs are to run here (else predicted only, as `plan` and `fit` do: launch.device=cuda
+    names the GPUs planned for, which this machine need not have)."""
     import torch  # after every check of check(): a refusal prints before torch loads (1.6 s)
 
     launch = cfg.launch
@@ -290,7 +292,7 @@ def resolve_device(cfg: RunConfig) -> None:
     gpus = launch.slurm.gpus_per_node if launch.launcher == "slurm" else torch.cuda.device_count()
     if launch.device == "auto":
         launch.device = "cuda" if gpus >= local_ranks else "cpu"
-    if launch.device == "cuda" and gpus < local_ranks and launch.emulate != "fake":
+    if launch.device == "cuda" and gpus < local_ranks and launch.emulate != "fake" and launching:
         raise ConfigError(
             f"launch.device=cuda: {local_ranks} ranks on a node need {local_ranks} GPUs, "
             + (f"launch.slurm.gpus_per_node={gpus}" if launch.launcher == "slurm" else f"torch sees {gpus}")
