@@ -117,6 +117,31 @@ def test_rates_probed_on_a_busy_machine_are_probed_again_once_it_is_idle(cache, 
     assert entry["load"] == 0.4
 
 
+def test_a_group_larger_than_the_cores_and_8_takes_8s_probe_scaled_by_the_rings_steps(cache, monkeypatch):
+    """32 forked ranks on 2 cores cost 35 s to probe: a group past max(cores, 8) is probed at that
+    size, once, and its alphas scaled by the ring's steps, (32 - 1) / (8 - 1); its betas (per ring
+    byte) are the probed group's. Up to it, a group is probed as itself."""
+    cfg = config("kind=memory")
+    monkeypatch.setattr(rate_probe.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(rate_probe.os, "getloadavg", lambda: (0.4, 0.4, 0.4))
+    assert [rate_probe.probed_group(g) for g in (1, 2, 8, 16, 32)] == [1, 2, 8, 8, 8]
+    monkeypatch.setattr(rate_probe.os, "cpu_count", lambda: 64)  # ranks that each have a core
+    assert rate_probe.probed_group(32) == 32
+    monkeypatch.setattr(rate_probe.os, "cpu_count", lambda: 2)
+    probed = []
+    monkeypatch.setattr(rate_probe, "probe_time_rates", lambda threads: dict(TIME_RATES))
+    monkeypatch.setattr(rate_probe, "probe_collectives", lambda group: probed.append(group) or dict(GLOO))
+    at32 = rate_probe.time_rates(cfg, 1, 32)
+    assert probed == [8]
+    for k, v in GLOO.items():
+        assert at32[k] == pytest.approx(v * 31 / 7 if k.startswith("alpha") else v)
+    assert rate_probe.time_rates(cfg, 1, 16)["alpha_all_gather"] == pytest.approx(1e-4 * 15 / 7)
+    assert rate_probe.time_rates(cfg, 1, 8) == {**TIME_RATES, **GLOO} and probed == [8]  # cached
+    assert "gloo over 8, its alphas scaled to 32 by the ring's steps" in steptime.cpu_rates(
+        config("kind=memory parallel.dp=32"), 1
+    ).source
+
+
 @pytest.mark.parametrize(
     "stored",
     [

@@ -200,6 +200,20 @@ TIME_PROBE = "time model v2, CPU time; collectives wall clock between GEMMs"
 # beyond most CPUs' last-level cache, as a step's gradient buckets and large activations are)
 COLLECTIVE_BYTES = (4 * 2**10, 25 * 2**20)
 GAP_GEMMS = 16  # [256, 256] GEMMs before each probed collective: about 5 ms of one core's work
+# The largest group probed where it outnumbers the cores (8: a node's GPUs, the largest T the tests run
+# on 2 cores); a larger group's collectives are that group's scaled by the ring's steps (`probed_group`)
+MOST_PROBED = 8
+
+
+def probed_group(group: int) -> int:
+    """The group whose collectives are probed for `group`: itself, up to this machine's cores or
+    MOST_PROBED (ranks that outnumber the cores only share them: 32 forked ranks on 2 cores took 35 s
+    of wall and 64 CPU s to probe, 8 of them 9.5 s). A larger group's alpha is the probed one's times
+    the ring's steps, (group - 1) / (probed - 1) (an all-reduce 2 (n - 1) of them, an all-gather and a
+    reduce-scatter n - 1), and its beta, per ring byte, the probed one's (docs/time-model.md#the-rates:
+    probed at 8 and at 32 on a 2-core Xeon, the scaled alphas within 30% of the probed ones, the betas
+    as far apart as two probes of one group)."""
+    return min(group, max(os.cpu_count() or 1, MOST_PROBED))
 
 
 def time_rates(cfg: RunConfig, threads: int | None, group: int) -> dict[str, float]:
@@ -210,7 +224,8 @@ def time_rates(cfg: RunConfig, threads: int | None, group: int) -> dict[str, flo
     while this 2-core VM installed packages, the tiny model's TP+SP step was predicted at 107 ms; its
     steps take about 30 ms), so an entry records the load it was probed at, and one probed busy is
     probed again once the machine is not."""
-    key = {**_key("float32", cfg, threads), "probe": TIME_PROBE, "group": group}
+    probed = probed_group(group)
+    key = {**_key("float32", cfg, threads), "probe": TIME_PROBE, "group": probed}
     entries = _read_cache()
     cores, load = os.cpu_count() or 1, os.getloadavg()[0]
     for entry in entries:
@@ -219,14 +234,22 @@ def time_rates(cfg: RunConfig, threads: int | None, group: int) -> dict[str, flo
         ):
             if entry.get("load", 0.0) > cores >= load:  # probed busy, idle now: again
                 break
-            return dict(entry["rates"])
+            return _ring_scaled(dict(entry["rates"]), group, probed)
     measured = probe_time_rates(threads)
-    if group > 1:
-        measured |= probe_collectives(group)
+    if probed > 1:
+        measured |= probe_collectives(probed)
     kept = [e for e in entries if {k: e.get(k) for k in key} != key]
     now = datetime.now(UTC).isoformat(timespec="seconds")
     _write_cache([*kept, {**key, "rates": measured, "measured_at": now, "load": load}])
-    return measured
+    return _ring_scaled(measured, group, probed)
+
+
+def _ring_scaled(rates: dict[str, float], group: int, probed: int) -> dict[str, float]:
+    """`probed`'s rates for `group`: each alpha times the ring's steps (`probed_group`)."""
+    if group == probed:
+        return rates
+    steps = (group - 1) / (probed - 1)
+    return {k: v * steps if k.startswith("alpha_") else v for k, v in rates.items()}
 
 
 ACCUMULATE_PROBE = "fp32_accumulate's dispatch mode, CPU time"

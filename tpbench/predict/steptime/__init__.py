@@ -65,6 +65,8 @@ def cpu_rates(cfg: RunConfig, threads: int | None, ranks: int | None = None) -> 
     share = min(1.0, cores / busy)
     shared = f"; {busy} threads on {cores} cores: a rank computes on {share:.2g}" if share < 1 else ""
     shared += "; bf16 GEMMs fp32-accumulated" if accumulate else ""
+    probed = rate_probe.probed_group(group)
+    gloo = group if probed == group else f"{probed}, its alphas scaled to {group} by the ring's steps"
     return Rates(
         gemm={"large": large * share, "small": r["gemm_small"] * gemm_slow * share},
         attention=r["attention"] * slow * share,
@@ -72,7 +74,7 @@ def cpu_rates(cfg: RunConfig, threads: int | None, ranks: int | None = None) -> 
         op_s=op_s / share,
         alpha={k: r.get(f"alpha_{k}", 0.0) for k in KINDS},
         beta={k: r.get(f"beta_{k}", 0.0) for k in KINDS},
-        source=f"probed on {rate_probe.machine.cpu_name()}, {threads} thread(s), gloo over {group}{shared}",
+        source=f"probed on {rate_probe.machine.cpu_name()}, {threads} thread(s), gloo over {gloo}{shared}",
         overlap=busy < cores,
         peak=large,
         widen=3.0 if accumulate else 0.0,
