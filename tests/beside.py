@@ -79,6 +79,11 @@ class Beside:
         """Whether `fixture`, as `item` sees it, is a job beside the tests."""
         return self.key(item, fixture) is not None
 
+    def computes(self, item: pytest.Item, fixture: str) -> bool:
+        """Whether `fixture`, as `item` sees it, is a job beside the tests in the lane that computes."""
+        key = self.key(item, fixture)
+        return key is not None and self.jobs[key][1] == "computes"
+
     def start_for(self, items: list[pytest.Item]) -> None:
         """Start the jobs these tests need, first needed first (none in a pytest-xdist worker)."""
         if under_xdist():

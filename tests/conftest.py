@@ -144,11 +144,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if quick(item):
             item.add_marker(pytest.mark.quick)
-    # The files whose tests wait on a job beside them run last, each file whole (its module fixtures
-    # made once), in their order: the jobs compute while the other files' tests run, instead of this
-    # process waiting on the first job from the suite's first file on (test_accumulation: 306 s of its
-    # 727 s, one core idle for most of the rest; docs/development.md#the-budget)
-    waiting = {item.path for item in items if any(BESIDE.needs(item, n) for n in item.fixturenames)}
+    # The files whose tests wait on a computing job beside them run last, each file whole (its module
+    # fixtures made once), in their order: the jobs compute while the other files' tests run, instead
+    # of this process waiting on the first job from the suite's first file on (test_accumulation: 306 s
+    # of its 727 s, one core idle for most of the rest; docs/development.md#the-budget). A file whose
+    # jobs only wait (test_runner's fault sweeps, in a lane of their own) runs early: its own waits
+    # (timeouts, a Ctrl-C's grace) then leave the cores to the computing jobs.
+    waiting = {item.path for item in items if any(BESIDE.computes(item, n) for n in item.fixturenames)}
     items.sort(key=lambda item: item.path in waiting)
 
 
