@@ -137,9 +137,10 @@ def test_a_group_larger_than_the_cores_and_8_takes_8s_probe_scaled_by_the_rings_
         assert at32[k] == pytest.approx(v * 31 / 7 if k.startswith("alpha") else v)
     assert rate_probe.time_rates(cfg, 1, 16)["alpha_all_gather"] == pytest.approx(1e-4 * 15 / 7)
     assert rate_probe.time_rates(cfg, 1, 8) == {**TIME_RATES, **GLOO} and probed == [8]  # cached
-    assert "gloo over 8, its alphas scaled to 32 by the ring's steps" in steptime.cpu_rates(
-        config("kind=memory parallel.dp=32"), 1
-    ).source
+    assert (
+        "gloo over 8, its alphas scaled to 32 by the ring's steps"
+        in steptime.cpu_rates(config("kind=memory parallel.dp=32"), 1).source
+    )
 
 
 @pytest.mark.parametrize(
