@@ -356,6 +356,35 @@ def test_an_nccl_watchdog_abort_is_a_timeout(tmp_path):
     assert _first_failure(abort, cfg, tmp_path).status is Status.FAILED
 
 
+def test_a_rank_stopped_by_sigterm_before_any_failure_is_an_interruption(tmp_path):
+    """scancel signals every process of the job: a rank can die of SIGTERM (no error file) and its peer
+    of the broken connection before the agent hears its own signal. No rank failed first: the run was
+    stopped from outside (INTERRUPTED; under Slurm the following command records Slurm's reason). A
+    rank that failed on its own before the agent stopped the others is the failure, as before."""
+    import json as json_
+
+    from torch.distributed.elastic.multiprocessing import ProcessFailure
+
+    from tpbench.run.compose import expand
+    from tpbench.run.launch import Status, _first_failure
+
+    (cfg,) = expand(["kind=validate"])
+
+    def failed_with(rank: int, message: str) -> ProcessFailure:
+        path = tmp_path / f"error{rank}.json"
+        path.write_text(json_.dumps({"message": {"message": message, "extraInfo": {"timestamp": "1"}}}))
+        return ProcessFailure(local_rank=rank, pid=4200 + rank, exitcode=1, error_file=str(path))
+
+    stopped = ProcessFailure(local_rank=0, pid=4200, exitcode=-signal.SIGTERM, error_file="/nonexistent")
+    peer = failed_with(1, "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:29500")
+    failed = _first_failure({0: stopped, 1: peer}, cfg, tmp_path)
+    assert (failed.status, failed.rank) == (Status.INTERRUPTED, 0)
+    assert failed.message.startswith("rank 0 stopped from outside the job: Signal 15 (SIGTERM)")
+    own = failed_with(1, "ValueError: a rank's own error")
+    failed = _first_failure({0: stopped, 1: own}, cfg, tmp_path)
+    assert (failed.status, failed.rank) == (Status.FAILED, 1) and "a rank's own error" in failed.message
+
+
 def test_ctrl_c_interrupts_the_current_run_and_a_rerun_finishes_the_rest(tmp_path):
     work = Workdir(tmp_path)
     sweep = ["sweep", "kind=validate", "validate.steps=40,2", "validate.every=1"]

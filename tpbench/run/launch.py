@@ -215,6 +215,12 @@ def _first_failure(failures: dict[int, ProcessFailure], cfg: RunConfig, job: Pat
 
     rank, failure = min(failures.items(), key=order)
     message = _message(failure)
+    if failure.exitcode == -signal.SIGTERM:
+        # every failure came after a rank was stopped by SIGTERM that the agent did not send (it sends
+        # it only after a failure, which would come first): the job was stopped from outside (Slurm's
+        # scancel, time limit or preemption signal every process of the job, the ranks too, and a rank
+        # can die of it before the agent hears its own)
+        return JobFailed(Status.INTERRUPTED, f"rank {rank} stopped from outside the job: {message}", rank)
     if failure.exitcode == -signal.SIGALRM:
         return JobFailed(
             Status.TIMEOUT, f"rank {rank} ran past launch.job_timeout_s={cfg.launch.job_timeout_s:g}", rank
