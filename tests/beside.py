@@ -75,14 +75,14 @@ class Beside:
                 return self.keys[definition.func]
         return None
 
+    def lane(self, item: pytest.Item, fixture: str) -> str | None:
+        """The lane ("computes" or "waits") of the job behind `fixture` as `item` sees it; None: no job."""
+        key = self.key(item, fixture)
+        return None if key is None else self.jobs[key][1]
+
     def needs(self, item: pytest.Item, fixture: str) -> bool:
         """Whether `fixture`, as `item` sees it, is a job beside the tests."""
-        return self.key(item, fixture) is not None
-
-    def computes(self, item: pytest.Item, fixture: str) -> bool:
-        """Whether `fixture`, as `item` sees it, is a job beside the tests in the lane that computes."""
-        key = self.key(item, fixture)
-        return key is not None and self.jobs[key][1] == "computes"
+        return self.lane(item, fixture) is not None
 
     def start_for(self, items: list[pytest.Item]) -> None:
         """Start the jobs these tests need, first needed first (none in a pytest-xdist worker)."""

@@ -150,7 +150,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # of its 727 s, one core idle for most of the rest; docs/development.md#the-budget). A file whose
     # jobs only wait (test_runner's fault sweeps, in a lane of their own) runs early: its own waits
     # (timeouts, a Ctrl-C's grace) then leave the cores to the computing jobs.
-    waiting = {item.path for item in items if any(BESIDE.computes(item, n) for n in item.fixturenames)}
+    waiting = {
+        item.path for item in items if any(BESIDE.lane(item, n) == "computes" for n in item.fixturenames)
+    }
     items.sort(key=lambda item: item.path in waiting)
 
 

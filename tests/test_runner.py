@@ -361,8 +361,6 @@ def test_a_rank_stopped_by_sigterm_before_any_failure_is_an_interruption(tmp_pat
     of the broken connection before the agent hears its own signal. No rank failed first: the run was
     stopped from outside (INTERRUPTED; under Slurm the following command records Slurm's reason). A
     rank that failed on its own before the agent stopped the others is the failure, as before."""
-    import json as json_
-
     from torch.distributed.elastic.multiprocessing import ProcessFailure
 
     from tpbench.run.compose import expand
@@ -372,7 +370,7 @@ def test_a_rank_stopped_by_sigterm_before_any_failure_is_an_interruption(tmp_pat
 
     def failed_with(rank: int, message: str) -> ProcessFailure:
         path = tmp_path / f"error{rank}.json"
-        path.write_text(json_.dumps({"message": {"message": message, "extraInfo": {"timestamp": "1"}}}))
+        path.write_text(json.dumps({"message": {"message": message, "extraInfo": {"timestamp": "1"}}}))
         return ProcessFailure(local_rank=rank, pid=4200 + rank, exitcode=1, error_file=str(path))
 
     stopped = ProcessFailure(local_rank=0, pid=4200, exitcode=-signal.SIGTERM, error_file="/nonexistent")
