@@ -6,6 +6,7 @@ Takes tpbench's overrides; run it as its job would run, one core per rank:
   OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 scripts/profile_step.py model=minimind layers=4 \\
       seq=512 micro_batch=2 dtype=float32 train.fused_optimizer=true tp=2"""
 
+import os
 import statistics
 import sys
 import time
@@ -91,7 +92,8 @@ def main() -> None:
         for kind, seconds in sorted(predicted.by_kind.items(), key=lambda kv: -kv[1]):
             print(f"  {kind:22s} {seconds:7.3f} s")
         print(f"  {'total':22s} {predicted.step_s:7.3f} s")
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
+        rows = int(os.environ.get("ROWS", 20))  # the table's length
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
         print(table)
     dist.destroy_process_group()
 

@@ -250,8 +250,16 @@ def test_bad_input_is_one_line_exit_2_nothing_written(args, says):
 
 
 def test_measure_confirms_the_best_row_by_emulation():
-    # AdamW's for-each path: an emulated rank measures its step counters on the host, as CUDA keeps them
-    args = ["model=tiny", "seq=32", "gpu=H100", "train.fused_optimizer=false", "precision=pure"]
+    # AdamW's for-each path: an emulated rank measures its step counters on the host, as CUDA keeps them.
+    # Unsharded DP only: the allocator model's verdict is given for those (a sharded row's is None)
+    args = [
+        "model=tiny",
+        "seq=32",
+        "gpu=H100",
+        "train.fused_optimizer=false",
+        "precision=pure",
+        "dp_shard=none",
+    ]
     done = runner.invoke(app, ["fit", *args, "--max-micro-batch", "4", "--measure", "--json"])
     assert done.exit_code == 0, done.stderr
     best = json.loads(done.stdout)["fits"][0]

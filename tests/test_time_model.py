@@ -44,12 +44,19 @@ def rates(**changes) -> Rates:
 
 
 def test_op_time_is_the_roofline_plus_the_fixed_cost_on_a_cpu_and_the_larger_on_a_gpu():
+    """On a CPU a GEMM's (and attention's) arithmetic and its operands' traffic add up (one core moves
+    what the cache no longer holds beside little arithmetic); on a GPU the larger counts. An
+    elementwise op is its bytes at the bandwidth either way."""
     r = rates()
-    big = O.gemm("w", 1024, 1024, 1024, 4)  # 2 x 2^30 FLOPs, 12 MiB: compute-bound
+    big = O.gemm("w", 1024, 1024, 1024, 4)  # 2 x 2^30 FLOPs, 12 MiB
     assert big.flops == 2 * 2**30 and big.bytes == 4 * 3 * 2**20 and big.kernels == 4
-    assert model.op_time(big, r) == pytest.approx((2 * 2**30 / 1e10, 4e-5))
+    assert model.op_time(big, r) == pytest.approx((2 * 2**30 / 1e10 + 12 * 2**20 / 1e10, 4e-5))
+    assert model.op_time(big, replace(r, gpu=True))[0] == pytest.approx(2 * 2**30 / 1e10)  # the larger
     skinny = O.gemm("w", 4096, 64, 64, 4)  # a side of 64: the small class, 1e9
-    assert model.op_time(skinny, r)[0] == pytest.approx(max(2 * 4096 * 64 * 64 / 1e9, skinny.bytes / 1e10))
+    assert model.op_time(skinny, r)[0] == pytest.approx(2 * 4096 * 64 * 64 / 1e9 + skinny.bytes / 1e10)
+    attention = O.Op("a", O.ATTENTION, 5e9, 1e8, 16)
+    assert model.op_time(attention, r)[0] == pytest.approx(1.0 + 0.01)
+    assert model.op_time(attention, replace(r, gpu=True))[0] == pytest.approx(1.0)
     norm = O.rmsnorm("n", 1000, 100, 4)  # memory-bound: 2 x 4 + 5 x 4 bytes per element
     assert model.op_time(norm, r) == pytest.approx((1e5 * 28 / 1e10, 7e-5))
     gpu = replace(r, gpu=True)
@@ -96,6 +103,64 @@ def test_an_elementwise_gradient_moves_what_it_reads_and_writes():
             want = 2 * forward[name].bytes if per is None else per * forward[name].flops
             assert back[name] == want, name
     assert O.backward_of(forward["mlp dropout"].times(3)).bytes == 3 * back["mlp dropout"]
+
+
+def test_the_for_loop_adamw_moves_its_tensors_from_memory_once_its_other_passes_in_the_cache():
+    """The for-loop AdamW runs its ~13 passes a parameter at a time over that parameter's four
+    tensors: from memory, what the fused kernel moves (each read once; the parameter and the moments
+    written: 7 x w a parameter), its 24 x w at the cache's rate, whichever takes longer. Every pass
+    at the memory's rate (the rule before) or only the fused kernel's bytes fails."""
+    d = dims(config("mode=ddp"))
+    n = sum(count for _, count in O.params(d))
+    adamw = O.optimizer(d)
+    assert (adamw.bytes, adamw.memory_bytes) == (24 * d.w * n, 7 * d.w * n)
+    roof = model.op_time(adamw, rates(bandwidth=1e10, cache_bandwidth=4e10))[0]
+    assert roof == pytest.approx(7 * d.w * n / 1e10)  # 7 / 1e10 > 24 / 4e10: memory-bound
+    roof = model.op_time(adamw, rates(bandwidth=1e10, cache_bandwidth=2e10))[0]
+    assert roof == pytest.approx(24 * d.w * n / 2e10)  # the cache's passes take longer
+    no_cache = model.op_time(adamw, rates(bandwidth=1e10))[0]  # a GPU's: the one bandwidth
+    assert no_cache == pytest.approx(24 * d.w * n / 1e10)
+    fused = O.optimizer(dims(config("mode=ddp train.fused_optimizer=true")))
+    assert fused.memory_bytes is None and fused.bytes == 7 * d.w * n
+
+
+def test_the_dp_average_copies_each_gradient_as_its_engine_does_and_a_tied_table_adds_its_two():
+    """On the compute's thread: DDP's reducer copies each gradient into its bucket as backward makes
+    it and averages each bucket in place (4 passes over the gradients; parallel.overlap's flat
+    buckets the same); the blocking average concatenates, averages, copies back (6); ZeRO-1 zeroes
+    its grad buffer, adds each gradient in, averages its shard; FSDP2 copies each unit's gradients
+    into its reduce-scatter input, averages the shard, and casts in and copies out each gather. TP
+    alone has none. Under ZeRO-1 and FSDP2 AdamW steps this rank's shard (ZeRO-1's one flat tensor).
+    The embedding's gradient is its whole table, zeroed and written, and tied to the head the two
+    gradients of the one weight are added (3 passes more)."""
+
+    def copies(line: str) -> list[O.Op]:
+        return [op for op in O.step_ops(dims(config(line))) if op.name == "dp copies"]
+
+    d = dims(config("mode=tp tp=2 dp=2"))
+    tensors = O.params(d)
+    n, w, p = sum(count for _, count in tensors), d.w, d.p
+    for line in ("mode=tp tp=2 dp=2 parallel.overlap=true", "mode=ddp tp=1 dp=2"):
+        (op,) = copies(line)
+        mine = O.params(dims(config(line)))
+        want = (4 * w * sum(count for _, count in mine), len(mine) + 1, O.BACKWARD)
+        assert (op.bytes, op.kernels, op.phase) == want, line
+    assert [op.bytes for op in copies("mode=tp tp=2 dp=2")] == [6 * w * n]
+    assert [op.bytes for op in copies("mode=tp tp=2 dp=2 parallel.dp_shard=optimizer")] == [4 * w * n + w * n]
+    for level, gathers in (("grads", 1), ("full", 2)):
+        (fsdp,) = copies(f"mode=tp tp=2 dp=2 parallel.dp_shard={level}")
+        assert fsdp.bytes == 2 * w * n + w * n + gathers * ((w + p) * n / 2 + 2 * p * n), level
+    assert copies("mode=tp") == []
+    zero = O.optimizer(dims(config("mode=tp tp=2 dp=2 parallel.dp_shard=optimizer")))
+    assert (zero.bytes, zero.kernels, zero.memory_bytes) == (24 * w * -(-n // 2), 13, None)
+    fsdp = O.optimizer(dims(config("mode=tp tp=2 dp=2 parallel.dp_shard=full")))
+    assert (fsdp.bytes, fsdp.kernels) == (24 * w * -(-n // 2), 13 * len(tensors))
+    for line, tied in (("mode=tp_vp", True), ("mode=tp_vp model.tie_word_embeddings=false", False)):
+        d = dims(config(line))
+        assert d.tied is tied
+        table = d.V_l * d.H * d.w
+        (embedding,) = [O.backward_of(op) for op in O.outside_forward(d) if op.name == "embedding"]
+        assert embedding.bytes == table + d.N * d.H * (d.s + 2 * d.w) + (3 * table if tied else 0)
 
 
 def test_a_collective_costs_alpha_per_call_plus_beta_per_ring_byte_of_its_kind():
@@ -221,7 +286,8 @@ def test_the_ops_kernels_are_the_aten_ops_the_dense_model_dispatches():
     adam = rate_probe._dispatched(opt.step)
     predicted: dict[str, int] = {}
     for op in O.step_ops(d):
-        predicted[op.phase] = predicted.get(op.phase, 0) + op.kernels
+        if op.name != "dp copies":  # DDP's, which the bare model has not
+            predicted[op.phase] = predicted.get(op.phase, 0) + op.kernels
     assert predicted[O.FORWARD] == pytest.approx(forward, rel=0.03)
     assert predicted[O.BACKWARD] == pytest.approx(backward, rel=0.03)
     assert predicted[O.STEP] == pytest.approx(adam, rel=0.03)
@@ -260,7 +326,7 @@ def test_ranks_that_outnumber_the_cores_compute_on_their_share_of_them(monkeypat
 
     from tpbench.predict.steptime import cpu_rates
 
-    probed = {"gemm_small": 4e9, "attention": 3e9, "bandwidth": 1e10, "op_s": 1e-5}
+    probed = {"gemm_small": 4e9, "attention": 3e9, "bandwidth": 1e10, "cache_bandwidth": 3e10, "op_s": 1e-5}
     probed |= {f"{p}_{k}": 1e-4 for k in KINDS for p in ("alpha", "beta")}
     monkeypatch.setattr(rate_probe, "rate", lambda dtype, cfg, threads: 1e10)
     monkeypatch.setattr(rate_probe, "time_rates", lambda cfg, threads, group: probed)
@@ -269,6 +335,7 @@ def test_ranks_that_outnumber_the_cores_compute_on_their_share_of_them(monkeypat
     assert (two.gemm, two.op_s, two.overlap) == ({"large": 1e10, "small": 4e9}, 1e-5, False)
     assert four.gemm == {"large": 5e9, "small": 2e9} and four.attention == 1.5e9
     assert (four.bandwidth, four.op_s, four.alpha, four.beta) == (5e9, 2e-5, two.alpha, two.beta)
+    assert (two.cached, four.cached) == (3e10, 1.5e10)
     assert "4 threads on 2 cores" in four.source
     dense = cpu_rates(config("mode=tp tp=1"), threads=1, ranks=4)  # validate's, on each of the 4 ranks
     assert (dense.gemm, dense.bandwidth) == (four.gemm, four.bandwidth)
@@ -283,7 +350,7 @@ def test_bf16_gemms_fp32_accumulated_run_at_fp32s_rate_with_their_casts(monkeypa
     bf16's probed rate: on a CPU with AVX512-BF16 faster than fp32, which the runs are not."""
     from tpbench.predict.steptime import cpu_rates
 
-    probed = {"gemm_small": 4e9, "attention": 3e9, "bandwidth": 1e10, "op_s": 1e-5}
+    probed = {"gemm_small": 4e9, "attention": 3e9, "bandwidth": 1e10, "cache_bandwidth": 3e10, "op_s": 1e-5}
     probed |= {f"{p}_{k}": 1e-4 for k in KINDS for p in ("alpha", "beta")}
     monkeypatch.setattr(rate_probe, "rate", lambda dtype, cfg, threads: {"float32": 1e10}.get(dtype, 2e10))
     monkeypatch.setattr(rate_probe, "time_rates", lambda cfg, threads, group: probed)
@@ -300,7 +367,8 @@ def test_bf16_gemms_fp32_accumulated_run_at_fp32s_rate_with_their_casts(monkeypa
     assert wide.op_s == pytest.approx(1.3e-5)
     assert "fp32-accumulated" in wide.source
     mm = O.gemm("w", 1024, 1024, 1024, 2)
-    assert model.op_time(mm, wide) == pytest.approx((2 * 2**30 / 1e10 + 3 * mm.bytes / 1e10, 7 * 1.3e-5))
+    # its arithmetic at fp32's rate, its own traffic (a CPU's GEMM: the sum) and its casts' 3 x its bytes
+    assert model.op_time(mm, wide) == pytest.approx((2 * 2**30 / 1e10 + 4 * mm.bytes / 1e10, 7 * 1.3e-5))
     backward = replace(mm, phase=O.BACKWARD, kernels=8)
     assert model.op_time(backward, wide)[1] == pytest.approx((8 + 6) * 1.3e-5)  # two GEMMs' casts
-    assert model.op_time(mm, native) == (2 * 2**30 / 2e10, 4e-5)
+    assert model.op_time(mm, native) == pytest.approx((2 * 2**30 / 2e10 + mm.bytes / 1e10, 4e-5))

@@ -71,6 +71,7 @@ def cpu_rates(cfg: RunConfig, threads: int | None, ranks: int | None = None) -> 
         gemm={"large": large * share, "small": r["gemm_small"] * gemm_slow * share},
         attention=r["attention"] * slow * share,
         bandwidth=r["bandwidth"] * share,
+        cache_bandwidth=r.get("cache_bandwidth", r["bandwidth"]) * share,
         op_s=op_s / share,
         alpha={k: r.get(f"alpha_{k}", 0.0) for k in KINDS},
         beta={k: r.get(f"beta_{k}", 0.0) for k in KINDS},

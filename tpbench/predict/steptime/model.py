@@ -1,9 +1,11 @@
 """A step's time from its ops (`ops.step_ops`) and its collectives (`comm_rows`, the memory model's,
 which tpbench's CommCounter checks), at the rates of the machine (`Rates`).
 
-  op          max(FLOPs / rate of its class, bytes / bandwidth), plus kernels x the fixed per-op cost
-              (added on a CPU, where Python, dispatch and autograd run on the compute's thread; on a
-              GPU the larger of the two: the host runs ahead of the kernels). A GEMM under
+  op          max(FLOPs / rate of its class, bytes / bandwidth) (a GEMM's and attention's on a CPU:
+              the sum; the for-loop AdamW's: its tensors once at the memory's bandwidth, its passes
+              at the cache's, the larger), plus kernels x the fixed per-op cost (added on a CPU,
+              where Python, dispatch and autograd run on the compute's thread; on a GPU the larger
+              of the two: the host runs ahead of the kernels). A GEMM under
               launch.bf16_gemm=fp32_accumulate: at fp32's rate, its casts' bytes and kernels added,
               and every op's fixed cost with the dispatch mode's (`Rates.widen`)
   collective  count x alpha + ring bytes x beta, of its kind and group size
@@ -97,16 +99,27 @@ def op_time(op: O.Op, rates: Rates) -> tuple[float, float]:
     take beyond the roofline time (zero for a kernel longer than its launch)."""
     kernels = op.kernels
     if op.kind == O.GEMM:
-        roof = max(op.flops / rates.gemm_rate(op.mnk), op.bytes / rates.bandwidth)
+        roof = _kernel(op.flops / rates.gemm_rate(op.mnk), op.bytes / rates.bandwidth, rates)
         if rates.widen:  # fp32_accumulate's casts: 3 per GEMM (backward: 2 GEMMs)
             roof += rates.widen * op.bytes / rates.bandwidth
             kernels += 3 * (2 if op.phase == O.BACKWARD else 1)
     elif op.kind == O.ATTENTION:
-        roof = max(op.flops / rates.attention, op.bytes / rates.bandwidth)
+        roof = _kernel(op.flops / rates.attention, op.bytes / rates.bandwidth, rates)
+    elif op.memory_bytes is not None:  # its passes reuse operands in the cache: a two-level roofline
+        roof = max(op.memory_bytes / rates.bandwidth, op.bytes / rates.cached)
     else:
         roof = op.bytes / rates.bandwidth
     fixed = kernels * rates.op_s
     return (roof, max(0.0, fixed - roof)) if rates.gpu else (roof, fixed)
+
+
+def _kernel(arithmetic: float, traffic: float, rates: Rates) -> float:
+    """A GEMM's or the attention kernel's time from its arithmetic and its operands' traffic: on a GPU
+    the larger (its warps hide one behind the other); on a CPU the sum: one core moves the step's
+    operands, which the cache no longer holds, and its result in and out beside little arithmetic
+    (scripts/memory_bandwidth.py: H 256's GEMMs over operands made cold take their time with the
+    operands in the cache plus their bytes at the memory's bandwidth, to 3%)."""
+    return max(arithmetic, traffic) if rates.gpu else arithmetic + traffic
 
 
 def layer_collectives(d: Dims) -> list[Collective]:

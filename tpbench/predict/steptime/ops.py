@@ -23,6 +23,7 @@ counted from the model's code (each pays the fixed per-op cost).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from tpbench.predict.theory.dims import FP32, Dims
@@ -74,6 +75,9 @@ class Op:
     mnk: tuple[int, int, int] = (0, 0, 0)  # a GEMM's (m, n, k): its shape class
     backward_kernels: int | None = None  # None: BACKWARD_KERNELS x kernels
     backward_bytes: float | None = None  # what its gradient reads and writes; None: twice `bytes`
+    # what it must move from and to memory where its passes reuse operands the cache holds (the rest
+    # of `bytes` at the cache's rate); None: all of `bytes` from memory
+    memory_bytes: float | None = None
 
     def times(self, n: float) -> Op:
         back = None if self.backward_kernels is None else round(self.backward_kernels * n)
@@ -85,6 +89,7 @@ class Op:
             kernels=round(self.kernels * n),
             backward_kernels=back,
             backward_bytes=back_bytes,
+            memory_bytes=None if self.memory_bytes is None else self.memory_bytes * n,
         )
 
 
@@ -215,8 +220,16 @@ def _dropout(name: str, elements: int, p: int, impl: Implementation = TPBENCH) -
 def outside_forward(d: Dims) -> list[Op]:
     """The forward outside the blocks: the embedding's lookup, the final norm, the LM head, the loss."""
     N, H, V, p, s = d.N, d.H, d.V_l, d.p, d.s
-    # the lookup and the RoPE tables (15 ops; VP: its mask, shift and zeroing too)
-    ops = [elementwise("embedding", N * H, 2 * s, 15 + (6 if d.vp else 0))]
+    # the lookup and the RoPE tables (15 ops; VP: its mask, shift and zeroing too). Its gradient is
+    # the table's, dense: [V/T, H] zeroed, the token rows' gradients added in (read, and the rows
+    # read and written); tied to the head, the two gradients of the one weight are then added
+    table = d.V_l * H * d.w
+    embedding_grad = table + N * H * (s + 2 * d.w) + (3 * table if d.tied else 0)
+    ops = [
+        replace(
+            elementwise("embedding", N * H, 2 * s, 15 + (6 if d.vp else 0)), backward_bytes=embedding_grad
+        )
+    ]
     if d.dropout:
         ops.append(_dropout("embedding dropout", d.Ns * H, s))
     ops += [rmsnorm("final norm", d.Ns, H, s), gemm("lm_head", N, V, H, p)]
@@ -254,15 +267,55 @@ def recomputed(d: Dims, impl: Implementation = TPBENCH) -> list[Op]:
 
 
 def optimizer(d: Dims) -> Op:
-    """AdamW over this rank's parameters: unfused (about a dozen passes over the parameters,
-    gradients and moments) or fused (one kernel reading and writing them once)."""
+    """AdamW over this rank's parameters (its shard of them under ZeRO-1 or FSDP2): unfused (about a
+    dozen passes over the parameters, gradients and moments) or fused (one kernel reading and
+    writing them once)."""
     tensors = params(d)
     n = sum(count for _, count in tensors)
+    if d.dp_shard != "none":  # this rank's shard: ZeRO-1's one flat master, FSDP2's of each parameter
+        n = math.ceil(n / d.dp_shards)
+        tensors = tensors[:1] if d.dp_shard == "optimizer" else tensors
     if d.fused_adam:
         return Op("adamw", OPTIMIZER, 12.0 * n, 7 * d.w * n, 1, phase=STEP, layer=False)
     # torch's default on a CPU is the for-loop AdamW, 13 ops per parameter; on a GPU the foreach one
+    # Its passes run a parameter at a time, each over that parameter's four tensors, which the cache
+    # holds between them where it can: from memory, what the fused kernel moves (each read once, the
+    # parameter and the moments written once); the rest of its passes at the cache's rate
+    # (ZeRO-1's one flat shard has no parameter-sized tensors to reuse: every pass from memory)
     kernels = 12 if d.gpu else 13 * len(tensors)
-    return Op("adamw", OPTIMIZER, 12.0 * n, 24 * d.w * n, kernels, phase=STEP, layer=False)
+    adamw = Op("adamw", OPTIMIZER, 12.0 * n, 24 * d.w * n, kernels, phase=STEP, layer=False)
+    return adamw if d.dp_shard == "optimizer" else replace(adamw, memory_bytes=7 * d.w * n)
+
+
+def dp_copies(d: Dims) -> list[Op]:
+    """What DP's gradient average (and FSDP2's parameter gathers) copy on the compute's thread, by
+    engine: n this rank's parameters, w their bytes, p an activation's, D the shard group:
+      DDP's buckets, parallel.overlap's flat ones   each gradient copied into its bucket as backward
+          makes it (zero_grad(set_to_none) dropped the last step's view), each bucket averaged in
+          place: 4 w n; a copy per parameter, a division per bucket
+      the blocking average (collectives.all_reduce_coalesced)   concatenated, averaged, copied
+          back: 6 w n
+      ZeRO-1 (tpbench.parallel.zero)   the grad buffer zeroed, each gradient added in, the shard
+          averaged: 4 w n + 2 w n / D
+      FSDP2 (grads, full; a unit per block and the root)   each unit's gradients copied into its
+          reduce-scatter input (2 w n), the shard averaged (2 w n / D); per gather (one a step, two
+          with full: backward gathers again) the shard cast in (w + p per shard element) and the
+          whole copied out (2 p n)"""
+    tensors = params(d)
+    n, w, D = sum(count for _, count in tensors), d.w, d.dp_shards  # noqa: N806
+    if d.ddp or d.flat_dp:
+        size, kernels = 4 * w * n, len(tensors) + 1
+    elif d.dp_shard == "optimizer":
+        size, kernels = 4 * w * n + 2 * w * n / D, len(tensors) + 2
+    elif d.dp_shard in ("grads", "full"):
+        gathers = 2 if d.dp_shard == "full" else 1
+        size = 2 * w * n + 2 * w * n / D + gathers * ((w + d.p) * n / D + 2 * d.p * n)
+        kernels = (d.L + 1) * (2 + 2 * gathers)
+    elif d.dp > 1:  # a reshape each, the cat, the division, the split, the copies
+        size, kernels = 6 * w * n, 2 * len(tensors) + 3
+    else:
+        return []
+    return [Op("dp copies", ELEMENTWISE, float(n), size, kernels, BACKWARD, False)]
 
 
 def step_ops(d: Dims, impl: Implementation = TPBENCH) -> list[Op]:
@@ -272,4 +325,4 @@ def step_ops(d: Dims, impl: Implementation = TPBENCH) -> list[Op]:
     forward = [op.times(d.L) for op in layer] + outside
     backward = [backward_of(op).times(d.L) for op in layer] + [backward_of(op) for op in outside]
     extra = [op.times(d.L) for op in recomputed(d, impl)]
-    return forward + extra + backward + [optimizer(d)]
+    return forward + extra + backward + dp_copies(d) + [optimizer(d)]

@@ -55,7 +55,7 @@ class Rates:
 
     gemm: dict[str, float]  # "large" | "small" -> FLOP/s
     attention: float  # FLOP/s of the flash attention kernel
-    bandwidth: float  # bytes/s of an elementwise kernel
+    bandwidth: float  # bytes/s of an elementwise kernel reading and writing memory
     op_s: float  # fixed cost of one kernel (launch; on a CPU Python, dispatch and autograd)
     alpha: dict[str, float]  # collective kind -> s
     beta: dict[str, float]  # collective kind -> s per ring byte
@@ -68,6 +68,12 @@ class Rates:
     # inputs widened and its output rounded, three casts that move 3 x the GEMM's bf16 bytes (read 2,
     # write 4 per input element; read 4, write 2 per output element); 0: native GEMMs
     widen: float = 0.0
+    # bytes/s of passes over operands the cache holds (an op's `memory_bytes`); 0: `bandwidth`
+    cache_bandwidth: float = 0.0
+
+    @property
+    def cached(self) -> float:
+        return self.cache_bandwidth or self.bandwidth
 
     def gemm_rate(self, mnk: tuple[int, int, int]) -> float:
         return self.gemm["small" if min(mnk) <= SMALL_DIM else "large"]

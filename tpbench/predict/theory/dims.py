@@ -61,6 +61,10 @@ class Dims:
     overlap: bool = False  # parallel.overlap (megatron): with dp > 1, the DP gradients in flat buckets
     rope_cast_once: bool = False  # cos, sin cast once per block, shared by q and k (FSDP2's input cast)
     gloo_clone: bool = False  # real gloo ranks: a reduce-scatter all-reduces a clone of its input
+    # parallel.dp_shard where its shard group has more than one rank (else none): ZeRO-1's (optimizer)
+    # or FSDP2's (grads, full) own the DP gradients and AdamW steps this rank's shard of dp_shards
+    dp_shard: str = "none"
+    dp_shards: int = 1
 
     @property
     def flat_dp(self) -> bool:
@@ -183,5 +187,7 @@ def dims(cfg: RunConfig) -> Dims:
         bias=m.attention_bias,
         dropout=m.dropout > 0,
         overlap=par.overlap,
+        dp_shard=par.dp_shard if par.dp // par.dp_replicate > 1 else "none",
+        dp_shards=par.dp // par.dp_replicate if par.dp_shard != "none" else 1,
         gloo_clone=cfg.launch.device == "cpu" and cfg.launch.emulate == "none",
     )
