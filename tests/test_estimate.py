@@ -82,6 +82,28 @@ def test_the_rate_is_measured_once_then_read_from_the_cache(cache, monkeypatch):
     assert rate_probe.rate("float32", cfg, 1) == measured
 
 
+@pytest.mark.parametrize("rate", [2e11, 6e9])  # the 2048 reached (STEADY_S), or the budget stops at 512
+def test_the_matmul_probe_is_the_median_of_its_last_timed_sizes_calls(monkeypatch, rate):
+    """Each size timed warm, then the last size timed again within the budget: FLOP/s of that size,
+    whichever way the sizes stopped. At 6e9 FLOP/s a 512 takes 45 ms and two calls of 1024 would
+    overrun the budget: the probe stops at 512 (a probe once divided 1024's FLOPs by 512's time: fp64
+    read 711 GFLOP/s on a CPU of 94)."""
+    calls = []
+
+    def matmul_seconds(a, b, threads):
+        calls.append(a.shape[0])
+        return 2.0 * a.shape[0] ** 3 / rate * (1.0 + 0.1 * (len(calls) % 2))  # two speeds, alternating
+
+    monkeypatch.setattr(rate_probe, "_matmul_seconds", matmul_seconds)
+    monkeypatch.setattr(
+        rate_probe.torch, "randn", lambda *shape, **kw: rate_probe.torch.zeros(1).expand(*shape)
+    )
+    measured = rate_probe.probe(rate_probe.torch.float64, rate_probe.torch.device("cpu"), 1)
+    last = 2048 if rate > 1e10 else 512
+    assert max(calls) == last and calls.count(last) == 2 + 2  # warm, timed, and two more in the budget
+    assert measured == pytest.approx(rate)  # the median of the three timed: the faster speed twice
+
+
 def test_fp32_accumulates_cost_per_op_is_probed_once_then_read_from_the_cache(cache, monkeypatch):
     """What launch.bf16_gemm=fp32_accumulate's dispatch mode adds to each op: the tiny step with and
     without it, per op (Python's __torch_dispatch__ on every aten op: microseconds, not nothing)."""

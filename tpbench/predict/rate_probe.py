@@ -68,39 +68,39 @@ def probe(dtype: torch.dtype, device: torch.device, threads: int | None) -> floa
     saved = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
-    clock = time.perf_counter if device.type == "cuda" else time.process_time
-    per = 1 if device.type == "cuda" else threads or saved
     try:
-        spent, measured = 0.0, 0.0
+        spent, seconds, timed = 0.0, 0.0, None
         for n in PROBE_SIZES:
-            flops = 2.0 * n**3
-            if measured and spent + 2 * flops / measured > PROBE_BUDGET_S:  # a warm call and a timed one
-                break
-            start = clock()
+            if seconds and spent + 2 * seconds * (n / timed[0].shape[0]) ** 3 > PROBE_BUDGET_S:
+                break  # a warm call and a timed one of this size would not fit
             a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-            a @ b
-            _sync(device)
-            timed = clock()
-            a @ b
-            _sync(device)
-            end = clock()
-            spent += (end - start) / per
-            seconds = max((end - timed) / per, 1e-9)
-            measured = flops / seconds
+            warm = _matmul_seconds(a, b, threads or saved)
+            seconds = _matmul_seconds(a, b, threads or saved)
+            spent += warm + seconds
+            timed = (a, b)
             if seconds >= STEADY_S:
                 break
-        # the last size again, up to TIMED_CALLS in all within the budget: their median (one call of
-        # 2048 on the 2-core Xeon read 151, 173 and 186 GFLOP/s in three probes of one day)
-        times = [flops / measured]
-        while len(times) < TIMED_CALLS and spent + times[0] <= PROBE_BUDGET_S:
-            start = clock()
-            a @ b
-            _sync(device)
-            times.append(max((clock() - start) / per, 1e-9))
+        # the last size timed, again, up to TIMED_CALLS calls in all within the budget: their median
+        # (one call of 2048 on the 2-core Xeon read 151, 173 and 186 GFLOP/s in three probes of a day)
+        times = [seconds]
+        while len(times) < TIMED_CALLS and spent + seconds <= PROBE_BUDGET_S:
+            times.append(_matmul_seconds(*timed, threads or saved))
             spent += times[-1]
-        return flops / sorted(times)[len(times) // 2]
+        return 2.0 * timed[0].shape[0] ** 3 / sorted(times)[len(times) // 2]
     finally:
         torch.set_num_threads(saved)
+
+
+def _matmul_seconds(a: torch.Tensor, b: torch.Tensor, threads: int) -> float:
+    """One `a @ b`: on a GPU the wall clock between synchronizes, on the CPU the process's CPU time over
+    its threads."""
+    cuda = a.device.type == "cuda"
+    clock = time.perf_counter if cuda else time.process_time
+    _sync(a.device)
+    start = clock()
+    a @ b
+    _sync(a.device)
+    return max((clock() - start) / (1 if cuda else threads), 1e-9)
 
 
 def probe_in_child(dtype: str, device: str = "cuda") -> float:
