@@ -35,6 +35,10 @@ from tpbench.cli import app
 # same with a warm one: docs/development.md#the-budget, scripts/compile-cost.py).
 # Every torchrun job and `tpbench` process of the tests inherits it.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# The rates the tests probe (tpbench.predict.rate_probe), under the suite's own load, go to a cache of
+# their own, kept between runs as the developer's is: the developer's later runs and
+# scripts/time_model_grid.py read rates probed on a machine they had to themselves, not these.
+os.environ.setdefault("TPBENCH_CACHE_DIR", str(Path.home() / ".cache" / "tpbench-tests"))
 
 TPBENCH = str(Path(sys.executable).with_name("tpbench"))
 # The tiny model, a couple of AdamW steps: a launch costs seconds.
