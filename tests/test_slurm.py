@@ -84,6 +84,17 @@ def test_runs_shows_the_slurm_job_and_nodes(swept):
         assert nodes in line
 
 
+def test_wait_after_the_jobs_ended_says_how_each_went(swept):
+    """--wait once every job has ended (the shell came back late): each job's run and how it went,
+    not a silent "skipped" (the first follower above raced the jobs to it under load)."""
+    work, url, sweep, _ = swept
+    late = work.run(*sweep, "--wait", timeout=120)
+    assert late.returncode == 0, late.stderr
+    for job, run_id in ResultsDB(url, create=False).runs()[["slurm_job_id", "id"]].values.tolist():
+        assert f"{job} run {run_id} OK: " in late.stderr
+    assert len(work.submitted()) == 2
+
+
 def test_the_same_sweep_again_submits_nothing(swept):
     work, url, sweep, _ = swept
     again = work.run(*sweep)

@@ -119,7 +119,9 @@ def submit_and_follow(
         known = index.latest(config_hash(cfg), request)
         if known is not None:
             done = db.run_of_job(known[0])
-            if not force and done is not None and done[1] == "OK":  # on the hardware this request got
+            # on the hardware this request got; --wait follows the job, so it says how the job went
+            # even where it ended OK before this command came (`_follow` finds it recorded at once)
+            if not force and not wait_only and done is not None and done[1] == "OK":
                 item.run_id, item.status = done[0], "skipped"
                 continue
             item.job_id, item.submitted_at = known
