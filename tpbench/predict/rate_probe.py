@@ -61,10 +61,10 @@ def probe(dtype: torch.dtype, device: torch.device, threads: int | None) -> floa
     """FLOP/s of a square matmul in `dtype` on `device` with `threads` CPU threads: the sizes of
     PROBE_SIZES in turn, each timed once warm, up to one that takes STEADY_S or the largest whose
     predicted cost fits in PROBE_BUDGET_S; the last size's figure, the median of up to TIMED_CALLS
-    calls within the budget. On the CPU the time is the
-    process's CPU time over its threads, so that other processes on a busy machine do not slow the
-    figure down (measured under a load of 33 on 2 cores: fp32 115-135 GFLOP/s by CPU time, 0.6-20 by
-    the wall clock); on a GPU the wall clock between synchronizes."""
+    calls within the budget. On the CPU the time is the process's CPU time over its threads, so that
+    other processes on a busy machine do not slow the figure down (measured under a load of 33 on 2
+    cores: fp32 115-135 GFLOP/s by CPU time, 0.6-20 by the wall clock); on a GPU the wall clock
+    between synchronizes."""
     saved = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
