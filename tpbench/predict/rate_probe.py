@@ -333,8 +333,7 @@ def probe_time_rates(threads: int | None) -> dict[str, float]:
 
         attn = 3.5 * 4.0 * 4 * 512 * 512 * 64 / _cpu_seconds(attention, 5, n)
         bandwidth = _memory_bandwidth(n)
-        x, y, out = torch.randn(2**22), torch.randn(2**22), torch.empty(2**22)
-        cached = 3 * 4 * 2**22 / _cpu_seconds(lambda: torch.add(x, y, out=out), 10, n)
+        cached = _add_bandwidth(2**22, 10, n)
         step = _tiny_step()
         torch.set_num_threads(1)  # Python and dispatch: one thread's work (idle threads would spin)
         op_s = _cpu_seconds(step, 5, 1) / _dispatched(step)
@@ -362,9 +361,14 @@ def _memory_bandwidth(threads: int) -> float:
     the first probe, stays in a large cache: 27 GB/s on the 2-core Xeon (480 MiB of L3), where 3 x 256
     MiB runs at 15 GB/s, and H 256's steps were predicted 16-25% short."""
     total = min(max(2 * (last_level_cache_bytes() or 64 * 2**20), 48 * 2**20), 3 * 2**29)
-    n = total // 3 // 4
+    return _add_bandwidth(total // 3 // 4, 5, threads)
+
+
+def _add_bandwidth(n: int, reps: int, threads: int) -> float:
+    """Bytes/s of `torch.add` over three fp32 tensors of `n` elements (two read, one written), by CPU
+    time, the median of `reps` calls."""
     x, y, out = torch.ones(n), torch.ones(n), torch.empty(n)
-    return 3 * 4 * n / _cpu_seconds(lambda: torch.add(x, y, out=out), 5, threads)
+    return 3 * 4 * n / _cpu_seconds(lambda: torch.add(x, y, out=out), reps, threads)
 
 
 def _tiny_step():

@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, replace
 
 from tpbench.predict.theory.dims import FP32, Dims
+from tpbench.predict.theory.sharding import flat_shard
 from tpbench.predict.theory.weights import params
 
 GEMM, ATTENTION, ELEMENTWISE, OPTIMIZER = "gemm", "attention", "elementwise", "optimizer"
@@ -272,9 +273,10 @@ def optimizer(d: Dims) -> Op:
     writing them once)."""
     tensors = params(d)
     n = sum(count for _, count in tensors)
-    if d.dp_shard != "none":  # this rank's shard: ZeRO-1's one flat master, FSDP2's of each parameter
+    if d.dp_shard == "optimizer":  # ZeRO-1's one flat master shard
+        n, tensors = flat_shard(d, d.dp_shards), tensors[:1]
+    elif d.dp_shard != "none":  # FSDP2's shard of each parameter
         n = math.ceil(n / d.dp_shards)
-        tensors = tensors[:1] if d.dp_shard == "optimizer" else tensors
     if d.fused_adam:
         return Op("adamw", OPTIMIZER, 12.0 * n, 7 * d.w * n, 1, phase=STEP, layer=False)
     # torch's default on a CPU is the for-loop AdamW, 13 ops per parameter; on a GPU the foreach one
