@@ -17,7 +17,6 @@ import time
 
 import torch
 
-from tpbench import machine
 from tpbench.models.minimind import RMSNorm
 from tpbench.predict import rate_probe
 from tpbench.predict.steptime import Rates, model
@@ -34,6 +33,7 @@ def main() -> None:
     torch.set_num_threads(1)
     llc = rate_probe.last_level_cache_bytes()
     print(f"last-level cache Linux names: {llc / 2**20:.0f} MiB" if llc else "no cache size named")
+    probed = rate_probe.probe_time_rates(1)  # the time model's rates: memory's bandwidth, the per-op cost
     flush = torch.empty(min(2 * (llc or 2**26), 2**30) // 4)
     print("operand   hot GB/s   cold GB/s")
     for mib in SIZES_MIB:
@@ -52,9 +52,8 @@ def main() -> None:
             torch.add(a, b, out=c)
             cold.append(time.process_time() - start)
         print(f"{mib:4d} MiB  {gbps(4 * n, hot):8.1f}  {gbps(4 * n, sorted(cold)[1]):9.1f}")
-    bandwidth = rate_probe._memory_bandwidth(1)
+    bandwidth = probed["bandwidth"]
     print(f"the probe (rate_probe._memory_bandwidth): {bandwidth / 1e9:.1f} GB/s")
-    del flush
     print("GEMM [m, k] @ [k, n]        hot ms  cold ms  hot + bytes/bw  max(hot, bytes/bw)")
     for m, n, k in GEMMS:
         hot, cold, size = gemm_times(m, n, k)
@@ -62,13 +61,11 @@ def main() -> None:
         line = f"[{m}, {k}] @ [{k}, {n}]".ljust(27)
         print(f"{line}{hot:7.3f} {cold:8.3f} {hot + traffic:15.3f} {max(hot, traffic):19.3f}")
 
-    step_ops(bandwidth)
+    step_ops(bandwidth, probed["op_s"], flush)
 
 
-def step_ops(bandwidth: float) -> None:
-    machine.keep_freed_memory()  # as a worker does: no page faults on the step's large buffers
-    op_s = rate_probe.probe_time_rates(1)["op_s"]
-    flush = torch.empty(min(2 * (rate_probe.last_level_cache_bytes() or 2**26), 2**30) // 4)
+def step_ops(bandwidth: float, op_s: float, flush: torch.Tensor) -> None:
+    """The step's ops hot and cold (`flush` written between) beside the time model's figures."""
     norm, x, g = RMSNorm(256), torch.randn(256, 2, 256, requires_grad=True), torch.randn(256, 2, 256)
     logits, add = torch.randn(512, 6400), torch.randn(512, 6400)
     rates = Rates({}, 0.0, bandwidth, op_s, {}, {})
