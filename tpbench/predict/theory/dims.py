@@ -148,13 +148,10 @@ class Dims:
 
 
 def dims(cfg: RunConfig) -> Dims:
-    from tpbench.predict.theory.sharding import sharding  # it builds on this module
-
     m, par, t = cfg.model, cfg.parallel, cfg.train
     T = par.tp
     vp = par.vp and T > 1
     mixed = t.precision == "mixed"
-    shards = sharding(cfg)
     return Dims(
         S=t.seq_len,
         B=local_batch(cfg),
@@ -190,7 +187,8 @@ def dims(cfg: RunConfig) -> Dims:
         bias=m.attention_bias,
         dropout=m.dropout > 0,
         overlap=par.overlap,
-        dp_shard=shards.level if shards.sharded else "none",
-        dp_shards=shards.D if shards.sharded else 1,
+        # theory.sharding's Sharding.sharded and D, which cannot be imported here (it builds on Dims)
+        dp_shard=par.dp_shard if par.dp // par.dp_replicate > 1 else "none",
+        dp_shards=par.dp // par.dp_replicate if par.dp_shard != "none" else 1,
         gloo_clone=cfg.launch.device == "cpu" and cfg.launch.emulate == "none",
     )
