@@ -1,6 +1,6 @@
 """The CUDA-event timing (tpbench.parallel.timing) on a real GPU, in one process of one rank.
 
-    python scripts/cuda_timing_check.py        (exit 0: every check passed; 1: one failed; 2: no GPU)
+    python benchmarks/cuda_timing_check.py        (exit 0: every check passed; 1: one failed; 2: no GPU)
 
 A one-rank NCCL group runs an all-gather into a tensor of its own as a copy on NCCL's stream (1 GiB: about
 0.5 ms, long beside the host's few microseconds between two launches),

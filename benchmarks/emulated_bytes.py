@@ -1,6 +1,6 @@
 """Every measurement of 21 fake-emulated memory runs, as JSON: run it on two commits and compare the
 files (`cmp`) to check that a change to the emulation leaves every byte as it was.
-Run: OMP_NUM_THREADS=1 python scripts/emulated_bytes.py > bytes.json"""
+Run: OMP_NUM_THREADS=1 python benchmarks/emulated_bytes.py > bytes.json"""
 
 import json
 import sys

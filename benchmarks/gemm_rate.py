@@ -1,6 +1,6 @@
 """Single-core GEMM rate at the TP step's shapes (H 768, heads 8/4, I 2432 as MiniMind makes it from H,
 V 6400, T 2, N = S*B = 1024): in fp32, the rate behind the GEMM limit of docs/results/speed.md.
-Run: OMP_NUM_THREADS=1 python scripts/gemm_rate.py [--dtype bfloat16]"""
+Run: OMP_NUM_THREADS=1 python benchmarks/gemm_rate.py [--dtype bfloat16]"""
 
 import argparse
 import statistics

@@ -2,7 +2,7 @@
 # What only a GPU shows, in one short run on a machine with one GPU, beside what the CPU emulation
 # and the theory say of the same configs. Not part of CI (CI has no GPU: tests/test_cuda_path.py runs
 # every mode's training step on fake CUDA tensors there instead).
-#   bash scripts/gpu-check.sh [OUT_DIR]          (PYTHON=... to pick the interpreter that has CUDA torch)
+#   bash benchmarks/gpu-check.sh [OUT_DIR]          (PYTHON=... to pick the interpreter that has CUDA torch)
 # Needs the project's dependencies importable (hydra-core, omegaconf, sqlalchemy, typer besides torch);
 # runs on torch 2.11 too (the guards in tpbench/run/launch.py and tpbench/parallel/collectives.py).
 # GPU_CHECK_SECONDS=N: stop each step still running N s after the start (a step cut short reads
@@ -22,7 +22,7 @@
 #    MemTracker's live-tensor peak, and beside the same config emulated with fake tensors on the CPU
 #    (its allocation trace replayed through the allocator model: run at the same time, on the CPU);
 # 3. one throughput run with CUDA timing: MFU at H 2048, bf16, T = 1 (its record says timing_cuda_events 1);
-# 4. scripts/cuda_timing_check.py: CUDA-event times of a one-rank NCCL group's collectives (blocking,
+# 4. benchmarks/cuda_timing_check.py: CUDA-event times of a one-rank NCCL group's collectives (blocking,
 #    hidden behind compute, waited at once) against NCCL's own per-work duration, printed at the end.
 # The short steps (1, 4, 3) run first, the memory sweeps (2) last.
 # What one GPU cannot show: NCCL between ranks (every collective here is the fake backend's, which
@@ -85,7 +85,7 @@ db="db.url=sqlite:///$out/gpu-check.db"
 say "1. every kind at T = 1 on CUDA (the fake-tensor sweep runs beside, on the CPU)"
 tpbench run tp=1 device=cuda "$db" --json >"$out/t1.jsonl" || failed=1
 say "4. the CUDA-event timing of collectives against NCCL's own duration, on a one-rank NCCL group"
-bounded "$py" scripts/cuda_timing_check.py >"$out/cuda-timing.txt" 2>&1 || failed=1
+bounded "$py" benchmarks/cuda_timing_check.py >"$out/cuda-timing.txt" 2>&1 || failed=1
 say "3. throughput with CUDA timing: MFU at H 2048, bf16, T = 1"
 tpbench run kind=throughput tp=1 model=seed_memory hidden=2048 heads=16 kv_heads=8 dtype=bfloat16 \
   device=cuda "$db" --json >"$out/mfu.jsonl" || failed=1
@@ -159,6 +159,6 @@ print(f"{gpu} allocator model; {seconds} s in all. Not shown by one GPU: NCCL be
       "ranks are the fake backend's: no bytes moved, no time taken), so neither collective times, "
       "bandwidth, overlap's hiding, NCCL's buffers, nor a T > 1 job's values.")
 PY
-echo "CUDA-event timing of collectives (scripts/cuda_timing_check.py, one rank, NCCL):" | tee -a "$out/table.txt"
+echo "CUDA-event timing of collectives (benchmarks/cuda_timing_check.py, one rank, NCCL):" | tee -a "$out/table.txt"
 tee -a "$out/table.txt" <"$out/cuda-timing.txt"
 exit $failed

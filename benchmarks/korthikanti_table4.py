@@ -2,7 +2,7 @@
 Transformer Models", Table 4: one transformer layer of their 22B GPT at TP 8 on eight A100-80GB
 (NVLink/NVSwitch), forward / backward / total ms, predicted beside published.
 
-    .venv/bin/python scripts/korthikanti_table4.py
+    .venv/bin/python benchmarks/korthikanti_table4.py
 
 The mapping: h 6144, 64 heads, s 2048, micro-batch 4, vocab 51200, bf16, dropout 0.1, one layer.
 tpbench's block is Llama-style (RMSNorm, SwiGLU, rotary): SwiGLU's intermediate 16384 (8h/3) gives

@@ -10,7 +10,7 @@
 - two of the step's own ops at H 256 (micro-batch 2, S 256), hot and cold beside the time model's
   op (at the probed bandwidth and per-op cost): MiniMind's RMSNorm forward and backward, and the
   cross-entropy's log-softmax over [512, 6,400] logits forward, per element, beside an add's.
-  OMP_NUM_THREADS=1 .venv/bin/python scripts/memory_bandwidth.py
+  OMP_NUM_THREADS=1 .venv/bin/python benchmarks/memory_bandwidth.py
 Takes about a minute and 1.5 GiB of memory at most on a CPU with a large cache."""
 
 import time

@@ -14,7 +14,7 @@ Per iteration: the median wall time, and the CPU time of all the rank's threads 
 gloo's workers) over the loop's wall time. The pipelined results are checked bit-equal to the
 blocking ones. Each case runs `--reps` times, interleaved; rank 0 prints the medians.
 
-Run: OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 scripts/overlap_bound.py
+Run: OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/overlap_bound.py
 """
 
 import argparse

@@ -3,7 +3,7 @@ grouped as docs/results/speed.md reads them (the GEMMs, attention, our collectiv
 functions, the optimizer, the elementwise kernels, the rest: views, autograd's own work and Python),
 beside the step time measured without the profiler and the time model's step by class.
 Takes tpbench's overrides; run it as its job would run, one core per rank:
-  OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 scripts/profile_step.py model=minimind layers=4 \\
+  OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 benchmarks/profile_step.py model=minimind layers=4 \\
       seq=512 micro_batch=2 dtype=float32 train.fused_optimizer=true tp=2"""
 
 import os

@@ -5,7 +5,7 @@ Per run (a level, `parallel.dp_shard`, under a mode): its status, each check's w
 fraction of its bound (`<check>_of_bound`, at most 1 passes: tpbench.experiments.criterion), the
 worst of them, and the busiest rank's CPU seconds (`validate_cpu_s`). Only reads the database:
 
-    .venv/bin/python scripts/sharded_dp_table.py --db sqlite:///runs/v38_mixed.db
+    .venv/bin/python benchmarks/sharded_dp_table.py --db sqlite:///runs/v38_mixed.db
 """
 
 from __future__ import annotations

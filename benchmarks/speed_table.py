@@ -1,8 +1,8 @@
-"""The speed table of docs/results/speed.md from scripts/speed_loop.sh's log and database: per setting the
+"""The speed table of docs/results/speed.md from benchmarks/speed_loop.sh's log and database: per setting the
 median step of the repetitions, each run over its own GEMM limit (the run's counted FLOPs / 2 ranks /
 the mean of the GEMM rates measured either side of it; minimind-tron's steps over tpbench's TP limit,
 the same FLOPs: the LM head whole on each rank), over minimind-tron's TP step, and each switch's effect
-per repetition. Run: python scripts/speed_table.py runs/speed.log runs/speed.db"""
+per repetition. Run: python benchmarks/speed_table.py runs/speed.log runs/speed.db"""
 
 import json
 import re

@@ -2,8 +2,8 @@
 torchrun job per run): the same sweep of tiny configs, each way, in a fresh folder, and what each run
 costs beyond its experiment. docs/results/sweep-overhead.md has its output on this project's machine.
 
-    .venv/bin/python scripts/sweep_overhead.py                     # 8 runs: 4 modes x validate, memory
-    .venv/bin/python scripts/sweep_overhead.py mode=tp,tp_sp kind=memory train.steps=1   # your sweep
+    .venv/bin/python benchmarks/sweep_overhead.py                     # 8 runs: 4 modes x validate, memory
+    .venv/bin/python benchmarks/sweep_overhead.py mode=tp,tp_sp kind=memory train.steps=1   # your sweep
 
 The experiment's own time is rank 0's in the experiment function (tpbench.experiments.experiment's,
 timed in every worker by a sitecustomize this script puts on the workers' PYTHONPATH); everything else

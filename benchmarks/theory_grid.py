@@ -4,7 +4,7 @@ model: H 64, L 2, heads 8/4, I 256, V 512, micro-batch 2; as is, V 256, untied, 
 selective recompute, and the families Llama, Qwen2.5 and Qwen3 of tests/torchrun_checks.py), where
 few tokens beside the weights move the peak to the weight gradients' moments. Prints each config whose
 peak is not predicted to the byte, then the count. In-process, no launcher (about two minutes).
-Run: .venv/bin/python scripts/theory_grid.py"""
+Run: .venv/bin/python benchmarks/theory_grid.py"""
 
 import dataclasses
 import itertools

@@ -4,9 +4,9 @@ repeat one `tpbench sweep --force` of every mode and shape, on warm workers), th
 the measured median step over the repeats (min-max), the predicted step recorded with each run, the
 error; and the same against the step's CPU time (what a loaded machine's wall clock hides).
 
-    nice .venv/bin/python scripts/time_model_grid.py --repeats 5              # runs, then the table
-    .venv/bin/python scripts/time_model_grid.py --table-only                 # the table of runs made
-    .venv/bin/python scripts/time_model_grid.py --shapes tiny,h256 --repeats 1
+    nice .venv/bin/python benchmarks/time_model_grid.py --repeats 5              # runs, then the table
+    .venv/bin/python benchmarks/time_model_grid.py --table-only                 # the table of runs made
+    .venv/bin/python benchmarks/time_model_grid.py --shapes tiny,h256 --repeats 1
 
 The runs go to the database of the working folder (runs/tpbench.db), sweep names time_model r<i>.
 """

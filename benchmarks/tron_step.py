@@ -5,7 +5,7 @@ Needs a checkout of ANKer661/minimind's tp_demo branch (its model/ folder) and `
 tpbench does not depend on; run it from a venv of its own:
   git clone -b tp_demo https://github.com/ANKer661/minimind /tmp/tron
   python -m venv /tmp/tron/venv && /tmp/tron/venv/bin/pip install torch transformers
-  OMP_NUM_THREADS=1 /tmp/tron/venv/bin/torchrun --nproc-per-node 2 scripts/tron_step.py --tron /tmp/tron
+  OMP_NUM_THREADS=1 /tmp/tron/venv/bin/torchrun --nproc-per-node 2 benchmarks/tron_step.py --tron /tmp/tron
 """
 
 import argparse

@@ -11,12 +11,12 @@ reads the database: per part the runs, the failures, the CPU time of a run, each
 their floor (what K has to cover); `--compare DB` sets each run beside the same run (mode, T, seed)
 of another database.
 
-    .venv/bin/python scripts/validation_grid.py --seeds 20 --parts tiny_fp32 tiny_t4_fp32
-    .venv/bin/python scripts/validation_grid.py --report
-    .venv/bin/python scripts/validation_grid.py --report --db sqlite:///runs/a.db --compare sqlite:///runs/b.db
-    .venv/bin/python scripts/validation_grid.py --dense-cost
-    .venv/bin/python scripts/validation_grid.py --planted --db sqlite:///runs/planted_bugs.db
-    .venv/bin/python scripts/validation_grid.py --planted --bugs scale --scales 1.03,1.04 --db ...
+    .venv/bin/python benchmarks/validation_grid.py --seeds 20 --parts tiny_fp32 tiny_t4_fp32
+    .venv/bin/python benchmarks/validation_grid.py --report
+    .venv/bin/python benchmarks/validation_grid.py --report --db sqlite:///runs/a.db --compare sqlite:///runs/b.db
+    .venv/bin/python benchmarks/validation_grid.py --dense-cost
+    .venv/bin/python benchmarks/validation_grid.py --planted --db sqlite:///runs/planted_bugs.db
+    .venv/bin/python benchmarks/validation_grid.py --planted --bugs scale --scales 1.03,1.04 --db ...
 """
 
 from __future__ import annotations

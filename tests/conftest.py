@@ -37,7 +37,7 @@ from tpbench.cli import app
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # The rates the tests probe (tpbench.predict.rate_probe), under the suite's own load, go to a cache of
 # their own, kept between runs as the developer's is: the developer's later runs and
-# scripts/time_model_grid.py read rates probed on a machine they had to themselves, not these.
+# benchmarks/time_model_grid.py read rates probed on a machine they had to themselves, not these.
 os.environ.setdefault("TPBENCH_CACHE_DIR", str(Path.home() / ".cache" / "tpbench-tests"))
 
 TPBENCH = str(Path(sys.executable).with_name("tpbench"))

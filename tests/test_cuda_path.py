@@ -21,7 +21,7 @@ from torchrun_checks import TINY, run_config
 
 from tpbench.predict import theory
 
-pytestmark = pytest.mark.torch_build  # skips on a CUDA build of torch (ci_skips.py): scripts/gpu-check.sh
+pytestmark = pytest.mark.torch_build  # skips on a CUDA build of torch (ci_skips.py): benchmarks/gpu-check.sh
 CHECKS = Path(__file__).with_name("fake_cuda_checks.py")
 SP_OPS = {"_allgather_base_.default", "_reduce_scatter_base_.default", "allreduce_.default"}
 DTENSOR_SP_OPS = {"all_gather_into_tensor.default", "reduce_scatter_tensor.default", "all_reduce.default"}
@@ -29,7 +29,7 @@ DTENSOR_SP_OPS = {"all_gather_into_tensor.default", "reduce_scatter_tensor.defau
 
 @beside
 def fake_cuda(folder: Path) -> dict:
-    if torch.version.cuda is not None:  # a CUDA torch has CUDA's guard and hooks: scripts/gpu-check.sh
+    if torch.version.cuda is not None:  # a CUDA torch has CUDA's guard and hooks: benchmarks/gpu-check.sh
         pytest.skip("torch is built with CUDA: the no-op CUDA is for a CPU-only torch")
     start = time.perf_counter()
     so = cuda_guard.build()

@@ -2,7 +2,7 @@
 each planted bug fails it, naming the check and the parameter.
 
 Every config below runs through validate.run in test_parallel's world-2 torchrun job (tests/torchrun_checks.py
-`WORLD2`); the scripts/validation_grid.py grid (docs/results/validation.md) runs the many seeds and shapes.
+`WORLD2`); the benchmarks/validation_grid.py grid (docs/results/validation.md) runs the many seeds and shapes.
 """
 
 from __future__ import annotations

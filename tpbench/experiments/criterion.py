@@ -14,7 +14,7 @@ steps). Two models that sum the same terms in different orders each carry an err
 against the exact result, so they differ by up to about 2e; the sharded model rounds a little more
 often than the dense one (each rank's partial sums are rounded before the all-reduce adds them), and
 one parameter's error is one draw, not an average. K is set from the validation grid
-(scripts/validation_grid.py, docs/results/validation.md): over it, the largest ratio of
+(benchmarks/validation_grid.py, docs/results/validation.md): over it, the largest ratio of
 sharded-vs-dense to dense-vs-reference among the figures above their floor was 2.63 (bf16 at T 2,
 seed 19, a q/k norm's gradient, over the tiny model's 200 bf16 runs; the forward logits 1.81), so
 K = 4 leaves 1.5x room above it. It is 4, not 10

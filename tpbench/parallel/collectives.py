@@ -21,7 +21,7 @@ from tpbench.parallel import instrumentation
 Group = dist.ProcessGroup | None
 
 # torch 2.12 named these all_gather_single and reduce_scatter_single (2.13 deprecates the old names with
-# a FutureWarning); an older torch, such as the 2.11 of a GPU image (scripts/gpu-check.sh), has only
+# a FutureWarning); an older torch, such as the 2.11 of a GPU image (benchmarks/gpu-check.sh), has only
 # all_gather_into_tensor and reduce_scatter_tensor, the same collectives.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

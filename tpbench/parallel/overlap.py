@@ -24,7 +24,7 @@ before it and its output is needed by the very next op (q/k/v or gate/up), so th
 to hide it behind short of cutting each GEMM in chunks and pipelining them with the ring (Megatron's
 userbuffers); likewise the exits (f-bar, g-bar) and g-bar's backward all-gather. On gloo that does not
 pay: a chunk's collective takes its CPU from the next chunk's GEMM on the same cores, so the exits come
-out slower pipelined and SP's entry hides 0.3% of a step (scripts/overlap_bound.py, docs/results/speed.md).
+out slower pipelined and SP's entry hides 0.3% of a step (benchmarks/overlap_bound.py, docs/results/speed.md).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ enqueued, so the host time of its callback says nothing of when the collective e
   more than the step (those of one group cannot: each starts its time where the one before ended).
   NCCL's own timing (TORCH_NCCL_ENABLE_TIMING=1, `Work._get_duration()`) measures from N's start of
   the kernel, after its wait on C; it needs each Work kept until after the step, and with it every
-  tensor the Work holds, so it serves only as a cross-check (scripts/cuda_timing_check.py).
+  tensor the Work holds, so it serves only as a cross-check (benchmarks/cuda_timing_check.py).
 
 The event source is injectable (`EventSource`): tests drive `CudaEventTimer` with a fake GPU clock.
 """

@@ -178,7 +178,7 @@ def launch_config(cfg: RunConfig, job: Path) -> LaunchConfig:
 
 
 # Workers get 5 s between SIGTERM and SIGKILL when a job ends, not the default 30: a field torch 2.12
-# added. On an older torch (2.11 on a GPU image: scripts/gpu-check.sh) the default stays.
+# added. On an older torch (2.11 on a GPU image: benchmarks/gpu-check.sh) the default stays.
 _SHUTDOWN_TIMEOUT = {"shutdown_timeout": 5} if hasattr(LaunchConfig, "shutdown_timeout") else {}
 
 

@@ -117,7 +117,7 @@ def _kernel(arithmetic: float, traffic: float, rates: Rates) -> float:
     """A GEMM's or the attention kernel's time from its arithmetic and its operands' traffic: on a GPU
     the larger (its warps hide one behind the other); on a CPU the sum: one core moves the step's
     operands, which the cache no longer holds, and its result in and out beside little arithmetic
-    (scripts/memory_bandwidth.py: H 256's GEMMs over operands made cold take their time with the
+    (benchmarks/memory_bandwidth.py: H 256's GEMMs over operands made cold take their time with the
     operands in the cache plus their bytes at the memory's bandwidth, to 3%)."""
     return max(arithmetic, traffic) if rates.gpu else arithmetic + traffic
 

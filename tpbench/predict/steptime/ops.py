@@ -58,7 +58,7 @@ MEGATRON = Implementation(
     rope=False,
 )
 # backward dispatches 2.34 ops per forward op: the dense tiny model's step, counted by a dispatch mode
-# (535 in backward, 229 in forward; scripts/time_model_grid.py --count prints them)
+# (535 in backward, 229 in forward; benchmarks/time_model_grid.py --count prints them)
 BACKWARD_KERNELS = 2.34
 
 
