@@ -142,3 +142,85 @@ def test_slugs_follow_github() -> None:
     assert slug("Drawing one block (`tpbench diagram`)") == "drawing-one-block-tpbench-diagram"
     assert slug("What is proven where") == "what-is-proven-where"
     assert anchors("# A\n## A\n```\n# not a heading\n```\n## A\n") == {"a", "a-1", "a-2"}
+
+
+# --- Tables: every row has its header's cells --------------------------------------------------------
+
+DELIMITER_ROW = re.compile(r"^\s*\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$")
+
+
+def cell_count(row: str) -> int:
+    """The cells of a table row as GitHub splits it: at each pipe not escaped (`\\|`), a pipe inside a
+    code span included; the outer pipes open and close the row."""
+    return len(re.split(r"(?<!\\)\|", row.strip().removeprefix("|").removesuffix("|")))
+
+
+def ragged_rows(text: str) -> list[str]:
+    """'line N: k cells, the header m' for each row of a table whose cell count is not its header's
+    (a cell too many or too few shifts the rest of the row under the wrong column)."""
+    lines = dict(prose_lines(text))
+    ragged = []
+    for number, line in lines.items():
+        below = lines.get(number + 1, "")
+        if not (line.lstrip().startswith("|") and DELIMITER_ROW.match(below)):
+            continue
+        width, row = cell_count(line), number + 1
+        while lines.get(row, "").lstrip().startswith("|"):
+            if (count := cell_count(lines[row])) != width:
+                ragged.append(f"line {row}: {count} cells, the header {width}")
+            row += 1
+    return ragged
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_table_row_has_its_headers_cells(page: Path) -> None:
+    assert ragged_rows(page.read_text(encoding="utf-8")) == []
+
+
+def test_a_planted_ragged_row_is_found() -> None:
+    text = (
+        "| a | b |\n|---|:-:|\n| 1 | `x \\| y` |\n| 2 | 3 | stray |\n| 4 |\n\n"
+        "```\n| in | a | fence |\n|---|\n```\n| not | a table |\n"
+    )
+    assert ragged_rows(text) == ["line 4: 3 cells, the header 2", "line 5: 1 cells, the header 2"]
+    assert cell_count("| `a|b` | c |") == 3  # GitHub splits inside a code span too
+
+
+# --- A run of words written twice in a row -----------------------------------------------------------
+
+
+def paragraphs(text: str) -> list[tuple[int, str]]:
+    """(first line, text) of each paragraph of prose: not code, tables nor headings."""
+    found: list[tuple[int, str]] = []
+    start, words = 0, []
+    for number, line in [*prose_lines(text), (0, "")]:
+        if line.strip() and not line.lstrip().startswith(("|", "#")):
+            start, words = start or number, [*words, line.strip()]
+        elif words:
+            found.append((start, " ".join(words)))
+            start, words = 0, []
+    return found
+
+
+def stutters(text: str, shortest: int = 3) -> list[str]:
+    """'line N: words' for each run of `shortest` words or more written twice in a row in a paragraph:
+    what an edit leaves when it keeps the old line above the new one."""
+    found = []
+    for start, paragraph in paragraphs(text):
+        words = paragraph.split()
+        for i, word in enumerate(words):
+            for n in range(shortest, (len(words) - i) // 2 + 1):
+                if words[i + n] == word and words[i : i + n] == words[i + n : i + 2 * n]:
+                    found.append(f"line {start}: {' '.join(words[i : i + n])}")
+    return found
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_words_written_twice_in_a_row(page: Path) -> None:
+    assert stutters(page.read_text(encoding="utf-8")) == []
+
+
+def test_a_planted_stutter_is_found() -> None:
+    text = "# Head\n\nA run's identity is its config\nA run's identity is its config and more.\n\n"
+    text += "T 2 + 2 + 2 ranks. | a | a | a |\n"
+    assert stutters(text) == ["line 3: A run's identity is its config"]
