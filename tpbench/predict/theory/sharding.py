@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from tpbench.config import RunConfig
+from tpbench.config import LEVEL_NAMES, RunConfig  # noqa: F401 (LEVEL_NAMES: its names, here too)
 from tpbench.predict.theory import blocks
 from tpbench.predict.theory.activations import after_head, layer_activations, model_activations
 from tpbench.predict.theory.dims import FP32, LOSS_AND_GRAD, Dims, dims
@@ -40,7 +40,6 @@ from tpbench.predict.theory.moments import Moment
 from tpbench.predict.theory.weights import optimizer_bytes, param_bytes, params
 
 LEVELS = ("none", "optimizer", "grads", "full")
-LEVEL_NAMES = {"none": "DDP", "optimizer": "ZeRO-1", "grads": "ZeRO-2", "full": "FSDP"}
 GRADS, PARAMS = "dp_grads", "dp_params"  # the purposes of the DP collectives (DDP's is dp_grads too)
 ROOT = "root"
 
