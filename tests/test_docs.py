@@ -1,10 +1,14 @@
-"""Every relative link of the README and of docs/ leads somewhere: the file exists, and an anchor
-names a heading of its page as GitHub spells the heading's id. No torch: plain text only."""
+"""The README and docs/ as a reader meets them: every relative link leads somewhere (the file exists,
+and an anchor names a heading of its page as GitHub spells the heading's id), every table row has its
+header's cells, no words are written twice in a row, each results page names the benchmarks/ script
+that made it, and what docs/usage.md says the CLI refuses or accepts is what the CLI does (in process,
+nothing launched; the only part that loads torch)."""
 
 from __future__ import annotations
 
 import re
 import unicodedata
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -224,3 +228,216 @@ def test_a_planted_stutter_is_found() -> None:
     text = "# Head\n\nA run's identity is its config\nA run's identity is its config and more.\n\n"
     text += "T 2 + 2 + 2 ranks. | a | a | a |\n"
     assert stutters(text) == ["line 3: A run's identity is its config"]
+
+
+# --- What docs/usage.md says the CLI refuses, and accepts, checked against the CLI --------------------
+
+USAGE = ROOT / "docs" / "usage.md"
+
+
+@dataclass(frozen=True)
+class Claim:
+    said: str  # words of docs/usage.md as written there (a line break read as a space)
+    args: str  # the command that shows it; {folder} is the test's folder
+    refused: str | None  # the start of the one line it is refused with (exit 2), or None: accepted
+    gpus: int = 0  # torch's device count, as on a GPU node (nothing runs on them)
+
+
+MIXED_OVERLAP = "overlap=true dp=2 recompute=full precision=mixed dtype=bfloat16"
+BF16_GEMM = "kind=validate dtype=bfloat16 launch.bf16_gemm=fp32_accumulate"
+CLAIMS = [
+    Claim("Nothing refuses to run", "run kind=memory dtype=bfloat16 --cfg", None),
+    Claim(
+        "a mode with a switch it sets otherwise (`mode=tp_sp_vp sp=false`",
+        "run mode=tp_sp_vp sp=false --cfg",
+        "mode=tp_sp_vp with parallel.sp=false: mode=tp_sp_vp sets parallel.sp=true",
+    ),
+    Claim("Hydra's own settings (`hydra.run.dir=`", "run hydra.run.dir=x --cfg", "hydra.run.dir=x: Hydra's"),
+    Claim("removing a key (`~model.dropout`)", "run ~model.dropout --cfg", "~model.dropout: removes a"),
+    Claim("Hydra's `-m`/`--multirun`", "run -m tp=2 --cfg", "tpbench run: No such option: -m; Hydra's"),
+    Claim("`layer=4` says `did you mean layers?`", "run layer=4 --cfg", "layer=4: layer is not a tpbench"),
+    Claim(
+        "`recompute=none|selective|full` (engines megatron and ddp; `engine=dtensor` refuses it)",
+        "run mode=dtensor_tp recompute=selective --cfg",
+        "train.recompute=selective with parallel.engine=dtensor",
+    ),
+    Claim(
+        "Pure fp16 is refused before launch",
+        "run dtype=float16 --cfg",
+        "train.dtype=float16 with train.precision=pure",
+    ),
+    Claim(
+        "The switch is refused off `dtype=bfloat16`",
+        "run kind=validate launch.bf16_gemm=fp32_accumulate --cfg",
+        "launch.bf16_gemm=fp32_accumulate with train.dtype=float32",
+    ),
+    Claim(
+        "for any kind but `validate` (it would slow a measured step)",
+        f"run {BF16_GEMM} kind=memory --cfg",
+        "launch.bf16_gemm=fp32_accumulate with kind=memory",
+    ),
+    Claim(
+        "with `compile=true`, and on CUDA",
+        f"run {BF16_GEMM} compile=true --cfg",
+        "launch.bf16_gemm=fp32_accumulate with train.compile=true",
+    ),
+    Claim(
+        "with `compile=true`, and on CUDA",
+        f"run {BF16_GEMM} launch.device=cuda --cfg",
+        "launch.bf16_gemm=fp32_accumulate with launch.device=cuda",
+        gpus=8,
+    ),
+    Claim(
+        "Every TP mode and `mode=ddp` take it, in pure and mixed precision, with recompute and overlap",
+        f"run kind=validate mode=tp_sp dp_shard=full {MIXED_OVERLAP} --cfg",
+        None,
+    ),
+    Claim(
+        "a level with `dp=1` (nothing to shard over)",
+        "run dp=1 dp_shard=full --cfg",
+        "parallel.dp_shard=full with parallel.dp=1",
+    ),
+    Claim(
+        "`dp_replicate` not dividing dp",
+        "run dp=4 dp_shard=full dp_replicate=3 --cfg",
+        "parallel.dp_replicate=3 with parallel.dp=4",
+    ),
+    Claim(
+        "or without FSDP2 (`grads`, `full`)",
+        "run dp=4 dp_shard=optimizer dp_replicate=2 --cfg",
+        "parallel.dp_replicate=2 with dp_shard=optimizer",
+    ),
+    Claim(
+        "`optimizer` or `dp_replicate` on the DTensor engine",
+        "run mode=dtensor_tp dp=2 dp_shard=optimizer --cfg",
+        "parallel.dp_shard=optimizer with parallel.engine=dtensor",
+    ),
+    Claim(
+        "on the DTensor engine, `train.compile`",
+        "run dp=2 dp_shard=full compile=true --cfg",
+        "parallel.dp_shard=full with train.compile=true",
+    ),
+    Claim(
+        "a debug switch the level cannot take (`debug.ddp_fault`, `debug.skip_grad_sum=dp`",
+        "run dp=2 dp_shard=full debug.skip_grad_sum=[dp] --cfg",
+        "parallel.dp_shard=full with debug.skip_grad_sum=dp",
+    ),
+    Claim(
+        "[Design: compile](design.md#compile) says what it refuses",
+        "run kind=memory compile=true --cfg",
+        "train.compile=true with kind=memory",
+    ),
+    Claim(
+        "Overlap is modelled in `kind=memory` and `tpbench plan` in pure and mixed precision, under every "
+        "recompute setting, at DP 1 and 2 alike",
+        f"run kind=memory {MIXED_OVERLAP} --cfg",
+        None,
+    ),
+    Claim(
+        "Overlap is modelled in `kind=memory` and `tpbench plan` in pure and mixed precision",
+        f"plan {MIXED_OVERLAP}",
+        None,
+    ),
+    Claim(
+        "or PostgreSQL database that is not a tpbench database, is refused with one line and left untouched",
+        "runs --db sqlite:///{folder}/other.db",
+        "sqlite:///{folder}/other.db is not a tpbench database (its tables: other); left untouched",
+    ),
+    Claim(
+        "or that contradicts `--format`, is refused in one line, as in `tpbench diagram`",
+        "report --out rep.md --format html --db sqlite:///{folder}/none.db",
+        "--out rep.md with --format html: the extension says md",
+    ),
+    Claim(
+        "or that contradicts `--format`, is refused in one line, as in `tpbench diagram`",
+        "diagram tp=2 --format png --out b.svg",
+        "--out b.svg with --format png: the extension says svg",
+    ),
+]
+
+
+def _usage_text() -> str:
+    return " ".join(USAGE.read_text(encoding="utf-8").split())
+
+
+def _invoke(*args: str):
+    from typer.testing import CliRunner
+
+    from tpbench.cli import app
+
+    return CliRunner().invoke(app, list(args), prog_name="tpbench")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    import sqlite3
+
+    path = tmp_path_factory.mktemp("claims")
+    with sqlite3.connect(path / "other.db") as other:
+        other.execute("CREATE TABLE other (x)")
+    return path
+
+
+@pytest.mark.parametrize(
+    "claim",  # a plan predicts the step's time too: seconds, in the whole suite only
+    [pytest.param(c, marks=[pytest.mark.not_quick] if c.args.startswith("plan") else []) for c in CLAIMS],
+    ids=[c.args for c in CLAIMS],
+)
+def test_usage_says_what_the_cli_does(claim: Claim, folder: Path, monkeypatch) -> None:
+    import shlex
+
+    assert claim.said in _usage_text(), f"docs/usage.md no longer says: {claim.said}"
+    monkeypatch.chdir(folder)
+    if claim.gpus:
+        import torch
+
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: claim.gpus)
+    before = (folder / "other.db").read_bytes()
+    result = _invoke(*shlex.split(claim.args.format(folder=folder)))
+    if claim.refused is None:
+        assert result.exit_code == 0, f"{claim.args}: {result.stderr}{result.exception!r}"
+    else:
+        lines = result.stderr.splitlines()
+        assert (result.exit_code, len(lines)) == (2, 1), f"{claim.args}: {result.stderr}"
+        assert lines[0].startswith(claim.refused.format(folder=folder)), lines[0]
+    assert (folder / "other.db").read_bytes() == before  # a database refused is left untouched
+
+
+def test_each_refusal_usage_states_is_checked() -> None:
+    """Each paragraph of docs/usage.md that says something is refused (or is not) holds a claim of
+    CLAIMS, checked above against the CLI; a refusal written without one fails here."""
+    claimed = [claim.said for claim in CLAIMS]
+    unchecked = [
+        f"docs/usage.md:{line}: {text[:100]}"
+        for line, text in paragraphs(USAGE.read_text(encoding="utf-8"))
+        if re.search(r"refus", text, re.I) and not any(said in text for said in claimed)
+    ]
+    assert unchecked == []
+
+
+def test_json_stderr_is_what_usage_says(tmp_path: Path, monkeypatch) -> None:
+    """`--json`: stdout the JSON objects alone; each line stderr keeps is one that usage.md's `--json`
+    paragraph names (where the runs go, a run that did not end OK)."""
+    import json
+
+    from test_db import outcome
+
+    from tpbench.results import Status
+    from tpbench.run import sweep
+
+    statuses = iter([Status.OK, Status.FAILED])
+    monkeypatch.setattr(
+        sweep, "_outcomes", lambda group, on_start: [(c, outcome(next(statuses))) for c in group]
+    )
+    url = f"sqlite:///{tmp_path / 'j.db'}"
+    result = _invoke("sweep", "kind=validate", "mode=tp,tp_sp", "--json", "--db", url)
+    assert result.exit_code == 1, result.stderr
+    assert [json.loads(line)["status"] for line in result.stdout.splitlines()] == ["OK", "FAILED"]
+    said = next(text for _, text in paragraphs(USAGE.read_text()) if text.startswith("Under `--json`"))
+    named = {
+        "recording in ": "`recording in URL`",
+        "run 2 FAILED: ": "a line for each run that did not end OK",
+    }
+    lines = result.stderr.splitlines()
+    assert [line.startswith(tuple(named)) for line in lines] == [True, True], lines
+    assert all(words in said for words in named.values()), said
