@@ -441,3 +441,59 @@ def test_json_stderr_is_what_usage_says(tmp_path: Path, monkeypatch) -> None:
     lines = result.stderr.splitlines()
     assert [line.startswith(tuple(named)) for line in lines] == [True, True], lines
     assert all(words in said for words in named.values()), said
+
+
+# --- Each results page names what made it; each benchmark makes a page --------------------------------
+
+RESULTS = sorted((ROOT / "docs" / "results").glob("*.md"))
+SCRIPT_PATH = re.compile(r"(?<![\w/.-])(?:scripts|benchmarks)/[\w.-]+\.(?:py|sh)\b")
+
+
+def made_by(text: str, within: int = 20) -> str | None:
+    """The paragraph starting `Made by:` in a page's first `within` lines, or None."""
+    return next((p for line, p in paragraphs(text) if p.startswith("Made by:") and line <= within), None)
+
+
+def benchmarks(root: Path = ROOT) -> list[str]:
+    return sorted(
+        f"benchmarks/{p.name}" for p in (root / "benchmarks").iterdir() if p.suffix in (".py", ".sh")
+    )
+
+
+@pytest.mark.parametrize("page", RESULTS, ids=lambda p: p.name)
+def test_each_results_page_names_what_made_it(page: Path) -> None:
+    said = made_by(page.read_text(encoding="utf-8"))
+    assert said, f"{page.name}: no `Made by:` paragraph in its first 20 lines"
+    named = SCRIPT_PATH.findall(said)
+    assert named or "(no script)" in said, said  # a page of `tpbench` commands alone says so
+    assert [n for n in named if not (ROOT / n).is_file()] == []
+
+
+def test_each_benchmark_is_named_by_a_results_page() -> None:
+    named = {n for page in RESULTS for n in SCRIPT_PATH.findall(made_by(page.read_text()) or "")}
+    assert [b for b in benchmarks() if b not in named] == []
+
+
+def test_every_script_the_project_names_exists() -> None:
+    """A script moved or renamed leaves no reference behind: in the docs, the tests, the package,
+    the scripts themselves and CI."""
+    files = [ROOT / "README.md", ROOT / ".ci" / "run", *(ROOT / "docs").rglob("*.md")]
+    for folder, pattern in (("tests", "*.py"), ("tpbench", "*.py"), ("scripts", "*"), ("benchmarks", "*")):
+        files += (ROOT / folder).rglob(pattern)
+    missing = [
+        f"{file.relative_to(ROOT)}: {name}"
+        for file in files
+        if file.is_file() and file.suffix not in (".pyc", ".db")
+        for name in SCRIPT_PATH.findall(file.read_text(encoding="utf-8", errors="replace"))
+        if not (ROOT / name).is_file()
+    ]
+    assert missing == []
+
+
+@pytest.mark.parametrize("folder", ["scripts", "benchmarks"])
+def test_each_script_is_in_its_folders_readme(folder: str) -> None:
+    """scripts/README.md and benchmarks/README.md, what a newcomer opens first, list every script."""
+    readme = (ROOT / folder / "README.md").read_text(encoding="utf-8")
+    scripts = sorted(p.name for p in (ROOT / folder).iterdir() if p.suffix in (".py", ".sh"))
+    assert [s for s in scripts if f"`{s}`" not in readme] == []
+    assert dead_links(ROOT / folder / "README.md") == []
