@@ -6,6 +6,7 @@ launched and nothing written (the database is not even created).
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import tempfile
@@ -494,3 +495,126 @@ def test_plan_json_is_the_prediction_as_one_object():
     assert [m["total"] for m in got["moments"]] == [m.total for m in prediction.moments]
     assert got["comm_bytes_per_step"] == prediction.comm_bytes_per_step
     assert sum(r["bytes"] for r in got["comm"]) == prediction.comm_bytes_per_step
+
+
+# -- a run's label: its DP level in every line, and `runs` at any width (issue 54, items 3 and 4) --------
+
+LEVELS_SWEEP = ["sweep", "kind=memory", "mode=tp", "tp=2", "dp=2", "dp_shard=none,optimizer,grads,full"]
+LABELS = [f"memory tp tp=2 dp=2{level} layers=2" for level in ("", " ZeRO-1", " ZeRO-2", " FSDP")]
+
+
+def test_every_line_of_a_run_names_its_dp_level(machines):
+    """The four levels of one sweep were four runs alike: `memory tp tp=2 dp=2 layers=2: OK` each,
+    `2x2` in `runs`, `runs show` naming none. Each now names its level (DDP's replicas, the default,
+    none: the others are named)."""
+    on, _ = machines
+    on(XEON)
+    done = runner.invoke(app, LEVELS_SWEEP)
+    assert done.exit_code == 0, done.output
+    ended = [line.split(": OK in")[0] for line in done.stderr.splitlines() if ": OK in" in line]
+    assert ended == LABELS
+    assert "(memory tp tp=2 dp=2 " in done.stderr  # the sweep's estimate names its longest run
+    listed = runner.invoke(app, ["runs"]).stdout
+    for level in ("ZeRO-1", "ZeRO-2", "FSDP"):
+        assert listed.count(f"2×2 {level}") == 1, listed
+    for run_id, label in enumerate(LABELS, start=1):
+        shown = runner.invoke(app, ["runs", "show", str(run_id)]).stdout
+        assert f"run {run_id}: {label}" in shown and f"run {run_id} OK: {label}" in shown, shown
+
+
+def test_a_label_names_hsdp_replicas_and_the_validate_table_its_level():
+    from tpbench.config import run_label
+    from tpbench.experiments import criterion
+    from tpbench.run.compose import expand
+
+    (hsdp,) = expand(["kind=memory", "dp=4", "dp_shard=full", "parallel.dp_replicate=2"], single=True)
+    assert run_label(hsdp) == "memory tp tp=2 dp=4 FSDP (2 replicas) layers=2"
+    (zero2,) = expand(["kind=validate", "dp=2", "dp_shard=grads"], single=True)
+    title = criterion.table(zero2, [], [], passed=True).splitlines()[0]
+    assert "validate tp  tp=2 dp=2 ZeRO-2  float32" in title
+
+
+def recorded(db_url: str, count: int) -> None:
+    """`count` runs in the database, as a long history has them: every status, two machines, sweeps,
+    modes long and short, every DP level; recorded, not run."""
+    from test_db import ENV, config, outcome
+
+    from tpbench.db import ResultsDB
+    from tpbench.results import Status
+
+    db = ResultsDB(db_url)
+    levels = ("none", "optimizer", "grads", "full")
+    for i in range(count):
+        cfg = config()
+        cfg.parallel.dp, cfg.parallel.dp_shard = 2, levels[i % 4]
+        if i % 5 == 0:
+            cfg.parallel.engine, cfg.parallel.sp, cfg.parallel.vp = "dtensor", True, True
+        cfg.sweep = "kind=memory tp=2 dp=2 dp_shard=none,optimizer,grads,full" if i % 2 else ""
+        env = ENV if i % 3 else dataclasses.replace(ENV, device_name="AMD EPYC 9B14 96-Core Processor")
+        done = outcome(Status.OK if i % 7 else Status.INTERRUPTED, env=env)
+        if done.status is Status.INTERRUPTED:
+            done.error = "interrupted by Ctrl-C while stepping, at step 3 of 20 on rank 1"
+        db.record(cfg, done)
+
+
+@pytest.mark.parametrize("width", [80, 120, 200, None], ids=["80", "120", "200", "piped"])
+def test_runs_shows_every_id_and_status_whole_at_any_width(workdir, monkeypatch, width):
+    """Some 40 runs once made `runs` cut its ids to `…` (ids >= 10 piped; blank at 120 to 200 columns)
+    and the statuses to `sta…`: `runs show ID` had no id to take. None: piped, as the command prints."""
+    from rich.console import Console
+
+    from tpbench.cli import output
+
+    recorded("sqlite:///runs/tpbench.db", 45)
+    if width is not None:
+        monkeypatch.setattr(output, "out", Console(width=width, markup=False, highlight=False))
+    done = runner.invoke(app, ["runs"])
+    assert done.exit_code == 0, done.output
+    lines = done.stdout.splitlines()
+    assert max(map(len, lines)) <= (width or 200)
+    first = [line.split("│")[1:3] for line in lines if line.startswith("│")]
+    rows = [(cells[0].strip(), cells[1]) for cells in first if cells[0].strip()]
+    assert [int(run_id) for run_id, _ in rows] == list(range(1, 46))
+    statuses = [line for line in lines if "INTERRUPTED" in line]
+    assert len(statuses) == 7 and "…" not in done.stdout
+
+
+# -- plan's labels (issue 54, item 10) -----------------------------------------------------------------
+
+
+def test_plans_split_names_the_layout_and_its_columns_add_up_to_the_peak():
+    """At tp=2 dp=1 the split was titled "DDP: ...", and its master column (a part of the weights)
+    was summed beside them: the columns added up to more than the peak."""
+    from tpbench.cli import sharded
+    from tpbench.predict import theory
+    from tpbench.run.compose import expand
+
+    for overrides, layout in ((["tp=2"], "tp=2 dp=1"), (["dp=2", "dp_shard=optimizer"], "tp=2 dp=2 ZeRO-1")):
+        (cfg,) = expand(["kind=memory", *overrides], single=True)
+        prediction = theory.predict(cfg)
+        values = sharded.split(cfg, prediction)
+        assert sum(values[k] for k in sharded.SPLIT) == prediction.peak_bytes
+        shown = runner.invoke(app, ["plan", "kind=memory", *overrides]).stdout
+        assert f"{layout}: the peak per rank ({prediction.peak.name}) by what holds it" in shown, shown
+        assert not [line for line in shown.splitlines() if line.strip().startswith("DDP:")]
+
+
+def test_plans_step_time_is_in_one_format():
+    """It said "1.675e+04 ms = compute 2,144 + exposed communication 1.35e+04": one format now."""
+    from types import SimpleNamespace
+
+    from tpbench.cli import output
+
+    assert [output.ms(s) for s in (16.75, 2.1443, 0.03678, 0.000483, 0.0)] == [
+        "16,750", "2,144", "36.8", "0.483", "0",
+    ]  # fmt: skip
+    timed = SimpleNamespace(
+        step_s=16.75, compute_s=2.144, comm_s=13.5, comm_exposed={"activation": 12.46, "loss": 0.0662},
+        optimizer_s=1.161, tokens_per_s=4.0, mfu=None,
+    )  # fmt: skip
+    with output.out.capture() as said:
+        output.step_time(RunConfig(), timed)
+    assert said.get().startswith(
+        "predicted step time on this CPU: 16,750 ms = compute 2,144 + exposed communication 13,500 "
+        "(activation 12,460, loss 66.2) + optimizer 1,161; 4 tokens/s"
+    )

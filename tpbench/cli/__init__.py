@@ -183,8 +183,9 @@ def runs(
     if device is not None and results.runs(device=device).empty:
         _no_such_device(results, device)
     frame = results.runs(status=status, kind=kind, mode=mode, since=start, sweep=sweep, device=device)
-    metrics = results.metrics(frame["id"].tolist()) if len(frame) else pd.DataFrame()
-    output.runs(frame, metrics, results.url)
+    ids = frame["id"].tolist()
+    metrics = results.metrics(ids) if ids else pd.DataFrame()
+    output.runs(frame, metrics, results.configs(ids), results.url)
 
 
 @runs_app.command(

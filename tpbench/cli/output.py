@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -17,7 +18,17 @@ from rich.console import Console
 from rich.table import Table
 
 from tpbench.cli.arguments import one_line, usage
-from tpbench.config import ModelConfig, RunConfig, config_hash, mode_label, public_config, world_size
+from tpbench.config import (
+    ModelConfig,
+    RunConfig,
+    config_hash,
+    dp_level_label,
+    layout_label,
+    mode_label,
+    parallel_label,
+    public_config,
+    world_size,
+)
 from tpbench.models.shapes import model_name, shape_label
 
 if TYPE_CHECKING:  # pandas and the database (sqlalchemy) are imported where a command needs them:
@@ -40,35 +51,71 @@ HEADLINE: dict[str, tuple[str, Callable[[float], str]]] = {
 }
 
 
-def runs(frame: pd.DataFrame, metrics: pd.DataFrame, url: str) -> None:
-    """`tpbench runs`: one row per run, with its headline figure and the hardware it ran on."""
-    table = Table(title=f"{len(frame)} runs in {url}")
-    for column in ("id", "started (UTC)", "kind", "mode", "tp×dp", "shape", "dtype", "status"):
-        table.add_column(column, justify="right" if column == "id" else "left", no_wrap=True)
-    table.add_column("result / error", overflow="ellipsis", no_wrap=True, max_width=40)
-    table.add_column("sweep", overflow="ellipsis", no_wrap=True, max_width=24)
-    table.add_column("hardware", overflow="ellipsis", no_wrap=True, max_width=44)
-    on_slurm = frame["slurm_job_id"].notna().any()  # then: each run's job and nodes (or host)
-    if on_slurm:
-        table.add_column("slurm job", no_wrap=True)
-        table.add_column("nodes", overflow="ellipsis", no_wrap=True, max_width=24)
-    for row in frame.itertuples():
-        where = [row.slurm_job_id or "", row.nodes or row.host] if on_slurm else []
-        table.add_row(
-            str(row.id),
-            row.started_at.strftime("%m-%d %H:%M"),
-            row.kind,
-            row.mode,
-            f"{row.tp}×{row.dp}",
-            f"L{row.layers} H{row.hidden} S{row.seq}",
-            row.dtype,
-            row.status,
-            _headline(row, metrics),
-            row.sweep,
-            row.hardware,
-            *where,
-        )
+def runs(frame: pd.DataFrame, metrics: pd.DataFrame, configs: dict[int, dict], url: str) -> None:
+    """`tpbench runs`: one row per run, with its headline figure and the hardware it ran on (said once in
+    the title where every run shares it). The ids and statuses stay whole at any width: the other
+    columns wrap first, and where the table is still too wide, the run's kind, mode, ranks, shape and
+    dtype share one column that wraps between words (`runs show ID` needs the id)."""
+    hardware = frame["hardware"].dropna().unique() if len(frame) else []
+    one_machine = len(hardware) == 1 and frame["hardware"].notna().all()
+    title = f"{plural(len(frame), 'run')} in {url}" + (f", all on {hardware[0]}" if one_machine else "")
+    rows = [_runs_row(row, metrics, configs) for row in frame.itertuples()]
+    shown = {
+        "sweep": any(r["sweep"] for r in rows),
+        "hardware": not one_machine,
+        "slurm job": frame["slurm_job_id"].notna().any(),  # then: each run's job and nodes (or host)
+    }
+    shown["nodes"] = shown["slurm job"]
+    table = _runs_table(title, rows, shown, compact=False)
+    if out.measure(table, options=out.options.update(max_width=10_000)).maximum > out.width:
+        table = _runs_table(title, rows, shown, compact=True)
     out.print(table)
+
+
+RUN_COLUMNS = ("kind", "mode", "tp×dp", "shape", "dtype")  # one "run" column where the table is narrow
+WRAPPED_WIDTHS = {"result / error": 40, "sweep": 24, "hardware": 44, "nodes": 24}
+
+
+def _runs_row(row, metrics: pd.DataFrame, configs: dict[int, dict]) -> dict[str, str]:
+    parallel = configs.get(row.id, {}).get("parallel", {})
+    level = dp_level_label(parallel.get("dp_shard", "none"), parallel.get("dp_replicate", 1))
+    return {
+        "id": str(row.id),
+        "started (UTC)": row.started_at.strftime("%m-%d %H:%M"),
+        "kind": row.kind,
+        "mode": row.mode,
+        "tp×dp": f"{row.tp}×{row.dp}" + (f" {level}" if level else ""),
+        "shape": f"L{row.layers} H{row.hidden} S{row.seq}",
+        "dtype": row.dtype,
+        "status": row.status,
+        "result / error": _headline(row, metrics),
+        "sweep": row.sweep or "",
+        "hardware": row.hardware or "",
+        "slurm job": row.slurm_job_id or "",
+        "nodes": row.nodes or row.host or "",
+    }
+
+
+def _runs_table(title: str, rows: list[dict[str, str]], shown: dict[str, bool], compact: bool) -> Table:
+    table = Table(title=title)
+    widest = {key: max((len(r[key]) for r in rows), default=len(key)) for key in ("id", "status")}
+    table.add_column("id", justify="right", no_wrap=True, min_width=widest["id"])
+    table.add_column("started (UTC)", overflow="fold")
+    for column in ("run",) if compact else RUN_COLUMNS:
+        table.add_column(column, overflow="fold")
+    table.add_column("status", no_wrap=True, min_width=widest["status"])
+    optional = [column for column in WRAPPED_WIDTHS if shown.get(column, True)]
+    for column in optional:
+        table.add_column(column, overflow="fold", max_width=WRAPPED_WIDTHS[column])
+    for r in rows:
+        run = [" ".join(r[c] for c in RUN_COLUMNS)] if compact else [r[c] for c in RUN_COLUMNS]
+        table.add_row(r["id"], r["started (UTC)"], *run, r["status"], *(r[c] for c in optional))
+    return table
+
+
+def plural(count: int, noun: str) -> str:
+    """1 run, 2 runs, 0 runs."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def run(db: ResultsDB, run_id: int, as_json: bool, full: bool = False) -> None:
@@ -86,7 +133,7 @@ def run(db: ResultsDB, run_id: int, as_json: bool, full: bool = False) -> None:
     if text:
         out.print(text, highlight=False, markup=False)
     if full:
-        fields = Table(title=f"run {run_id}", show_header=False)
+        fields = Table(title=f"run {run_id}: {_stored_label(record)}", show_header=False)
         for key, value in record.items():
             if key not in ("config", "metrics"):
                 fields.add_row(key, str(value))
@@ -99,12 +146,22 @@ def run(db: ResultsDB, run_id: int, as_json: bool, full: bool = False) -> None:
         one_line(f"run {run_id} {record['status']}: {record['error']}{logs}")
     if not record["metrics"]:  # a failed run: its one line on stderr says it all
         return
-    metrics = Table(title=f"run {run_id} {record['status']}: {record['kind']} {record['mode']}")
+    title = f"run {run_id} {record['status']}: {_stored_label(record)}"
+    metrics = Table(title=title, min_width=len(title))  # the title on one line
     metrics.add_column("metric")
     metrics.add_column("value", justify="right")
     for name, value in sorted(record["metrics"].items()):
         metrics.add_row(name, f"{value:.6g}")
     out.print(metrics)
+
+
+def _stored_label(record: dict) -> str:
+    """A stored run as run_label names a config: `memory tp tp=2 dp=2 ZeRO-2 layers=2`."""
+    config = json.loads(record["config"]) if isinstance(record["config"], str) else record["config"]
+    parallel = (config or {}).get("parallel", {})
+    level = parallel.get("dp_shard", "none"), parallel.get("dp_replicate", 1)
+    layout = layout_label(record["tp"], record["dp"], *level)
+    return f"{record['kind']} {record['mode']} {layout} layers={record['layers']}"
 
 
 def _batches_as_run(record: dict) -> None:
@@ -158,7 +215,7 @@ def plan(cfg: RunConfig, prediction: Prediction, flops: float) -> None:
     """`tpbench plan`: the predicted memory per rank at each moment of a step, the collectives, FLOPs."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     title = (
-        f"{model_name(m)} {mode_label(p)} tp={p.tp} dp={p.dp}{_level(p)} ({shape_label(m)}) "
+        f"{model_name(m)} {mode_label(p)} {parallel_label(p)} ({shape_label(m)}) "
         f"seq {t.seq_len} micro-batch {prediction.dims.B} {t.dtype} {t.precision}"
     )
     memory = Table(title=f"{title}: predicted memory per rank (MiB)")
@@ -184,12 +241,6 @@ def plan(cfg: RunConfig, prediction: Prediction, flops: float) -> None:
             f"predicted max_memory_allocated on an {gpu} (the peak and 2 cuBLAS workspaces): "
             f"{prediction.max_memory_allocated_bytes(gpu) / 2**20:,.1f} MiB"
         )
-
-
-def _level(p) -> str:
-    """The sharded DP level in a title: nothing for DDP's replicas."""
-    hsdp = f" dp_replicate={p.dp_replicate}" if p.dp_replicate > 1 else ""
-    return f" dp_shard={p.dp_shard}{hsdp}" if p.dp_shard != "none" else ""
 
 
 def depth(cfg: RunConfig) -> None:
@@ -246,16 +297,25 @@ def _depth_limits(cfg: RunConfig) -> tuple[list[Limit], dict[str, str]]:
 def step_time(cfg: RunConfig, timed: TimePrediction) -> None:
     """`tpbench plan`'s time lines: the time model's step, its split, tokens/s and MFU."""
     where = f"an {cfg.launch.emulate_gpu}" if cfg.launch.device == "cuda" else "this CPU"
-    comm = ", ".join(f"{purpose} {s * 1e3:,.3g}" for purpose, s in sorted(timed.comm_exposed.items()))
+    comm = ", ".join(f"{purpose} {ms(s)}" for purpose, s in sorted(timed.comm_exposed.items()))
     out.print(
-        f"predicted step time on {where}: {timed.step_s * 1e3:,.4g} ms = compute {timed.compute_s * 1e3:,.4g}"
-        f" + exposed communication {timed.comm_s * 1e3:,.3g} ({comm or 'none'}) + optimizer "
-        f"{timed.optimizer_s * 1e3:,.3g}; {timed.tokens_per_s:,.0f} tokens/s"
+        f"predicted step time on {where}: {ms(timed.step_s)} ms = compute {ms(timed.compute_s)}"
+        f" + exposed communication {ms(timed.comm_s)} ({comm or 'none'}) + optimizer "
+        f"{ms(timed.optimizer_s)}; {timed.tokens_per_s:,.0f} tokens/s"
     )
     if timed.mfu is not None:
         out.print(
             f"predicted MFU: {100 * timed.mfu:.1f}% (model FLOPs / (step time x devices x peak FLOP/s))"
         )
+
+
+def ms(seconds: float) -> str:
+    """Milliseconds in one format, whatever their size: whole from 100 up, else 3 significant digits;
+    never an exponent (16,750; 2,144; 36.8; 0.483)."""
+    value = seconds * 1e3
+    if value == 0 or abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:,.{2 - math.floor(math.log10(abs(value)))}f}"
 
 
 def plan_dict(

@@ -402,6 +402,12 @@ class ResultsDB:
         with Session(self.engine) as session:
             return session.scalars(select(Run.text).where(Run.id == run_id)).one()
 
+    def configs(self, run_ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+        """The stored config of each run, by id (what `runs` lists beyond the runs' columns)."""
+        with Session(self.engine) as session:
+            rows = session.execute(select(Run.id, Run.config).where(Run.id.in_(list(run_ids))))
+            return {run_id: config for run_id, config in rows}
+
     def _rows(self, table: type[Base], run_ids: Sequence[int] | None) -> pd.DataFrame:
         query = select(*[c for c in table.__table__.columns if c.name != "id"]).order_by(table.id)
         if run_ids is not None:

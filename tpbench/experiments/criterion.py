@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
-from tpbench.config import ConfigError, RunConfig, mode_label
+from tpbench.config import ConfigError, RunConfig, mode_label, parallel_label
 from tpbench.models.shapes import model_name, shape_label
 from tpbench.results import ParamRow
 
@@ -119,7 +119,7 @@ def table(cfg: RunConfig, checks: list[Verdict], rows: list[ParamRow], passed: b
     """The verdicts, the parameters nearest their bound, and the gradient error by semantics."""
     p, t = cfg.parallel, cfg.train
     reference = "fp64" if t.dtype == "float32" else "fp32"
-    title = f"validate {mode_label(p)}  tp={p.tp} dp={p.dp}  {t.dtype} {t.precision}"
+    title = f"validate {mode_label(p)}  {parallel_label(p)}  {t.dtype} {t.precision}"
     title += f"  {model_name(cfg.model)} {shape_label(cfg.model)} seq {t.seq_len}"
     if cfg.launch.bf16_gemm != "native":  # tpbench.models.gemm
         title += "  bf16 GEMMs: fp32-accumulated, rounded once"
