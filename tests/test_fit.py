@@ -141,13 +141,16 @@ LLAMA70 = "model=llama3_70b seq=8192 gpu=H100-80GB gpus_per_node=8"
 T8 = ["tp=8", "sp=true", "vp=true"]  # the search kept to T 8 SP VP, to keep these tests cheap
 
 
-def test_llama70_in_mixed_precision_needs_more_than_one_node():
+def test_llama70_in_mixed_precision_needs_more_than_one_node_an_answer_exit_1():
     done = runner.invoke(app, ["fit", *LLAMA70.split(), *T8])
-    assert done.exit_code == 2 and done.stdout == "" and len(done.stderr.splitlines()) == 1
+    assert done.exit_code == 1 and done.stdout == "" and len(done.stderr.splitlines()) == 1
     said = done.stderr
     shape = "(L80 H8192 I28672 heads 64/8 head_dim 128 V128256 theta 500000 untied)"
-    assert f"llama3_70b {shape} at S 8192 (mixed precision) fits no layout on 1 node(s) of 8 H100-SXM" in said
-    assert "fits on 2 nodes (16 GPUs) with sharded DP" in said, said
+    here = f"llama3_70b {shape} at S 8192 (mixed precision, for-each AdamW) fits no layout with tp=8 sp=true"
+    assert f"{here} vp=true on 1 node(s) of 8 H100-SXM" in said, said
+    assert "fits on 4 nodes (32 GPUs) with sharded DP, e.g. T 8 SP VP x FSDP 4" in said, said
+    done = runner.invoke(app, ["fit", *LLAMA70.split(), *T8, "--json"])  # the rows, and the line
+    assert done.exit_code == 1 and json.loads(done.stdout)["nothing_fits"] == said.strip()
 
 
 def test_llama70_on_more_nodes_answers_with_sharded_multi_node_layouts():
@@ -160,13 +163,16 @@ def test_llama70_on_more_nodes_answers_with_sharded_multi_node_layouts():
     assert not any(r["dp_shard"] == "none" for r in data["fits"])  # DDP keeps 16 bytes a parameter
 
 
-def test_pure_precision_stays_an_option_and_the_title_says_which():
-    done = runner.invoke(app, ["fit", *LLAMA70.split(), *T8, "precision=pure", "--rows", "2"])
+def test_pure_precision_and_fused_adamw_stay_options_and_the_title_says_which():
+    fused = "train.fused_optimizer=true"
+    done = runner.invoke(app, ["fit", *LLAMA70.split(), *T8, fused, "precision=pure", "--rows", "2"])
     assert done.exit_code == 0, done.stderr
-    assert "pure precision (bf16 weights, gradients and AdamW moments)" in " ".join(done.stdout.split())
-    done = runner.invoke(app, ["fit", *LLAMA70.split(), *T8, "nodes=2", "--rows", "2"])
     shown = " ".join(done.stdout.split())  # rich wraps a title to its table's width
-    assert "mixed precision (bf16 compute, fp32 master weights and AdamW moments)" in shown
+    assert "pure precision (bf16 weights, gradients and AdamW moments), fused AdamW on 1 x 8" in shown
+    assert "assumed: fused AdamW (train.fused_optimizer=true), pure precision" in shown
+    done = runner.invoke(app, ["fit", *LLAMA70.split(), *T8, "nodes=4", "--rows", "2"])
+    shown = " ".join(done.stdout.split())
+    assert "mixed precision (bf16 compute, fp32 master weights and AdamW moments), for-each AdamW" in shown
 
 
 # --- the command --------------------------------------------------------------------------------
@@ -200,7 +206,7 @@ def test_json_has_every_row_and_the_assumptions(small):
     [
         (["model=tiny", "seq=32", "gpu=H900"], "gpu=H900: accepted are A100-PCIe-40GB"),
         (["model=tiny", "seq=32"], "fit needs gpu=NAME"),
-        (["model=tiny", "gpu=H200"], "fit needs seq=LENGTH"),
+        (["model=minimind", "gpu=H200"], "fit needs seq=LENGTH: model=minimind names no sequence"),
         (["model=qwen3_8b", "seq=65536", "gpu=H200"], "train.seq_len=65536: qwen3_8b allows up to"),
         (
             ["model=tiny", "seq=32", "gpu=H200", "gpus_per_node=4", "tp=8"],
@@ -270,3 +276,94 @@ def test_measure_confirms_the_best_row_by_emulation():
     assert measured["max_memory_reserved_bytes"] >= measured["max_memory_allocated_bytes"]
     assert measured["reserved_peak_bytes"] == measured["max_memory_reserved_bytes"] + best["overhead_bytes"]
     assert measured["fits"] is True
+
+
+# --- one set of defaults with `tpbench plan`; pins; nothing fits (issue 54) ----------------------
+
+# (plan's overrides, fit's): the same layout, fit's DP the GPUs over T; plan's gpu= without launch.device
+SAME_LAYOUT = [
+    (
+        "model=llama3_8b tp=8 sp=true vp=true gpu=H100-80GB",
+        "model=llama3_8b gpu=H100-80GB tp=8 sp=true vp=true recompute=none micro_batch=1 dp_shard=none",
+    ),
+    (
+        "model=qwen3_0_6b tp=2 dp=4 sp=true vp=true dp_shard=full recompute=selective micro_batch=2 gpu=H200",
+        "model=qwen3_0_6b gpu=H200 tp=2 sp=true vp=true dp_shard=full recompute=selective micro_batch=2",
+    ),
+    (
+        "model=qwen3_0_6b seq=2048 tp=1 dp=2 dp_shard=optimizer precision=pure train.fused_optimizer=true "
+        "micro_batch=3 gpu=A100-80GB",
+        "model=qwen3_0_6b seq=2048 gpu=A100-80GB gpus_per_node=2 tp=1 dp_shard=optimizer precision=pure "
+        "train.fused_optimizer=true recompute=none micro_batch=3",
+    ),
+]
+
+
+@pytest.mark.parametrize("planned, fitted", SAME_LAYOUT, ids=["llama3_8b T8", "FSDP 4", "ZeRO-1 fused"])
+def test_plan_and_fit_give_one_layout_the_same_peak_and_step(planned, fitted):
+    done = runner.invoke(app, ["plan", *planned.split(), "--json"])
+    assert done.exit_code == 0, done.stderr
+    plan = json.loads(done.stdout.splitlines()[0])
+    done = runner.invoke(app, ["fit", *fitted.split(), "--json", "--margin", "0"])
+    assert done.exit_code == 0, done.stderr
+    data = json.loads(done.stdout)
+    (row,) = data["fits"] + data["tight"]
+    assert row["allocated_bytes"] == plan["max_memory_allocated_bytes"]  # fit's peak adds NCCL's buffers
+    assert row["peak_bytes"] == plan["max_memory_allocated_bytes"] + row["overhead_bytes"]
+    assert row["step_s"] == pytest.approx(plan["predicted_step_time_s"], rel=1e-12)
+    a = data["assumptions"]
+    assert plan["assumed"] == {
+        "fused_optimizer": a["fused_optimizer"],
+        "precision": a["precision"],
+        "dtype": a["dtype"],
+        "recompute": row["recompute"],
+        "micro_batch": row["micro_batch"],
+    }
+
+
+def test_plan_with_gpu_predicts_that_gpus_step_and_says_what_it_assumed():
+    done = runner.invoke(app, ["plan", "model=qwen3_0_6b", "tp=2", "gpu=H100"])
+    assert done.exit_code == 0, done.stderr
+    said = " ".join(done.stdout.split())
+    assert "predicted step time on an H100" in said and "this CPU" not in said
+    assumed = "assumed: for-each AdamW (train.fused_optimizer=false), mixed precision (bf16 compute, fp32"
+    assert f"{assumed} master weights and AdamW moments), recompute none, micro-batch 4" in said
+    done = runner.invoke(app, ["plan", "model=qwen3_0_6b", "gpu=H100", "launch.device=cpu"])
+    assert done.exit_code == 2 and len(done.stderr.splitlines()) == 1
+    assert "gpu=H100 with launch.device=cpu: gpu= predicts for that GPU; accepted are" in done.stderr
+
+
+def test_a_presets_seq_is_fits_default_and_seq_overrides_it():
+    kept = ["gpu=H100", "tp=2", "sp=true", "vp=true", "dp_shard=full", "recompute=full", "--json"]
+    for given, seq in (([], 4096), (["seq=2048"], 2048)):
+        done = runner.invoke(app, ["fit", "model=qwen3_0_6b", *given, *kept, "--max-micro-batch", "2"])
+        assert done.exit_code == 0, done.stderr
+        assert json.loads(done.stdout)["seq"] == seq
+    done = runner.invoke(app, ["fit", "model=qwen3_0_6b", "tokens_per_step=65536", *kept])
+    data = json.loads(done.stdout)  # 16 sequences of the preset's 4096
+    assert done.exit_code == 0 and data["global_batch"] == 16, done.stderr
+
+
+PINNED = "model=llama3_8b seq=8192 gpu=H100-80GB tp=2 sp=true vp=true dp_shard=full recompute=selective"
+
+
+def test_pinned_choices_stay_in_the_tight_table_and_the_suggestion():
+    done = runner.invoke(app, ["fit", *PINNED.split(), "micro_batch=4"])
+    assert done.exit_code == 1 and len(done.stderr.splitlines()) == 1, done.stderr
+    shown = " ".join(done.stdout.split())
+    assert "tight (headroom under the 5% margin)" in shown and "T 2 SP VP x FSDP 4 │ selective │ 4 │" in shown
+    said = done.stderr
+    assert "fits no layout with tp=2 sp=true vp=true dp_shard=full recompute=selective micro_batch=4" in said
+    assert "1 layout runs tight, under the margin (the tight table; --margin 0 fits them)" in said
+    suggested = "e.g. T 2 SP VP x FSDP 8, recompute selective, micro-batch 4"  # every pin kept
+    assert said.strip().endswith(f"fits on 2 nodes (16 GPUs) with sharded DP, {suggested}")
+    done = runner.invoke(app, ["fit", *PINNED.split(), "micro_batch=4", "--margin", "0"])
+    assert done.exit_code == 0 and "fits" in done.stdout, done.stderr
+
+
+def test_pins_that_fit_on_no_cluster_say_so_not_pipeline_parallelism():
+    # DDP keeps the whole 70B's AdamW state on every rank: more nodes never help it
+    pins = ["tp=8", "sp=true", "vp=true", "dp_shard=none", "recompute=full"]
+    done = runner.invoke(app, ["fit", "model=llama3_70b", "gpu=H100", *pins])
+    assert done.exit_code == 1 and done.stdout == "", done.stderr
+    assert done.stderr.strip().endswith(f"nothing with {' '.join(pins)} fits on up to 4096 nodes")

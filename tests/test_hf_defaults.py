@@ -56,7 +56,9 @@ def test_the_resolved_shape_is_in_every_title_that_names_the_model(tmp_path):
         return " ".join(done.stdout.split())  # rich wraps a title to its table's width
 
     assert f"({shape}) seq 32 micro-batch 2" in shown("plan", f"model.hf_config={path}", "tp=2")
-    fitted = shown("fit", f"model.hf_config={path}", "seq=1024", "gpu=H100")
+    fitted = shown(
+        "fit", f"model.hf_config={path}", "seq=1024", "gpu=H100", "precision=mixed", "dtype=bfloat16"
+    )
     assert f"({shape}) S 1024, mixed precision" in fitted
     cfg = config(0)
     cfg.model = ModelConfig(**{**model_fields(path), "hf_config": str(path)})

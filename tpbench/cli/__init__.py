@@ -258,7 +258,7 @@ def report(
     "tpbench plan +preset=seed_tp_memory  (every config of the sweep)\n\n"
     "tpbench plan mode=ddp,tp_sp_vp model=seed_memory precision=mixed\n\n"
     "tpbench plan model=qwen3_0_6b tp=4 --json\n\n"
-    "tpbench plan model=qwen3_0_6b tp=8 sp=true launch.device=cuda launch.emulate=fake gpu=H100-80GB",
+    "tpbench plan model=qwen3_0_6b tp=8 sp=true gpu=H100-80GB  (predicted for that GPU)",
 )
 def plan(
     overrides: Overrides = None,
@@ -276,15 +276,21 @@ def plan(
 ) -> None:
     """Print the analytic model's prediction, per rank, without running anything: memory at each moment
     of a training step (the peak marked), collective bytes per step, model FLOPs per step, and the
-    time model's step time, its split and MFU (on the local CPU, or launch.device=cuda gpu=NAME)."""
+    time model's step time, its split and MFU: for gpu=NAME, that GPU's (as `tpbench fit` predicts it),
+    else the device's here (launch.device=cuda: an H100's). The defaults it assumes are the run's, as
+    fit's (tpbench.sizing.defaults), and said: the optimizer, the precision, recompute, micro-batch."""
     from tpbench.cli import sharded
+    from tpbench.config import ConfigError
     from tpbench.experiments import memory
     from tpbench.parallel import emulation
     from tpbench.predict import steptime, theory
+    from tpbench.sizing import defaults
     from tpbench.sizing.estimate import worker_threads
 
-    # gpu=NAME: the GPU of the time model's rates and of the allocator's model (launch.emulate_gpu)
-    given = [f"launch.emulate_gpu={o[4:]}" if o.startswith("gpu=") else o for o in overrides or []]
+    try:  # gpu=NAME: a GPU's prediction, its rates and its allocator's (launch.emulate_gpu)
+        given = defaults.for_gpu(overrides or [])
+    except ConfigError as e:
+        usage(str(e))
     configs = _compose([*given, *(["launch.emulate=fake"] if measure else [])], single=False, launching=False)
     for c in (c for c in configs if c.kind == configs[0].kind):  # kind=all: one config per kind
         prediction = theory.predict(c)
@@ -292,9 +298,10 @@ def plan(
         timed = steptime.predict_time(c, steptime.rates_for(c, threads=worker_threads(c)))
         if as_json:
             said = output.plan_dict(c, prediction, theory.model_flops_per_step(c), measured)
-            print(json.dumps(said | timed.fields()))
+            print(json.dumps(said | timed.fields() | {"assumed": defaults.assumed_dict(c)}))
             continue
         output.plan(c, prediction, theory.model_flops_per_step(c))
+        out.print(defaults.assumed(c))
         sharded.split_table(c, prediction)
         sharded.levels_table(c)
         output.step_time(c, timed)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from tpbench.cli.arguments import Overrides, usage
+from tpbench.cli.arguments import EXIT_FAILED, Overrides, one_line, usage
 from tpbench.cli.output import out
 
 EPILOG = (
@@ -75,10 +75,15 @@ def fit(
     (gpus_per_node=, default 8) dividing the heads x DP over the rest of nodes= (default 1) x DP sharding
     (none, optimizer, grads, full; HSDP replicas across nodes) x SP x VP x recompute, each at the largest
     micro-batch that fits the usable memory with a margin; global_batch= (sequences) or tokens_per_step=
-    adds gradient accumulation. Defaults: bf16 mixed precision (fp32 master weights and moments),
-    fused AdamW."""
+    adds gradient accumulation. A searched choice given (tp=, sp=, dp_shard=, recompute=, micro_batch=,
+    ...) is pinned: every row and every suggestion keeps it. Defaults, as `tpbench plan` assumes them:
+    the model preset's seq (seq= sets it) and precision (bf16 mixed for the published models),
+    for-each AdamW (train.fused_optimizer=true: fused). Exit code 0 when a layout fits, 1 when none does
+    (one line saying so, after the tight table if any row runs with less than the margin), 2 for bad
+    input."""
     from tpbench.config import ConfigError
     from tpbench.run import sweep as sweeping
+    from tpbench.sizing import defaults
     from tpbench.sizing import fit as fitting
 
     overheads = fitting.Overheads(int(cuda_context_mib * 2**20), int(nccl_mib * 2**20))
@@ -88,19 +93,27 @@ def fit(
     except (fitting.FitError, ConfigError) as e:
         usage(str(e))
     reported = None if gpu_memory_gib is None else int(gpu_memory_gib * 2**30)
+    nothing = None
     try:
         result = fitting.solve(
             request, base, overheads, reported, margin, max_micro_batch, True, network_gbps
         )
     except fitting.FitError as e:
         usage(str(e))
-    if measure:
+    except fitting.NothingFits as e:
+        result, nothing = e.fit, e.line
+    if measure and nothing is None:
         fitting.measure(result, top)
     if as_json:
-        print(json.dumps(result.as_dict()))
-        return
-    for table in fitting.tables(result, rows):
-        out.print(table)
-    out.print(f"accumulation: {fitting.ACCUMULATION}")
-    if request.gpu.note:
-        out.print(f"{request.gpu.name}: {request.gpu.note}")
+        print(json.dumps(result.as_dict() | ({"nothing_fits": nothing} if nothing else {})))
+    else:
+        for table in fitting.tables(result, rows, tight_only=nothing is not None):
+            out.print(table)
+        if nothing is None or result.tight:
+            out.print(defaults.assumed(result.base, searched=True))
+            out.print(f"accumulation: {fitting.ACCUMULATION}")
+            if request.gpu.note:
+                out.print(f"{request.gpu.name}: {request.gpu.note}")
+    if nothing is not None:
+        one_line(nothing)
+        raise typer.Exit(EXIT_FAILED)

@@ -6,8 +6,11 @@ For a model, a sequence length and a GPU of tpbench.predict.hardware, on `nodes`
 DP's sharding (none, optimizer, grads, full; for grads and full also HSDP's replicas across nodes), SP,
 VP and recompute (none, selective, full), each at the largest micro-batch that fits (tpbench.sizing.search).
 With global_batch=B sequences (or tokens_per_step=, B x seq), the micro-batch b divides B / DP and the
-rest is gradient accumulation, B / (DP x b) micro-steps. Precision is mixed unless precision=pure is
-given: bf16 compute, fp32 master weights and AdamW moments, the way large models are trained.
+rest is gradient accumulation, B / (DP x b) micro-steps. The sequence, the precision and the optimizer
+are the config's, as `tpbench plan` reads them (tpbench.sizing.defaults): a published model's preset
+trains at its seq in bf16 mixed precision (fp32 master weights and AdamW moments), with for-each AdamW
+unless train.fused_optimizer=true. A searched choice the overrides give (tp=, sp=, recompute=, ...) is
+pinned: every row, and the nodes the nothing-fits line names, keep it.
 
 Nothing runs: each row is the analytic models' (tpbench.predict.theory, tpbench.predict.steptime), as
 `tpbench plan` prints them, on that GPU:
@@ -26,16 +29,19 @@ Nothing runs: each row is the analytic models' (tpbench.predict.theory, tpbench.
 
 Not counted: the caching allocator's rounding and fragmentation (max_memory_reserved over allocated),
 which `--measure` replays from an emulated step of the chosen rows (tpbench.parallel.emulation, fake
-tensors). Ranked: predicted tokens/s per GPU among the rows that fit, headroom breaking ties.
+tensors). Ranked: predicted tokens/s per GPU among the rows that fit, headroom breaking ties. Where
+none fits, the answer is one line (search.NothingFits; the command exits 1, not bad input's 2).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tpbench.config import ConfigError
 from tpbench.predict import hardware
 from tpbench.predict.hardware import GPU
 from tpbench.run import compose
+from tpbench.sizing import defaults
 from tpbench.sizing import search as search_module
 from tpbench.sizing.layouts import (
     ACCUMULATION,
@@ -52,7 +58,14 @@ from tpbench.sizing.layouts import (
     Row,
     configure,
 )
-from tpbench.sizing.search import MAX_MICRO_BATCH, NETWORK_GBPS, Cluster, communicators, search
+from tpbench.sizing.search import (
+    MAX_MICRO_BATCH,
+    NETWORK_GBPS,
+    Cluster,
+    NothingFits,
+    communicators,
+    search,
+)
 from tpbench.sizing.tables import measure, measured_text, tables
 
 __all__ = [
@@ -68,6 +81,7 @@ __all__ = [
     "GiB",
     "Memory",
     "MiB",
+    "NothingFits",
     "Overheads",
     "Request",
     "Row",
@@ -108,6 +122,17 @@ class Request:
     global_batch: int | None
     nodes: int = 1
     sharding: dict[str, str] | None = None
+    keys: set[str] = field(default_factory=set)  # every config key the overrides give
+    tokens_per_step: int | None = None
+
+    def batch(self, base) -> int | None:
+        """The global batch in sequences: global_batch=, or tokens_per_step= over the config's seq."""
+        if self.tokens_per_step is None:
+            return self.global_batch
+        seq = base.train.seq_len
+        if self.tokens_per_step % seq:
+            raise FitError(f"tokens_per_step={self.tokens_per_step}: accepted are multiples of seq ({seq})")
+        return self.tokens_per_step // seq
 
     def cluster(
         self,
@@ -142,8 +167,8 @@ def _count(key: str, value: str) -> int:
 
 def parse(overrides: list[str]) -> Request:
     """Split fit's own keys (gpu=, gpus_per_node=, nodes=, tokens_per_step=) and DP's sharding from the
-    config's overrides and add fit's defaults: a memory experiment on an emulated GPU of that kind, T 1
-    to start from, bf16 in mixed precision with fused AdamW unless the overrides say otherwise."""
+    config's overrides and add fit's own: a memory experiment on an emulated GPU of that kind, T 1 to
+    start from. The rest is the config's, as `plan` reads it (tpbench.sizing.defaults)."""
     own, rest, keyed, sharding = {}, [], {}, {}
     for o in overrides:
         key, _, value = o.partition("=")
@@ -183,37 +208,29 @@ def parse(overrides: list[str]) -> Request:
         if mode == "ddp" or "," in mode:
             raise FitError(f"{keyed['mode']}: fit takes one tensor-parallel mode (T 1 is DDP's row)")
         given |= {"parallel.sp", "parallel.vp"}
-    if "train.seq_len" not in keys:
-        raise FitError("fit needs seq=LENGTH: the sequence length to train at")
+    # a memory experiment on an emulated GPU of that kind, from T 1; the rest as `plan` assumes it
     added = ["kind=memory", "launch.device=cuda", "launch.emulate=fake", f"launch.emulate_gpu={gpu.name}"]
     added += [] if "parallel.tp" in keys else ["parallel.tp=1"]
-    added += [] if "train.dtype" in keys else ["train.dtype=bfloat16"]
-    added += [] if "train.precision" in keys else ["train.precision=mixed"]  # how large models train
-    added += [] if "train.fused_optimizer" in keys else ["train.fused_optimizer=true"]
-    global_batch = _global_batch(keyed, own)
+    global_batch, tokens = _global_batch(keyed, own)
     if "train.global_batch" in keys:
         rest.remove(keyed["train.global_batch"])
-    return Request(gpu, per_node, [*rest, *added], given, global_batch, nodes, sharding)
+    return Request(gpu, per_node, [*rest, *added], given, global_batch, nodes, sharding, keys, tokens)
 
 
-def _global_batch(keyed: dict[str, str], own: dict[str, str]) -> int | None:
-    """global_batch= in sequences, or tokens_per_step= (a multiple of seq): the sequences of one step."""
+def _global_batch(keyed: dict[str, str], own: dict[str, str]) -> tuple[int | None, int | None]:
+    """global_batch= in sequences, or tokens_per_step= (made sequences by `Request.batch` once the
+    config's seq is known)."""
     if "train.global_batch" in keyed and "tokens_per_step" in own:
         raise FitError(
             f"{keyed['train.global_batch']} with tokens_per_step={own['tokens_per_step']}: accepted is "
             "one of them"
         )
     if "tokens_per_step" in own:
-        tokens = _count("tokens_per_step", own["tokens_per_step"])
-        seq = keyed.get("train.seq_len", "=").partition("=")[2]
-        if not seq.isdecimal() or int(seq) < 1 or tokens % int(seq):
-            raise FitError(f"tokens_per_step={tokens}: accepted are multiples of seq ({seq or 'not given'})")
-        return tokens // int(seq)
+        return None, _count("tokens_per_step", own["tokens_per_step"])
     if "train.global_batch" in keyed:
-        return _count(
-            keyed["train.global_batch"].partition("=")[0], keyed["train.global_batch"].partition("=")[2]
-        )
-    return None
+        key, _, value = keyed["train.global_batch"].partition("=")
+        return _count(key, value), None
+    return None, None
 
 
 def solve(
@@ -227,11 +244,15 @@ def solve(
     network_gbps: float = NETWORK_GBPS,
 ) -> Fit:
     """The search a request asks for, on its composed config `base`."""
+    try:
+        defaults.check_seq(base, request.keys)
+    except ConfigError as e:
+        raise FitError(str(e)) from None
     cluster = request.cluster(overheads, reported_bytes, margin, network_gbps)
     if cluster.memory.usable_bytes <= 0:
         raise FitError(
             f"--cuda-context-mib={overheads.cuda_context_bytes / MiB:g}: accepted is less than the GPU's "
             f"{cluster.memory.reported_bytes / MiB:,.0f} MiB"
         )
-    given, batch = request.given, request.global_batch
+    given, batch = request.given, request.batch(base)
     return search(request.base(base), cluster, given, batch, max_micro_batch, explain)

@@ -12,6 +12,7 @@ from tpbench.predict import steptime, theory
 from tpbench.predict.hardware import GPU
 from tpbench.predict.theory import sharding
 from tpbench.run import compose
+from tpbench.sizing import defaults
 from tpbench.sizing.layouts import (
     LEVELS,
     RECOMPUTE,
@@ -32,6 +33,18 @@ HSDP_NODES = (1, 2, 4)  # the nodes an HSDP shard group spans
 # a ring collective is assumed to reach 80% (an assumption, not a cited measurement): settable
 # (--network-gbps)
 NETWORK_GBPS, NETWORK_FRACTION = 400.0, 0.8
+
+
+class NothingFits(Exception):
+    """No layout fits: the answer is one line (`line`), with the search's rows (`fit`) beside it; not
+    bad input (FitError), so `tpbench fit` exits 1 with it, not 2."""
+
+    def __init__(self, line: str, fit: Fit) -> None:
+        super().__init__(line)
+        self.line, self.fit = line, fit
+
+
+FITS_NO_LAYOUT = "fits no layout"  # the words of every nothing-fits line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +157,7 @@ def search(
         | {"network_gbps": cluster.network_gbps, "network_fraction": NETWORK_FRACTION},
     )
     if explain and not fit.fitting:
-        raise FitError(nothing_fits(base, cluster, given, global_batch, fit))
+        raise NothingFits(nothing_fits(base, cluster, given, global_batch, fit), fit)
     return fit
 
 
@@ -202,35 +215,92 @@ def micro_batches(
 def nothing_fits(
     base: RunConfig, cluster: Cluster, given: set[str], global_batch: int | None, fit: Fit
 ) -> str:
-    """The one line of a search where nothing fits: the fewest nodes on which a sharded layout fits,
-    or that this model at this seq needs pipeline or context parallelism."""
+    """The one line of a search where nothing fits: the least peak, the tight rows if any, and the fewest
+    nodes on which a layout with every pinned choice fits (or that none does, or that this model at this
+    seq needs pipeline or context parallelism). A search whose rows cannot run at all is bad input."""
     m, t, gpu = base.model, base.train, cluster.gpu
     runnable = [r for r in fit.rows if not r.reason]
     if not runnable and fit.rows:
-        return f"{model_name(m)}: no layout can run ({fit.rows[0].reason})"
-    here = (
-        f"{model_name(m)} ({shape_label(m)}) at S {t.seq_len} ({t.precision} precision) fits no layout on "
-        f"{cluster.nodes} node(s) of "
-        f"{cluster.gpus_per_node} {gpu.name} ({cluster.memory.usable_bytes / GiB:.1f} GiB usable, "
-        f"{cluster.memory.margin:.0%} margin)"
-    )
+        raise FitError(f"{model_name(m)}: no layout can run ({fit.rows[0].reason})")
     if not runnable:
-        return f"{here}: global_batch={global_batch} splits over no DP here; accepted are multiples of DP"
+        raise FitError(f"global_batch={global_batch}: splits over no DP here; accepted are multiples of DP")
+    pins = pinned(base, given)
+    here = (
+        f"{model_name(m)} ({shape_label(m)}) at S {t.seq_len} ({t.precision} precision, "
+        f"{defaults.optimizer_words(base)}) {FITS_NO_LAYOUT}"
+        f"{f' with {pins}' if pins else ''} on {cluster.nodes} node(s) of {cluster.gpus_per_node} "
+        f"{gpu.name} ({cluster.memory.usable_bytes / GiB:.1f} GiB usable, {cluster.memory.margin:.0%} margin)"
+    )
     least = min(runnable, key=lambda r: r.peak_bytes)
     here += f", the least per-rank peak {least.peak_bytes / GiB:,.1f} GiB ({least.label()})"
+    if fit.tight:
+        n = len(fit.tight)
+        runs = f"{n} layouts run" if n > 1 else "1 layout runs"
+        here += f"; {runs} tight, under the margin (the tight table; --margin 0 fits them)"
     nodes = cluster.nodes * 2
-    while nodes <= MAX_NODES:  # the leanest layout of each T: FSDP over every GPU, full recompute
+    while nodes <= MAX_NODES:
         more = dataclasses.replace(cluster, nodes=nodes)
         for T in tensor_parallel(base, cluster.gpus_per_node, given):
-            lean = Row(T, T > 1, T > 1, "full", 1, more.gpus // T, "full")
-            if _memory(base, more, lean).fits:
+            lean = leanest(base, more, given, global_batch, T)
+            if lean is not None and lean.fits:
+                sharded = " with sharded DP" if lean.dp_shard != "none" else ""
                 gpus = nodes * cluster.gpus_per_node
-                return f"{here}: fits on {nodes} nodes ({gpus} GPUs) with sharded DP, e.g. {lean.label()}"
+                return f"{here}: fits on {nodes} nodes ({gpus} GPUs){sharded}, e.g. {lean.label()}"
         nodes *= 2
+    widest = dataclasses.replace(cluster, nodes=MAX_NODES)  # unpinned, where it holds the least
+    unpinned = (
+        leanest(base, widest, set(), None, T) for T in tensor_parallel(base, cluster.gpus_per_node, set())
+    )
+    if pins and any(row is not None and row.fits for row in unpinned):
+        return f"{here}: nothing with {pins} fits on up to {MAX_NODES} nodes"
     return (
         f"{here}: nothing fits on up to {MAX_NODES} nodes even sharded over every GPU: {m.name} at S "
         f"{t.seq_len} needs pipeline or context parallelism, which tpbench does not do"
     )
+
+
+def pinned(base: RunConfig, given: set[str]) -> str:
+    """The searched choices the overrides fix, as they would be typed: `tp=2 sp=true recompute=full`."""
+    values = {
+        "parallel.tp": base.parallel.tp,
+        "parallel.sp": base.parallel.sp,
+        "parallel.vp": base.parallel.vp,
+        "parallel.dp_shard": base.parallel.dp_shard,
+        "parallel.dp_replicate": base.parallel.dp_replicate,
+        "train.recompute": base.train.recompute,
+        "train.micro_batch": base.train.micro_batch,
+    }
+    short = {full: name for name, full in compose.SHORT_NAMES.items()}
+    said = [
+        f"{short.get(key, key)}={str(v).lower() if isinstance(v, bool) else v}"
+        for key, v in values.items()
+        if key in given
+    ]
+    return " ".join(said)
+
+
+def leanest(
+    base: RunConfig, cluster: Cluster, given: set[str], global_batch: int | None, T: int
+) -> Row | None:
+    """The layout of T on `cluster` that holds the least, its memory evaluated: SP and VP, DP sharded
+    over every rank (FSDP), full recompute, the least micro-batch; each pinned choice as pinned. None
+    where the pins leave T no layout there."""
+    p, t = base.parallel, base.train
+    dp = cluster.gpus // T
+    sp = p.sp if "parallel.sp" in given else T > 1
+    vp = p.vp if "parallel.vp" in given else T > 1
+    levels = shardings(base, dp, cluster.nodes, given)
+    batches = micro_batches(base, dp, global_batch, given, 1)
+    if (T == 1 and (sp or vp)) or not levels or not batches:
+        return None
+    level, replicas = max(levels, key=lambda lr: (LEVELS.index(lr[0]), -lr[1]))
+    recompute = t.recompute if "train.recompute" in given else "full"
+    row = _with(Row(T, sp, vp, recompute, batches[0], dp, level, replicas), batches[0], global_batch)
+    try:
+        compose.check(configure(base, row))
+    except ConfigError:
+        return None
+    return _memory(base, cluster, row)
 
 
 def _largest(

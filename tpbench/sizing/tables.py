@@ -6,6 +6,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from tpbench.models.shapes import model_name, shape_label
+from tpbench.sizing import defaults
 from tpbench.sizing.layouts import Fit, GiB, MiB, Row
 
 SHOWN = 10  # rows per table unless --rows says otherwise; --json has every row
@@ -18,19 +19,13 @@ def title(fit: Fit) -> str:
         if fit.global_batch
         else ""
     )
-    words = precision_words(t.precision, t.dtype)
+    words = defaults.precision_words(t.precision, t.dtype)
     return (
-        f"{model_name(m)} ({shape_label(m)}) S {t.seq_len}, {t.precision} precision ({words}){batch} on "
+        f"{model_name(m)} ({shape_label(m)}) S {t.seq_len}, {t.precision} precision ({words}), "
+        f"{defaults.optimizer_words(fit.base)}{batch} on "
         f"{fit.nodes} x {fit.gpus_per_node} {gpu.name} ({mem.usable_bytes / GiB:.1f} GiB usable, margin "
         f"{mem.margin:.0%})"
     )
-
-
-def precision_words(precision: str, dtype: str) -> str:
-    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
-    if precision == "mixed":
-        return f"{short} compute, fp32 master weights and AdamW moments"
-    return f"{short} weights, gradients and AdamW moments"
 
 
 def caption(fit: Fit) -> str:
@@ -45,14 +40,16 @@ def caption(fit: Fit) -> str:
     )
 
 
-def tables(fit: Fit, shown: int = SHOWN) -> list[Table]:
-    """The ranked table of what fits, then what is tight, then the nearest of what does not fit."""
+def tables(fit: Fit, shown: int = SHOWN, tight_only: bool = False) -> list[Table]:
+    """The ranked table of what fits, then what is tight, then the nearest of what does not fit;
+    `tight_only` (nothing fits: its line says the rest) the tight one."""
     out = []
     parts = (
         (fit.fitting, "fits", True),
         (fit.tight, f"tight (headroom under the {fit.memory.margin:.0%} margin)", False),
         (fit.not_fitting, "does not fit", False),
     )
+    parts = parts[1:2] if tight_only else parts
     for rows, what, ranked in parts:
         if not rows:
             continue
