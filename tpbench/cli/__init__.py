@@ -179,7 +179,7 @@ def runs(
         start = parse_since(since) if since else None
     except ValueError:
         usage(f"--since={since}: accepted are an ISO date or time such as 2026-11-30T08:00, or 30m, 12h, 7d")
-    results = _read_db(db)
+    results = _read_db(db, listing=True)
     if device is not None and results.runs(device=device).empty:
         _no_such_device(results, device)
     frame = results.runs(status=status, kind=kind, mode=mode, since=start, sweep=sweep, device=device)
@@ -376,12 +376,16 @@ def _say_where(dbs: dict[str, ResultsDB]) -> None:
     one_line(f"recording in {', '.join(db.url for db in dbs.values())}")
 
 
-def _read_db(url: str) -> ResultsDB:
+def _read_db(url: str, listing: bool = False) -> ResultsDB:
+    """The database at `url`, created by nothing. None there: for a listing (`runs`), no runs yet, said
+    and exit 0; for a command that reads a run or writes a report, bad input, exit 2."""
     from tpbench.db import DatabaseRefused, NoDatabase, ResultsDB
 
     try:
         return ResultsDB(url, create=False)
     except NoDatabase as e:
+        if not listing:
+            usage(str(e))
         err.print(str(e))
         raise typer.Exit(0) from None
     except DatabaseRefused as e:

@@ -77,13 +77,15 @@ def check_shardable(cfg: RunConfig) -> None:
             f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp}, as sp=true needs"
         )
     if p.engine == "ddp" and (p.tp != 1 or p.sp or p.vp):
+        given = [f"tp={p.tp}"] * (p.tp != 1) + ["sp=true"] * p.sp + ["vp=true"] * p.vp
         raise ConfigError(
-            f"parallel.engine=ddp with tp={p.tp} sp={p.sp} vp={p.vp}: ddp needs tp=1, sp/vp off"
+            f"mode=ddp with {' '.join(given)}: DDP keeps the whole model on every rank; accepted are tp=1, "
+            f"sp=false, vp=false (TP with DP: mode=tp dp=N)"
         )
     if p.sp_gather == "linear" and not (p.sp and p.engine == "megatron"):
         raise ConfigError(
-            f"parallel.sp_gather=linear with engine={p.engine} sp={p.sp}: it says where SP all-gathers "
-            f"a column linear's input; accepted only with engine=megatron and sp=true"
+            f"parallel.sp_gather=linear with engine={p.engine} sp={str(p.sp).lower()}: it says where SP "
+            f"all-gathers a column linear's input; accepted only with engine=megatron and sp=true"
         )
     if p.engine == "dtensor" and t.recompute != "none":
         raise ConfigError(
