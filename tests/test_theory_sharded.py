@@ -265,6 +265,38 @@ def test_emulated_mixed_precision_peak_is_predicted_to_the_byte(dp_shard, overri
     assert measured["peak_bytes"] == theory.predict(cfg).peak_bytes
 
 
+# The default tiny shape (H 64, L 2, V 256, S 32, micro-batch 2), fp32: FSDP2 keeps the top block's flat
+# all-gather output to the root's post-forward, beside the loss's forward, which then holds more than
+# any moment of backward under ZeRO-2 (every block gathered): the cross entropy's forward (DDP's and
+# TP's mode), the vocab-parallel loss's at a slice's sum (VP), the LM head's matmul with its
+# re-gathered input (SP with VP)
+DEFAULT_SHAPE = ["kind=memory", "model.hidden_size=64", "model.num_hidden_layers=2", "train.dtype=float32"]
+FORWARD_PEAKS = {
+    "ddp": (["parallel.engine=ddp", "parallel.tp=1"], "loss forward"),
+    "tp_vp": (["parallel.tp=2", "parallel.vp=true"], "loss"),
+    "tp_sp_vp": (["parallel.tp=2", "parallel.sp=true", "parallel.vp=true"], "head forward"),
+}
+
+
+@pytest.mark.parametrize("mode", FORWARD_PEAKS)
+def test_zero2_peaks_in_the_loss_forward_at_the_default_shape(mode):
+    """The busiest rank on fake tensors in this process: measured equal to the model, at the moment
+    the model names (the real ranks of the world-2 and world-4 jobs below agree)."""
+    from tpbench.experiments import memory
+
+    overrides, moment = FORWARD_PEAKS[mode]
+    cfg = run_config(
+        [*DEFAULT_SHAPE, "launch.emulate=fake", *overrides, "parallel.dp=2", "parallel.dp_shard=grads"]
+    )
+    predicted = theory.predict(cfg)
+    result = memory.measure_in_process(
+        dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, warmup=1, steps=1))
+    )
+    peak = next(m.value for m in result.measurements if m.name == "peak_bytes")
+    assert (peak, predicted.peak.name) == (predicted.peak_bytes, moment)
+    assert result.peak_at.startswith("forward ")
+
+
 # Each level measured by tpbench's own runtime in the world-2 and world-4 jobs of test_theory: the
 # memory experiment of DP 2 x TP 1 and DP 2 x TP 2, pure bf16, every rank's peak and collectives; and
 # under mixed precision (bf16 weights: ZeRO-1's param buffer, FSDP2's gathered ones; fp32 master,
@@ -290,6 +322,11 @@ SHARDED["dp2_tp2_full_recompute_sp_vp_l3"] = [*SHARDED["dp2_tp2_full"], "paralle
 # precision, ZeRO-3 in pure)
 SHARDED["dp2_tp1_grads_mixed_s4"] = [*SHARDED["dp2_tp1_grads_mixed"], "train.seq_len=4"]
 SHARDED["dp2_tp1_full_s4"] = [*SHARDED["dp2_tp1_full"], "train.seq_len=4"]
+# ZeRO-2 at the default tiny shape in fp32: the cross entropy's forward, beside the top block's flat
+# all-gather output (test_zero2_peaks_in_the_loss_forward_at_the_default_shape)
+for tp in (1, 2):
+    zero2 = [f"parallel.tp={tp}", "parallel.dp=2", "parallel.dp_shard=grads"]
+    SHARDED[f"dp2_tp{tp}_grads_default"] = [*DEFAULT_SHAPE, "train.steps=1", "train.warmup=1", *zero2]
 # HSDP: DP 4 x TP 1, two replicas of two shards each (the all-reduce across them counted)
 SHARDED["dp4_tp1_full_hsdp"] = [*SHARDED["dp2_tp1_full"], "parallel.dp=4", "parallel.dp_replicate=2"]
 WORLD2.add("memory", "sharded", {k: v for k, v in SHARDED.items() if k.startswith("dp2_tp1_")})
@@ -317,3 +354,11 @@ def test_counted_dp_collectives_equal_the_model(sharded_measured, name):
     predicted = sorted([r.op, r.purpose, r.count, r.bytes] for r in rows)
     for rank in sharded_measured[name]:
         assert rank["comm"] == predicted
+
+
+@pytest.mark.parametrize("name", [k for k in SHARDED if k.endswith("_default")])
+def test_zero2_measured_its_peak_in_the_loss_forward(sharded_measured, name):
+    """Every rank's peak fell in the root's forward, in its loss, the moment the model names."""
+    assert theory.predict(run_config(SHARDED[name])).peak.name == "loss forward"
+    for at in (rank["peak_at"] for rank in sharded_measured[name]):
+        assert at.startswith("forward ") and at.endswith(".loss_fn"), at

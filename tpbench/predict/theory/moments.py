@@ -35,7 +35,8 @@ def loss_extra(d: Dims) -> tuple[int, int]:
     fp32 output (saved), the fp32 gradient from nll_loss and the fp32 gradient it makes: 3 x 4 N V
     (the logits themselves are gone by then: nothing saves them), and the loss and its gradient.
     Vocab-parallel loss (tpbench.parallel.cross_entropy): its forward holds the logits, the [N]
-    bookkeeping and one fp32 slice of LOSS_CHUNKS of the tokens (`loss_slice`); its backward is
+    bookkeeping and one fp32 slice of LOSS_CHUNKS of the tokens (`loss_slice`) with its sum of exp
+    (fp32, the slice's rows), made before it is written into the [N] one; its backward is
     `loss_backward`.
     The seed's logits.float().mean(): the logits and their fp32 copy (unless they are fp32), with the
     loss and the gradient backward starts from (ones_like), all four alive at backward's first op;
@@ -48,7 +49,7 @@ def loss_extra(d: Dims) -> tuple[int, int]:
     # at a slice: targets and local ids (int64); row max, target logit, sum of exp (fp32); valid and
     # owned masks (bool)
     small = (2 * INT64 + 3 * FP32 + 2) * d.N
-    return d.p * nv + small, loss_slice(d)
+    return d.p * nv + small, loss_slice(d) + FP32 * math.ceil(d.N / LOSS_CHUNKS)
 
 
 def loss_forward(d: Dims) -> int:

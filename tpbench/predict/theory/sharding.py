@@ -36,7 +36,7 @@ from tpbench.config import LEVEL_NAMES, RunConfig  # noqa: F401 (LEVEL_NAMES: it
 from tpbench.predict.theory import blocks
 from tpbench.predict.theory.activations import after_head, layer_activations, model_activations
 from tpbench.predict.theory.dims import FP32, LOSS_AND_GRAD, Dims, dims
-from tpbench.predict.theory.moments import Moment
+from tpbench.predict.theory.moments import Moment, loss_forward
 from tpbench.predict.theory.weights import optimizer_bytes, param_bytes, params
 
 LEVELS = ("none", "optimizer", "grads", "full")
@@ -160,8 +160,8 @@ def state(d: Dims, s: Sharding) -> State:
 
 # --- the moments of the step ----------------------------------------------------------------------
 
-FORWARD = ("loss", "loss forward", "loss backward", "attention forward", "attention dropout")
-FORWARD_ONLY = ("loss forward", "attention forward", "attention dropout")  # before backward starts
+FORWARD = ("loss", "loss forward", "loss backward", "attention forward", "attention dropout", "head forward")
+FORWARD_ONLY = ("loss forward", "attention forward", "attention dropout", "head forward")  # before backward
 ROOT_BACKWARD = ("head backward", "head weight cast's backward", "final norm backward")
 AFTER_BLOCKS = ("backward end", "embedding backward")
 
@@ -183,7 +183,7 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
     for name, n in params(d):
         whole[unit_of(name)] += n * c.w
     out = []
-    for m in base + _middle_blocks(c, s):
+    for m in _forward_moments(c, base) + _middle_blocks(c, s):
         if m.name in ("gradient sums", "optimizer"):
             continue
         held = [ROOT]  # gathered units MemTracker counts as parameters: in forward, or the running one
@@ -208,12 +208,16 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
             fetched += blocks[max(layer - 1, 0) : layer]
         weights = st.params + sum(gathered[u] for u in held)
         temps = m.temporaries + sum(gathered[u] for u in fetched)
+        # FSDP2 keeps the last forward all-gather's flat output, the top block's, until the root's
+        # post-forward (its all_gather_state): alive in the top block's forward and the loss's
+        acts = m.activations + (gathered[blocks[-1]] if in_forward else 0)
         if done:  # FSDP2 keeps the last reduce-scatter's input until the next one (its reduce_scatter_state)
             temps += rs_in[done[0]]
         # the base counts the gradients made so far whole: the done blocks' are shards now
         made = m.grads - sum(whole[u] for u in done)
         grads = made + sum(shard_g[u] for u in done)
-        out.append(replace(m, params=weights, grads=grads, optimizer=st.optimizer, temporaries=temps))
+        out.append(replace(m, params=weights, grads=grads, optimizer=st.optimizer, activations=acts,
+                           temporaries=temps))  # fmt: skip
     out.insert(0, _top_block_gather(c, s, st, gathered))
     for i in sorted({L - 1, 0}) if s.fsdp else []:
         out.append(_block_reduce_scatter(c, s, st, gathered, rs_in, shard_g, i))
@@ -228,6 +232,26 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
                       root_in + rs_out))  # fmt: skip
     out.append(Moment("optimizer", st.params, st.grads, st.optimizer, kept, _adam_temporaries(d, s)))
     return out
+
+
+def _forward_moments(d: Dims, base: list[Moment]) -> list[Moment]:
+    """The base moments with two of the forward's, after the loss, which the unsharded step leaves out
+    (its backward holds what each holds and more: the loss's backward, the head's): the cross
+    entropy's forward (`moments.loss_forward`: the logits, log_softmax's output, the targets) and,
+    under SP and VP with the re-gather, the LM head's matmul (its gathered input, not saved, beside
+    the logits it makes). Under FSDP2 the top block's flat all-gather output is alive at both (the
+    head and the loss run in the root's forward), and lifts them above backward's moments: the cross
+    entropy's forward is ZeRO-2's peak at the default tiny shape (every block gathered, log_softmax's
+    output a third of the activations). The vocab-parallel loss's forward is its "loss" already; the
+    seed's logits mean runs after the root's forward."""
+    acts = sum(model_activations(d).values())
+    extra = []
+    if not d.vp and not d.logits_mean:
+        extra.append(Moment("loss forward", 0, 0, 0, acts + loss_forward(d), 0))
+    if d.sp and d.vp and d.regather:
+        extra.append(Moment("head forward", 0, 0, 0, acts + d.s * d.N * d.H + d.p * d.N * d.V_l, 0))
+    at = next(i for i, m in enumerate(base) if m.name == "loss") + 1
+    return [*base[:at], *extra, *base[at:]]
 
 
 def _middle_blocks(d: Dims, s: Sharding) -> list[Moment]:
