@@ -179,3 +179,13 @@ def test_the_path_is_not_part_of_the_config_hash(tmp_path):
     (named,) = compose.expand(["model=qwen2_5_7b", "kind=memory"])
     named.model.name = read.model.name
     assert config_hash(read) == config_hash(named)
+
+
+def test_a_yarn_config_is_refused_before_transformers_warns_of_it(tmp_path, capfd, caplog):
+    """A YaRN rope_scaling printed transformers' warning on its fields before tpbench's one-line
+    refusal: the RoPE's type is read from the file first."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    path = write(tmp_path, PUBLISHED["qwen3_0_6b"] | {"rope_scaling": yarn})
+    with pytest.raises(ConfigError, match="rope_scaling.rope_type='yarn'; accepted are the plain RoPE"):
+        model_fields(str(path))
+    assert capfd.readouterr().err == "" and not [r for r in caplog.records if "transformers" in r.name]

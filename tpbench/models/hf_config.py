@@ -76,6 +76,9 @@ def model_fields(path: str) -> dict[str, object]:
             f"is [{ARCHITECTURES[model_type]!r}] (a causal LM, nothing else on top)"
         )
     _refuse_what_it_cannot_be(path, raw, model_type)
+    if model_type != "minimind":  # refused before transformers reads it, which warns of a YaRN's fields
+        params = raw.get("rope_parameters") or raw.get("rope_scaling")
+        _refuse_rope_type(path, params if isinstance(params, dict) else {})
     config = _transformers_config(path, file, model_type)
 
     def get(key: str):
@@ -211,14 +214,8 @@ def _rope(path: str, config, model_type: str) -> dict[str, object]:
         return {"rope_theta": float(getattr(config, "rope_theta", MINIMIND_DEFAULTS["rope_theta"]))}
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
+    if _refuse_rope_type(path, params) == "default":
         return {"rope_theta": float(theta)}
-    if rope_type != "llama3":
-        raise ConfigError(
-            f"model.hf_config={path}: rope_scaling.rope_type={rope_type!r}; accepted are the plain RoPE and "
-            "Llama-3.1's (llama3)"
-        )
     return {
         "rope_theta": float(theta),
         "rope_scaling_factor": float(params["factor"]),
@@ -226,3 +223,14 @@ def _rope(path: str, config, model_type: str) -> dict[str, object]:
         "rope_high_freq_factor": float(params["high_freq_factor"]),
         "rope_original_max_position_embeddings": int(params["original_max_position_embeddings"]),
     }
+
+
+def _refuse_rope_type(path: str, params: dict) -> str:
+    """The RoPE's type (rope_scaling's or rope_parameters'), refused unless the plain one or Llama-3.1's."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ConfigError(
+            f"model.hf_config={path}: rope_scaling.rope_type={rope_type!r}; accepted are the plain RoPE and "
+            "Llama-3.1's (llama3)"
+        )
+    return rope_type
