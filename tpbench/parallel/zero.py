@@ -85,7 +85,7 @@ class DistributedOptimizer:
         at the step's start). Where the dtypes agree `.grad` becomes the slot's view and later
         accumulations add into it in place; else (bf16 gradients, fp32 buffer) `.grad` is freed."""
         p, view = self.params[name], self.grad_views[name]
-        if p.grad is None or p.grad.data_ptr() == view.data_ptr():
+        if p.grad is None or p.grad is view:  # not by data_ptr: a fake tensor's is its storage offset
             return
         view.add_(p.grad)
         p.grad = view if p.grad.dtype == view.dtype else None
