@@ -8,7 +8,8 @@ count; nothing runs on them):
 - `plan`, `fit`, `diagram`, `runs`, `report` run as typed, cut down where slow: a sweep keeps the
   configs that together hold each swept value once (`_cover`), `--measure` emulates 2 layers;
 - a command the docs show refused (`$ tpbench ...` followed by its one line) must print that line
-  and exit 2; any other must exit 0. A bare `tpbench VERB` in a sentence names the verb: its --help.
+  and exit 2, or 1 where the line is fit's answer that nothing fits (`refused_with`); any other must
+  exit 0. A bare `tpbench VERB` in a sentence names the verb: its --help.
 Placeholders are filled: shell variables from the block's assignments (`C="..."`, `for seed in 0`),
 `recompute=R` and `=T` with a value, a PostgreSQL URL with the folder's SQLite file,
 `path/to/config.json` with a small Llama config.json.
@@ -235,9 +236,26 @@ def test_documented_command(doc: Documented, folder: Path, monkeypatch):
     if doc.refusal is not None and composed and result.exit_code == 0:  # refused past --cfg
         result = _invoke(args)
     if doc.refusal is not None:
-        assert (result.exit_code, result.stderr.strip()) == (2, doc.refusal), where
+        assert (result.exit_code, result.stderr.strip()) == (refused_with(doc), doc.refusal), where
     elif not isinstance(result.exception, Launched):
-        assert result.exit_code == 0, f"{where}\n{result.stderr}{result.exception!r}"
+        expected = 1 if answered(doc, result.stderr) else 0  # fit's tables, then its nothing-fits line
+        assert result.exit_code == expected, f"{where}\n{result.stderr}{result.exception!r}"
+
+
+def refused_with(doc: Documented) -> int:
+    """The exit code of a documented one-line answer: 1 for fit's nothing-fits line (an answer, not bad
+    input), 2 for a refusal."""
+    from tpbench.sizing.search import FITS_NO_LAYOUT
+
+    return 1 if doc.command.split()[1] == "fit" and FITS_NO_LAYOUT in doc.refusal else 2
+
+
+def answered(doc: Documented, stderr: str) -> bool:
+    """fit's nothing-fits line (exit 1) after its tight table, where the page quotes that line whole."""
+    from tpbench.sizing.search import FITS_NO_LAYOUT
+
+    line, page = stderr.strip(), (ROOT / doc.where.split(":")[0]).read_text()
+    return doc.command.split()[1] == "fit" and FITS_NO_LAYOUT in line and line in page.splitlines()
 
 
 def _invoke(args: list[str]):

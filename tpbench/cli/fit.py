@@ -14,6 +14,8 @@ EPILOG = (
     "Examples:\n\n"
     "tpbench fit model=llama3_70b seq=8192 gpu=H100-80GB nodes=4\n\n"
     "tpbench fit model=qwen3_8b seq=4096 gpu=H200 global_batch=64 --json\n\n"
+    "tpbench fit model=llama3_8b gpu=H100-80GB tp=2 sp=true dp_shard=full recompute=selective  (pinned; "
+    "the preset's seq)\n\n"
     "tpbench fit model=llama3_8b seq=8192 gpu=H100 global_batch=16 --gpu-memory-gib 95.58\n\n"
     "tpbench fit model.hf_config=path/to/config.json seq=2048 gpu=A100-80GB tp=8 precision=pure --measure"
 )
