@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from datetime import datetime
 
 import pytest
 
@@ -45,8 +46,34 @@ def test_a_refusal_prints_before_torch_loads(args, said):
     assert not {m for m in modules if m == "torch" or m.startswith("torch.")}
 
 
-def test_torch_loads_once_the_checks_pass():
-    """The mechanism's other side: a config that passes every check resolves its device with torch."""
+def test_torch_loads_once_the_checks_pass_where_a_gpu_may_be():
+    """The mechanism's other side: a config that passes every check resolves its device, with torch
+    where this machine has a GPU's device file (without one, torch would count none)."""
+    from tpbench.run.compose import GPU_DEVICE_FILES
+
     done, modules = _imported(["run", "--cfg", "layers=2"])
     assert done.returncode == 0, done.stderr
-    assert "torch" in modules
+    assert "device: cpu" in done.stdout or "device: cuda" in done.stdout
+    assert ("torch" in modules) == any(os.path.exists(f) for f in GPU_DEVICE_FILES)
+
+
+def test_a_sweep_that_only_skips_launches_nothing_and_loads_no_torch(tmp_path):
+    """Every config already OK in the database: the sweep said so in 9-11 s of wall, 5 of CPU, having
+    imported torch, the time model (torch's MemTracker, dynamo) and torchrun's launcher for nothing."""
+    from tpbench import machine
+    from tpbench.db import ResultsDB
+    from tpbench.results import Environment, Outcome, Status
+    from tpbench.run.compose import GPU_DEVICE_FILES, expand
+
+    swept = ["kind=memory", "dp=2", "dp_shard=none,optimizer", f"db.url=sqlite:///{tmp_path}/runs.db"]
+    db = ResultsDB(swept[-1].removeprefix("db.url="))
+    for cfg in expand(swept, single=False):
+        name, count = machine.here(cfg)
+        env = Environment("host", cfg.launch.device, name, count, "gloo", "2.x", None, None, None)
+        db.record(cfg, Outcome(Status.OK, datetime.now(), datetime.now(), env))
+    done, modules = _imported(["sweep", *swept])
+    assert done.returncode == 0, done.stderr
+    assert "skipped 2" in done.stderr and done.stdout.count("skipped") == 2
+    assert not modules & {"tpbench.run.batch", "tpbench.run.launch", "tpbench.sizing.estimate"}
+    if not any(os.path.exists(f) for f in GPU_DEVICE_FILES):  # else torch counts the GPUs
+        assert "torch" not in modules

@@ -81,9 +81,9 @@ def here(cfg: RunConfig) -> tuple[str, int]:
     """(device name, device count) of this node as `cfg` would use it, probed before any launch:
     device=cuda torch.cuda's first GPU and GPU count; device=cpu the CPU model and its cores; a GPU
     emulated on fake tensors (tpbench.parallel.emulation) the emulated GPU on this CPU."""
-    import torch
-
     if cfg.launch.device == "cuda" and cfg.launch.emulate != "fake":
+        import torch
+
         return _gpu_name(0), torch.cuda.device_count()
     return rank_device_name(cfg, None), os.cpu_count() or 1
 

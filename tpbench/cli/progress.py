@@ -68,7 +68,10 @@ def _beside_the_one_before(group: list[RunConfig]) -> list[bool]:
 
 def say_estimates(configs: Sequence[RunConfig], sweep: bool) -> list[float]:
     """Print the runs' estimates on stderr (one line per run; a sweep's total and longest in one), a
-    line for each run estimated long and for each dtype with no fast kernel here; their seconds."""
+    line for each run estimated long and for each dtype with no fast kernel here; their seconds. None
+    to run (a sweep whose every config is done): nothing said, and the time model is not imported."""
+    if not configs:
+        return []
     from dataclasses import replace
 
     from tpbench.predict import rate_probe

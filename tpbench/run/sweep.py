@@ -100,6 +100,8 @@ def run_each(
     """Launch and record each config in turn, yielding each as it ends; an interrupted run is the last.
     Consecutive configs that fit one torchrun job run in one (tpbench.run.batch), each recorded as it ends.
     `on_start(cfg)` is called as a run starts and returns what takes its progress lines."""
+    if not configs:  # a sweep whose every config is done: torchrun and torch are not even imported
+        return
     from tpbench.run import batch
 
     for group in batch.batches(configs):
