@@ -629,3 +629,9 @@ def test_plans_step_time_is_in_one_format():
         "predicted step time on this CPU: 16,750 ms = compute 2,144 + exposed communication 13,500 "
         "(activation 12,460, loss 66.2) + optimizer 1,161; 4 tokens/s"
     )
+
+
+def test_one_run_is_listed_as_one_run(workdir):
+    recorded("sqlite:///runs/tpbench.db", 1)
+    listed = runner.invoke(app, ["runs"]).stdout
+    assert "1 run in sqlite:///runs/tpbench.db" in listed and "1 runs" not in listed
