@@ -328,9 +328,10 @@ def test_plan_with_gpu_predicts_that_gpus_step_and_says_what_it_assumed():
     assert "predicted step time on an H100" in said and "this CPU" not in said
     assumed = "assumed: for-each AdamW (train.fused_optimizer=false), mixed precision (bf16 compute, fp32"
     assert f"{assumed} master weights and AdamW moments), recompute none, micro-batch 4" in said
-    done = runner.invoke(app, ["plan", "model=qwen3_0_6b", "gpu=H100", "launch.device=cpu"])
-    assert done.exit_code == 2 and len(done.stderr.splitlines()) == 1
-    assert "gpu=H100 with launch.device=cpu: gpu= predicts for that GPU; accepted are" in done.stderr
+    for device in ("launch.device=cpu", "device=cpu"):  # the key, or conf/device's group
+        done = runner.invoke(app, ["plan", "model=qwen3_0_6b", "gpu=H100", device])
+        assert done.exit_code == 2 and len(done.stderr.splitlines()) == 1
+        assert f"gpu=H100 with {device}: gpu= predicts for that GPU; accepted are" in done.stderr
 
 
 def test_a_presets_seq_is_fits_default_and_seq_overrides_it():

@@ -63,7 +63,7 @@ def for_gpu(overrides: list[str]) -> list[str]:
     gpus = [o for o in overrides if o.startswith("gpu=")]
     if not gpus:
         return overrides
-    devices = [o for o in overrides if o.partition("=")[0].lstrip("+~") == "launch.device"]
+    devices = [o for o in overrides if o.partition("=")[0].lstrip("+~") in ("launch.device", "device")]
     if any(not o.endswith("=cuda") for o in devices):
         raise ConfigError(
             f"{gpus[0]} with {devices[0]}: gpu= predicts for that GPU; accepted are launch.device=cuda "
