@@ -268,36 +268,44 @@ def test_emulated_mixed_precision_peak_is_predicted_to_the_byte(dp_shard, overri
     assert measured["peak_bytes"] == theory.predict(cfg).peak_bytes
 
 
-# The default tiny shape (H 64, L 2, V 256, S 32, micro-batch 2), fp32: FSDP2 keeps the top block's flat
-# all-gather output to the root's post-forward, beside the loss's forward, which then holds more than
-# any moment of backward under ZeRO-2 (every block gathered): the cross entropy's forward (DDP's and
-# TP's mode), the vocab-parallel loss's at a slice's sum (VP), the LM head's matmul with its
-# re-gathered input (SP with VP)
+# The default tiny shape (H 64, L 2, V 256, S 32, micro-batch 2), where FSDP2's buffers outweigh the
+# activations. FSDP2 keeps the top block's flat all-gather output to the root's post-forward, which
+# lifts the forward's last moments above backward's under ZeRO-2 (every block gathered): the cross
+# entropy's forward (DDP's and TP's modes), the vocab-parallel loss's at a slice's sum (VP), the LM
+# head's matmul with its re-gathered input (SP with VP), the final norm's cast (bf16 with VP). In
+# backward, the last reduce-scatter's input (fp32 under mixed precision) is kept beside block 0's
+# moments; and in bf16 the block's output gradient beside the post-attention norm's fp32 temporaries.
 DEFAULT_SHAPE = ["kind=memory", "model.hidden_size=64", "model.num_hidden_layers=2", "train.dtype=float32"]
-FORWARD_PEAKS = {
-    "ddp": (["parallel.engine=ddp", "parallel.tp=1"], "loss forward"),
-    "tp_vp": (["parallel.tp=2", "parallel.vp=true"], "loss"),
-    "tp_sp_vp": (["parallel.tp=2", "parallel.sp=true", "parallel.vp=true"], "head forward"),
+TP_VP, TP_SP_VP = (
+    ["parallel.tp=2", "parallel.vp=true"],
+    ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true"],
+)
+BF16, MIXED = ["train.dtype=bfloat16"], ["train.dtype=bfloat16", "train.precision=mixed"]
+DEFAULT_PEAKS = {
+    "ddp_grads": (["parallel.engine=ddp", "parallel.tp=1", "parallel.dp_shard=grads"], "loss forward"),
+    "tp_vp_grads": ([*TP_VP, "parallel.dp_shard=grads"], "loss"),
+    "tp_sp_vp_grads": ([*TP_SP_VP, "parallel.dp_shard=grads"], "head forward"),
+    "tp_vp_grads_bf16": ([*TP_VP, *BF16, "parallel.dp_shard=grads"], "final norm forward"),
+    "tp_sp_vp_grads_mixed": ([*TP_SP_VP, *MIXED, "parallel.dp_shard=grads"], "swiglu backward 0"),
+    "tp_vp_full_bf16": ([*TP_VP, *BF16, "parallel.dp_shard=full"], "post-attention norm backward"),
 }
 
 
-@pytest.mark.parametrize("mode", FORWARD_PEAKS)
-def test_zero2_peaks_in_the_loss_forward_at_the_default_shape(mode):
+@pytest.mark.parametrize("name", DEFAULT_PEAKS)
+def test_fsdp_peak_at_the_default_shape_is_predicted_to_the_byte(name):
     """The busiest rank on fake tensors in this process: measured equal to the model, at the moment
-    the model names (the real ranks of the world-2 and world-4 jobs below agree)."""
+    the model names (the real ranks of the world-2 and world-4 jobs below agree for fp32 ZeRO-2)."""
     from tpbench.experiments import memory
 
-    overrides, moment = FORWARD_PEAKS[mode]
-    cfg = run_config(
-        [*DEFAULT_SHAPE, "launch.emulate=fake", *overrides, "parallel.dp=2", "parallel.dp_shard=grads"]
-    )
+    overrides, moment = DEFAULT_PEAKS[name]
+    cfg = run_config([*DEFAULT_SHAPE, "launch.emulate=fake", "parallel.dp=2", *overrides])
     predicted = theory.predict(cfg)
     result = memory.measure_in_process(
         dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, warmup=1, steps=1))
     )
     peak = next(m.value for m in result.measurements if m.name == "peak_bytes")
     assert (peak, predicted.peak.name) == (predicted.peak_bytes, moment)
-    assert result.peak_at.startswith("forward ")
+    assert result.peak_at.startswith("backward " if "backward" in moment else "forward ")
 
 
 # Each level measured by tpbench's own runtime in the world-2 and world-4 jobs of test_theory: the
@@ -326,7 +334,7 @@ SHARDED["dp2_tp2_full_recompute_sp_vp_l3"] = [*SHARDED["dp2_tp2_full"], "paralle
 SHARDED["dp2_tp1_grads_mixed_s4"] = [*SHARDED["dp2_tp1_grads_mixed"], "train.seq_len=4"]
 SHARDED["dp2_tp1_full_s4"] = [*SHARDED["dp2_tp1_full"], "train.seq_len=4"]
 # ZeRO-2 at the default tiny shape in fp32: the cross entropy's forward, beside the top block's flat
-# all-gather output (test_zero2_peaks_in_the_loss_forward_at_the_default_shape)
+# all-gather output (test_fsdp_peak_at_the_default_shape_is_predicted_to_the_byte)
 for tp in (1, 2):
     zero2 = [f"parallel.tp={tp}", "parallel.dp=2", "parallel.dp_shard=grads"]
     SHARDED[f"dp2_tp{tp}_grads_default"] = [*DEFAULT_SHAPE, "train.steps=1", "train.warmup=1", *zero2]

@@ -215,8 +215,10 @@ def post_attention_norm_backward(
 ) -> Moment:
     """The top block's post-attention RMSNorm backward, at pow's backward: 5 fp32 temporaries of the
     stream's shape, the stream's gradient among them (as the final norm's), and a sixth where a lean
-    norm has made its fp32 input again (unless the stream is fp32). The MLP has run its backward: its
-    input, the SwiGLU's tensors (and, mixed, its weight casts) are freed, its weight gradients made."""
+    norm has made its fp32 input again (unless the stream is fp32); where the stream is not fp32 the
+    block's output gradient too, in its dtype, waiting for the residual sum (in fp32 it is the one
+    among the 5). The MLP has run its backward: its input, the SwiGLU's tensors (and, mixed, its
+    weight casts) are freed, its weight gradients made."""
     layer = layer_activations(d)
     freed = layer["mlp input"] + layer["swiglu"] + stream_mask(d)  # with the MLP dropout's mask
     if d.mixed:
@@ -225,6 +227,7 @@ def post_attention_norm_backward(
     if not d.lean_rmsnorm:  # its normed result and rsqrt
         freed += FP32 * d.Ns * d.H + FP32 * d.Ns
     temps = (6 if d.lean_rmsnorm and d.s != FP32 else 5) * FP32 * d.Ns * d.H
+    temps += d.s * d.Ns * d.H if d.s != FP32 else 0
     temps += d.V_l * d.H * d.w if d.tied else 0
     done = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "post_attention_layernorm"]
     grads = top_block_grads(d, done, buckets, own_grads)

@@ -160,8 +160,14 @@ def state(d: Dims, s: Sharding) -> State:
 
 # --- the moments of the step ----------------------------------------------------------------------
 
-FORWARD = ("loss", "loss forward", "loss backward", "attention forward", "attention dropout", "head forward")
-FORWARD_ONLY = ("loss forward", "attention forward", "attention dropout", "head forward")  # before backward
+FORWARD_ONLY = (  # before backward starts
+    "loss forward", "attention forward", "attention dropout", "final norm forward", "head forward",
+)  # fmt: skip
+FORWARD = ("loss", "loss backward", *FORWARD_ONLY)
+BLOCK_BACKWARD = (  # the unsharded step's moments in the top block's backward (recompute none)
+    "down_proj backward", "swiglu backward", "post-attention norm backward", "k_norm backward",
+    "q_norm backward", "mlp backward", "mlp entry backward", "attention",
+)  # fmt: skip
 ROOT_BACKWARD = ("head backward", "head weight cast's backward", "final norm backward")
 AFTER_BLOCKS = ("backward end", "embedding backward")
 
@@ -183,15 +189,16 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
     for name, n in params(d):
         whole[unit_of(name)] += n * c.w
     out = []
-    for m in _forward_moments(c, base) + _middle_blocks(c, s):
+    for m in _forward_moments(c, base) + _lower_blocks(c, s, base, whole) + _middle_blocks(c, s):
         if m.name in ("gradient sums", "optimizer"):
             continue
         held = [ROOT]  # gathered units MemTracker counts as parameters: in forward, or the running one
         fetched: list[str] = []  # prefetched in backward: temporaries to MemTracker
         done: list[str] = []  # units whose backward ran: their gradients reduce-scattered into shards
         layer = L - 1
-        if m.name.startswith("recomputed "):  # full recompute's moments in block `layer`
-            layer = int(m.name.rsplit(" ", 1)[1])
+        kind, _, at = m.name.rpartition(" ")
+        if at.isdigit() and (kind.startswith("recomputed ") or kind in BLOCK_BACKWARD):  # in block `at`
+            layer = int(at)
         in_forward = m.name in FORWARD_ONLY or (m.name == "loss" and d.vp and not d.logits_mean)
         if m.name in AFTER_BLOCKS:
             done = blocks
@@ -235,23 +242,61 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
 
 
 def _forward_moments(d: Dims, base: list[Moment]) -> list[Moment]:
-    """The base moments with two of the forward's, after the loss, which the unsharded step leaves out
-    (its backward holds what each holds and more: the loss's backward, the head's): the cross
-    entropy's forward (`moments.loss_forward`: the logits, log_softmax's output, the targets) and,
-    under SP and VP with the re-gather, the LM head's matmul (its gathered input, not saved, beside
-    the logits it makes). Under FSDP2 the top block's flat all-gather output is alive at both (the
-    head and the loss run in the root's forward), and lifts them above backward's moments: the cross
-    entropy's forward is ZeRO-2's peak at the default tiny shape (every block gathered, log_softmax's
-    output a third of the activations). The vocab-parallel loss's forward is its "loss" already; the
-    seed's logits mean runs after the root's forward."""
-    acts = sum(model_activations(d).values())
-    extra = []
-    if not d.vp and not d.logits_mean:
-        extra.append(Moment("loss forward", 0, 0, 0, acts + loss_forward(d), 0))
+    """The base moments with three of the forward's after the blocks, which the unsharded step leaves
+    out (a moment of its backward holds what each holds and more): the final RMSNorm's last op, the
+    LM head's matmul under SP and VP with the re-gather (its gathered input, not saved, beside the
+    logits it makes) and the cross entropy's forward (`moments.loss_forward`: the logits, log_softmax's
+    output, the targets). Under FSDP2 the top block's flat all-gather output is alive at each (the
+    root's forward runs them), which lifts them above backward's: the cross entropy's forward is
+    ZeRO-2's peak at the default tiny shape in fp32 (every block gathered, log_softmax's output a
+    third of the activations), the final norm's in bf16 with VP. The vocab-parallel loss's forward is
+    its "loss" already; the seed's logits mean runs after the root's forward."""
+    acts = model_activations(d)
+    whole = sum(acts.values())
+    extra = [Moment("final norm forward", 0, 0, 0, whole + _final_norm_forward(d, acts), 0)]
     if d.sp and d.vp and d.regather:
-        extra.append(Moment("head forward", 0, 0, 0, acts + d.s * d.N * d.H + d.p * d.N * d.V_l, 0))
+        extra.append(Moment("head forward", 0, 0, 0, whole + d.s * d.N * d.H + d.p * d.N * d.V_l, 0))
+    if not d.vp and not d.logits_mean:
+        extra.append(Moment("loss forward", 0, 0, 0, whole + loss_forward(d), 0))
     at = next(i for i, m in enumerate(base) if m.name == "loss") + 1
     return [*base[:at], *extra, *base[at:]]
+
+
+def _final_norm_forward(d: Dims, acts: dict[str, int]) -> int:
+    """The final RMSNorm at its last op, `(weight * normed).type_as(x)`, beyond the saved activations
+    less the head's input and weight cast (not made yet): the fp32 product and its cast to the
+    stream's dtype (none where that is fp32: the product itself); a lean norm (its input kept alone,
+    tpbench.models.minimind.RMSNorm) holds its fp32 copy of the input (unless that is fp32: x.float()
+    is x) and the normed tensor too, which it does not save."""
+    tokens = d.Ns * d.H
+    made = FP32 * tokens + (d.s * tokens if d.s != FP32 else 0)
+    if d.lean_rmsnorm:
+        made += FP32 * tokens + (FP32 * tokens if d.s != FP32 else 0)
+    return made - acts["head input"] - acts["head weight cast"]
+
+
+def _lower_blocks(d: Dims, s: Sharding, base: list[Moment], whole: dict[str, int]) -> list[Moment]:
+    """FSDP2 without full recompute: the top block's backward moments (`BLOCK_BACKWARD`) again in a
+    lower block, named with its layer, as the unsharded step would count them there: the saved
+    activations of the blocks above freed, their gradients whole (`moments` makes them shards, and
+    adds the last reduce-scatter's input, kept: fp32 under mixed precision). Block 0 (ZeRO-2: the
+    blocks above resharded, their activations gone) and, for ZeRO-3 from L 3, block 1 (block 0
+    prefetched beside the reduce-scatter input): the rest of each moment is affine in the layer, so
+    these and the top block are the candidates. Few tokens beside the reduce-scatter input make the
+    bottom block's the peak (ZeRO-2 under mixed precision with VP at the default tiny shape)."""
+    if d.recompute == "full" or d.L < 2:
+        return []
+    per_block = model_activations(d)["blocks"] // d.L
+    out = []
+    for layer in sorted({0, 1 if s.level == "full" and d.L >= 3 else 0}):
+        above = range(layer + 1, d.L)
+        grads = sum(whole[f"layers.{i}"] for i in above)
+        out += [
+            replace(m, name=f"{m.name} {layer}", grads=m.grads + grads,
+                    activations=m.activations - len(above) * per_block)
+            for m in base if m.name in BLOCK_BACKWARD
+        ]  # fmt: skip
+    return out
 
 
 def _middle_blocks(d: Dims, s: Sharding) -> list[Moment]:
