@@ -13,12 +13,24 @@ count; nothing runs on them):
 Placeholders are filled: shell variables from the block's assignments (`C="..."`, `for seed in 0`),
 `recompute=R` and `=T` with a value, a PostgreSQL URL with the folder's SQLite file,
 `path/to/config.json` with a small Llama config.json.
+
+Golden outputs: what each documented `plan` and `fit` prints (as run here, cut down as above) is kept
+in tests/golden/ and compared line for line, so that a change to a figure or a label is a diff in
+review, never silence. Where a plan predicts a step on this CPU, the CPU is a stand-in with fixed rates
+(`STAND_IN_CPU`: 2 cores, its probes' figures set here), so the files hold on any machine. After a
+change that moves them on purpose, write them anew and review the diff:
+
+    TPBENCH_UPDATE_GOLDEN=1 OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/test_documented_commands.py
+    git diff tests/golden/
 """
 
 from __future__ import annotations
 
+import difflib
+import hashlib
 import json
 import math
+import os
 import re
 import shlex
 from dataclasses import dataclass
@@ -27,6 +39,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN_VERBS = ("plan", "fit")
+WALL_CLOCK = re.compile(r"(tensors, )[\d.]+ s\)")  # "emulated rank 0 (fake tensors, 0.8 s)", wrapped or not
+# The stand-in CPU of the golden outputs: what rate_probe would have probed, fixed (figures of the same
+# order as a 2-core server's: fp32 GEMMs 100 GFLOP/s, bf16 20x slower, memory 20 GB/s, 8 us an op)
+STAND_IN_CPU = {
+    "cores": 2,
+    "flops_per_s": {"float32": 100e9, "float64": 50e9, "bfloat16": 5e9, "float16": 5e9},
+    "rates": {
+        "gemm_small": 80e9,
+        "attention": 60e9,
+        "bandwidth": 20e9,
+        "cache_bandwidth": 30e9,
+        "op_s": 8e-6,
+        **{f"alpha_{k}": 1e-3 for k in ("all_reduce", "all_gather", "reduce_scatter")},
+        **{f"beta_{k}": 1e-9 for k in ("all_reduce", "all_gather", "reduce_scatter")},
+    },
+    "fp32_accumulate_op_s": 2e-6,
+}
 PROMPT = re.compile(r"^\s*(\$ )?tpbench\s(?!\w+: )")  # not `tpbench run: No such option ...`
 FENCE = re.compile(r"^\s*(```|~~~)")
 CODE_SPAN = re.compile(r"`(tpbench [^`]*)`")
@@ -98,7 +129,7 @@ def _refusal(lines: list[str], i: int) -> str | None:
 
 def _add(found: dict, where: str, text: str, refusal: str | None, variables: dict[str, str]) -> None:
     text = text.strip().removeprefix("$ ")
-    text = re.split(r"\s+#|;|\s2>|\s&$", text)[0].strip()  # a comment, a second command, a redirect
+    text = re.split(r"\s+#|;|\s2?>|\s&$", text)[0].strip()  # a comment, a second command, a redirect
     if "..." in text:  # `tpbench run ...`: any overrides
         return
     for name, value in variables.items():
@@ -231,6 +262,9 @@ def test_documented_command(doc: Documented, folder: Path, monkeypatch):
         i = args.index("--out") + 1
         args[i] = str(folder / Path(args[i]).name)
     composed = args[0] in ("run", "sweep") and "--cfg" not in args  # composed, checked, not run
+    golden = args[0] in GOLDEN_VERBS and doc.refusal is None
+    if golden:
+        stand_in_cpu(monkeypatch)
     result = _invoke([*args, "--cfg"] if composed else args)
     where = f"{doc.where}: {doc.command}"
     if doc.refusal is not None and composed and result.exit_code == 0:  # refused past --cfg
@@ -240,6 +274,58 @@ def test_documented_command(doc: Documented, folder: Path, monkeypatch):
     elif not isinstance(result.exception, Launched):
         expected = 1 if answered(doc, result.stderr) else 0  # fit's tables, then its nothing-fits line
         assert result.exit_code == expected, f"{where}\n{result.stderr}{result.exception!r}"
+    if golden:
+        same_as_golden(doc, args, result, folder)
+
+
+def stand_in_cpu(monkeypatch) -> None:
+    """The CPU a golden output's plan predicts for: STAND_IN_CPU's rates, named, on its cores."""
+    from tpbench import machine
+    from tpbench.predict import rate_probe
+
+    cpu = STAND_IN_CPU
+    monkeypatch.setattr(rate_probe, "time_rates", lambda cfg, threads, group: dict(cpu["rates"]))
+    monkeypatch.setattr(rate_probe, "rate", lambda dtype, cfg, threads: cpu["flops_per_s"][dtype])
+    monkeypatch.setattr(rate_probe, "fp32_accumulate_op_s", lambda cfg, threads: cpu["fp32_accumulate_op_s"])
+    monkeypatch.setattr(machine, "cpu_name", lambda: "a stand-in CPU")
+    monkeypatch.setattr(os, "cpu_count", lambda: cpu["cores"])
+    monkeypatch.setenv("COLUMNS", "160")
+
+
+def golden_file(command: str) -> Path:
+    """tests/golden/<the command's words>-<a hash of the whole>.txt"""
+    words = re.sub(r"[^\w.=,+-]+", "_", command.removeprefix("tpbench ")).strip("_")[:90]
+    return GOLDEN / f"{words}-{hashlib.sha1(command.encode()).hexdigest()[:8]}.txt"
+
+
+def golden_text(doc: Documented, args: list[str], result, folder: Path) -> str:
+    said = f"$ tpbench {shlex.join(args)}\n# exit {result.exit_code}\n{result.stdout}"
+    if result.stderr:
+        said += f"# stderr\n{result.stderr}"
+    said = said.replace(str(folder), "<folder>")
+    return WALL_CLOCK.sub(r"\1<wall> s)", said)  # --measure's own time: no figure of the model's
+
+
+def same_as_golden(doc: Documented, args: list[str], result, folder: Path) -> None:
+    path, text = golden_file(doc.command), golden_text(doc, args, result, folder)
+    if os.environ.get("TPBENCH_UPDATE_GOLDEN"):
+        GOLDEN.mkdir(exist_ok=True)
+        path.write_text(text)
+        return
+    assert path.exists(), (
+        f"no golden output for {doc.where}: {doc.command} (TPBENCH_UPDATE_GOLDEN=1 writes it)"
+    )
+    kept = path.read_text()
+    diff = "\n".join(
+        difflib.unified_diff(kept.splitlines(), text.splitlines(), str(path), "now", lineterm="")
+    )
+    assert kept == text, f"{doc.where}: {doc.command} prints otherwise than {path.name}:\n{diff}"
+
+
+def test_every_golden_output_belongs_to_a_documented_command():
+    kept = {golden_file(d.command).name for d in COMMANDS if shlex.split(d.command)[1] in GOLDEN_VERBS}
+    stale = sorted(p.name for p in GOLDEN.glob("*.txt") if p.name not in kept)
+    assert not stale, f"golden outputs of no documented command (remove them): {stale}"
 
 
 def refused_with(doc: Documented) -> int:
