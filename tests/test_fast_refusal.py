@@ -49,12 +49,12 @@ def test_a_refusal_prints_before_torch_loads(args, said):
 def test_torch_loads_once_the_checks_pass_where_a_gpu_may_be():
     """The mechanism's other side: a config that passes every check resolves its device, with torch
     where this machine has a GPU's device file (without one, torch would count none)."""
-    from tpbench.run.compose import GPU_DEVICE_FILES
+    from tpbench import machine
 
     done, modules = _imported(["run", "--cfg", "layers=2"])
     assert done.returncode == 0, done.stderr
     assert "device: cpu" in done.stdout or "device: cuda" in done.stdout
-    assert ("torch" in modules) == any(os.path.exists(f) for f in GPU_DEVICE_FILES)
+    assert ("torch" in modules) == any(os.path.exists(f) for f in machine.GPU_DEVICE_FILES)
 
 
 def test_a_sweep_that_only_skips_launches_nothing_and_loads_no_torch(tmp_path):
@@ -63,7 +63,7 @@ def test_a_sweep_that_only_skips_launches_nothing_and_loads_no_torch(tmp_path):
     from tpbench import machine
     from tpbench.db import ResultsDB
     from tpbench.results import Environment, Outcome, Status
-    from tpbench.run.compose import GPU_DEVICE_FILES, expand
+    from tpbench.run.compose import expand
 
     swept = ["kind=memory", "dp=2", "dp_shard=none,optimizer", f"db.url=sqlite:///{tmp_path}/runs.db"]
     db = ResultsDB(swept[-1].removeprefix("db.url="))
@@ -75,5 +75,5 @@ def test_a_sweep_that_only_skips_launches_nothing_and_loads_no_torch(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "skipped 2" in done.stderr and done.stdout.count("skipped") == 2
     assert not modules & {"tpbench.run.batch", "tpbench.run.launch", "tpbench.sizing.estimate"}
-    if not any(os.path.exists(f) for f in GPU_DEVICE_FILES):  # else torch counts the GPUs
+    if not any(os.path.exists(f) for f in machine.GPU_DEVICE_FILES):  # else torch counts the GPUs
         assert "torch" not in modules

@@ -5,9 +5,9 @@ The code is in layers, and a module imports only from its own layer or from the 
 halves have a package each: predict/ (what a step will hold, move and cost, without running it) and
 run/ (how a run happens); sizing/ uses both, above them.
 
-    config, results, machine              the data every layer passes around: the typed config and its
+    config, results, machine, labels      the data every layer passes around: the typed config and its
                                           ConfigError, result types (RankResult, Status, Outcome),
-                                          this node's devices
+                                          this node's devices, how a run's layout is named
     models                                the dense model (and model fields from a Hugging Face config)
     parallel                              the plan and collectives that shard it; emulation: one rank
                                           of a job emulated in one process
@@ -31,7 +31,7 @@ layers as a module-level one does.
 # The layers, lowest first: each entry names modules or packages (a package holds its submodules; a
 # module is in the entry that names it most closely: run.compose, else run).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("config", "results", "machine"),
+    ("config", "results", "machine", "labels"),
     ("models",),
     ("parallel",),
     ("predict",),

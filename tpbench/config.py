@@ -14,6 +14,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from tpbench.labels import LEVEL_NAMES, dp_level_label, layout_label  # noqa: F401 (for config's users)
+
 # conf/ sits next to the package: the groups Hydra composes into a RunConfig.
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -338,34 +340,14 @@ def mode_label(p: ParallelConfig) -> str:
     return f"dtensor_{label}" if p.engine == "dtensor" else label
 
 
-# The sharded DP levels (parallel.dp_shard) by the names `tpbench fit` and `tpbench plan` give them.
-LEVEL_NAMES = {"none": "DDP", "optimizer": "ZeRO-1", "grads": "ZeRO-2", "full": "FSDP"}
-
-
-def dp_level_label(dp_shard: str, dp_replicate: int = 1) -> str:
-    """The DP level as `tpbench fit` names it: ZeRO-1, ZeRO-2, FSDP, HSDP's "FSDP (2 replicas)"; "" for
-    DDP's replicas, the default, which every other level's label names."""
-    if dp_shard == "none":
-        return ""
-    return LEVEL_NAMES.get(dp_shard, dp_shard) + (f" ({dp_replicate} replicas)" if dp_replicate > 1 else "")
-
-
-def layout_label(tp: int, dp: int, dp_shard: str = "none", dp_replicate: int = 1) -> str:
-    """tp=2 dp=2, tp=2 dp=2 ZeRO-2, tp=1 dp=4 FSDP (2 replicas): the ranks and the DP level."""
-    level = dp_level_label(dp_shard, dp_replicate)
-    return f"tp={tp} dp={dp}" + (f" {level}" if level else "")
-
-
 def parallel_label(p: ParallelConfig) -> str:
     return layout_label(p.tp, p.dp, p.dp_shard, p.dp_replicate)
 
 
 def run_label(c: RunConfig) -> str:
-    """One run in a few words, as every line the command line prints of a run names it:
-    `memory tp tp=2 dp=2 ZeRO-2 layers=2`."""
-    return (
-        f"{c.kind} {mode_label(c.parallel)} {parallel_label(c.parallel)} layers={c.model.num_hidden_layers}"
-    )
+    """One run in a few words, as every line of the CLI names it: memory tp tp=2 dp=2 ZeRO-2 layers=2."""
+    p = c.parallel
+    return f"{c.kind} {mode_label(p)} {parallel_label(p)} layers={c.model.num_hidden_layers}"
 
 
 def local_batch(cfg: RunConfig) -> int:

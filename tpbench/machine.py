@@ -77,6 +77,22 @@ def of_config(cfg: RunConfig, device_name: str, device_count: int) -> str:
     return key(launch.device, device_name, device_count, launch.nnodes, launch.emulate)
 
 
+# A GPU torch can see has one of these: NVIDIA's driver, AMD's ROCm (torch.cuda too), WSL's GPU.
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
+def gpus_here() -> int:
+    """torch.cuda's GPU count, read after every check of tpbench.run.compose: a refusal prints before
+    torch loads (1.6 s idle). On a machine with no GPU's device file it is 0 without loading torch
+    (torch's own count once it is loaded), so that a command that launches nothing (a sweep whose every
+    run is done) loads no torch there either."""
+    if "torch" not in sys.modules and not any(Path(f).exists() for f in GPU_DEVICE_FILES):
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def here(cfg: RunConfig) -> tuple[str, int]:
     """(device name, device count) of this node as `cfg` would use it, probed before any launch:
     device=cuda torch.cuda's first GPU and GPU count; device=cpu the CPU model and its cores; a GPU

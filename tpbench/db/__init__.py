@@ -394,8 +394,7 @@ class ResultsDB:
             fields = {c.name: getattr(run, c.name) for c in Run.__table__.columns if c.name != "text"}
         metrics = self.metrics([run_id])
         fields["metrics"] = metrics.loc[run_id].dropna().to_dict() if run_id in metrics.index else {}
-        for name in ("started_at", "ended_at"):
-            fields[name] = fields[name].isoformat()
+        fields |= {name: fields[name].isoformat() for name in ("started_at", "ended_at")}
         return fields
 
     def text(self, run_id: int) -> str:
@@ -403,10 +402,8 @@ class ResultsDB:
             return session.scalars(select(Run.text).where(Run.id == run_id)).one()
 
     def configs(self, run_ids: Sequence[int]) -> dict[int, dict[str, Any]]:
-        """The stored config of each run, by id (what `runs` lists beyond the runs' columns)."""
-        with Session(self.engine) as session:
-            rows = session.execute(select(Run.id, Run.config).where(Run.id.in_(list(run_ids))))
-            return {run_id: config for run_id, config in rows}
+        """The stored config of each run, by id (`runs` names each run's DP level from it)."""
+        return dict(self._frame(select(Run.id, Run.config).where(Run.id.in_(list(run_ids)))).values.tolist())
 
     def _rows(self, table: type[Base], run_ids: Sequence[int] | None) -> pd.DataFrame:
         query = select(*[c for c in table.__table__.columns if c.name != "id"]).order_by(table.id)

@@ -18,10 +18,8 @@ import dataclasses
 import difflib
 import importlib.util
 import math
-import sys
 from collections.abc import Sequence
 from functools import reduce
-from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -31,7 +29,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
 
-from tpbench import config
+from tpbench import config, machine
 from tpbench.config import (
     CONF_DIR,
     SHORT_NAMES,
@@ -289,7 +287,7 @@ def resolve_device(cfg: RunConfig, launching: bool = True) -> None:
     launch = cfg.launch
     local_ranks = local_world_size(cfg)
     # On Slurm the ranks run on the job's nodes, not here: they get what the job asks for.
-    gpus = launch.slurm.gpus_per_node if launch.launcher == "slurm" else gpus_here()
+    gpus = launch.slurm.gpus_per_node if launch.launcher == "slurm" else machine.gpus_here()
     if launch.device == "auto":
         launch.device = "cuda" if gpus >= local_ranks else "cpu"
     if launch.device == "cuda" and gpus < local_ranks and launch.emulate != "fake" and launching:
@@ -307,22 +305,6 @@ def resolve_device(cfg: RunConfig, launching: bool = True) -> None:
         launch.backend = "nccl" if launch.device == "cuda" else "gloo"
     if launch.backend == "nccl" and launch.device != "cuda":
         raise ConfigError(f"launch.backend=nccl with launch.device={launch.device}: nccl needs cuda")
-
-
-# A GPU torch can see has one of these: NVIDIA's driver, AMD's ROCm (torch.cuda too), WSL's GPU.
-GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
-
-
-def gpus_here() -> int:
-    """torch.cuda's GPU count, after every check of check(): a refusal prints before torch loads (1.6 s
-    idle). On a machine with no GPU's device file it is 0 without loading torch (torch's own count once
-    it is loaded), so that a command that launches nothing (a sweep whose every run is done) loads no
-    torch there either."""
-    if "torch" not in sys.modules and not any(Path(f).exists() for f in GPU_DEVICE_FILES):
-        return 0
-    import torch
-
-    return torch.cuda.device_count()
 
 
 def _parse(parser: OverridesParser, overrides: Sequence[str]) -> list[Override]:
