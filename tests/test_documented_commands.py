@@ -231,6 +231,9 @@ def folder(tmp_path_factory) -> Path:
     llama = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
     llama |= {"num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1024}
     (path / "config.json").write_text(json.dumps(llama))
+    from tpbench.db import ResultsDB
+
+    ResultsDB(f"sqlite:///{path}/runs/tpbench.db")  # what the docs' `report` reads: a database, no runs yet
     return path
 
 
