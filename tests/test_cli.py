@@ -635,3 +635,15 @@ def test_one_run_is_listed_as_one_run(workdir):
     recorded("sqlite:///runs/tpbench.db", 1)
     listed = runner.invoke(app, ["runs"]).stdout
     assert "1 run in sqlite:///runs/tpbench.db" in listed and "1 runs" not in listed
+
+
+def test_a_sweeps_table_spells_booleans_as_overrides_do(machines):
+    on, _ = machines
+    on(XEON)
+    done = runner.invoke(app, ["sweep", "kind=validate", "mode=tp,tp_sp"])
+    assert done.exit_code == 0, done.output
+    rows = [line.split("│")[1:-1] for line in done.stdout.splitlines() if line.startswith("│")]
+    assert [[cell.strip() for cell in row] for row in rows] == [
+        ["1", "OK", "tp", "false"],
+        ["2", "OK", "tp_sp", "true"],
+    ]

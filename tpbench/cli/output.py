@@ -191,8 +191,13 @@ def sweep(ran: list[Ran], dbs: dict[str, ResultsDB], as_json: bool) -> None:
     for column in ("run", "status", "mode", *varying):
         table.add_column(column)
     for r, values in zip(ran, flat[varying].itertuples(index=False), strict=True):
-        table.add_row(str(r.run_id), r.status, mode_label(r.cfg.parallel), *map(str, values))
+        table.add_row(str(r.run_id), r.status, mode_label(r.cfg.parallel), *map(_value, values))
     out.print(table)
+
+
+def _value(value: object) -> str:
+    """A setting as an override spells it: true and false, not Python's True and False."""
+    return str(value).lower() if str(value) in ("True", "False") else str(value)
 
 
 def configs(configs: list[RunConfig]) -> None:
