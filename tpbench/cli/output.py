@@ -98,7 +98,7 @@ def _runs_row(row, metrics: pd.DataFrame, configs: dict[int, dict]) -> dict[str,
 
 def _runs_table(title: str, rows: list[dict[str, str]], shown: dict[str, bool], compact: bool) -> Table:
     table = Table(title=title)
-    widest = {key: max((len(r[key]) for r in rows), default=len(key)) for key in ("id", "status")}
+    widest = {key: max([len(key), *(len(r[key]) for r in rows)]) for key in ("id", "status")}
     table.add_column("id", justify="right", no_wrap=True, min_width=widest["id"])
     table.add_column("started (UTC)", overflow="fold")
     for column in ("run",) if compact else RUN_COLUMNS:
