@@ -232,7 +232,8 @@ def report(
     ] = None,
 ) -> None:
     """Write DDP vs TP vs SP vs VP as tables and charts: html (one self-contained file), md (charts as PNG
-    files beside it), csv or json (the raw rows). An empty selection writes nothing and exits 0."""
+    files beside it), csv or json (the raw rows). An empty selection writes nothing and exits 0; a
+    database that does not exist is bad input (exit 2)."""
     from tpbench import report as reporting  # matplotlib loads only for this command
 
     fmt = out_format(fmt, out_path, reporting.FORMATS, "html")
