@@ -568,18 +568,25 @@ def recorded(db_url: str, count: int) -> None:
         db.record(cfg, done)
 
 
+@pytest.fixture(scope="module")
+def history(tmp_path_factory) -> str:
+    """A database of 45 runs (`recorded`), read by every width below."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('history')}/runs.db"
+    recorded(url, 45)
+    return url
+
+
 @pytest.mark.parametrize("width", [80, 120, 200, None], ids=["80", "120", "200", "piped"])
-def test_runs_shows_every_id_and_status_whole_at_any_width(workdir, monkeypatch, width):
+def test_runs_shows_every_id_and_status_whole_at_any_width(history, monkeypatch, width):
     """Some 40 runs once made `runs` cut its ids to `…` (ids >= 10 piped; blank at 120 to 200 columns)
     and the statuses to `sta…`: `runs show ID` had no id to take. None: piped, as the command prints."""
     from rich.console import Console
 
     from tpbench.cli import output
 
-    recorded("sqlite:///runs/tpbench.db", 45)
     if width is not None:
         monkeypatch.setattr(output, "out", Console(width=width, markup=False, highlight=False))
-    done = runner.invoke(app, ["runs"])
+    done = runner.invoke(app, ["runs", "--db", history])
     assert done.exit_code == 0, done.output
     lines = done.stdout.splitlines()
     assert max(map(len, lines)) <= (width or 200)
