@@ -165,8 +165,36 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     BESIDE.tmp = session.config._tmp_path_factory  # the tmp_path_factory fixture's own
+    keep_selected(session.items)
     if not session.config.option.collectonly:
         BESIDE.start_for(session.items)
+
+
+def keep_selected(items: list[pytest.Item]) -> None:
+    """The shared torchrun jobs (tests/torchrun_checks.py `Shared`) run the configs the selected tests
+    need, not every config their modules added: `pytest -k NAME` runs NAME's config alone. A config is
+    kept where a selected test that reads a job (its own module's or one it imports) names it among its
+    parameters, or names none of that module's configs (it may read them all)."""
+    checks = sys.modules.get("torchrun_checks")
+    if checks is None:  # no test module imported it: no shared job
+        return
+    readers: dict[str, list[set[str]]] = {}  # module -> the parameters of each selected test reading a job
+    for item in items:
+        jobs = {key.split("::")[0] for name in item.fixturenames if (key := BESIDE.key(item, name))}
+        if not jobs:
+            continue
+        callspec = getattr(item, "callspec", None)
+        params = {str(v) for v in callspec.params.values()} if callspec else set()
+        for module in jobs | {item.module.__name__}:
+            readers.setdefault(module, []).append(params)
+    shared = tuple(checks.Shared.ALL)
+
+    def keep(module: str, name: str) -> bool:
+        names = set().union(*(s.names(module) for s in shared))
+        return any(name in params or not params & names for params in readers.get(module, []))
+
+    for world in shared:
+        world.select(keep)
     # What the imports and the collection made lives for the session: out of the cycle collector's way,
     # memory.run's gc.collect (the in-process emulated ranks) scans only what the tests made (0.3 s -> ms)
     gc.freeze()

@@ -14,8 +14,10 @@ from torchrun_checks import (
     TOL_FWD,
     TOL_GRAD,
     TOL_PARAM,
+    UNITS,
     WORLD2,
     WORLD4,
+    WORLD8,
     B,
     D,
     H,
@@ -24,15 +26,11 @@ from torchrun_checks import (
     agreed,
     per_config,
     same_on_every_rank,
-    torchrun,
 )
 
 from tpbench.experiments.criterion import CHECKS as VALIDATE_CHECKS
 from tpbench.experiments.criterion import K
 from tpbench.experiments.validate import DRIFT, logits_drift
-
-CHECKS = Path(__file__).parent / "torchrun_checks.py"
-
 
 # --- world 2: layers, collectives, loss, checkpoints, and every combination at T = 2 --------------
 
@@ -257,25 +255,23 @@ VALIDATE_T8["broken_t8_sp_norms"] = [*T8, "parallel.sp=true", "debug.skip_grad_s
 
 
 # the world-2 and world-4 jobs, shared with test_recompute, test_theory and test_emulation
-WORLD2.add("units", "parallel")
+WORLD2.add("units", "parallel", {unit: [] for unit in UNITS})
 WORLD2.add("validate", "parallel", {k: TINY + v for k, v in VALIDATE_T2.items()})
 WORLD4.add("validate", "parallel", {k: TINY + v for k, v in VALIDATE_W4.items()})
+WORLD8.add("validate", "parallel", {k: TINY + v for k, v in VALIDATE_T8.items()})
 
 
 @beside
 def units(folder: Path) -> list[dict]:
     """Every rank's unit checks (a list, rank 0's first): each test reads every rank's."""
-    return WORLD2.part(folder, "units")
+    return WORLD2.part(folder, "units", "parallel")
 
 
 @beside
 def validated_ranks(folder: Path) -> dict[str, list[dict]]:
     """Per config, every rank's validation results."""
-    t8 = torchrun(
-        CHECKS, 8, folder / "w8.json", "validate", checks={k: TINY + v for k, v in VALIDATE_T8.items()}
-    )
-    w2, w4 = (shared.part(folder, "validate", "parallel") for shared in (WORLD2, WORLD4))
-    return per_config(w2) | per_config(w4) | per_config(t8)
+    w2, w4, w8 = (shared.part(folder, "validate", "parallel") for shared in (WORLD2, WORLD4, WORLD8))
+    return per_config(w2) | per_config(w4) | per_config(w8)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,13 @@
 
 Each check only records numbers, on every rank (a fault on rank 1 alone must show); the assertions
 live in the pytest files, which start the job with `torchrun(...)` below and read every rank's.
+
+A config that crashes fails its own tests only (`isolated`): one that raises is recorded as `Crashed`
+on the ranks it raised on and the job goes on with the next; one that kills a rank or hangs the job
+(a one-rank error leaves the other ranks in a collective) is found from the ranks' progress files and
+a shared job is started again without it (`Shared`). Reading a crashed config's results raises
+`CrashedConfig` with why, in the test that reads it. `Shared.select` keeps the configs the selected
+tests need (`pytest -k NAME` runs NAME's config alone, not the whole job).
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -80,15 +88,85 @@ def _why(stderr: str) -> str:
     return "\n".join(["why:", *lines[:40], "tail:", stderr[-3000:]])
 
 
-def torchrun(script: Path, nproc: int, out: Path, *args: str, checks: dict | None = None) -> list:
+class JobFailed(AssertionError):
+    """A torchrun job that did not end OK (a rank's exit code, or past its timeout): why, from stderr."""
+
+    def __init__(self, stderr: str) -> None:
+        super().__init__(_why(stderr))
+        self.stderr = stderr
+
+
+def torchrun(
+    script: Path, nproc: int, out: Path, *args: str, checks: dict | None = None, timeout: float = 600
+) -> list:
     """Run `script OUT ARGS...` as a real torchrun job over gloo and return the JSON rank 0 wrote:
-    a list of every rank's results, rank 0's first (`write_every_rank`)."""
+    a list of every rank's results, rank 0's first (`write_every_rank`); a crashed config's results
+    are `Crashed` (`isolated`)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TPBENCH_CHECKS=json.dumps(checks or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    proc = subprocess.run([*cmd, str(script), str(out), *args], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert proc.returncode == 0, _why(proc.stderr)
-    return json.loads(Path(out).read_text())
+    try:
+        proc = subprocess.run([*cmd, str(script), str(out), *args], env=env, capture_output=True, text=True,
+                              timeout=timeout)  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        said = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
+        raise JobFailed(f"{said}\nthe job ran past its {timeout:g} s and was stopped") from None
+    if proc.returncode != 0:
+        raise JobFailed(proc.stderr)
+    return json.loads(Path(out).read_text(), object_hook=_crashed)
+
+
+class CrashedConfig(AssertionError):
+    """Raised where a test reads a config that crashed its job (`Crashed`)."""
+
+
+class Crashed:
+    """What a crashed config left instead of results: anything read of it raises CrashedConfig with
+    why, in the test that reads it; two are equal (every rank of a crash reports one)."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def _fail(self, *args, **kwargs):
+        raise CrashedConfig(f"this config crashed in its job (the others' results stand): {self.why}")
+
+    __getitem__ = __iter__ = __len__ = __contains__ = _fail
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        self._fail()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Crashed)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Crashed({self.why[:200]!r})"
+
+
+CRASHED = "__crashed__"  # the JSON of a Crashed: {CRASHED: why}
+
+
+def _crashed(obj: dict) -> dict | Crashed:
+    return Crashed(obj[CRASHED]) if set(obj) == {CRASHED} else obj
+
+
+def progress_files(out: Path) -> list[Path]:
+    return sorted(out.parent.glob(f"{out.name}.r*.progress"))
+
+
+def in_flight(out: Path) -> list[tuple[str, str]]:
+    """The (suite, config)s some rank of the job behind `out` started and did not end, from the ranks'
+    progress files (`isolated` writes them): what was running when the job died or hung."""
+    found = []
+    for path in progress_files(out):
+        started: dict[tuple[str, str], bool] = {}
+        for line in path.read_text().splitlines():
+            what, suite, name = line.split(" ", 2)
+            started[suite, name] = what == "start"
+        found += [key for key, running in started.items() if running and key not in found]
+    return found
 
 
 class Shared:
@@ -96,12 +174,65 @@ class Shared:
     prefix (`add`); it runs once, for the first fixture that needs it (a job beside the tests), and each
     module reads its part (`part`): the launches of several files in one, started once."""
 
+    RELAUNCHES = 3  # a job started again at most this often, each time without the config that killed it
+    ALL: list[Shared] = []  # every one made (conftest.py's keep_selected selects in each)
+
     def __init__(self, nproc: int) -> None:
+        Shared.ALL.append(self)
         self.nproc, self.checks = nproc, {}
+        self.owners: dict[tuple[str, str], str] = {}  # (suite, prefix) -> the test module that added it
         self.lock, self.ranks, self.error = threading.Lock(), None, None
 
     def add(self, suite: str, prefix: str, checks: dict[str, list[str]] | None = None) -> None:
         self.checks.setdefault(suite, {}).update({f"{prefix}/{k}": v for k, v in (checks or {}).items()})
+        self.owners[suite, prefix] = sys._getframe(1).f_globals["__name__"]
+
+    def names(self, module: str) -> set[str]:
+        """The configs (without their prefixes) that `module` added, in every suite."""
+        return {
+            k[len(prefix) + 1 :]
+            for (suite, prefix), owner in self.owners.items()
+            if owner == module
+            for k in self.checks[suite]
+            if k.startswith(f"{prefix}/")
+        }
+
+    def select(self, keep: Callable[[str, str], bool]) -> None:
+        """Keep the configs the selected tests need: `keep(module, config)` for the module that added
+        the config, and its name without the prefix (conftest.py's `keep_selected`)."""
+        for (suite, prefix), module in self.owners.items():
+            configs = self.checks[suite]
+            for k in [k for k in configs if k.startswith(f"{prefix}/")]:
+                if not keep(module, k[len(prefix) + 1 :]):
+                    del configs[k]
+
+    def _run(self, out: Path) -> list:
+        """The job, started again without each config that killed a rank or hung it (`in_flight`):
+        those configs' results are Crashed on every rank, with the job's stderr."""
+        checks = {suite: dict(configs) for suite, configs in self.checks.items()}
+        crashed: dict[str, dict[str, str]] = {}
+        if not any(checks.values()):  # every config left out (`select`): nothing to launch
+            return [{suite: {} for suite in checks} for _ in range(self.nproc)]
+        for attempt in range(self.RELAUNCHES + 1):
+            for path in progress_files(out):
+                path.unlink()
+            try:
+                ranks = torchrun(CHECKS, self.nproc, out, SHARED, *checks, checks=checks)
+                break
+            except JobFailed as e:
+                # every rank runs the configs in one order: the first one running is where the job broke
+                # (a rank torchrun stopped after that may have begun the next one)
+                order = [(suite, name) for suite, configs in checks.items() for name in configs]
+                running = sorted(order.index(key) for key in in_flight(out) if key in order)
+                if not running or attempt == self.RELAUNCHES:
+                    raise
+                suite, name = order[running[0]]
+                del checks[suite][name]
+                crashed.setdefault(suite, {})[name] = f"it ended the {self.nproc}-rank job: {e}"
+        for rank in ranks:
+            for suite, names in crashed.items():
+                rank.setdefault(suite, {}).update({name: Crashed(why) for name, why in names.items()})
+        return ranks
 
     def part(self, folder: Path, suite: str, prefix: str = "") -> list:
         """Every rank's results of `suite` under `prefix` (the prefix dropped), rank 0's first."""
@@ -109,22 +240,24 @@ class Shared:
             if self.ranks is None and self.error is None:
                 try:
                     out = folder / f"shared_w{self.nproc}.json"
-                    self.ranks = torchrun(CHECKS, self.nproc, out, SHARED, *self.checks, checks=self.checks)
+                    self.ranks = self._run(out)
                 except Exception as e:  # every module's fixture fails with it; none launches again
                     self.error = e
             if self.error is not None:
                 raise self.error
         if not prefix:
-            return [rank[suite] for rank in self.ranks]
+            return [Ran(rank[suite]) for rank in self.ranks]
         mine = f"{prefix}/"
         return [
-            {k[len(mine) :]: v for k, v in rank[suite].items() if k.startswith(mine)} for rank in self.ranks
+            Ran({k[len(mine) :]: v for k, v in rank[suite].items() if k.startswith(mine)})
+            for rank in self.ranks
         ]
 
 
 CHECKS = Path(__file__)
 SHARED = "--shared"  # first suite argument of a Shared job: its configs and results are keyed by suite
 WORLD2, WORLD4 = Shared(2), Shared(4)  # the world-2 and world-4 jobs of test_parallel and others
+WORLD8 = Shared(8)  # test_parallel's T 8 validations
 
 
 # suite -> config -> [this rank's CPU s, wall s] (time.process_time: every thread of the rank, gloo's
@@ -139,6 +272,33 @@ def timed(suite: str, checks: dict) -> Iterator[tuple[str, object]]:
         cpu, wall = time.process_time(), time.perf_counter()
         yield name, value
         mine[name] = [round(time.process_time() - cpu, 3), round(time.perf_counter() - wall, 3)]
+
+
+PROGRESS: list[Path] = []  # this rank's progress file (`isolated`), set by main()
+
+
+def isolated(suite: str, checks: dict, check: Callable[[str, object], object]) -> dict:
+    """{config: check(config, its value)} over `checks` (timed), each config isolated: one that
+    raises leaves {CRASHED: why} on this rank and the next one runs; each start and end is written
+    to this rank's progress file first, so that what killed a rank or hung the job is known
+    (`in_flight`, `Shared._run`)."""
+    results = {}
+    for name, value in timed(suite, checks):
+        _progress("start", suite, name)
+        if name == os.environ.get("TPBENCH_TEST_KILL_RANK1_AT") and dist.get_rank() == 1:
+            os._exit(3)  # planted: rank 1 dies in this config (tests/test_crash_isolation.py)
+        try:
+            results[name] = check(name, value)
+        except Exception:
+            results[name] = {CRASHED: f"rank {dist.get_rank()}: {traceback.format_exc(limit=-12)}"}
+        _progress("end", suite, name)
+    return results
+
+
+def _progress(what: str, suite: str, name: str) -> None:
+    for path in PROGRESS:
+        with path.open("a") as f:
+            f.write(f"{what} {suite} {name}\n")
 
 
 def write_cpu(out_path: str, started_cpu: float) -> None:
@@ -160,9 +320,17 @@ def write_every_rank(out_path: str, results: object) -> None:
     dist.barrier()
 
 
+class Ran(dict):
+    """A job's results by config: a config it did not run says why it may be missing."""
+
+    def __missing__(self, key: str):
+        why = "no selected test names it (pytest -k keeps the configs the tests name) or no module added it"
+        raise KeyError(f"{key!r} did not run in this job: {why}")
+
+
 def per_config(ranks: list[dict]) -> dict[str, list]:
     """Every rank's results of a suite keyed by config -> per config, the list of its ranks' results."""
-    return {name: [rank[name] for rank in ranks] for name in ranks[0]}
+    return Ran({name: [rank[name] for rank in ranks] for name in ranks[0]})
 
 
 # what each rank measures of itself (its own CPU time): never the same on two ranks, so not compared
@@ -596,26 +764,30 @@ def check_regions(ctx: ParallelContext) -> dict:
     return out
 
 
+UNIT_CHECKS = {
+    "collectives": check_collectives,
+    "layers": check_layers,
+    "checkpoints": check_checkpoints,
+    "step_ops": check_step_ops,
+    "settling": check_settling,
+    "async_timing": check_async_timing,
+    "ddp_timing": check_ddp_timing,
+    "overlap_order": check_overlap_order,
+    "regions": check_regions,
+}
+UNITS = tuple(UNIT_CHECKS)
+
+
 def suite_units(checks: dict) -> dict:
     ctx = ParallelContext.from_world(dist.get_world_size(), 1, torch.device("cpu"))
-    units = {
-        "collectives": check_collectives,
-        "layers": check_layers,
-        "checkpoints": check_checkpoints,
-        "step_ops": check_step_ops,
-        "settling": check_settling,
-        "async_timing": check_async_timing,
-        "ddp_timing": check_ddp_timing,
-        "overlap_order": check_overlap_order,
-        "regions": check_regions,
-    }
-    return {name: check(ctx) for name, check in timed("units", units)}
+    wanted = {name: UNIT_CHECKS[name.rsplit("/", 1)[-1]] for name in checks}  # PREFIX/UNIT: those asked
+    return isolated("units", wanted, lambda name, check: check(ctx))
 
 
 def suite_validate(checks: dict) -> dict:
     """Per config: validate.run's figures, its curves, how many batches it drew, and per parameter its
     gradient's relative error beside the dense model's own (tests/test_validation.py)."""
-    results, draws = {}, []
+    draws = []
     next_global = validate.Batches.next_global
 
     def counted(self):
@@ -637,14 +809,15 @@ def suite_validate(checks: dict) -> dict:
         mine[0] = sum(int(m.sum()) for m in rounded.values())
 
     signs.mend_rounded_signs = rounding
-    for name, overrides in timed("validate", checks):
+
+    def check(name: str, overrides: list[str]) -> dict:
         draws.clear()
         written.clear()
         mine[0] = 0
         cpu = time.process_time()
         r = validate.run(run_config(overrides))
         curves = {n: [[m.step, m.value] for m in r.measurements if m.name == n] for n in validate.DRIFT}
-        results[name] = {
+        return {
             "metrics": {m.name: m.value for m in r.measurements if m.step is None},
             "drift": curves["adamw_logits_max_abs"],
             "curves": curves,
@@ -657,7 +830,8 @@ def suite_validate(checks: dict) -> dict:
             "write_gradients_error": written[0] if written else None,
             "cpu_s": round(time.process_time() - cpu, 2),  # this rank's, for `--durations`-like sums
         }
-    return results
+
+    return isolated("validate", checks, check)
 
 
 def suite_memory(checks: dict) -> dict:
@@ -669,23 +843,24 @@ def suite_memory(checks: dict) -> dict:
     memory._measure's gc); a step in which gloo's worker still freed a tracked storage late is
     measured again by the memory experiment itself, on every rank (memory._late_freed: counted in
     `remeasured`), never here on a disagreement."""
-    results = {}
-    for name, overrides in timed("memory", checks):
+
+    def check(name: str, overrides: list[str]) -> dict:
         r = memory.run(run_config(overrides))
-        results[name] = {
+        return {
             "peak": next(m.value for m in r.measurements if m.name == "peak_bytes"),
             "breakdown": {m.name: m.value for m in r.measurements if m.name.startswith("mem_")},
             "comm": sorted([c.op, c.purpose, c.count, c.bytes] for c in r.comm),
             "peak_at": r.peak_at,
             "remeasured": next(m.value for m in r.measurements if m.name == "memory_steps_remeasured"),
         }
-    return results
+
+    return isolated("memory", checks, check)
 
 
 def suite_flops(checks: dict) -> dict:
     """FLOPs of one training step summed over ranks: LocalFlopCounter, and torch's FlopCounterMode."""
-    results = {}
-    for name, overrides in timed("flops", checks):
+
+    def check(name: str, overrides: list[str]) -> dict:
         trainer = Trainer(run_config(overrides))
         counts = []
         for counter in (LocalFlopCounter(), FlopCounterMode(display=False)):
@@ -694,16 +869,18 @@ def suite_flops(checks: dict) -> dict:
             total = torch.tensor([float(counter.get_total_flops())], dtype=torch.float64)
             dist.all_reduce(total)
             counts.append(total.item())
-        results[name] = {"local": counts[0], "torch": counts[1]}
-    return results
+        return {"local": counts[0], "torch": counts[1]}
+
+    return isolated("flops", checks, check)
 
 
 def suite_recompute(checks: dict) -> dict:
     """Per config: validation, two training steps with their collectives and FLOPs counted, and the
     largest difference of the losses and parameters against the same mode with train.recompute=none
     (the config named MODE/none, which comes first)."""
-    results, reference = {}, {}
-    for name, overrides in timed("recompute", checks):
+    reference = {}
+
+    def check(name: str, overrides: list[str]) -> dict:
         cfg = run_config(overrides)
         passed = next(m.value for m in validate.run(cfg).measurements if m.name == "passed")
         trainer = Trainer(cfg)
@@ -720,14 +897,15 @@ def suite_recompute(checks: dict) -> dict:
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
         executed = torch.tensor([float(flops.get_total_flops())], dtype=torch.float64)
         dist.all_reduce(executed)
-        results[name] = {
+        return {
             "passed": passed,
             "loss_diff": diff[0].item(),
             "param_diff": diff[1].item(),
             "flops": executed.item(),
             "comm": sorted([c.op, c.purpose, c.count, c.bytes] for c in counter.rows()),
         }
-    return results
+
+    return isolated("recompute", checks, check)
 
 
 def suite_comm_per_step(checks: dict) -> dict:
@@ -735,9 +913,10 @@ def suite_comm_per_step(checks: dict) -> dict:
     {engine: {op/purpose: [count, bytes]}}."""
     from tpbench.experiments.setup import Batches, build_parallel, context, counting
 
-    results, ctx = {}, context(run_config(TINY))
-    for name, overrides in timed("comm_per_step", checks):
-        results[name] = {}
+    ctx = context(run_config(TINY))
+
+    def check(name: str, overrides: list[str]) -> dict:
+        counts = {}
         for engine in ("dtensor", "megatron"):
             cfg = run_config([*overrides, f"parallel.engine={engine}"])
             pm = build_parallel(cfg, ctx)
@@ -747,8 +926,10 @@ def suite_comm_per_step(checks: dict) -> dict:
                 pm(ids, labels)[1].backward()
                 pm.finish_grads()
             key = "comm_dtensor" if engine == "dtensor" else "comm_ours"
-            results[name][key] = {f"{r.op}/{r.purpose}": [r.count, r.bytes] for r in counter.rows()}
-    return results
+            counts[key] = {f"{r.op}/{r.purpose}": [r.count, r.bytes] for r in counter.rows()}
+        return counts
+
+    return isolated("comm_per_step", checks, check)
 
 
 SUITES = {
@@ -766,6 +947,7 @@ def main() -> None:
     out_path, suites = sys.argv[1], sys.argv[2:]
     checks = json.loads(os.environ["TPBENCH_CHECKS"])
     dist.init_process_group("gloo")
+    PROGRESS.append(Path(f"{out_path}.r{dist.get_rank()}.progress"))
     torch.set_num_threads(1)
     gc.freeze()  # as tpbench.run.worker does: memory.run's gc.collect() then scans only what the run made
     if suites[0] == SHARED:  # keyed by suite however many there are (one when few files are collected)
