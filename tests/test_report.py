@@ -29,10 +29,12 @@ from matplotlib.figure import Figure
 from typer.testing import CliRunner
 
 from tpbench.cli import app
+from tpbench.config import public_config
 from tpbench.db import ResultsDB
-from tpbench.report import published, render, sections
+from tpbench.report import charts, published, render, sections
 from tpbench.report.blocks import Table
 from tpbench.report.data import ReportData, Selection, load, mode_rank, model_label, setting_label
+from tpbench.run import compose
 
 TPBENCH = str(Path(sys.executable).with_name("tpbench"))
 PAYLOAD = "<script>document.body.dataset.pwned = 'yes'</script>"
@@ -256,6 +258,23 @@ def test_throughput_compares_the_modes_at_one_global_batch(filled, html_report):
     assert published.TRON not in html  # the tiny model is not minimind-tron's config
 
 
+def test_a_throughput_run_records_the_load_before_its_job(filled):
+    """Each throughput run, alone (`run`) or on a sweep's warm workers, has rank 0 record the machine's
+    load average before its job started and its cores; no other kind does. The report shows them."""
+    rows = filled.query(
+        "SELECT r.kind, m.rank, m.name, m.value FROM runs r JOIN measurements m ON m.run_id = r.id "
+        "WHERE r.status = 'OK' AND m.name IN ('load_before_job', 'cpu_cores') ORDER BY r.id"
+    )
+    throughput = filled.query("SELECT COUNT(*) FROM runs WHERE kind = 'throughput'")[0][0]
+    assert {(kind, rank) for kind, rank, *_ in rows} == {("throughput", 0)}
+    assert len(rows) == 2 * throughput == 6
+    assert all(value == os.cpu_count() for _, _, name, value in rows if name == "cpu_cores")
+    assert all(value >= 0 for _, _, name, value in rows if name == "load_before_job")
+    data = load(ResultsDB(filled.url), Selection(kind="throughput"))
+    shown = pd.concat([t.display() for t in section_tables(data, sections.throughput).values()])
+    assert shown["load before the job"].str.fullmatch(rf"(loaded: )?\d+\.\d on {os.cpu_count()} cores").all()
+
+
 def test_the_drift_table_holds_each_compared_steps_figures(filled, html_report):
     """validate tp_sp_vp, 3 fresh-batch AdamW steps compared at each: per step the logits' mean and max
     |diff| and relative L2 against dense (each the worst over ranks), and each one's worst."""
@@ -394,7 +413,7 @@ def test_markdown_has_the_tables_and_png_charts_beside_it(filled, tmp_path):
     done = filled.report("--format", "md", "--out", str(out))
     assert done.exit_code == 0, done.output
     text = out.read_text()
-    assert "| layers | mode | run | peak / rank |" in text
+    assert "| layers | mode | layout | run | peak / rank |" in text
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
     charts = [link for link in links if link.endswith(".png")]
     diagrams = [link for link in links if link.endswith(".svg")]
@@ -559,3 +578,42 @@ def test_two_models_of_one_shape_are_two_settings():
     assert (llama, qwen3) == ("llama3_8b · no q/k norm", "qwen3_0_6b · head_dim 16")
     labels = {setting_label(pd.Series(dict(run, model=m))) for m in (llama, qwen3)}
     assert len(labels) == 2 and all(label.startswith(("llama3_8b", "qwen3_0_6b")) for label in labels)
+
+
+@pytest.mark.parametrize(("level", "named"), [("full", "FSDP"), ("optimizer", "ZeRO-1")])
+def test_the_diagram_of_a_sharded_dp_run_is_one_tp_group(level, named):
+    """A run of FSDP or ZeRO-1 is drawn as its TP group (its config once failed the trace: 'FSDPModel'
+    object has no attribute 'layouts', and `tpbench report` with it), its layout named beside."""
+    cfg = compose.expand(["kind=validate", "mode=tp_sp", "dp=2", f"dp_shard={level}"], launching=False)[0]
+    flat = pd.json_normalize(public_config(cfg), sep=".").iloc[0].to_dict()  # as ReportData keeps it
+    runs = pd.DataFrame([{"id": 7, "kind": "validate", "mode": "tp_sp", "tp": 2, "dp": 2, "status": "OK"}])
+    data = ReportData(
+        "sqlite://", Selection(), runs, pd.DataFrame(), pd.DataFrame(), pd.DataFrame(), {7: flat}
+    )
+    (drawn,) = sections.diagrams.section(data).blocks
+    assert drawn.title == "tp_sp at T = 2" and b"<svg" in drawn.svg
+    assert f"config of run 7 (tp=2 dp=2 {named})" in drawn.note
+
+
+def test_a_run_timed_on_a_loaded_machine_is_marked(monkeypatch):
+    """Load before the job above the cores: marked loaded in its row, under its bar and in the note."""
+    run = {
+        "status": "OK", "kind": "throughput", "tp": 2, "dp": 1, "layers": 2, "setting": "tiny",
+        "hardware": "a CPU", "tokens_per_s": 3000.0, "step_time_s": 0.02, "cpu_cores": 2.0,
+    }  # fmt: skip
+    runs = pd.DataFrame(
+        [
+            dict(run, id=1, config_hash="a", mode="tp", load_before_job=3.8),
+            dict(run, id=2, config_hash="b", mode="tp_sp", load_before_job=0.4),
+        ]
+    )
+    empty = pd.DataFrame()
+    data = ReportData("sqlite://", Selection(), runs, empty, empty, empty, {})
+    drawn = []
+    monkeypatch.setattr(charts, "_png", lambda fig: drawn.append(fig) or b"")
+    (table,) = section_tables(data, sections.throughput).values()
+    assert table.display()["load before the job"].tolist() == ["loaded: 3.8 on 2 cores", "0.4 on 2 cores"]
+    assert table.note.startswith("A run marked loaded was timed on a machine with more runnable work than")
+    assert "was above its cores" in table.note and "here run(s) 1." in table.note
+    ticks = [t.get_text() for t in drawn[0].axes[0].get_xticklabels()]
+    assert ticks == ["tp L2 · loaded", "tp_sp L2"]

@@ -84,5 +84,6 @@ def timed_by(value: object) -> str:
     return units.DASH if value is None or pd.isna(value) else "CUDA events" if value else "wall clock"
 
 
-def mode_key(mode: str) -> tuple[int, str]:
-    return mode_rank(mode), mode
+def mode_key(label: str) -> tuple[int, str]:
+    """A run's label (its mode, then its DP level: tp_sp FSDP) in mode order."""
+    return mode_rank(label.split(" ")[0]), label

@@ -45,6 +45,15 @@ def mode_color(mode: str) -> tuple[float, float, float]:
     return palette[mode_rank(mode)]
 
 
+# a sharded DP level's bars keep their mode's colour, hatched (parallel.dp_shard)
+LEVEL_HATCH = {"optimizer": "..", "grads": "//", "full": "xx"}
+
+
+def _bar_style(mode: str, dp_shard: str) -> dict:
+    hatch = LEVEL_HATCH.get(dp_shard)
+    return {"color": mode_color(mode), **({"hatch": hatch, "edgecolor": "white"} if hatch else {})}
+
+
 def _grouped_bars(ax, groups: list, series: list[dict]) -> None:
     """Bars side by side per group. Each series: label, values {group: height}, texts {group: str},
     and matplotlib bar keywords in `style`."""
@@ -71,14 +80,15 @@ def memory_peaks(peaks: pd.DataFrame, published: pd.DataFrame, title: str) -> by
     """Per-rank peak (MiB) by layer count, one bar per mode, the change against DDP on each bar."""
     layers = sorted(peaks["layers"].unique())
     series = []
-    for mode, runs in peaks.sort_values("mode_rank").groupby("mode", sort=False):
+    for label, runs in peaks.sort_values(["mode_rank", "level_rank"]).groupby("label", sort=False):
         by_layers = runs.set_index("layers")
+        first = runs.iloc[0]
         series.append(
             {
-                "label": mode,
+                "label": label,
                 "values": (by_layers["peak_bytes"] / units.MIB).to_dict(),
-                "texts": {} if mode == "ddp" else by_layers["of_ddp"].map(_saving).to_dict(),
-                "style": {"color": mode_color(mode)},
+                "texts": {} if label == "ddp" else by_layers["of_ddp"].map(_saving).to_dict(),
+                "style": _bar_style(first["mode"], first["dp_shard"]),
             }
         )
     if not published.empty:
@@ -105,8 +115,8 @@ def memory_peaks(peaks: pd.DataFrame, published: pd.DataFrame, title: str) -> by
 
 def memory_breakdown(parts: pd.DataFrame, title: str) -> bytes:
     """Stacked parts of the peak (parameters, gradients, optimizer, activations, ...) per mode."""
-    parts = parts.sort_values(["layers", "mode_rank"])
-    parts = parts.assign(bar=parts["mode"] + " L" + parts["layers"].astype(str))
+    parts = parts.sort_values(["layers", "mode_rank", "level_rank"])
+    parts = parts.assign(bar=parts["label"] + " L" + parts["layers"].astype(str))
     wide = parts.pivot_table(index="bar", columns="part", values="measured_bytes", sort=False) / units.MIB
     order = [p for p in parts["part"].drop_duplicates() if p in wide]
     with _style():
@@ -127,7 +137,7 @@ def measured_vs_predicted(
     frame: pd.DataFrame, measured: str, predicted: str, ylabel: str, title: str
 ) -> bytes:
     """Measured beside predicted per config, the prediction's error written on its bar."""
-    frame = frame.assign(bar=frame["mode"] + " L" + frame["layers"].astype(str))
+    frame = frame.assign(bar=frame["label"] + " L" + frame["layers"].astype(str))
     bars = frame["bar"].tolist()
     error = frame[predicted] / frame[measured] - 1
     series = [
@@ -155,15 +165,21 @@ def measured_vs_predicted(
 
 def throughput(runs: pd.DataFrame, title: str) -> bytes:
     """tokens/s and step time (median, p10-p90 whiskers; the time model's prediction a black tick) per
-    mode; MFU beside them when measured."""
-    runs = runs.sort_values(["layers", "mode_rank", *(["switches"] if "switches" in runs else [])])
-    labels = (runs["mode"] + " L" + runs["layers"].astype(str)).tolist()
+    mode; MFU beside them when measured. A run measured on a loaded machine (its column `loaded`,
+    tpbench.report.data.throughput) says so under its bar."""
+    runs = runs.sort_values(
+        ["layers", "mode_rank", "level_rank", *(["switches"] if "switches" in runs else [])]
+    )
+    labels = (runs["label"] + " L" + runs["layers"].astype(str)).tolist()
     if "switches" in runs:
         labels = [f"{a} {b}".strip() for a, b in zip(labels, runs["switches"], strict=True)]
-    colors = [mode_color(m) for m in runs["mode"]]
+    if "loaded" in runs:
+        labels = [f"{a} · loaded" if b else a for a, b in zip(labels, runs["loaded"], strict=True)]
+    styles = [_bar_style(m, s) for m, s in zip(runs["mode"], runs["dp_shard"], strict=True)]
+    colors = [s["color"] for s in styles]
     has_mfu = "mfu" in runs and runs["mfu"].notna().any()
     with _style():
-        fig = Figure(figsize=(4.2 * (3 if has_mfu else 2) + 1, 4.0))
+        fig = Figure(figsize=(4.2 * (3 if has_mfu else 2) + 1, 4.0), layout="constrained")
         axes = fig.subplots(1, 3 if has_mfu else 2)
         xs = range(len(runs))
         bars = axes[0].bar(xs, runs["tokens_per_s"], color=colors)
@@ -174,15 +190,18 @@ def throughput(runs: pd.DataFrame, title: str) -> bytes:
         high = (runs.get("step_time_p90_s", runs["step_time_s"]) * 1e3 - step_ms).clip(lower=0)
         # arrays, not Series: matplotlib 3.8 and 3.9 call float() on a one-row Series (a pandas FutureWarning)
         whiskers = [low.fillna(0).to_numpy(), high.fillna(0).to_numpy()]
-        axes[1].bar(xs, step_ms, color=colors, yerr=whiskers, capsize=3)
+        bars = [*bars, *axes[1].bar(xs, step_ms, color=colors, yerr=whiskers, capsize=3)]
         axes[1].set(ylabel="step time (ms), p10-p90", title="step time")
         if "predicted_step_time_s" in runs and runs["predicted_step_time_s"].notna().any():
             predicted = (runs["predicted_step_time_s"] * 1e3).to_numpy()
             axes[1].scatter(xs, predicted, marker="_", s=400, color="black", zorder=3, label="predicted")
             axes[1].legend(fontsize=7)
         if has_mfu:
-            axes[2].bar(xs, runs["mfu"] * 100, color=colors)
+            bars = [*bars, *axes[2].bar(xs, runs["mfu"] * 100, color=colors)]
             axes[2].set(ylabel="MFU (%)", title="model FLOPs utilisation")
+        for bar, style in zip(bars, styles * len(axes), strict=True):
+            if "hatch" in style:
+                bar.set(hatch=style["hatch"], edgecolor=style["edgecolor"])
         for ax in axes:
             ax.set_xticks(xs, labels, rotation=30, ha="right")
             ax.margins(y=0.15)
@@ -193,17 +212,19 @@ def throughput(runs: pd.DataFrame, title: str) -> bytes:
 def recompute(frame: pd.DataFrame, title: str) -> bytes:
     """Per mode and layer count, one bar per recompute setting: the per-rank peak (its ratio to none
     on the bar) and the median step time (likewise), where measured."""
-    groups = list(dict.fromkeys(frame["mode"] + " L" + frame["layers"].astype(str)))
+    groups = list(dict.fromkeys(frame["label"] + " L" + frame["layers"].astype(str)))
     shades = sns.color_palette("Blues", 4)[1:]
     with _style():
-        fig = Figure(figsize=(max(6.0, 1.6 * len(groups)) * 2 + 1, 4.0))
+        fig = Figure(figsize=(max(6.0, 1.6 * len(groups)) * 2 + 1, 4.0), layout="constrained")
         axes = fig.subplots(1, 2)
         panels = (("peak_bytes", "peak_of_none", units.MIB, "peak per rank (MiB)"),
                   ("step_time_s", "step_of_none", 1e-3, "step time (ms)"))  # fmt: skip
         for ax, (column, ratio, scale, label) in zip(axes, panels, strict=True):
             series = []
             for i, (setting, rows) in enumerate(frame.groupby("recompute", sort=False)):
-                keyed = rows.assign(group=rows["mode"] + " L" + rows["layers"].astype(str)).set_index("group")
+                keyed = rows.assign(group=rows["label"] + " L" + rows["layers"].astype(str)).set_index(
+                    "group"
+                )
                 values = (keyed[column] / scale).to_dict() if column in keyed else {}
                 texts = (
                     keyed[ratio].map(lambda v: "" if pd.isna(v) else f"{v:.2f}x").to_dict()
@@ -221,13 +242,13 @@ def recompute(frame: pd.DataFrame, title: str) -> bytes:
 
 def collectives(frame: pd.DataFrame, title: str) -> bytes:
     """Bytes on the wire and calls per step for each collective type, per mode."""
-    frame = frame.assign(bar=frame["mode"] + " L" + frame["layers"].astype(str))
+    frame = frame.assign(bar=frame["label"] + " L" + frame["layers"].astype(str))
     per_op = frame.groupby(["bar", "op"], sort=False, as_index=False)[["bytes", "count"]].sum()
     bars = frame["bar"].drop_duplicates().tolist()
     ops = sorted(per_op["op"].unique())
     colors = dict(zip(ops, sns.color_palette("colorblind", len(ops)), strict=True))
     with _style():
-        fig = Figure(figsize=(max(9.0, 1.2 * len(bars) * 2 + 2), 4.0))
+        fig = Figure(figsize=(max(9.0, 1.2 * len(bars) * 2 + 2), 4.0), layout="constrained")
         axes = fig.subplots(1, 2)
         for ax, column, ylabel in (
             (axes[0], "bytes", "KiB per rank per step"),
@@ -257,7 +278,7 @@ def collectives(frame: pd.DataFrame, title: str) -> bytes:
 def drift(curves: pd.DataFrame, title: str) -> bytes:
     """AdamW logits drift (max |logits diff| on a fixed batch) against the step, one line per run."""
     curves = curves.assign(
-        run=curves["mode"] + " L" + curves["layers"].astype(str) + " #" + curves["run_id"].astype(str)
+        run=curves["label"] + " L" + curves["layers"].astype(str) + " #" + curves["run_id"].astype(str)
     )
     runs = curves.drop_duplicates("run")
     one_per_mode = runs["mode"].is_unique  # then each line takes its mode's colour

@@ -16,12 +16,13 @@ import pandas as pd
 from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
-from tpbench.config import emulation_label
+from tpbench.config import dp_level_label, emulation_label, layout_label
 from tpbench.db import ResultsDB, parse_since
 from tpbench.db.schema import Run
 
 MODE_ORDER = ("ddp", "tp", "tp_sp", "tp_sp_linear", "tp_vp", "tp_sp_vp")
 RECOMPUTE_ORDER = ("none", "selective", "full")
+DP_LEVEL_ORDER = ("none", "optimizer", "grads", "full")  # parallel.dp_shard: DDP, ZeRO-1, ZeRO-2, FSDP
 # MemTracker's split of the peak, bottom to top of the stacked bars; the last two are often zero.
 MEMORY_PARTS = {
     "mem_params_bytes": "parameters",
@@ -104,6 +105,10 @@ class ReportData:
     # per-parameter errors of the OK validate runs (tpbench.results.ParamRow), rank 0's: run_id, name, ...
     params: pd.DataFrame = field(default_factory=pd.DataFrame)
 
+    def __post_init__(self) -> None:
+        if "label" not in self.runs:  # runs built by hand: their DP level from the configs given
+            self.runs = with_dp_level(self.runs, self.configs)
+
     @property
     def ok(self) -> pd.DataFrame:
         return self.runs[self.runs["status"] == "OK"]
@@ -134,7 +139,6 @@ def load(db: ResultsDB, selection: Selection) -> ReportData:
     # runs with activation recompute are their own setting in every section but the recompute one
     suffix = runs["recompute"].map(lambda r: "" if r == "none" else f" · recompute {r}")
     runs["setting"] = runs["base_setting"] + suffix
-    runs["mode_rank"] = runs["mode"].map(mode_rank)
     long = db.measurements(ok_ids)
     curves = long[long["step"].notna()].groupby(["run_id", "name", "step"], as_index=False)["value"].max()
     per_rank = long[long["step"].isna()][["run_id", "rank", "name", "value"]]
@@ -157,6 +161,34 @@ def model_label(flat: dict) -> str:
     if flat.get("model.attention_bias"):
         parts.append("q/k/v bias")
     return " · ".join(p for p in parts if p)
+
+
+def with_dp_level(runs: pd.DataFrame, configs: dict[int, dict] | None = None) -> pd.DataFrame:
+    """The runs with their DP level beside the mode (tpbench.config.dp_level_label): dp_shard and
+    dp_replicate from each config (DDP's replicas for a run without one), `layout` as the command line
+    names it (tp=2 dp=2 FSDP), and `label`, what a chart's legend and a table's rows call the run: the
+    mode, and its DP level unless DDP's replicas (tp_sp_vp FSDP); mode_rank and level_rank order them."""
+    configs = configs or {}
+    flat = [configs.get(i, {}) for i in runs["id"]] if "id" in runs else [{}] * len(runs)
+    shard = [c.get("parallel.dp_shard", "none") for c in flat]
+    replicate = [int(c.get("parallel.dp_replicate", 1)) for c in flat]
+    level = [dp_level_label(s, r) for s, r in zip(shard, replicate, strict=True)]
+    tp, dp = (runs[k] if k in runs else pd.Series(1, index=runs.index) for k in ("tp", "dp"))
+    return runs.assign(
+        dp_shard=shard,
+        dp_replicate=replicate,
+        dp_level=level,
+        layout=[layout_label(*a) for a in zip(tp, dp, shard, replicate, strict=True)],
+        label=[f"{m} {lv}".strip() for m, lv in zip(runs["mode"], level, strict=True)],
+        mode_rank=runs["mode"].map(mode_rank),
+        level_rank=[level_rank(s, r) for s, r in zip(shard, replicate, strict=True)],
+    )
+
+
+def level_rank(dp_shard: str, dp_replicate: int) -> int:
+    """DDP's replicas, ZeRO-1, ZeRO-2, FSDP, each by its replicas (HSDP after), then the rest."""
+    order = DP_LEVEL_ORDER.index(dp_shard) if dp_shard in DP_LEVEL_ORDER else len(DP_LEVEL_ORDER)
+    return 1000 * order + dp_replicate
 
 
 def setting_label(run: pd.Series) -> str:
@@ -192,7 +224,14 @@ def latest(data: ReportData, kind: str) -> pd.DataFrame:
     """The OK runs of a kind, the latest one of each config on each hardware, in mode order."""
     runs = data.ok[data.ok["kind"] == kind]
     runs = runs.sort_values("id").drop_duplicates(["config_hash", "hardware"], keep="last")
-    order = ["setting", "layers", "mode_rank", *(["switches"] if "switches" in runs else []), "id"]
+    order = [
+        "setting",
+        "layers",
+        "mode_rank",
+        "level_rank",
+        *(["switches"] if "switches" in runs else []),
+        "id",
+    ]
     return runs.sort_values(order).reset_index(drop=True)
 
 
@@ -210,7 +249,7 @@ def memory_peaks(data: ReportData) -> pd.DataFrame:
         peak_min_bytes=runs["id"].map(peaks.min()),
         ranks=runs["id"].map(peaks.count()),
     )
-    ddp = runs[runs["mode"] == "ddp"].drop_duplicates(["setting", "layers"], keep="last")
+    ddp = runs[runs["label"] == "ddp"].drop_duplicates(["setting", "layers"], keep="last")
     ddp_peak = ddp.set_index(["setting", "layers"])["peak_bytes"].rename("ddp_peak_bytes")
     runs = runs.join(ddp_peak, on=["setting", "layers"])
     runs["of_ddp"] = runs["peak_bytes"] / runs["ddp_peak_bytes"]
@@ -246,7 +285,9 @@ def memory_breakdown(data: ReportData) -> pd.DataFrame:
                     "setting": run.setting,
                     "layers": run.layers,
                     "mode": run.mode,
+                    "label": run.label,
                     "mode_rank": run.mode_rank,
+                    "level_rank": run.level_rank,
                     "part": part,
                     "measured_bytes": measured,
                     "predicted_bytes": predicted,
@@ -267,7 +308,7 @@ def recompute(data: ReportData) -> pd.DataFrame:
     """Per setting (recompute apart), layers, mode and recompute setting: the latest memory run's peak
     (measured, predicted) and the latest throughput run's step time, each also as a ratio to the
     same mode with recompute none. Only configs measured with more than one recompute setting."""
-    keys = ["base_setting", "layers", "mode", "recompute"]
+    keys = ["base_setting", "layers", "mode", "label", "level_rank", "recompute"]
     if "recompute" not in data.runs:  # runs built by hand, without configs
         return pd.DataFrame()
     memory = latest(data, "memory")
@@ -284,19 +325,19 @@ def recompute(data: ReportData) -> pd.DataFrame:
         present = [c for c in wanted if c in runs]
         frames.append(runs[keys + ["mode_rank", *present]].rename(columns={"id": f"{kind}_run"}))
     frame = frames[0].merge(frames[1], on=[*keys, "mode_rank"], how="outer")
-    settings = frame.groupby(["base_setting", "layers", "mode"])["recompute"].transform("nunique")
+    settings = frame.groupby(["base_setting", "layers", "label"])["recompute"].transform("nunique")
     frame = frame[settings > 1]
     if frame.empty:
         return frame
-    none = frame[frame["recompute"] == "none"].set_index(["base_setting", "layers", "mode"])
-    index = pd.MultiIndex.from_frame(frame[["base_setting", "layers", "mode"]])
+    none = frame[frame["recompute"] == "none"].set_index(["base_setting", "layers", "label"])
+    index = pd.MultiIndex.from_frame(frame[["base_setting", "layers", "label"]])
     for column, ratio in (("peak_bytes", "peak_of_none"), ("step_time_s", "step_of_none")):
         if column in frame and column in none:
             frame[ratio] = frame[column].to_numpy() / none[column].reindex(index).to_numpy()
     frame["recompute_rank"] = frame["recompute"].map(
         lambda r: RECOMPUTE_ORDER.index(r) if r in RECOMPUTE_ORDER else len(RECOMPUTE_ORDER)
     )
-    order = ["base_setting", "layers", "mode_rank", "recompute_rank"]
+    order = ["base_setting", "layers", "mode_rank", "level_rank", "recompute_rank"]
     return frame.sort_values(order).reset_index(drop=True)
 
 
@@ -310,9 +351,33 @@ def throughput(data: ReportData) -> pd.DataFrame:
     if runs.empty or "tokens_per_s" not in runs:
         return runs
     keys = ["setting", "layers", *(["switches"] if "switches" in runs else [])]
-    ddp = runs[runs["mode"] == "ddp"].drop_duplicates(keys, keep="last").set_index(keys)["tokens_per_s"]
+    ddp = runs[runs["label"] == "ddp"].drop_duplicates(keys, keep="last").set_index(keys)["tokens_per_s"]
     runs = runs.join(ddp.rename("ddp_tokens_per_s"), on=keys)
-    return runs.assign(of_ddp=runs["tokens_per_s"] / runs["ddp_tokens_per_s"])
+    return runs.assign(of_ddp=runs["tokens_per_s"] / runs["ddp_tokens_per_s"], **machine_load(runs))
+
+
+LOADED_RULE = (
+    "A run marked loaded was timed on a machine with more runnable work than cores: its load average "
+    "(1 minute) before the run's job started was above its cores, so its ranks shared them with other "
+    "work and its times are longer than the machine's own"
+)
+
+
+def machine_load(runs: pd.DataFrame) -> dict[str, pd.Series]:
+    """`loaded` (LOADED_RULE; False where the run recorded no load, a run before the metric) and
+    `machine_load`, e.g. "loaded: 3.8 on 2 cores", from the metrics load_before_job and cpu_cores."""
+    if "load_before_job" not in runs:
+        return {
+            "loaded": pd.Series(False, index=runs.index),
+            "machine_load": pd.Series(None, index=runs.index),
+        }
+    load, cores = runs["load_before_job"], runs["cpu_cores"]
+    loaded = (load > cores).fillna(False)
+    text = [
+        None if pd.isna(v) else f"{'loaded: ' if hot else ''}{v:.1f} on {c:.0f} cores"
+        for v, c, hot in zip(load, cores, loaded, strict=True)
+    ]
+    return {"loaded": loaded.astype(bool), "machine_load": pd.Series(text, index=runs.index, dtype=object)}
 
 
 def collectives(data: ReportData) -> pd.DataFrame:
@@ -326,8 +391,8 @@ def collectives(data: ReportData) -> pd.DataFrame:
     )
     runs = runs.sort_values(["preference", "id"], ascending=[True, False])
     switched = ["switches"] if "switches" in runs else []
-    chosen = runs.drop_duplicates(["setting", "layers", "mode", *switched]).sort_values(
-        ["setting", "layers", "mode_rank", *switched]
+    chosen = runs.drop_duplicates(["setting", "layers", "label", *switched]).sort_values(
+        ["setting", "layers", "mode_rank", "level_rank", *switched]
     )
     comm = data.comm[data.comm["run_id"].isin(chosen["id"])]
     per_op = comm.groupby(["run_id", "op", "purpose"], as_index=False).agg(
@@ -336,9 +401,21 @@ def collectives(data: ReportData) -> pd.DataFrame:
         time_s=("time_s", "max"),
         exposed_s=("exposed_s", "max"),
     )
-    keep = ["id", "kind", "setting", "layers", "mode", "mode_rank", *switched]
+    keep = [
+        "id",
+        "kind",
+        "setting",
+        "layers",
+        "mode",
+        "label",
+        "layout",
+        "mode_rank",
+        "level_rank",
+        *switched,
+    ]
     frame = chosen[keep].rename(columns={"id": "run_id"}).merge(per_op, on="run_id")
-    return frame.sort_values(["setting", "layers", "mode_rank", "op", "purpose"]).reset_index(drop=True)
+    order = ["setting", "layers", "mode_rank", "level_rank", "op", "purpose"]
+    return frame.sort_values(order).reset_index(drop=True)
 
 
 def comm_predicted(data: ReportData) -> pd.DataFrame:
@@ -348,9 +425,9 @@ def comm_predicted(data: ReportData) -> pd.DataFrame:
         return pd.DataFrame()
     # a prediction of zero bytes is no prediction (a placeholder model), not a 100% error
     runs = runs[runs["predicted_comm_bytes_per_step"].fillna(0).gt(0) & runs["comm_bytes_per_step"].notna()]
-    runs = runs.sort_values("id").drop_duplicates(["setting", "layers", "mode", "kind"], keep="last")
+    runs = runs.sort_values("id").drop_duplicates(["setting", "layers", "label", "kind"], keep="last")
     runs = runs.assign(error=runs["predicted_comm_bytes_per_step"] / runs["comm_bytes_per_step"] - 1)
-    return runs.sort_values(["setting", "layers", "mode_rank", "kind"]).reset_index(drop=True)
+    return runs.sort_values(["setting", "layers", "mode_rank", "level_rank", "kind"]).reset_index(drop=True)
 
 
 # -- validation --------------------------------------------------------------------------------------
@@ -371,9 +448,9 @@ def drift(data: ReportData) -> pd.DataFrame:
     """The AdamW logits drift curve of every validate run shown: run, mode, step, value."""
     runs = validation(data)
     curve = data.curves[data.curves["name"] == "adamw_logits_max_abs"]
-    keep = ["id", "mode", "mode_rank", "setting", "layers"]
+    keep = ["id", "mode", "label", "mode_rank", "level_rank", "setting", "layers"]
     frame = runs[keep].rename(columns={"id": "run_id"}).merge(curve, on="run_id")
-    return frame.sort_values(["mode_rank", "run_id", "step"]).reset_index(drop=True)
+    return frame.sort_values(["mode_rank", "level_rank", "run_id", "step"]).reset_index(drop=True)
 
 
 DRIFT = {"adamw_logits_mean_abs": "mean", "adamw_logits_max_abs": "max", "adamw_logits_rel_l2": "rel_l2"}
@@ -388,9 +465,9 @@ def drift_table(data: ReportData) -> pd.DataFrame:
         return pd.DataFrame()
     wide = curve.pivot_table(index=["run_id", "step"], columns="name", values="value", aggfunc="max")
     wide = wide.rename(columns=DRIFT).reindex(columns=list(DRIFT.values())).reset_index()
-    keep = ["id", "mode", "mode_rank", "setting", "layers", "validate_batch"]
+    keep = ["id", "mode", "label", "mode_rank", "level_rank", "setting", "layers", "validate_batch"]
     frame = runs[keep].rename(columns={"id": "run_id"}).merge(wide, on="run_id")
-    return frame.sort_values(["setting", "mode_rank", "run_id", "step"]).reset_index(drop=True)
+    return frame.sort_values(["setting", "mode_rank", "level_rank", "run_id", "step"]).reset_index(drop=True)
 
 
 # -- raw rows ----------------------------------------------------------------------------------------
@@ -398,7 +475,7 @@ def drift_table(data: ReportData) -> pd.DataFrame:
 
 def raw_rows(data: ReportData) -> pd.DataFrame:
     """csv / json: every selected run joined with its headline metrics."""
-    return data.runs.drop(columns=["mode_rank"])
+    return data.runs.drop(columns=["mode_rank", "level_rank"], errors="ignore")
 
 
 # -- selection helpers -------------------------------------------------------------------------------

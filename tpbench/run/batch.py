@@ -132,6 +132,7 @@ class _Job:
         self.jobs = [launch.new_job(cfg) for cfg in configs]
         (self.folder / "jobs").write_text("".join(f"{job}\n" for job in self.jobs))
         self.env: Environment = launch.probe(configs[0])  # the runs share node, device and backend
+        self.load = launch.load_before()  # the machine's before the job: its runs' throughput is timed on it
         self.first = configs[0]
         self.failure: BaseException | None = None
         self.interrupted: signal.Signals | None = None
@@ -170,7 +171,7 @@ class _Job:
             ended = launch.judged(cfg, job_dir) if done.exists() else self._failed(cfg, job_dir)
         except launch.JobFailed as e:
             ended = e.status, e.message, e.rank, []
-        ran = launch.outcome(cfg, job_dir, self.env, started, ended)
+        ran = launch.outcome(cfg, job_dir, self.env, started, ended, load=self.load)
         self.last_end = ran.ended_at  # the next run's start
         return ran
 

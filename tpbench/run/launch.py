@@ -84,7 +84,7 @@ class JobFailed(Exception):
 def run_job(cfg: RunConfig, on_progress: Callable[[str], None] = lambda line: None) -> Outcome:
     """Run `cfg` as a torchrun job on this node and wait for it; a failed job is an Outcome, not an error."""
     job = new_job(cfg)
-    env, started = probe(cfg), now()
+    env, started, load = probe(cfg), now(), load_before()
     try:
         _launch(cfg, job, on_progress)
         status, error, rank, results = judged(cfg, job)
@@ -93,7 +93,7 @@ def run_job(cfg: RunConfig, on_progress: Callable[[str], None] = lambda line: No
     finally:
         _reap(job)
     ran_rank0 = int(cfg.launch.nnodes) == 1 or (job / "pids" / "rank0.pid").exists()
-    return outcome(cfg, job, env, started, (status, error, rank, results), ran_rank0)
+    return outcome(cfg, job, env, started, (status, error, rank, results), ran_rank0, load)
 
 
 def new_job(cfg: RunConfig) -> Path:
@@ -115,6 +115,12 @@ def judged(cfg: RunConfig, job: Path) -> tuple[Status, str, int | None, list[Ran
     return Status.OK, "", None, results
 
 
+def load_before() -> tuple[float, int]:
+    """This machine's load (the 1-minute load average: runnable and running processes) and its cores,
+    read before a job's ranks start, so without them; a throughput run records both (`outcome`)."""
+    return os.getloadavg()[0], os.cpu_count() or 1
+
+
 def outcome(
     cfg: RunConfig,
     job: Path,
@@ -122,10 +128,17 @@ def outcome(
     started: datetime,
     ended: tuple[Status, str, int | None, list[RankResult]],
     ran_rank0: bool = True,
+    load: tuple[float, int] | None = None,
 ) -> Outcome:
     """The Outcome of the run of job folder `job`: `ended` is its status, error, failing rank and
-    results; the device name is the one its ranks saw, if they said."""
+    results; the device name is the one its ranks saw, if they said. A throughput run's rank 0 gets
+    `load` (`load_before` its job) as the metrics load_before_job and cpu_cores, beside its step CPU
+    time: the report marks a run timed on a machine with more runnable work than cores."""
     status, error, rank, results = ended
+    if load is not None and cfg.kind == "throughput" and results:
+        first = min(results, key=lambda r: r.rank)
+        first.add("load_before_job", load[0])
+        first.add("cpu_cores", load[1])
     env = dataclasses.replace(env, device_name=machine.ranks_device_name(job) or env.device_name)
     kept = None if status is Status.OK else str(job)
     return Outcome(status, started, now(), env, results, error, rank, kept, ran_rank0, job)

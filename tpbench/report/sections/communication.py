@@ -29,7 +29,8 @@ def section(data: ReportData) -> Section:
         table = pd.DataFrame(
             {
                 "layers": group["layers"],
-                "mode": group["mode"],
+                "mode": group["label"],
+                "layout": group["layout"],
                 "switches": group["switches"] if "switches" in group else "",
                 "run": group["run_id"],
                 "kind": group["kind"],
@@ -53,7 +54,8 @@ def section(data: ReportData) -> Section:
         columns = {
             "setting": ("setting", None),
             "layers": ("layers", None),
-            "mode": ("mode", None),
+            "mode": ("label", None),
+            "layout": ("layout", None),
             "kind": ("kind", None),
             "measured": ("comm_bytes_per_step", units.size),
             "predicted": ("predicted_comm_bytes_per_step", units.size),

@@ -13,7 +13,8 @@ DRAWN_MODES = ("tp", "tp_sp", "tp_sp_linear", "tp_vp", "tp_sp_vp")
 
 def section(data: ReportData) -> Section:
     """One block of each of tpbench's TP modes shown, from the latest OK run of the mode: its config
-    traced for one step with one layer (and one TP group), every rank emulated in this process."""
+    traced for one step with one layer and one TP group (its DP, sharded or not, left out: the block's
+    TP collectives are the same at every DP level), every rank emulated in this process."""
     from tpbench import diagram  # torch and graphviz load only when a report draws one
 
     section = Section(
@@ -26,22 +27,29 @@ def section(data: ReportData) -> Section:
     )
     ok = data.ok[data.ok["mode"].isin(DRAWN_MODES) & (data.ok["tp"] > 1)]
     for mode in sorted(ok["mode"].unique(), key=mode_rank):
-        run_id = int(ok.loc[ok["mode"] == mode, "id"].max())
-        cfg = run_config(data.configs[run_id])
-        cfg.parallel.dp = 1
+        run = ok[ok["mode"] == mode].sort_values("id").iloc[-1]
+        cfg = one_tp_group(run_config(data.configs[int(run["id"])]))
         traced = diagram.trace(diagram.traceable(cfg))
         section.blocks.append(
             Diagram(
                 f"{mode} at T = {cfg.parallel.tp}",
                 diagram.render([traced], "svg"),
                 f"diagram-{mode}",
-                f"config of run {run_id}, one layer, one TP group; "
-                f"`tpbench diagram` with the run's overrides draws the same",
+                f"config of run {run['id']} ({run['layout']}), one layer, one TP group (DP's collectives "
+                f"are not drawn); `tpbench diagram` with the run's overrides, dp=1, draws the same",
             )
         )
     if not section.blocks:
         section.empty = "No OK run of tp, tp_sp, tp_vp or tp_sp_vp with tp > 1 in this selection."
     return section
+
+
+def one_tp_group(cfg: RunConfig) -> RunConfig:
+    """The config of one TP group: no DP, so no DP level (parallel.dp_shard, dp_replicate) either, nor
+    a fault planted in one."""
+    cfg.parallel.dp, cfg.parallel.dp_shard, cfg.parallel.dp_replicate = 1, "none", 1
+    cfg.debug.shard_fault = ""
+    return cfg
 
 
 def run_config(flat: dict) -> RunConfig:

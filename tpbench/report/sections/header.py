@@ -31,7 +31,7 @@ def section(data: ReportData) -> Section:
     what = (
         runs.groupby(["kind", "sweep"], sort=False)
         .agg(
-            modes=("mode", lambda m: ", ".join(sorted(set(m), key=mode_key))),
+            modes=("label", lambda m: ", ".join(sorted(set(m), key=mode_key))),
             layers=("layers", lambda v: ", ".join(map(str, sorted(set(v))))),
             hardware=("hardware", lambda h: "; ".join(sorted(set(h)))),
             settings=("setting", lambda s: "; ".join(sorted(set(s)))),
@@ -55,11 +55,22 @@ def section(data: ReportData) -> Section:
         Table("Where it ran", where),
     ]
     if failed:
-        cols = ["id", "started_at", "kind", "mode", "sweep", "status", "failed_rank", "error", "log_dir"]
+        cols = [
+            "id",
+            "started_at",
+            "kind",
+            "label",
+            "layout",
+            "sweep",
+            "status",
+            "failed_rank",
+            "error",
+            "log_dir",
+        ]
         blocks.append(
             Table(
                 f"Runs that did not end OK ({failed})",
-                data.failed[cols].rename(columns={"started_at": "started (UTC)"}),
+                data.failed[cols].rename(columns={"started_at": "started (UTC)", "label": "mode"}),
                 {"started (UTC)": lambda t: f"{t:%Y-%m-%d %H:%M}", "failed_rank": integer},
             )
         )

@@ -64,10 +64,12 @@ def _sharded(peaks: pd.DataFrame, configs: dict[int, dict]) -> list[Table | Char
 
     blocks: list[Table | Chart] = []
     for i, (setting, group) in enumerate(peaks.groupby("setting", sort=False)):
-        cfgs = [c for c in (_config(configs, r) for r in group["id"]) if c is not None]
-        if not cfgs:
+        known = group[group["id"].isin(list(configs))]
+        if known.empty:
             continue
-        cfg = max(cfgs, key=lambda c: (c.parallel.tp, c.model.num_hidden_layers))
+        # the widest run's config alone made typed (0.1-0.3 s a config): the first of the largest tp, L
+        widest = known.sort_values(["tp", "layers"], ascending=False, kind="stable")["id"].iloc[0]
+        cfg = run_config(configs[widest])
         train = dataclasses.replace(cfg.train, batch="fixed_per_rank", micro_batch=local_batch(cfg))
         rows = []
         for dp in SHARDED_DP:
@@ -92,7 +94,8 @@ def _peak_table(group: pd.DataFrame, ref: pd.DataFrame, setting: str) -> Table:
     frame = pd.DataFrame(
         {
             "layers": group["layers"],
-            "mode": group["mode"],
+            "mode": group["label"],
+            "layout": group["layout"],
             "run": group["id"],
             "peak / rank": group["peak_bytes"],
             "lowest rank": group["peak_min_bytes"],
@@ -114,7 +117,7 @@ def _peak_table(group: pd.DataFrame, ref: pd.DataFrame, setting: str) -> Table:
     note = ""
     if not ref.empty:
         ref_peak = ref.set_index(["layers", "mode"])["peak_bytes"]
-        keys = list(zip(group["layers"], group["mode"], strict=True))
+        keys = list(zip(group["layers"], group["label"], strict=True))  # the seed's: DDP's replicas
         frame[published.SEED] = [ref_peak.get(k) for k in keys]
         frame["ours / published"] = frame["peak / rank"] / frame[published.SEED]
         formats |= {published.SEED: units.mib, "ours / published": units.percent}
@@ -126,15 +129,13 @@ def _peak_table(group: pd.DataFrame, ref: pd.DataFrame, setting: str) -> Table:
 
 
 def _breakdown_table(parts: pd.DataFrame, setting: str) -> Table:
-    wide = parts.pivot_table(
-        index=["layers", "mode_rank", "mode"], columns="part", values="measured_bytes", sort=False
-    )
-    wide = wide.sort_index().reset_index().drop(columns="mode_rank")
+    index = ["layers", "mode_rank", "level_rank", "label"]
+    wide = parts.pivot_table(index=index, columns="part", values="measured_bytes", sort=False)
+    wide = wide.sort_index().reset_index().drop(columns=["mode_rank", "level_rank"])
+    wide = wide.rename(columns={"label": "mode"})
     wide.columns.name = None
     if parts["predicted_bytes"].fillna(0).gt(0).any():
-        predicted = parts.pivot_table(
-            index=["layers", "mode_rank", "mode"], columns="part", values="predicted_bytes", sort=False
-        )
+        predicted = parts.pivot_table(index=index, columns="part", values="predicted_bytes", sort=False)
         predicted = predicted.sort_index().add_prefix("predicted ").reset_index(drop=True)
         wide = pd.concat([wide, predicted], axis=1)
     formats = {col: units.mib for col in wide.columns if col not in ("layers", "mode")}
@@ -163,7 +164,8 @@ def _memory_predicted(peaks: pd.DataFrame) -> list[Table | Chart]:
         {
             "setting": rows["setting"],
             "layers": rows["layers"],
-            "mode": rows["mode"],
+            "mode": rows["label"],
+            "layout": rows["layout"],
             "measured": rows["peak_bytes"],
             "predicted": rows["predicted_peak_bytes"],
             "error": rows["predicted_error"],
@@ -187,11 +189,11 @@ def depth_table(group: pd.DataFrame, ref: pd.DataFrame, configs: dict[int, dict]
     predicts for its deepest run, its ratio to DDP at each depth and as L grows; and the seed's
     published DDP and TP beside, where the setting is the seed's."""
     depths = sorted(group["layers"].unique())
-    ddp = group[group["mode"] == "ddp"]
+    ddp = group[group["label"] == "ddp"]
     ddp_slope = depth_fit(ddp["layers"], ddp["peak_bytes"])[1] if ddp["layers"].nunique() > 1 else np.nan
     ddp_deepest = ddp.loc[ddp["layers"].idxmax(), "id"] if not ddp.empty else None
     rows = []
-    for mode, runs in group.groupby("mode", sort=False):
+    for mode, runs in group.groupby("label", sort=False):
         if runs["layers"].nunique() < 2:
             continue
         F, slope, miss = depth_fit(runs["layers"], runs["peak_bytes"])

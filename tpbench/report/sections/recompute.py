@@ -25,7 +25,7 @@ def section(data: ReportData) -> Section:
         )
         columns = {
             "layers": ("layers", None),
-            "mode": ("mode", None),
+            "mode": ("label", None),
             "recompute": ("recompute", None),
             "memory run": ("memory_run", integer),
             "peak / rank": ("peak_bytes", units.mib),

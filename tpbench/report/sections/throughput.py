@@ -6,7 +6,7 @@ import pandas as pd
 
 from tpbench.report import charts, published, units
 from tpbench.report.blocks import Chart, Section, Table, kind_empty, pick, timed_by
-from tpbench.report.data import ReportData, throughput
+from tpbench.report.data import LOADED_RULE, ReportData, throughput
 
 
 def section(data: ReportData) -> Section:
@@ -22,7 +22,9 @@ def section(data: ReportData) -> Section:
         "step (compiling included under train.compile) is apart from the median. Timed by CUDA events "
         "on NCCL, by the host's wall clock elsewhere. Predicted step: the time model's, recorded with "
         "each run (docs/time-model.md), and its error against the measured median; step CPU time: a "
-        "rank's CPU time per step, what the step costs without the waiting for cores of a loaded machine.",
+        "rank's CPU time per step, what the step costs without the waiting for cores of a loaded machine. "
+        "Load before the job: the machine's load average on its cores as the run's job started. "
+        f"{LOADED_RULE}.",
     )
     runs = throughput(data)
     if runs.empty:
@@ -36,7 +38,8 @@ def section(data: ReportData) -> Section:
         )
         columns = {
             "layers": ("layers", None),
-            "mode": ("mode", None),
+            "mode": ("label", None),
+            "layout": ("layout", None),
             "switches": ("switches", None),
             "run": ("id", None),
             "tokens/s": ("tokens_per_s", units.tokens_per_s),
@@ -56,10 +59,14 @@ def section(data: ReportData) -> Section:
             "executed FLOPs / step": ("flops_per_step", units.flops),
             "MFU": ("mfu", units.percent),
             "timed by": ("timing_cuda_events", timed_by),
+            "load before the job": ("machine_load", None),
         }
         table = pick(f"Throughput: {setting}", group, columns)
         if published.tron_throughput_matches(group.iloc[0]):
             _beside_tron(table, group)
+        if group["loaded"].any():
+            runs_loaded = ", ".join(map(str, group.loc[group["loaded"], "id"]))
+            table.note = " ".join(filter(None, [f"{LOADED_RULE}: here run(s) {runs_loaded}.", table.note]))
         section.blocks.append(table)
     return section
 

@@ -35,8 +35,8 @@ def section(data: ReportData) -> Section:
     runs = runs.assign(drift_max=runs["id"].map(worst))
     columns = {
         "run": ("id", None),
-        "mode": ("mode", None),
-        "tp×dp": ("tp_dp", None),
+        "mode": ("label", None),
+        "layout": ("layout", None),
         "layers": ("layers", None),
         "setting": ("setting", None),
         "forward max |logits diff|": ("fwd_logits_max_abs", units.sci),
@@ -51,14 +51,13 @@ def section(data: ReportData) -> Section:
         "worst check / bound": ("worst_of_bound", lambda v: units.text(v) if v != v else f"{v:.2f}"),
         "verdict": ("passed", units.passed),
     }
-    runs = runs.assign(tp_dp=runs["tp"].astype(str) + "×" + runs["dp"].astype(str))
     of_bound = [c for c in runs.columns if str(c).endswith("_of_bound")]  # runs before them: none
     runs = runs.assign(worst_of_bound=runs[of_bound].max(axis=1) if of_bound else float("nan"))
     table = pick("Checks against dense", runs, columns)
     table.verdict = "verdict"
     if any(published.seed_check_matches(run) for _, run in runs.iterrows()):
         seed = published.SEED_CHECK
-        row = {"run": published.SEED, "mode": "tp", "tp×dp": "2×1", "layers": 6, "AdamW steps": 200}
+        row = {"run": published.SEED, "mode": "tp", "layout": "tp=2 dp=1", "layers": 6, "AdamW steps": 200}
         row |= {label: seed.get(key) for label, (key, _) in columns.items() if key in seed}
         row |= {"AdamW batch": "fixed", "AdamW max |logits diff|": seed["adamw_logits_max_abs"]}
         table.frame = pd.concat([table.frame, pd.DataFrame([row])], ignore_index=True)[table.frame.columns]
@@ -106,7 +105,7 @@ def _nearest_bound(data: ReportData, runs: pd.DataFrame, n: int = 8) -> Table | 
         rows.append(got.assign(check=check, value=got[value], reference=got[ref], bound=bound))
     frame = pd.concat(rows, ignore_index=True)
     frame = frame.assign(of_bound=frame["value"] / frame["bound"]).nlargest(n, "of_bound")
-    mode = frame["run_id"].map(runs.set_index("id")["mode"])
+    mode = frame["run_id"].map(runs.set_index("id")["label"])
     frame = pd.DataFrame(
         {
             "run": frame["run_id"],
@@ -132,14 +131,15 @@ def _drift_table(steps: pd.DataFrame, setting: str, batch: str, runs: pd.DataFra
     """One row per compared step, per run (mode) its logits' mean and max |diff| and relative L2
     against dense; a last row with each column's worst over the run."""
     steps = steps.astype({"step": int})
-    frame = pd.DataFrame({"step": sorted(steps["step"].unique())})
-    formats = {}
-    for (run_id, mode), run in steps.groupby(["run_id", "mode"], sort=False):
-        label = mode if steps.drop_duplicates("run_id")["mode"].is_unique else f"{mode} #{run_id}"
+    step = pd.Series(sorted(steps["step"].unique()))
+    columns = {"step": step}
+    for (run_id, mode), run in steps.groupby(["run_id", "label"], sort=False):
+        label = mode if steps.drop_duplicates("run_id")["label"].is_unique else f"{mode} #{run_id}"
         by_step = run.set_index("step")
         for figure, what in (("mean", "mean"), ("max", "max"), ("rel_l2", "rel L2")):
-            frame[f"{label} {what}"] = frame["step"].map(by_step[figure])
-            formats[f"{label} {what}"] = units.sci
+            columns[f"{label} {what}"] = step.map(by_step[figure])
+    frame = pd.DataFrame(columns)  # at once: a column added at a time fragments a frame of many runs
+    formats = {col: units.sci for col in columns if col != "step"}
     worst = {"step": "worst"} | {col: frame[col].max() for col in formats}
     frame = pd.concat([frame.astype({"step": object}), pd.DataFrame([worst])], ignore_index=True)
     note = "Each figure is the worst over the ranks; relative L2: ||sharded - dense|| / ||dense||."
