@@ -78,16 +78,17 @@ def markdown(frame: pd.DataFrame) -> str:
 
 def memory_table(urls: list[str]) -> str:
     """Per shape x precision (rows) and level (columns): the memory runs equal to the model on every
-    rank, of all (one per mode); each other run as its mode and measured - predicted bytes (the worst
-    rank's)."""
+    rank, of all (one per mode); each other run as its mode, the busiest rank's measured - predicted
+    bytes (the model is the busiest rank's) and how far below it its other ranks are, if they are."""
     counts: dict[tuple[str, str], list[int]] = {}
     cells: dict[tuple[str, str], list[str]] = {}
     for url in urls:
-        for key, mode, diff in _memory_runs(url):
+        for key, mode, diff, spread in _memory_runs(url):
             tally = counts.setdefault(key, [0, 0])
-            tally[0], tally[1] = tally[0] + (diff == 0), tally[1] + 1
-            if diff:
-                cells.setdefault(key, []).append(f"{mode} {diff:+,} B")
+            tally[0], tally[1] = tally[0] + (diff == 0 and spread == 0), tally[1] + 1
+            if diff or spread:
+                below = f" (a rank {spread:,} B below)" if spread else ""
+                cells.setdefault(key, []).append(f"{mode} {diff:+,} B{below}")
     shapes = sorted({k[0] for k in counts}, key=lambda c: (c.split()[:3], PRECISIONS.index(c.split()[3])))
     levels = sorted({k[1] for k in counts}, key=lambda lv: (lv != lv.split()[0], LEVELS.index(lv.split()[0])))
     rows = []
@@ -107,8 +108,8 @@ PRECISIONS = ("fp32", "bf16", "mixed")
 
 
 def _memory_runs(url: str):
-    """((shape and precision, level), mode, measured - predicted bytes of the worst rank) of each OK
-    memory run of the database."""
+    """((shape and precision, level), mode, measured - predicted bytes of the busiest rank, the
+    spread of the ranks' peaks) of each OK memory run of the database."""
     engine = create_engine(url)
     runs = pd.read_sql(
         "select id, config, layers, vocab, seq, dtype, precision from runs "
@@ -120,9 +121,9 @@ def _memory_runs(url: str):
         "where name in ('peak_bytes', 'predicted_peak_bytes') and step is null",
         engine,
     ).pivot_table(index=["run_id", "rank"], columns="name", values="value")
-    off = (
-        (peaks["peak_bytes"] - peaks["predicted_peak_bytes"]).groupby("run_id").agg(lambda x: max(x, key=abs))
-    )
+    by_run = peaks.groupby("run_id")
+    off = by_run["peak_bytes"].max() - by_run["predicted_peak_bytes"].max()
+    spread = by_run["peak_bytes"].max() - by_run["peak_bytes"].min()
     for r in runs.itertuples():
         config = json.loads(r.config) if isinstance(r.config, str) else r.config
         p = config["parallel"]
@@ -130,7 +131,8 @@ def _memory_runs(url: str):
         if p["dp_replicate"] > 1:
             level += f" (HSDP {p['dp_replicate']} x {p['dp'] // p['dp_replicate']})"
         kind = "mixed" if r.precision == "mixed" else {"float32": "fp32", "bfloat16": "bf16"}[r.dtype]
-        yield (f"L{r.layers} V{r.vocab} S{r.seq} {kind}", level), mode_name(config), int(off[r.id])
+        shape = f"L{r.layers} V{r.vocab} S{r.seq} {kind}"
+        yield (shape, level), mode_name(config), int(off[r.id]), int(spread[r.id])
 
 
 def main() -> None:

@@ -232,11 +232,17 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
         out.append(_next_block_gather(c, st, gathered, rs_in, shard_g))
     out.append(_bottom_input_norm_backward(c, st, base[-1].activations, gathered, rs_in, shard_g, whole))
     kept = base[-1].activations
-    # the root's gradients reduce-scattered at backward's end: copied into a padded input, the output
+    # the root's gradients reduce-scattered at backward's end: copied into a padded input (fp32 under
+    # mixed precision), freed once copied (FSDP2's foreach_reduce), then the output made beside the
+    # input (and gloo's clone of it, on real CPU ranks)
     root_in, rs_out = rs_in[ROOT], shard_g[ROOT]
     sharded_blocks = sum(shard_g[b] for b in blocks)
-    out.append(Moment("root reduce-scatter", st.params, sharded_blocks + whole[ROOT], st.optimizer, kept,
-                      root_in + rs_out))  # fmt: skip
+    out.append(Moment("root reduce-scatter copy-in", st.params, sharded_blocks + whole[ROOT], st.optimizer,
+                      kept, root_in))  # fmt: skip
+    clone = root_in if c.gloo_clone else 0
+    out.append(
+        Moment("root reduce-scatter", st.params, sharded_blocks, st.optimizer, kept, root_in + clone + rs_out)
+    )
     out.append(Moment("optimizer", st.params, st.grads, st.optimizer, kept, _adam_temporaries(d, s)))
     return out
 
