@@ -25,6 +25,7 @@ import pandas as pd
 import pytest
 from beside import beside
 from browser import chromium
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from typer.testing import CliRunner
 
@@ -617,3 +618,27 @@ def test_a_run_timed_on_a_loaded_machine_is_marked(monkeypatch):
     assert "was above its cores" in table.note and "here run(s) 1." in table.note
     ticks = [t.get_text() for t in drawn[0].axes[0].get_xticklabels()]
     assert ticks == ["tp L2 · loaded", "tp_sp L2"]
+
+
+@pytest.mark.parametrize("chart", ["throughput", "recompute"])  # collectives' subplots have no titles
+def test_a_charts_suptitle_stands_above_its_subplots_titles(chart):
+    """The setting's line over titled subplots (throughput, recompute) clears their titles (it overlapped
+    them: the figures are laid out constrained now)."""
+    frame = pd.DataFrame(
+        {
+            "mode": ["ddp", "tp"], "label": ["ddp", "tp"], "dp_shard": "none", "layers": 2,
+            "mode_rank": [0, 1], "level_rank": 1001, "tokens_per_s": [3e3, 2e3], "step_time_s": [0.02, 0.03],
+            "op": "all_reduce", "bytes": [2**20, 2**19], "count": [4, 8], "recompute": ["none", "full"],
+            "peak_bytes": [2**20, 2**19],
+        }
+    )  # fmt: skip
+    drawn = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(charts, "_png", lambda fig: drawn.append(fig) or b"")
+        getattr(charts, chart)(frame, "tiny: H64 S32 V256 heads 8/4 " * 6)  # a setting of two lines
+    (fig,) = drawn
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)  # laid out as savefig lays it out
+    suptitle = fig._suptitle.get_window_extent(renderer)
+    titles = [ax.title.get_window_extent(renderer) for ax in fig.axes if ax.get_title()]
+    assert titles and all(suptitle.y0 >= title.y1 for title in titles)
