@@ -30,7 +30,7 @@ from matplotlib.figure import Figure
 from typer.testing import CliRunner
 
 from tpbench.cli import app
-from tpbench.config import public_config
+from tpbench.config import mode_label, public_config
 from tpbench.db import ResultsDB
 from tpbench.report import charts, published, render, sections
 from tpbench.report.blocks import Table
@@ -642,3 +642,57 @@ def test_a_charts_suptitle_stands_above_its_subplots_titles(chart):
     suptitle = fig._suptitle.get_window_extent(renderer)
     titles = [ax.title.get_window_extent(renderer) for ax in fig.axes if ax.get_title()]
     assert titles and all(suptitle.y0 >= title.y1 for title in titles)
+
+
+def test_the_quick_starts_sweep_puts_the_five_modes_side_by_side():
+    """The README's main job ends with `tpbench sweep +preset=tiny_modes` and `tpbench report`: DDP,
+    TP, TP+SP, TP+VP and TP+SP+VP of the tiny model, memory and throughput, one global batch (one
+    setting a kind, so one chart of five bars), all on one torchrun job's warm workers."""
+    from tpbench.run.batch import batch_key
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    main_job = next(line for line in readme.splitlines() if line.endswith("# the main job"))
+    assert "tpbench run && .venv/bin/tpbench sweep +preset=tiny_modes && .venv/bin/tpbench report" in main_job
+    runs = compose.expand(["+preset=tiny_modes"], launching=False)
+    modes = ["ddp", "tp", "tp_sp", "tp_vp", "tp_sp_vp"]
+    assert [(c.kind, mode_label(c.parallel)) for c in runs] == [
+        (k, m) for k in ("memory", "throughput") for m in modes
+    ]
+    assert {
+        (c.model.name, c.train.batch, c.train.global_batch, c.parallel.tp * c.parallel.dp) for c in runs
+    } == {("tiny", "fixed_global", 4, 2)}
+    assert len({batch_key(c) for c in runs}) == 1 and batch_key(runs[0]) is not None
+
+
+def test_each_row_names_its_runs_dp_level(tmp_path):
+    """Two memory runs of one mode and setting, DDP's replicas and FSDP: two rows told apart by the mode
+    (tp_sp, tp_sp FSDP) and the layout, in md and csv; DDP's reference is DDP's replicas'."""
+    overrides = ["mode=tp_sp dp=2", "mode=tp_sp dp=2 dp_shard=full", "mode=ddp dp=4 dp_shard=optimizer"]
+    configs = [compose.expand(["kind=memory", *o.split()], launching=False)[0] for o in overrides]
+    flat = {
+        i: pd.json_normalize(public_config(c), sep=".").iloc[0].to_dict() for i, c in enumerate(configs, 1)
+    }
+    run = {"status": "OK", "kind": "memory", "layers": 2, "setting": "tiny", "hardware": "a CPU"}
+    runs = pd.DataFrame(
+        [
+            dict(run, id=1, config_hash="a", mode="tp_sp", tp=2, dp=2, peak_bytes=3 * 2**20),
+            dict(run, id=2, config_hash="b", mode="tp_sp", tp=2, dp=2, peak_bytes=2 * 2**20),
+            dict(run, id=3, config_hash="c", mode="ddp", tp=1, dp=4, peak_bytes=4 * 2**20),
+        ]
+    )
+    per_rank = runs.rename(columns={"id": "run_id", "peak_bytes": "value"}).assign(rank=0, name="peak_bytes")
+    empty = pd.DataFrame()
+    data = ReportData("sqlite://", Selection(), runs, empty, per_rank, empty, flat)
+    (peaks,) = [t for title, t in section_tables(data, sections.memory).items() if title.startswith("Peak")]
+    shown = peaks.display().set_index("run")
+    assert shown["mode"].to_dict() == {"3": "ddp ZeRO-1", "1": "tp_sp", "2": "tp_sp FSDP"}
+    assert shown["layout"].to_dict() == {"3": "tp=1 dp=4 ZeRO-1", "1": "tp=2 dp=2", "2": "tp=2 dp=2 FSDP"}
+    assert shown["of DDP"].eq("—").all()  # ZeRO-1 is not DDP's replicas: no DDP reference here
+    rows = pd.read_csv(io.StringIO(render(data, "csv", tmp_path / "r.csv"))).set_index("id")
+    assert rows.loc[2, ["dp_shard", "dp_replicate", "dp_level", "layout", "label"]].tolist() == [
+        "full",
+        1,
+        "FSDP",
+        "tp=2 dp=2 FSDP",
+        "tp_sp FSDP",
+    ]
