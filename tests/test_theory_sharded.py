@@ -34,6 +34,9 @@ TINY = [
 ]
 
 
+ODD_SHAPE = [*[o for o in TINY if o.startswith("model.")], "train.seq_len=16"]  # TINY's model, its S
+
+
 def level(overrides: list[str], dp_shard: str, dp: int, replicate: int = 1):
     cfg = run_config([*TINY, *overrides, f"parallel.dp={dp}"])
     parallel = dataclasses.replace(cfg.parallel, dp_shard=dp_shard, dp_replicate=replicate)
@@ -256,7 +259,7 @@ def test_fsdp_step_peak_is_predicted_to_the_byte(dp_shard, D, overrides):
         ("optimizer", ["parallel.tp=2", "model.vocab_size=256", "train.seq_len=32"]),
         # the odd shape, untied: the root's whole bf16 gradients freed once copied into its fp32
         # reduce-scatter input, before the output is made (the model held all three, 13,500 B over)
-        ("full", ["parallel.tp=2", *[o for o in TINY if o.startswith("model.")], "train.seq_len=16"]),
+        ("full", ["parallel.tp=2", *ODD_SHAPE]),
     ],
 )
 def test_emulated_mixed_precision_peak_is_predicted_to_the_byte(dp_shard, overrides):
@@ -284,23 +287,28 @@ TP_VP, TP_SP_VP = (
     ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true"],
 )
 BF16, MIXED = ["train.dtype=bfloat16"], ["train.dtype=bfloat16", "train.precision=mixed"]
-DEFAULT_PEAKS = {
+TP_SP_LINEAR = ["parallel.tp=2", "parallel.sp=true", "parallel.sp_gather=linear"]
+FEW_TOKEN_PEAKS = {
     "ddp_grads": (["parallel.engine=ddp", "parallel.tp=1", "parallel.dp_shard=grads"], "loss forward"),
     "tp_vp_grads": ([*TP_VP, "parallel.dp_shard=grads"], "loss"),
     "tp_sp_vp_grads": ([*TP_SP_VP, "parallel.dp_shard=grads"], "head forward"),
     "tp_vp_grads_bf16": ([*TP_VP, *BF16, "parallel.dp_shard=grads"], "final norm forward"),
     "tp_sp_vp_grads_mixed": ([*TP_SP_VP, *MIXED, "parallel.dp_shard=grads"], "swiglu backward 0"),
     "tp_vp_full_bf16": ([*TP_VP, *BF16, "parallel.dp_shard=full"], "post-attention norm backward"),
+    # the odd shape (TINY's, S 16): under SP's per-linear gathers up's input gradient is reduce-scattered
+    # by its own linear before gate's backward, [S/T B, H] beside gate's [S B, H] (3,072 B over before)
+    "odd_tp_sp_linear_full": ([*TP_SP_LINEAR, *ODD_SHAPE, "parallel.dp_shard=full"], "mlp backward"),
 }
 
 
-@pytest.mark.parametrize("name", DEFAULT_PEAKS)
-def test_fsdp_peak_at_the_default_shape_is_predicted_to_the_byte(name):
-    """The busiest rank on fake tensors in this process: measured equal to the model, at the moment
-    the model names (the real ranks of the world-2 and world-4 jobs below agree for fp32 ZeRO-2)."""
+@pytest.mark.parametrize("name", FEW_TOKEN_PEAKS)
+def test_fsdp_peak_at_few_tokens_is_predicted_to_the_byte(name):
+    """The busiest rank on fake tensors in this process, at the default tiny shape (and the odd one):
+    measured equal to the model, at the moment the model names (the real ranks of the world-2 and
+    world-4 jobs below agree for fp32 ZeRO-2)."""
     from tpbench.experiments import memory
 
-    overrides, moment = DEFAULT_PEAKS[name]
+    overrides, moment = FEW_TOKEN_PEAKS[name]
     cfg = run_config([*DEFAULT_SHAPE, "launch.emulate=fake", "parallel.dp=2", *overrides])
     predicted = theory.predict(cfg)
     result = memory.measure_in_process(
@@ -337,7 +345,7 @@ SHARDED["dp2_tp2_full_recompute_sp_vp_l3"] = [*SHARDED["dp2_tp2_full"], "paralle
 SHARDED["dp2_tp1_grads_mixed_s4"] = [*SHARDED["dp2_tp1_grads_mixed"], "train.seq_len=4"]
 SHARDED["dp2_tp1_full_s4"] = [*SHARDED["dp2_tp1_full"], "train.seq_len=4"]
 # ZeRO-2 at the default tiny shape in fp32: the cross entropy's forward, beside the top block's flat
-# all-gather output (test_fsdp_peak_at_the_default_shape_is_predicted_to_the_byte)
+# all-gather output (test_fsdp_peak_at_few_tokens_is_predicted_to_the_byte)
 for tp in (1, 2):
     zero2 = [f"parallel.tp={tp}", "parallel.dp=2", "parallel.dp_shard=grads"]
     SHARDED[f"dp2_tp{tp}_grads_default"] = [*DEFAULT_SHAPE, "train.steps=1", "train.warmup=1", *zero2]

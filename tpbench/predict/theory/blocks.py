@@ -195,7 +195,8 @@ def mlp_backward(d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int
     backward: up_proj's runs first). Down's and up's backward are done: the SwiGLU's saved tensors are
     freed (mixed: down's and up's weight casts too, and up's own cast of the input where each linear
     casts its own), their weight gradients made. Alive: gate's gradient [N, I/T], up's and gate's
-    input gradients [N, H] (summed once gate's backward ends), gate's weight gradient being made, the
+    input gradients [N, H] (summed once gate's backward ends; under SP's per-linear gathers up's own
+    linear has reduce-scattered its own already: [Ns, H]), gate's weight gradient being made, the
     stream's gradient, SP's re-gathered MLP input, and a tied head's gradient, waiting (a temporary)
     for the embedding's share. The MLP input itself is still saved: gate's backward reads it."""
     layer = layer_activations(d)
@@ -204,7 +205,8 @@ def mlp_backward(d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int
         freed += d.p * d.I_l * d.H * (2 if d.recompute == "none" else 1)  # up's (selective: down's is remade)
         freed += 0 if d.cast_once else d.p * d.N * d.H
     done = ("mlp.down_proj", "mlp.up_proj")
-    temps = d.p * d.N * d.I_l + 2 * d.p * d.N * d.H + d.p * d.I_l * d.H + d.s * d.Ns * d.H
+    inputs = d.p * (d.N + (d.Ns if d.per_linear else d.N)) * d.H  # gate's and up's input gradients
+    temps = d.p * d.N * d.I_l + inputs + d.p * d.I_l * d.H + d.s * d.Ns * d.H
     temps += (d.V_l * d.H * d.w if d.tied else 0) + (d.p * d.N * d.H if d.sp and d.block_regather else 0)
     grads = top_block_grads(d, done, buckets, own_grads)
     return Moment("mlp backward", P, grads, optim, after_head(acts) - freed + LOSS_AND_GRAD, temps)
