@@ -666,7 +666,8 @@ def test_the_quick_starts_sweep_puts_the_five_modes_side_by_side():
 
 def test_each_row_names_its_runs_dp_level(tmp_path):
     """Two memory runs of one mode and setting, DDP's replicas and FSDP: two rows told apart by the mode
-    (tp_sp, tp_sp FSDP) and the layout, in md and csv; DDP's reference is DDP's replicas'."""
+    (tp_sp, tp_sp FSDP) and the layout, in the table, its title and csv; DDP's reference is DDP's
+    replicas'."""
     overrides = ["mode=tp_sp dp=2", "mode=tp_sp dp=2 dp_shard=full", "mode=ddp dp=4 dp_shard=optimizer"]
     configs = [compose.expand(["kind=memory", *o.split()], launching=False)[0] for o in overrides]
     flat = {
@@ -684,6 +685,7 @@ def test_each_row_names_its_runs_dp_level(tmp_path):
     empty = pd.DataFrame()
     data = ReportData("sqlite://", Selection(), runs, empty, per_rank, empty, flat)
     (peaks,) = [t for title, t in section_tables(data, sections.memory).items() if title.startswith("Peak")]
+    assert peaks.title == "Peak per rank: tiny · DP levels: replicas, ZeRO-1, FSDP"
     shown = peaks.display().set_index("run")
     assert shown["mode"].to_dict() == {"3": "ddp ZeRO-1", "1": "tp_sp", "2": "tp_sp FSDP"}
     assert shown["layout"].to_dict() == {"3": "tp=1 dp=4 ZeRO-1", "1": "tp=2 dp=2", "2": "tp=2 dp=2 FSDP"}

@@ -176,7 +176,7 @@ def reports(every_kind, tmp_path_factory) -> dict[str, Path]:
 
 def test_every_run_is_a_row_with_its_dp_level(every_kind, reports):
     """Each run is a row of its kind's table, named by its mode and DP level (tp_sp FSDP (2 replicas))
-    and its layout (tp=2 dp=4 FSDP (2 replicas)), in both formats."""
+    and its layout (tp=2 dp=4 FSDP (2 replicas)), in both formats; each setting's titles name its levels."""
     db, _ = every_kind
     data = load(db, Selection())
     tables = md_tables(reports["md"].read_text())
@@ -195,6 +195,16 @@ def test_every_run_is_a_row_with_its_dp_level(every_kind, reports):
             assert by_run.at[run.id, "mode"] == f"{run.mode} {level}".strip()
             assert by_run.at[run.id, "layout"] == run.layout and level in run.layout
     assert "tp_sp_vp FSDP (2 replicas)" in page and "tp=2 dp=4 ZeRO-1" in page and "ddp ZeRO-2" in page
+    levels = " · DP levels: replicas, ZeRO-1, ZeRO-2, FSDP, FSDP (2 replicas)"  # every setting holds them all
+    per_setting = (
+        "Peak per rank: ",
+        "Breakdown of the peak",
+        "Throughput: ",
+        "Collectives per step: ",
+        "AdamW drift",
+    )
+    titled = [title for title in tables if title.startswith(per_setting)]
+    assert len(titled) >= 6 * len(per_setting) and all(title.endswith(levels) for title in titled)
 
 
 def test_a_diagram_of_each_tp_mode_from_runs_at_every_dp_level(reports):

@@ -185,6 +185,14 @@ def with_dp_level(runs: pd.DataFrame, configs: dict[int, dict] | None = None) ->
     )
 
 
+def levels_in(rows: pd.DataFrame) -> str:
+    """What a table or chart title adds to its setting for its rows' DP levels: "" where every row is DDP's
+    replicas, else " · DP levels: replicas, ZeRO-1, FSDP (2 replicas)" (rows with mode, label, level_rank)."""
+    rows = rows.drop_duplicates("level_rank").sort_values("level_rank")
+    levels = [label[len(mode) :].strip() for mode, label in zip(rows["mode"], rows["label"], strict=True)]
+    return "" if not any(levels) else " · DP levels: " + ", ".join(lv or "replicas" for lv in levels)
+
+
 def level_rank(dp_shard: str, dp_replicate: int) -> int:
     """DDP's replicas, ZeRO-1, ZeRO-2, FSDP, each by its replicas (HSDP after), then the rest."""
     order = DP_LEVEL_ORDER.index(dp_shard) if dp_shard in DP_LEVEL_ORDER else len(DP_LEVEL_ORDER)

@@ -6,7 +6,7 @@ import pandas as pd
 
 from tpbench.report import charts, units
 from tpbench.report.blocks import Chart, Section, Table, pick
-from tpbench.report.data import ReportData, comm_predicted
+from tpbench.report.data import ReportData, comm_predicted, levels_in
 from tpbench.report.data import collectives as collectives_frame
 
 
@@ -23,8 +23,9 @@ def section(data: ReportData) -> Section:
         section.empty = "No collectives recorded in this selection."
         return section
     for i, (setting, group) in enumerate(frame.groupby("setting", sort=False)):
+        titled = setting + levels_in(group)
         section.blocks.append(
-            Chart(f"Collectives per step: {setting}", charts.collectives(group, setting), f"comm-{i}")
+            Chart(f"Collectives per step: {titled}", charts.collectives(group, setting), f"comm-{i}")
         )
         table = pd.DataFrame(
             {
@@ -48,7 +49,7 @@ def section(data: ReportData) -> Section:
             "time / step": units.ms,
             "exposed / step": units.ms,
         }
-        section.blocks.append(Table(f"Collectives per step: {setting}", table, formats))
+        section.blocks.append(Table(f"Collectives per step: {titled}", table, formats))
     predicted = comm_predicted(data)
     if not predicted.empty:
         columns = {

@@ -13,7 +13,7 @@ from tpbench.config import RunConfig, local_batch, mode_label
 from tpbench.predict.theory import depth
 from tpbench.report import charts, published, units
 from tpbench.report.blocks import Chart, Section, Table, kind_empty
-from tpbench.report.data import ReportData, memory_breakdown, memory_peaks
+from tpbench.report.data import ReportData, levels_in, memory_breakdown, memory_peaks
 from tpbench.report.sections.diagrams import run_config
 
 
@@ -32,22 +32,23 @@ def section(data: ReportData) -> Section:
     parts = memory_breakdown(data)
     for i, (setting, group) in enumerate(peaks.groupby("setting", sort=False)):
         ref = seed[seed["setting"] == setting]
+        titled = setting + levels_in(group)
         section.blocks.append(
-            Chart(f"Peak per rank: {setting}", charts.memory_peaks(group, ref, setting), f"memory-peak-{i}")
+            Chart(f"Peak per rank: {titled}", charts.memory_peaks(group, ref, setting), f"memory-peak-{i}")
         )
-        section.blocks.append(_peak_table(group, ref, setting))
+        section.blocks.append(_peak_table(group, ref, titled))
         group_parts = parts[parts["setting"] == setting] if not parts.empty else parts
         if not group_parts.empty:
             section.blocks.append(
                 Chart(
-                    f"Breakdown of the peak: {setting}",
+                    f"Breakdown of the peak: {titled}",
                     charts.memory_breakdown(group_parts, setting),
                     f"memory-breakdown-{i}",
                 )
             )
-            section.blocks.append(_breakdown_table(group_parts, setting))
+            section.blocks.append(_breakdown_table(group_parts, titled))
         if group["layers"].nunique() > 1:
-            section.blocks.append(depth_table(group, ref, data.configs, setting))
+            section.blocks.append(depth_table(group, ref, data.configs, titled))
     section.blocks += _memory_predicted(peaks)
     section.blocks += _sharded(peaks, data.configs)
     return section

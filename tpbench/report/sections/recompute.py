@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tpbench.report import charts, units
 from tpbench.report.blocks import Chart, Section, integer, pick
-from tpbench.report.data import ReportData, recompute
+from tpbench.report.data import ReportData, levels_in, recompute
 
 
 def section(data: ReportData) -> Section:
@@ -20,8 +20,9 @@ def section(data: ReportData) -> Section:
         section.empty = "No config was measured with more than one train.recompute setting."
         return section
     for i, (setting, group) in enumerate(frame.groupby("base_setting", sort=False)):
+        titled = setting + levels_in(group)
         section.blocks.append(
-            Chart(f"Recompute: {setting}", charts.recompute(group, setting), f"recompute-{i}")
+            Chart(f"Recompute: {titled}", charts.recompute(group, setting), f"recompute-{i}")
         )
         columns = {
             "layers": ("layers", None),
@@ -39,5 +40,5 @@ def section(data: ReportData) -> Section:
             "executed FLOPs / step": ("flops_per_step", units.flops),
             "predicted recompute FLOPs": ("predicted_recompute_flops_per_step", units.flops),
         }
-        section.blocks.append(pick(f"Recompute: {setting}", group, columns))
+        section.blocks.append(pick(f"Recompute: {titled}", group, columns))
     return section

@@ -6,7 +6,7 @@ import pandas as pd
 
 from tpbench.report import charts, published, units
 from tpbench.report.blocks import Chart, Section, Table, kind_empty, pick, timed_by
-from tpbench.report.data import LOADED_RULE, ReportData, throughput
+from tpbench.report.data import LOADED_RULE, ReportData, levels_in, throughput
 
 
 def section(data: ReportData) -> Section:
@@ -33,8 +33,9 @@ def section(data: ReportData) -> Section:
     if "predicted_step_time_s" in runs:  # the time model's (tpbench.predict.steptime), recorded beside
         runs = runs.assign(step_time_error=runs["predicted_step_time_s"] / runs["step_time_s"] - 1)
     for i, (setting, group) in enumerate(runs.groupby("setting", sort=False)):
+        titled = setting + levels_in(group)
         section.blocks.append(
-            Chart(f"Throughput: {setting}", charts.throughput(group, setting), f"throughput-{i}")
+            Chart(f"Throughput: {titled}", charts.throughput(group, setting), f"throughput-{i}")
         )
         columns = {
             "layers": ("layers", None),
@@ -61,7 +62,7 @@ def section(data: ReportData) -> Section:
             "timed by": ("timing_cuda_events", timed_by),
             "load before the job": ("machine_load", None),
         }
-        table = pick(f"Throughput: {setting}", group, columns)
+        table = pick(f"Throughput: {titled}", group, columns)
         if published.tron_throughput_matches(group.iloc[0]):
             _beside_tron(table, group)
         if group["loaded"].any():

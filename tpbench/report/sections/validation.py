@@ -6,7 +6,7 @@ import pandas as pd
 
 from tpbench.report import charts, published, units
 from tpbench.report.blocks import Chart, Section, Table, kind_empty, pick
-from tpbench.report.data import ReportData, drift, drift_table, validation
+from tpbench.report.data import ReportData, drift, drift_table, levels_in, validation
 
 SEED_NOTE = (
     f"{published.SEED}: the numerical check of the tensor-parallel chapter of github.com/ANKer661/minimind "
@@ -150,4 +150,5 @@ def _drift_table(steps: pd.DataFrame, setting: str, batch: str, runs: pd.DataFra
             f" {published.SEED}: max |logits diff| <= {seed:.1e} over the run, on T 2, H 128, L 6, heads "
             "8/4, V 6400, S 256, fp32, 200 AdamW steps on one fixed batch (see the checks' last row)."
         )
-    return Table(f"AdamW drift against dense ({batch} batch): {setting}", frame, formats, note)
+    title = f"AdamW drift against dense ({batch} batch): {setting}{levels_in(steps)}"
+    return Table(title, frame, formats, note)
