@@ -34,7 +34,8 @@ from tpbench.config import mode_label, public_config
 from tpbench.db import ResultsDB
 from tpbench.report import charts, published, render, sections
 from tpbench.report.blocks import Table
-from tpbench.report.data import ReportData, Selection, load, mode_rank, model_label, setting_label
+from tpbench.report.data import ReportData, Selection, load
+from tpbench.report.labels import mode_rank, model_label, setting_label
 from tpbench.run import compose
 
 TPBENCH = str(Path(sys.executable).with_name("tpbench"))

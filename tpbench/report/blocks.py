@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from tpbench.report import units
-from tpbench.report.data import ReportData, mode_rank
+from tpbench.report.data import ReportData
+from tpbench.report.labels import mode_rank
 
 Formatter = Callable[[object], str]
 

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from tpbench.report import units
-from tpbench.report.data import MODE_ORDER, mode_rank
+from tpbench.report.labels import MODE_ORDER, mode_rank
 from tpbench.report.published import SEED
 
 DPI = 100

@@ -6,8 +6,9 @@ import pandas as pd
 
 from tpbench.report import charts, units
 from tpbench.report.blocks import Chart, Section, Table, pick
-from tpbench.report.data import ReportData, comm_predicted, levels_in
+from tpbench.report.data import ReportData, comm_predicted
 from tpbench.report.data import collectives as collectives_frame
+from tpbench.report.labels import levels_in
 
 
 def section(data: ReportData) -> Section:

@@ -6,7 +6,8 @@ from omegaconf import OmegaConf
 
 from tpbench.config import RunConfig
 from tpbench.report.blocks import Diagram, Section
-from tpbench.report.data import ReportData, mode_rank
+from tpbench.report.data import ReportData
+from tpbench.report.labels import mode_rank
 
 DRAWN_MODES = ("tp", "tp_sp", "tp_sp_linear", "tp_vp", "tp_sp_vp")
 

@@ -13,7 +13,8 @@ from tpbench.config import RunConfig, local_batch, mode_label
 from tpbench.predict.theory import depth
 from tpbench.report import charts, published, units
 from tpbench.report.blocks import Chart, Section, Table, kind_empty
-from tpbench.report.data import ReportData, levels_in, memory_breakdown, memory_peaks
+from tpbench.report.data import ReportData, memory_breakdown, memory_peaks
+from tpbench.report.labels import levels_in
 from tpbench.report.sections.diagrams import run_config
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from tpbench.report import charts, units
 from tpbench.report.blocks import Chart, Section, integer, pick
-from tpbench.report.data import ReportData, levels_in, recompute
+from tpbench.report.data import ReportData, recompute
+from tpbench.report.labels import levels_in
 
 
 def section(data: ReportData) -> Section:

@@ -6,7 +6,8 @@ import pandas as pd
 
 from tpbench.report import charts, published, units
 from tpbench.report.blocks import Chart, Section, Table, kind_empty, pick, timed_by
-from tpbench.report.data import LOADED_RULE, ReportData, levels_in, throughput
+from tpbench.report.data import LOADED_RULE, ReportData, throughput
+from tpbench.report.labels import levels_in
 
 
 def section(data: ReportData) -> Section:

@@ -6,7 +6,8 @@ import pandas as pd
 
 from tpbench.report import charts, published, units
 from tpbench.report.blocks import Chart, Section, Table, kind_empty, pick
-from tpbench.report.data import ReportData, drift, drift_table, levels_in, validation
+from tpbench.report.data import ReportData, drift, drift_table, validation
+from tpbench.report.labels import levels_in
 
 SEED_NOTE = (
     f"{published.SEED}: the numerical check of the tensor-parallel chapter of github.com/ANKer661/minimind "
