@@ -5,8 +5,8 @@
 
 html: one self-contained file; md: the same tables with the charts as PNG files beside it;
 csv / json: the raw rows (every selected run joined with its headline metrics).
-data.py selects and shapes, sections.py decides what is shown, charts.py draws, html.py and
-markdown.py render.
+data.py selects and shapes (labels.py: what it calls a run, its mode and DP level), sections/ decides
+what is shown, charts.py draws, html.py and markdown.py render.
 """
 
 from __future__ import annotations
