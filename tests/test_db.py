@@ -449,3 +449,36 @@ def test_a_run_records_the_hardware_its_ranks_saw(tmp_path, monkeypatch):
         "AMD EPYC 9B14 + Intel(R) Xeon(R) Platinum 8480+ · 2 CPU cores per node · 1 node",
         "the launching node's CPU · 2 CPU cores per node · 1 node",
     ]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        [
+            "mode=tp_sp_vp",
+            "dp=2",
+            "dp_shard=full",
+            "dtype=bfloat16",
+            "precision=mixed",
+            "recompute=selective",
+        ],
+        ["+preset=seed_check"],
+        ["+preset=tron_memory", "launch.device=cuda", "launch.emulate=fake"],
+        ["model=llama3_8b", "mode=dtensor_tp", "launch.device=cuda", "launch.emulate=fake"],
+    ],
+)
+def test_a_stored_config_is_omegaconfs_container_of_it(overrides, monkeypatch):
+    """What the database stores and hashes is the config as OmegaConf's to_container gives it, taken by
+    dataclasses.asdict at 1/100 of its cost (config._as_data)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from tpbench.config import public_config
+    from tpbench.run.compose import expand
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    for cfg in expand(overrides, launching=False):
+        slow = OmegaConf.to_container(OmegaConf.structured(cfg))
+        slow["db"]["url"] = public_config(cfg)["db"]["url"]
+        assert public_config(cfg) == slow

@@ -12,8 +12,6 @@ every DP level in turn.
 from __future__ import annotations
 
 import copy
-import dataclasses
-import hashlib
 import json
 import re
 from datetime import UTC, datetime
@@ -23,8 +21,7 @@ import pandas as pd
 import pytest
 from browser import chromium
 
-import tpbench.db
-from tpbench.config import ConfigError, RunConfig, dp_level_label, mode_label, public_config
+from tpbench.config import ConfigError, RunConfig, dp_level_label, mode_label
 from tpbench.db import ResultsDB
 from tpbench.report import charts, html, markdown, sections, write
 from tpbench.report.data import Selection, load
@@ -104,30 +101,14 @@ def outcome(cfg: RunConfig, templates: dict, run: int) -> Outcome:
     return Outcome(Status.OK, now, now, env, results)
 
 
-def stored(cfg: RunConfig) -> dict:
-    """The config as the database stores it (tpbench.config.public_config) without OmegaConf's
-    structured conversion, 0.1-0.3 s a config, most of what recording 600 runs would cost: the same dict
-    (checked in the fixture)."""
-    return dataclasses.asdict(cfg)
-
-
-def identity(cfg: RunConfig) -> str:
-    """A config's identity (one per config, as tpbench.config.config_hash), without OmegaConf's cost."""
-    return hashlib.sha256(json.dumps(stored(cfg), sort_keys=True).encode()).hexdigest()[:16]
-
-
 @pytest.fixture(scope="module")
 def every_kind(tmp_path_factory) -> tuple[ResultsDB, list[RunConfig]]:
     folder = tmp_path_factory.mktemp("every-kind")
     db = ResultsDB(f"sqlite:///{folder / 'tpbench.db'}")
     templates = json.loads(TEMPLATES.read_text())
     cfgs = configs()
-    assert stored(cfgs[0]) == public_config(cfgs[0])
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tpbench.db, "public_config", stored)
-        patch.setattr(tpbench.db, "config_hash", identity)
-        for i, cfg in enumerate(cfgs):
-            db.record(cfg, outcome(cfg, templates, i))
+    for i, cfg in enumerate(cfgs):
+        db.record(cfg, outcome(cfg, templates, i))
     return db, cfgs
 
 

@@ -310,9 +310,15 @@ def hide_password(url: str) -> str:
         return url
 
 
+def _as_data(cfg: object) -> dict:
+    """A config (a dataclass of plain values, as compose made it) as nested dicts: OmegaConf's
+    to_container of it, 0.2 ms instead of 30 (tests/test_db.py checks the two equal on the presets)."""
+    return dataclasses.asdict(cfg)
+
+
 def public_config(cfg: RunConfig) -> dict:
     """The resolved config as stored and written to job folders: the database password hidden."""
-    data = OmegaConf.to_container(OmegaConf.structured(cfg))
+    data = _as_data(cfg)
     data["db"]["url"] = hide_password(cfg.db.url)
     return data
 
@@ -424,7 +430,7 @@ _HASHED_KEYS = frozenset(
 def config_hash(cfg: RunConfig) -> str:
     """Identity of an experiment: runs with the same hash measure the same thing. A key added to the
     config since `_HASHED_KEYS` counts only where it is not at its default."""
-    data = OmegaConf.to_container(OmegaConf.structured(cfg))
+    data = _as_data(cfg)
     del data["db"], data["sweep"], data["model"]["hf_config"]
     for key in _UNHASHED_LAUNCH:
         del data["launch"][key]
@@ -446,7 +452,7 @@ def _drop_new_defaults(data: dict, obj: object, prefix: str) -> None:
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if dataclasses.is_dataclass(default):
-            default = OmegaConf.to_container(OmegaConf.structured(default))
+            default = _as_data(default)
         if data[f.name] == default:
             del data[f.name]
 
