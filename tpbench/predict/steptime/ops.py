@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, replace
 
 from tpbench.predict.theory.dims import FP32, Dims
-from tpbench.predict.theory.sharding import flat_shard
+from tpbench.predict.theory.shards import flat_shard
 from tpbench.predict.theory.weights import params
 
 GEMM, ATTENTION, ELEMENTWISE, OPTIMIZER = "gemm", "attention", "elementwise", "optimizer"

@@ -61,8 +61,9 @@ SHARDED_DP = (1, 2, 4, 8, 16, 32, 64)
 def _sharded(peaks: pd.DataFrame, configs: dict[int, dict]) -> list[Table | Chart]:
     """Sharded DP, predicted (tpbench.predict.theory.sharding): per setting, the peak per rank of DDP,
     ZeRO-1, ZeRO-2 and FSDP against DP at the TP of its widest run, the micro-batch per rank kept."""
+    from tpbench.labels import LEVEL_NAMES
     from tpbench.predict import theory
-    from tpbench.predict.theory.sharding import GRADS, LEVEL_NAMES, PARAMS
+    from tpbench.predict.theory.sharding import GRADS, PARAMS
 
     blocks: list[Table | Chart] = []
     for i, (setting, group) in enumerate(peaks.groupby("setting", sort=False)):
