@@ -162,7 +162,7 @@ def test_runs_lists_with_filters(swept):
     work, _, _ = swept
     listed = work.invoke("runs", "--mode", "tp_sp")
     assert listed.exit_code == 0
-    assert "1 runs" in listed.stdout and "tp_sp" in listed.stdout and "passed" in listed.stdout
+    assert "1 run in" in listed.stdout and "tp_sp" in listed.stdout and "passed" in listed.stdout
     assert "0 runs" in work.invoke("runs", "--status", "FAILED", "--since", "1d").stdout
 
 

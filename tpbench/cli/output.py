@@ -73,7 +73,7 @@ def runs(frame: pd.DataFrame, metrics: pd.DataFrame, configs: dict[int, dict], u
 
 
 RUN_COLUMNS = ("kind", "mode", "tp×dp", "shape", "dtype")  # one "run" column where the table is narrow
-WRAPPED_WIDTHS = {"result / error": 40, "sweep": 24, "hardware": 44, "nodes": 24}
+WRAPPED_WIDTHS = {"result / error": 40, "sweep": 24, "hardware": 44, "slurm job": 12, "nodes": 24}
 
 
 def _runs_row(row, metrics: pd.DataFrame, configs: dict[int, dict]) -> dict[str, str]:
