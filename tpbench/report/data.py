@@ -13,12 +13,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import pandas as pd
-from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
 from tpbench.config import emulation_label
 from tpbench.db import ResultsDB, parse_since
-from tpbench.db.schema import Run
 from tpbench.report.labels import MODE_ORDER as MODE_ORDER  # re-exported: what the report calls a run
 from tpbench.report.labels import mode_rank as mode_rank
 from tpbench.report.labels import model_label, setting_label, switches, with_dp_level
@@ -413,11 +411,7 @@ def raw_rows(data: ReportData) -> pd.DataFrame:
 
 
 def _configs(db: ResultsDB, ids: list[int]) -> dict[int, dict]:
-    if not ids:
-        return {}
-    with db.engine.connect() as conn:
-        rows = conn.execute(select(Run.id, Run.config).where(Run.id.in_(ids))).all()
-    return {run_id: _flatten(config) for run_id, config in rows}
+    return {run_id: _flatten(config) for run_id, config in db.configs(ids).items()} if ids else {}
 
 
 def _flatten(node: dict, prefix: str = "") -> dict:

@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from tpbench.config import RunConfig
+from tpbench.labels import LEVEL_NAMES
 from tpbench.predict.hardware import GPU, RUNTIME_RESERVE_BYTES
 
 MiB, GiB = 2**20, 2**30
@@ -18,7 +19,6 @@ CUDA_CONTEXT_BYTES = RUNTIME_RESERVE_BYTES
 MARGIN = 0.05  # of the usable memory: a row with less headroom is "tight", not "fits"
 RECOMPUTE = ("none", "selective", "full")
 LEVELS = ("none", "optimizer", "grads", "full")
-LEVEL_NAMES = {"none": "DDP", "optimizer": "ZeRO-1", "grads": "ZeRO-2", "full": "FSDP"}
 
 
 class FitError(ValueError):
