@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -464,6 +465,31 @@ def test_each_gradient_sum_is_needed(validated, name):
     assert m["grad_max_rel_l2"] > K * m["dense_grad_max_rel_l2"]
     assert m["passed"] == 0.0
     assert any(f.startswith("grad_rel_l2 model.") for f in validated[name]["failed"])  # names the parameter
+
+
+# What each planted fault breaks, by the parameters' roles: the gradients that need the skipped sum
+# (or every gradient), and no other; the others stay within their bound
+BREAKS = {
+    "debug.skip_grad_sum=[qk_norm]": r"\.self_attn\.[qk]_norm\.weight$",
+    "debug.skip_grad_sum=[sp_norms]": r"(\.input_layernorm|\.post_attention_layernorm|^model\.norm)\.weight$",
+    "debug.skip_grad_sum=[kv_replicas]": r"\.self_attn\.[kv]_proj\.weight$",
+    "debug.skip_grad_sum=[dp]": r".",  # every gradient is averaged over DP
+    "debug.ddp_fault=no_divide": r".",  # every gradient summed, not averaged
+}
+ALL_VALIDATED = VALIDATE_T2 | VALIDATE_W4 | VALIDATE_T8
+BREAKING = {name: BREAKS[o] for name in BROKEN for o in ALL_VALIDATED[name] if o in BREAKS}
+
+
+@pytest.mark.parametrize("name", sorted(BREAKING))
+def test_a_planted_fault_fails_exactly_the_gradients_it_breaks(validated, name):
+    """The gradient check fails the parameters the fault breaks, each past its own bound (K x the
+    dense model's error against the reference + the floor), names one of them as its worst, and
+    passes every other parameter."""
+    breaks, rows = re.compile(BREAKING[name]), validated[name]["params"]
+    failing = {n for n, (error, reference) in rows.items() if error > K * reference + TOL_GRAD}
+    assert failing == {n for n in rows if breaks.search(n)} and failing
+    (line,) = [f for f in validated[name]["failed"] if f.startswith("grad_rel_l2 ")]
+    assert breaks.search(line.split()[1]), line
 
 
 @pytest.mark.parametrize("name", MISPLACED)
