@@ -6,12 +6,13 @@ its validate suite, and `comm_per_step` for each engine's collectives); the asse
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 from beside import beside
-from torchrun_checks import FAMILIES as PARALLEL_FAMILIES
 from torchrun_checks import (
+    BREAKS,
     TINY,
     TOL_FWD,
     TOL_GRAD,
@@ -23,6 +24,7 @@ from torchrun_checks import (
     S,
     same_on_every_rank,
 )
+from torchrun_checks import FAMILIES as PARALLEL_FAMILIES
 
 from tpbench.experiments.criterion import CHECKS as VALIDATE_CHECKS
 from tpbench.experiments.criterion import K
@@ -75,7 +77,11 @@ def measured(folder: Path) -> dict:
     metrics = same_on_every_rank([{name: r["metrics"] for name, r in rank.items()} for rank in ranks])
     comm = same_on_every_rank(WORLD2.part(folder, "comm_per_step", "dtensor"))
     failed = {name: r["failed"] for name, r in ranks[0].items()}  # validate names them on rank 0
-    return {name: {"metrics": m, "failed": failed[name], **comm.get(name, {})} for name, m in metrics.items()}
+    rows = {name: r["params"] for name, r in ranks[0].items()}  # rank 0's rows, as the database has them
+    return {
+        name: {"metrics": m, "failed": failed[name], "params": rows[name], **comm.get(name, {})}
+        for name, m in metrics.items()
+    }
 
 
 @pytest.mark.parametrize("mode", [*MODES, *FAMILIES])
@@ -107,6 +113,18 @@ def test_each_norm_gradient_sum_is_needed(measured, case):
     assert m["passed"] == 0.0
     if case == "broken_qk_norm":  # fp32: nothing sums them: the replicas drift apart under AdamW
         assert m["adamw_param_max_abs"] > TOL_PARAM
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_a_skipped_norm_sum_fails_exactly_the_gradients_that_need_it(measured, case):
+    """As tests/test_parallel.py's on our engine: the parameters the skipped sum leaves partial fail
+    their own bound, one is named the worst, every other passes."""
+    (breaking,) = [BREAKS[o] for o in BROKEN[case] if o in BREAKS]
+    breaks, rows = re.compile(breaking), measured[case]["params"]
+    failing = {n for n, (error, reference) in rows.items() if error > K * reference + TOL_GRAD}
+    assert failing == {n for n in rows if breaks.search(n)} and failing
+    (line,) = [f for f in measured[case]["failed"] if f.startswith("grad_rel_l2 ")]
+    assert breaks.search(line.split()[1]), line
 
 
 def test_tp_all_reduces_twice_per_block_each_way(measured):

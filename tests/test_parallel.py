@@ -9,6 +9,7 @@ import pytest
 import torch
 from beside import beside
 from torchrun_checks import (
+    BREAKS,
     FAMILIES,
     LLAMA31_ROPE,
     TINY,
@@ -467,15 +468,6 @@ def test_each_gradient_sum_is_needed(validated, name):
     assert any(f.startswith("grad_rel_l2 model.") for f in validated[name]["failed"])  # names the parameter
 
 
-# What each planted fault breaks, by the parameters' roles: the gradients that need the skipped sum
-# (or every gradient), and no other; the others stay within their bound
-BREAKS = {
-    "debug.skip_grad_sum=[qk_norm]": r"\.self_attn\.[qk]_norm\.weight$",
-    "debug.skip_grad_sum=[sp_norms]": r"(\.input_layernorm|\.post_attention_layernorm|^model\.norm)\.weight$",
-    "debug.skip_grad_sum=[kv_replicas]": r"\.self_attn\.[kv]_proj\.weight$",
-    "debug.skip_grad_sum=[dp]": r".",  # every gradient is averaged over DP
-    "debug.ddp_fault=no_divide": r".",  # every gradient summed, not averaged
-}
 ALL_VALIDATED = VALIDATE_T2 | VALIDATE_W4 | VALIDATE_T8
 BREAKING = {name: BREAKS[o] for name in BROKEN for o in ALL_VALIDATED[name] if o in BREAKS}
 

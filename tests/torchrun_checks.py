@@ -76,6 +76,15 @@ FAMILIES = {
     ],
     "qwen3": ["model.head_dim=16"],
 }
+# What each planted fault breaks, by the parameters' roles: the gradients that need the skipped sum
+# (or every gradient), and no other; the others stay within their bound
+BREAKS = {
+    "debug.skip_grad_sum=[qk_norm]": r"\.self_attn\.[qk]_norm\.weight$",
+    "debug.skip_grad_sum=[sp_norms]": r"(\.input_layernorm|\.post_attention_layernorm|^model\.norm)\.weight$",
+    "debug.skip_grad_sum=[kv_replicas]": r"\.self_attn\.[kv]_proj\.weight$",
+    "debug.skip_grad_sum=[dp]": r".",  # every gradient is averaged over DP
+    "debug.ddp_fault=no_divide": r".",  # every gradient summed, not averaged
+}
 LLAMA31_ROPE = ["model.rope_scaling_factor=8", "model.rope_original_max_position_embeddings=16"]
 
 
