@@ -269,6 +269,18 @@ class DebugConfig:
     # (each rank keeps its own gradients, never averaged) | no_all_gather (ZeRO-1: the other ranks'
     # stepped shards never arrive; FSDP2: the other ranks' shards of a block's weights are zeros)
     shard_fault: str = ""
+    # kind=validate: the step (1-based) from which every planted bug above acts; 1: from the first
+    # (a bug that starts late must fail at the step it starts: issue 56)
+    from_step: int = 1
+    # The DP gradient reduction in the compute dtype (bf16) where precision=mixed promises fp32, to prove
+    # validation catches a precision-class bug
+    low_precision_reduce: bool = False
+    # kind=validate: one vocabulary row's gradient (of the embedding and the LM head, row
+    # tpbench.experiments.planted.ROW) multiplied by this after the gradient sums (1: none)
+    row_grad_scale: float = 1.0
+    # kind=validate: one attention head's gradient (q_proj rows of head tpbench.experiments.planted.HEAD
+    # in layer 0) multiplied by this after the gradient sums (1: none)
+    head_grad_scale: float = 1.0
 
 
 @dataclass
