@@ -82,6 +82,10 @@ class ModelConfig:
     # ops again: the gradients bit for bit); False: MiniMind's ops as autograd saves them, two fp32
     # copies of the input's shape per norm: the seed's benchmark model
     lean_rmsnorm: bool = True
+    # True: torch's fused ops where they are the same math (F.rms_norm, GQA inside SDPA, RoPE tables in
+    # the compute dtype made once, the loss upcast inside cross-entropy): fewer host dispatches;
+    # False: MiniMind's own ops, as the seed's published figures were measured
+    fused_ops: bool = True
     # MiniMind's dropouts (embedding output, attention probabilities, after o_proj and down_proj), each
     # mask a hash of (train.seed, step, site, the element's dense position): TP, SP, VP, DP and
     # recompute draw the dense model's masks (tpbench.models.dropout); needs flash_attn=false
