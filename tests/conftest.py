@@ -116,7 +116,10 @@ class Workdir:
 SLOW_FIXTURES = {"postgres", "slurm", "checked", "html_report", "ran_with_progress", "machines"}
 SLOW_FILES = {"test_runner.py", "test_warm.py", "test_slurm.py", "test_postgres.py", "test_cuda_path.py",
               "test_setup.py"}  # fmt: skip
-QUICK_LAUNCHES = {"test_runner.py::test_the_default_run_is_the_tiny_model_with_every_kind"}
+QUICK_LAUNCHES = {
+    "test_runner.py::test_the_default_run_is_the_tiny_model_with_every_kind",
+    "test_inner_loop.py::test_one_launch_validates_tp_sp_vp_dp2_and_catches_a_planted_bug",
+}
 SLOW_TESTS = {  # a few seconds or more each (`--durations` on the files), covered in the full suite
     "test_depth.py::test_measured_peaks_are_the_split_line_in_every_mode_and_approach_the_limit",
     "test_depth.py::test_measured_slopes_at_two_t_give_the_split_a_and_r",
