@@ -17,8 +17,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 from tpbench.config import ModelConfig, RunConfig, local_batch
 from tpbench.models.minimind import DTYPES, IGNORE_INDEX, MiniMindConfig, MiniMindForCausalLM, build_model
 from tpbench.parallel import instrumentation
+from tpbench.parallel.compiled import apply_compile
 from tpbench.parallel.context import ParallelContext
-from tpbench.parallel.plan import ParallelModel, apply_compile, parallelize
+from tpbench.parallel.plan import ParallelModel, parallelize
 
 
 def model_config(cfg: RunConfig) -> MiniMindConfig:

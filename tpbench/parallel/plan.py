@@ -360,34 +360,6 @@ def apply_styles(
             set_exit(module, SPGatherReplicated(ctx.tp_group))
 
 
-def apply_compile(model: MiniMindForCausalLM, between_linears: bool = False) -> None:
-    """train.compile: each block compiled on its own, in place, as torchtitan does (the names of the
-    parameters stay). fullgraph: a graph break is an error, not a silent fallback to eager. The blocks'
-    collectives go into the graph as tpbench's registered custom ops (tpbench.parallel.comm), so they
-    are counted as without compile. The blocks share one compiled graph (their parameters are its
-    inputs). Graphs compiled earlier in this process, for another model, are dropped first (a test
-    launch builds many), so that each model compiles within Dynamo's recompile limit, and Dynamo's
-    counters restart (validate reports its graphs and graph breaks).
-
-    between_linears (parallel.overlap): each block's norms and SwiGLU are compiled instead, and the
-    linears and their collectives stay eager: overlap's backward launches a collective, runs the
-    deferred weight gradients (Python) and waits, an order a compiled backward graph would not keep.
-    The attention core (RoPE, SDPA) stays eager too: cut out of Attention.forward as a function of
-    its own, its tensors would live otherwise than tpbench.predict.theory counts them. SP's re-gather saves
-    through saved_tensors_hooks outside these pieces, so it needs no sp_regather=false."""
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    for block in model.model.layers:
-        if not between_linears:
-            block.compile(fullgraph=True)
-            continue
-        attn, mlp = block.self_attn, block.mlp
-        head_norms = (attn.q_norm, attn.k_norm) if attn.qk_norm else ()
-        for norm in (block.input_layernorm, block.post_attention_layernorm, *head_norms):
-            norm.compile(fullgraph=True)
-        mlp.act = torch.compile(mlp.act, fullgraph=True)
-
-
 # --- pieces ------------------------------------------------------------------------------------
 
 
