@@ -28,11 +28,15 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import importlib.util
 import json
 import math
 import os
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -257,6 +261,9 @@ def test_documented_command(doc: Documented, folder: Path, monkeypatch):
     for module, name in ((sweep, "run_each"), (slurm, "submit_and_follow")):
         monkeypatch.setattr(module, name, lambda *a, **k: (_ for _ in ()).throw(Launched()))
     args = shlex.split(doc.command.replace("path/to/config.json", str(folder / "config.json")))[1:]
+    missing = missing_part(args)
+    if missing:
+        pytest.skip(missing)  # under CI, which installs every part, a failure (ci_skips.py)
     if len(args) == 1 and doc.where.endswith("span"):  # `tpbench fit` in a sentence names the verb
         args.append("--help")
     if "--measure" in args:  # the emulation's cost is per layer
@@ -279,6 +286,47 @@ def test_documented_command(doc: Documented, folder: Path, monkeypatch):
         assert result.exit_code == expected, f"{where}\n{result.stderr}{result.exception!r}"
     if golden:
         same_as_golden(doc, args, result, folder)
+
+
+def missing_part(args: list[str]) -> str | None:
+    """Why this machine cannot run a documented command as documented, or None: `launcher=slurm`
+    submits only where sbatch and submitit are (tpbench.run.slurm.check_slurm refuses it otherwise)."""
+    if "launcher=slurm" not in args:
+        return None
+    if shutil.which("sbatch") is None:
+        return "launcher=slurm: no sbatch on PATH (Slurm is not installed): `bash scripts/setup.sh --tests`"
+    if importlib.util.find_spec("submitit") is None:
+        return "launcher=slurm: submitit is not installed: `pip install -e '.[test]'` installs it"
+    return None
+
+
+SLURM_COMMANDS = [d for d in COMMANDS if "launcher=slurm" in d.command.split()]
+
+
+def test_without_sbatch_a_documented_slurm_command_skips(folder, monkeypatch):
+    """Where Slurm is not installed, each `launcher=slurm` command skips with the reason, as the
+    Slurm tests do (conftest.py `slurm`), instead of failing on check_slurm's refusal."""
+    assert len(SLURM_COMMANDS) >= 4
+    which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "sbatch" else which(name))
+    for doc in SLURM_COMMANDS:
+        with pytest.raises(pytest.skip.Exception, match="no sbatch on PATH"):
+            test_documented_command(doc, folder, monkeypatch)
+
+
+@pytest.mark.not_quick
+def test_under_ci_a_documented_slurm_command_without_sbatch_fails(tmp_path):
+    """CI installs Slurm: there the same skip fails the test (ci_skips.py), a pytest of its own with
+    no sbatch on PATH and CI=true."""
+    env = dict(os.environ, CI="true", PATH=str(Path(sys.executable).parent), OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
+         *(f"{__file__}::test_documented_command[{d.command}]" for d in SLURM_COMMANDS)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == len(SLURM_COMMANDS), done.stdout[-3000:]
+    assert all("skipped under CI" in line and "no sbatch on PATH" in line for line in failed), failed
 
 
 def stand_in_cpu(monkeypatch) -> None:
