@@ -14,6 +14,9 @@ the attention core remade) and its async TP all-reduce overlapped with the weigh
 elementwise on 16384 columns for GeLU's on 24576, RoPE (a few passes over q and k) that GPT does
 not have. The A100's rates: tpbench.predict.steptime.rates (data sheet x cited fractions), fixed
 before this comparison was first run.
+
+The goals (docs/results/time_model.md) are data here, `GOALS`, and `missed` names each one missed:
+tests/test_published_times.py holds the model to them.
 """
 
 from __future__ import annotations
@@ -42,23 +45,61 @@ ROWS = (
 )
 
 
-def main() -> None:
+# The page's goals, set before the comparison: each total within 15%, but the two rows issue 60 accepts as
+# they stood (TP+SP -15.2%, selective + SP -15.5%), which may not move further off; full recompute's
+# overhead over TP 30-45% and selective's 3-12%; each SP row within 5% of the same row without SP.
+TOTAL_WITHIN = 0.15
+ACCEPTED = {"TP+SP": 0.152, "selective + SP": 0.155}  # |error| as accepted, to the page's 0.1%
+OVERHEADS = {"full recompute": (0.30, 0.45), "selective recompute": (0.03, 0.12)}  # over TP's total
+SP_PAIRS = {"TP+SP": "TP", "selective + SP": "selective recompute"}
+SP_WITHIN = 0.05
+
+
+def predicted() -> dict[str, tuple[float, float, float]]:
+    """Each row's predicted forward, backward and total ms."""
     rates = gpu_rates(hardware.gpu("A100-80GB"), "bfloat16")
-    print(f"rates: {rates.source}")
-    print(f"{'row':22} {'forward ms':>16} {'backward ms':>16} {'total ms':>22}")
-    totals = {}
-    for name, line, published in ROWS:
+    rows = {}
+    for name, line, _ in ROWS:
         recompute = line.split("recompute=")[1] if "recompute=" in line else "none"
         (cfg,) = compose.expand([*MODEL.split(), *line.split(" recompute=")[0].split()])
         # compose models overlap's memory without recompute only: the step's sizes with both set here
         d = dataclasses.replace(dims(cfg), overlap=True, recompute=recompute)
         p = predict_ops(d, comm_rows(cfg), rates, ops.MEGATRON, layer_only=True)
-        got = (1e3 * p.by_phase.get("forward", 0), 1e3 * p.by_phase.get("backward", 0))
-        got = (*got, got[0] + got[1])
-        totals[name] = got[2]
+        forward, backward = 1e3 * p.by_phase.get("forward", 0), 1e3 * p.by_phase.get("backward", 0)
+        rows[name] = (forward, backward, forward + backward)
+    return rows
+
+
+def missed(totals: dict[str, float]) -> list[str]:
+    """Each goal the predicted totals (ms by row) miss, in words; [] when every goal is met."""
+    published = {name: ms[2] for name, _, ms in ROWS}
+    misses = []
+    for name, total in totals.items():
+        error = total / published[name] - 1
+        bound = ACCEPTED[name] + 5e-4 if name in ACCEPTED else TOTAL_WITHIN  # 5e-4: the page's rounding
+        if abs(error) > bound:
+            misses.append(f"{name}: total {total:.1f} ms, {100 * error:+.1f}% of {published[name]} ms")
+    for name, (low, high) in OVERHEADS.items():
+        over = totals[name] / totals["TP"] - 1
+        if not low <= over <= high:
+            misses.append(f"{name} over TP: {100 * over:+.1f}% (goal {low:.0%}-{high:.0%})")
+    for name, without in SP_PAIRS.items():
+        change = totals[name] / totals[without] - 1
+        if abs(change) > SP_WITHIN:
+            misses.append(f"{name} against {without}: {100 * change:+.1f}% (goal within {SP_WITHIN:.0%})")
+    return misses
+
+
+def main() -> None:
+    print(f"rates: {gpu_rates(hardware.gpu('A100-80GB'), 'bfloat16').source}")
+    print(f"{'row':22} {'forward ms':>16} {'backward ms':>16} {'total ms':>22}")
+    rows = predicted()
+    for name, _, published in ROWS:
+        got = rows[name]
         cells = [f"{g:6.1f} ({w:4.1f})" for g, w in zip(got, published, strict=True)]
         error = 100 * (got[2] / published[2] - 1)
         print(f"{name:22} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} {error:+5.1f}%")
+    totals = {name: ms[2] for name, ms in rows.items()}
     tp = totals["TP"]
     full = 100 * (totals["full recompute"] / tp - 1)
     print(f"full recompute over TP: {full:+.1f}% (goal 30-45%; published +38.8%)")
@@ -67,6 +108,8 @@ def main() -> None:
     sp = totals["TP+SP"] / tp - 1
     sel_sp = totals["selective + SP"] / totals["selective recompute"] - 1
     print(f"SP against the same row without: TP {100 * sp:+.1f}%, selective {100 * sel_sp:+.1f}% (goal: 5%)")
+    misses = missed(totals)
+    print("goals: " + ("every one met" if not misses else "missed: " + "; ".join(misses)))
 
 
 if __name__ == "__main__":
