@@ -1,6 +1,7 @@
 """The time model against the published GPU time tables, each row against the goal its results page
 states (docs/results/time_model.md): Korthikanti et al. 2022, Table 4, one layer of their 22B GPT at
-TP 8 on eight A100s, as benchmarks/korthikanti_table4.py predicts it (about 2.5 CPU s)."""
+TP 8 on eight A100s, as benchmarks/korthikanti_table4.py predicts it (about 2.5 CPU s: left out of
+the quick tier)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.not_quick
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "korthikanti_table4.py"
 
