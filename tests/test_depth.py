@@ -175,3 +175,29 @@ def test_the_report_fits_each_mode_over_depth_beside_the_split_and_the_seed():
     for layers in published.SEED_MEMORY_MIB:  # each depth's ratio: the runs' own
         (ddp, tp) = (f + layers * k for f, k in (LINES["ddp"], LINES["tp"]))
         assert rows.loc["tp", f"of DDP, L{layers}"] == pytest.approx(tp / ddp, rel=1e-12)
+
+
+# The seed's depth table at its documented L (README's seed chapter, docs/theory.md "The seed's depth
+# table": `tpbench plan +preset=seed_tp_memory layers=8 mode=tp launch.device=cuda launch.emulate=fake`)
+SEED_LIMITS = {"ddp": "100.00%", "tp": "59.34%", "tp_sp": "47.53%", "tp_vp": "59.34%", "tp_sp_vp": "47.53%"}
+
+
+@pytest.mark.not_quick
+def test_the_seeds_depth_ratios_at_l8_are_the_documented_ones_and_the_measured_slopes():
+    """At L 8, the seed's step (H 768, S 2048, bf16, T 2) heads for 59.34% of DDP's peak under TP and
+    47.53% under TP+SP (analytic, as `tpbench plan` prints it); the same ratios come out of the peaks
+    emulated at L 1 and 2 (fake tensors, the busiest rank; about 2 s of CPU each), whose slopes are
+    the split's per-layer bytes to the byte."""
+    (cfg,) = _expanded(
+        ["+preset=seed_tp_memory", "layers=8", "mode=tp", "launch.device=cuda", "launch.emulate=fake"]
+    )
+    configs = depth.mode_configs(cfg)
+    limits = {lim.mode: lim for lim in depth.limits(configs)}
+    assert {mode: f"{lim.vs_ddp:.2%}" for mode, lim in limits.items()} == SEED_LIMITS
+    slopes = {}
+    for mode in ("ddp", "tp", "tp_sp"):
+        m1, m2 = measured_peaks(configs[mode], (1, 2))
+        slopes[mode] = m2 - m1
+        assert slopes[mode] == limits[mode].split.steepest.slope, mode
+    for mode in ("tp", "tp_sp"):
+        assert f"{slopes[mode] / slopes['ddp']:.2%}" == SEED_LIMITS[mode], (mode, slopes)
