@@ -141,8 +141,11 @@ BAD_INPUT = {
         ["mode=tp_sp", "compile=true"],
         "train.compile=true with parallel.sp_regather",
     ),
-    "compile in a memory run": (["kind=memory", "compile=true"], "train.compile=true with kind=memory"),
-    "compile on ddp": (["mode=ddp", "compile=true"], "train.compile=true with parallel.engine=ddp"),
+    "compile on an emulated rank": (
+        ["kind=memory", "launch.emulate=real", "compile=true"],
+        "train.compile=true with launch.emulate=real",
+    ),
+    "compile neither auto nor a bool": (["compile=yes"], "train.compile=yes: accepted are auto, true, false"),
     "eager swiglu recomputed": (
         ["model.fused_swiglu=false", "recompute=full"],
         "model.fused_swiglu=false with train.recompute=full: ",

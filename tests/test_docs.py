@@ -313,19 +313,14 @@ CLAIMS = [
         "parallel.dp_shard=optimizer with parallel.engine=dtensor",
     ),
     Claim(
-        "on the DTensor engine, `train.compile`",
-        "run dp=2 dp_shard=full compile=true --cfg",
-        "parallel.dp_shard=full with train.compile=true",
-    ),
-    Claim(
         "a debug switch the level cannot take (`debug.ddp_fault`, `debug.skip_grad_sum=dp`",
         "run dp=2 dp_shard=full debug.skip_grad_sum=[dp] --cfg",
         "parallel.dp_shard=full with debug.skip_grad_sum=dp",
     ),
     Claim(
         "[Design: compile](design.md#compile) says what it refuses",
-        "run kind=memory compile=true --cfg",
-        "train.compile=true with kind=memory",
+        "run kind=memory launch.emulate=real compile=true --cfg",
+        "train.compile=true with launch.emulate=real",
     ),
     Claim(
         "Overlap is modelled in `kind=memory` and `tpbench plan` in pure and mixed precision, under every "

@@ -11,10 +11,11 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
-from tpbench.labels import LEVEL_NAMES, dp_level_label, layout_label  # noqa: F401 (for config's users)
+from tpbench.labels import LEVEL_NAMES, dp_level_label, emulation_label, layout_label  # noqa: F401
 
 # conf/ sits next to the package: the groups Hydra composes into a RunConfig.
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -135,21 +136,18 @@ class TrainConfig:
     # what memory and throughput train on: cross_entropy (the model's loss) | logits_mean (the seed
     # chapter's memory benchmark: logits.float().mean(), no labels)
     loss: str = "cross_entropy"
-    # keep the model's output (the logits and the LM head's input, the final hidden states) alive
-    # through backward and the optimizer step, as the seed's and minimind-tron's benchmark steps do
-    # (`output = model(...)` lives until the step returns); false: the step drops it after the loss
+    # keep the model's output (the logits, the final hidden states) alive through backward and the
+    # optimizer step, as the seed's and minimind-tron's steps (`output = model(...)`); false: dropped
     keep_output: bool = False
     recompute: str = "none"  # none | selective | full: activation recompute (tpbench.parallel.recompute)
     lr: float = 1e-3
     weight_decay: float = 0.0
-    # AdamW's fused kernel (one kernel per dtype and device for all parameters; CPU and CUDA in torch
-    # >= 2.4) instead of the foreach (CUDA) or per-parameter (CPU) default
-    fused_optimizer: bool = False
-    # torch.compile of each transformer block (inductor; fullgraph: a graph break is an error), as
-    # torchtitan; the collectives run as registered custom ops (tpbench.parallel.collectives); megatron only.
-    # With parallel.overlap: each block's pieces between its linears (norms, attention core, SwiGLU)
-    # instead, its linears and collectives eager (tpbench.parallel.plan.apply_compile)
-    compile: bool = False
+    # auto | true | false, auto resolved with the device (tpbench.parallel.checks.resolve_switches).
+    # AdamW's fused kernel instead of torch's default (foreach on CUDA); auto: fused on CUDA
+    fused_optimizer: Any = "auto"
+    # torch.compile of each transformer block (inductor, fullgraph), as torchtitan (parallel.compiled);
+    # auto: on for CUDA throughput and validate runs; kind=memory runs eager (the memory model's tensors)
+    compile: Any = "auto"
     steps: int = 5  # measured steps (memory, throughput)
     warmup: int = 2  # steps before measuring; memory takes at least the steady state (1, DDP 2)
     seed: int = 0
@@ -309,9 +307,8 @@ def register_schema() -> None:
 
 
 def save_run_config(cfg: RunConfig, path: Path) -> None:
-    """Write a resolved config as the YAML file a worker reads with `load_run_config`.
-
-    A string holding `${` is escaped, so that it is read back verbatim rather than interpolated."""
+    """Write a resolved config as the YAML file a worker reads with `load_run_config`. A string holding
+    `${` is escaped, so that it is read back verbatim rather than interpolated."""
     OmegaConf.save(OmegaConf.create(_escaped(public_config(cfg))), path)
 
 
@@ -471,18 +468,6 @@ def _drop_new_defaults(data: dict, obj: object, prefix: str) -> None:
             default = _as_data(default)
         if data[f.name] == default:
             del data[f.name]
-
-
-def emulation_label(flat: dict) -> str:
-    """How a stored run (its config flattened to dotted keys) was emulated: "" for a real job (a
-    validation's bf16 GEMMs fp32-accumulated, launch.bf16_gemm, says so: a GPU's arithmetic here)."""
-    flavour = flat.get("launch.emulate", "none")
-    if flat.get("launch.bf16_gemm", "native") != "native":
-        return "bf16 GEMMs fp32-accumulated"
-    if flavour == "none":
-        return ""
-    rank, world = flat.get("launch.emulate_rank"), flat["parallel.tp"] * flat["parallel.dp"]
-    return f"emulated ({flavour} tensors, rank {'busiest' if rank is None else rank} of {world})"
 
 
 def field_type(key: str, default: str | None = None) -> str:

@@ -20,3 +20,15 @@ def layout_label(tp: int, dp: int, dp_shard: str = "none", dp_replicate: int = 1
     """tp=2 dp=2, tp=2 dp=2 ZeRO-2, tp=1 dp=4 FSDP (2 replicas): the ranks and the DP level."""
     level = dp_level_label(dp_shard, dp_replicate)
     return f"tp={tp} dp={dp}" + (f" {level}" if level else "")
+
+
+def emulation_label(flat: dict) -> str:
+    """How a stored run (its config flattened to dotted keys) was emulated: "" for a real job (a
+    validation's bf16 GEMMs fp32-accumulated, launch.bf16_gemm, says so: a GPU's arithmetic here)."""
+    flavour = flat.get("launch.emulate", "none")
+    if flat.get("launch.bf16_gemm", "native") != "native":
+        return "bf16 GEMMs fp32-accumulated"
+    if flavour == "none":
+        return ""
+    rank, world = flat.get("launch.emulate_rank"), flat["parallel.tp"] * flat["parallel.dp"]
+    return f"emulated ({flavour} tensors, rank {'busiest' if rank is None else rank} of {world})"

@@ -80,9 +80,9 @@ def fit(
     adds gradient accumulation. A searched choice given (tp=, sp=, dp_shard=, recompute=, micro_batch=,
     ...) is pinned: every row and every suggestion keeps it. Defaults, as `tpbench plan` assumes them:
     the model preset's seq (seq= sets it) and precision (bf16 mixed for the published models),
-    for-each AdamW (train.fused_optimizer=true: fused). Exit code 0 when a layout fits, 1 when none does
-    (one line saying so, after the tight table if any row runs with less than the margin), 2 for bad
-    input."""
+    fused AdamW on a GPU (train.fused_optimizer=false: for-each). Exit code 0 when a layout fits, 1
+    when none does (one line saying so, after the tight table if any row runs with less than the
+    margin), 2 for bad input."""
     from tpbench.config import ConfigError
     from tpbench.run import sweep as sweeping
     from tpbench.sizing import defaults

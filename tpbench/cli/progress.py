@@ -108,6 +108,13 @@ def say_estimates(configs: Sequence[RunConfig], sweep: bool) -> list[float]:
             slow.setdefault(dtype, rate_probe.slow_kernel_line(dtype, e.cfg, e.threads))
     for line in filter(None, slow.values()):
         one_line(line)
+    if any(c.kind == "memory" for c in configs) and any(
+        c.launch.device == "cuda" or c.train.compile for c in configs
+    ):
+        one_line(
+            "memory runs eager: the memory model counts eager tensors (train.compile applies to "
+            "throughput and validate runs)"
+        )
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
     if estimates and load > cores:
         one_line(

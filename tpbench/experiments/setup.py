@@ -102,6 +102,8 @@ def build_parallel(
 
         pm = parallelize_dtensor(model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum))
         place(pm.module, ctx.device, param_dtype(cfg))
+        if cfg.train.compile:
+            apply_compile(pm.module)
         return pm
     debug = cfg.debug
     skip = tuple(debug.skip_grad_sum)
@@ -116,11 +118,17 @@ def build_parallel(
 
 def counting(cfg: RunConfig, counter: instrumentation.CommCounter) -> AbstractContextManager:
     """Count the collectives of a training step: ours go through tpbench.parallel.collectives; DTensor's
-    own are seen through torch's CommDebugMode."""
+    own are seen through torch's CommDebugMode, a dispatch mode no compiled graph runs under: that step
+    runs eager under train.compile (its collectives are the compiled ones', which DTensor plans alike)."""
     if cfg.parallel.engine == "dtensor":
         from tpbench.parallel import dtensor
 
-        return dtensor.counting(counter)
+        if not cfg.train.compile:
+            return dtensor.counting(counter)
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.compiler.set_stance("force_eager"))
+        stack.enter_context(dtensor.counting(counter))
+        return stack
     return instrumentation.counting(counter)
 
 

@@ -28,6 +28,7 @@ from tpbench.experiments.setup import (
 )
 from tpbench.models.minimind import DTYPES, MiniMindForCausalLM
 from tpbench.parallel import collectives, instrumentation
+from tpbench.parallel.compiled import apply_compile
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.plan import ParallelModel, write_in_place
 from tpbench.parallel.recompute import apply_recompute
@@ -146,6 +147,8 @@ def build_ddp(
     apply_recompute(dense, cfg.train.recompute)
     # each DP rank draws its slice of the global batch's masks
     place_dropouts(dense, 0, 1, ctx.dp_rank, ctx.dp, False, cfg.debug.dropout_fault)
+    if cfg.train.compile:  # after recompute, before DDP wraps it (torchtitan's order)
+        apply_compile(dense)
     on_device(dense)
     fake = collectives.fake_backend(ctx.dp_group)
     ddp = DistributedDataParallel(

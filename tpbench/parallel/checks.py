@@ -100,7 +100,7 @@ def check_shardable(cfg: RunConfig) -> None:
 
 def check_dropout(cfg: RunConfig) -> None:
     """model.dropout: a probability, and only where each mask can be the dense model's slice."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    m, p = cfg.model, cfg.parallel
     if not (0.0 <= m.dropout < 1.0):  # also refuses nan
         raise ConfigError(f"model.dropout={m.dropout}: accepted are probabilities in [0, 1)")
     if cfg.debug.dropout_fault not in ("", *FAULTS):
@@ -125,8 +125,9 @@ def check_dropout(cfg: RunConfig) -> None:
             "parallel.engine=megatron or ddp",
         ),
         (
-            t.compile,
-            "train.compile=true (each step's new key would recompile the blocks)",
+            cfg.train.compile is True,  # auto stays eager here (resolve_switches)
+            "train.compile=true (the step in each mask's key, a Python int, would recompile the blocks "
+            "every step)",
             "train.compile=false",
         ),
     ]
@@ -218,8 +219,53 @@ def check_dp_shard(cfg: RunConfig) -> None:
         ),
         ("dp" in d.skip_grad_sum, "debug.skip_grad_sum=dp (use debug.shard_fault)", "the other sums"),
         (d.grad_scale != 1.0, f"debug.grad_scale={d.grad_scale}", "debug.grad_scale=1"),
-        (cfg.train.compile, "train.compile=true (not built with FSDP2 / ZeRO-1)", "train.compile=false"),
     ]
     for bad, what, accepted in blocked:
         if bad:
             raise ConfigError(f"parallel.dp_shard={level} with {what}: accepted is {accepted}")
+
+
+AUTO_SWITCHES = ("train.compile", "train.fused_optimizer")  # auto | true | false
+COMPILED_KINDS = ("throughput", "validate")  # kind=memory runs eager: the memory model counts eager tensors
+
+
+def check_compile(cfg: RunConfig) -> None:
+    """train.compile and train.fused_optimizer take auto, true or false; compile=true is refused,
+    with why, where a compiled block cannot run (`compile_refusal`)."""
+    for key in AUTO_SWITCHES:
+        value = getattr(cfg.train, key.partition(".")[2])
+        if not (value is True or value is False or value == "auto"):
+            raise ConfigError(f"{key}={value}: accepted are auto, true, false")
+    refused = compile_refusal(cfg)
+    if cfg.train.compile is True and refused is not None:
+        what, accepted = refused
+        raise ConfigError(f"train.compile=true with {what}: accepted is {accepted}")
+
+
+def compile_refusal(cfg: RunConfig) -> tuple[str, str] | None:
+    """What keeps this run's blocks from compiling and what is accepted instead; None: nothing."""
+    p = cfg.parallel
+    if p.sp and p.tp > 1 and p.sp_regather and not p.overlap:
+        return (
+            "parallel.sp_regather=true (SP's re-gather saves through saved_tensors_hooks, a graph break)"
+            " and parallel.overlap=false",
+            "parallel.sp_regather=false, or parallel.overlap=true",
+        )
+    if cfg.launch.emulate != "none":
+        return f"launch.emulate={cfg.launch.emulate}", "launch.emulate=none"
+    return None
+
+
+def resolve_switches(cfg: RunConfig) -> None:
+    """train.fused_optimizer=auto: fused on CUDA (as torchtitan trains), torch's default on a CPU.
+    train.compile=auto: on for a CUDA run of kind throughput or validate that can compile, off
+    elsewhere; kind=memory runs eager whatever it says (the memory model counts eager tensors).
+    Both become true or false, the values recorded runs hold: their identities stay (config_hash)."""
+    t, cuda = cfg.train, cfg.launch.device == "cuda"
+    if t.fused_optimizer == "auto":
+        t.fused_optimizer = cuda
+    if t.compile == "auto":
+        compilable = compile_refusal(cfg) is None and cfg.model.dropout == 0.0  # check_dropout: why
+        t.compile = cuda and cfg.kind in COMPILED_KINDS and compilable
+    if cfg.kind not in COMPILED_KINDS:
+        t.compile = False

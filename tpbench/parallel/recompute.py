@@ -67,9 +67,13 @@ def _recompute_contexts() -> tuple[contextlib.AbstractContextManager, contextlib
 
 class Checkpointed:
     """A block's behaviour (tpbench.parallel.wrappers.wrap) under full: its forward, the regions'
-    entries and exits in it included, runs under torch.utils.checkpoint (non-reentrant)."""
+    entries and exits in it included, runs under torch.utils.checkpoint (non-reentrant). Compiled
+    (train.compile), the recomputation is the compiled backward's, whose collectives count under
+    their forward purpose: a compiled checkpoint takes no context but dispatch modes."""
 
     def forward(self, x: torch.Tensor, *args):
+        if torch.compiler.is_compiling():
+            return checkpoint(super().forward, x, *args, use_reentrant=False)
         return checkpoint(super().forward, x, *args, use_reentrant=False, context_fn=_recompute_contexts)
 
 

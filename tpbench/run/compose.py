@@ -41,7 +41,14 @@ from tpbench.config import (
 )
 from tpbench.experiments import KINDS
 from tpbench.experiments.criterion import check_bf16_gemm, check_validate_faults
-from tpbench.parallel.checks import GRAD_SUMS, check_dp_shard, check_dtensor_shardable, check_shardable
+from tpbench.parallel.checks import (
+    GRAD_SUMS,
+    check_compile,
+    check_dp_shard,
+    check_dtensor_shardable,
+    check_shardable,
+    resolve_switches,
+)
 from tpbench.parallel.names import EMULATED_KINDS, FLAVOURS
 from tpbench.predict import hardware
 from tpbench.predict.checked import check_measurable
@@ -219,7 +226,7 @@ def check(cfg: RunConfig) -> None:
             f"parallel.overlap=true with parallel.engine={cfg.parallel.engine}: accepted with engine "
             "megatron only (DDP always overlaps its gradient buckets; DTensor's TP has no async switch here)"
         )
-    _check_compile(cfg)
+    check_compile(cfg)
     if cfg.debug.overlap_fault and not cfg.parallel.overlap:
         raise ConfigError(
             f"debug.overlap_fault={cfg.debug.overlap_fault}: breaks parallel.overlap, "
@@ -250,36 +257,6 @@ def check(cfg: RunConfig) -> None:
         )
 
 
-def _check_compile(cfg: RunConfig) -> None:
-    """train.compile: what a compiled block cannot hold, refused with why."""
-    if not cfg.train.compile:
-        return
-    p, t = cfg.parallel, cfg.train
-    blocked = [
-        (p.engine != "megatron", f"parallel.engine={p.engine}", "parallel.engine=megatron"),
-        (
-            cfg.kind == "memory",
-            "kind=memory (tpbench.predict.theory does not model inductor's buffers)",
-            "kind=validate, throughput",
-        ),
-        (
-            t.recompute != "none",
-            f"train.recompute={t.recompute} (recompute's checkpoints are not compiled here)",
-            "train.recompute=none",
-        ),
-        (
-            p.sp and p.tp > 1 and p.sp_regather and not p.overlap,
-            "parallel.sp_regather=true (SP's re-gather saves through saved_tensors_hooks, a graph break)"
-            " and parallel.overlap=false",
-            "parallel.sp_regather=false, or parallel.overlap=true",
-        ),
-        (cfg.launch.emulate != "none", f"launch.emulate={cfg.launch.emulate}", "launch.emulate=none"),
-    ]
-    for bad, what, accepted in blocked:
-        if bad:
-            raise ConfigError(f"train.compile=true with {what}: accepted is {accepted}")
-
-
 def resolve_device(cfg: RunConfig, launching: bool = True) -> None:
     """Replace device/backend `auto` by what this node has: CUDA + NCCL with a GPU per local rank.
     `launching`: the runs are to run here (else predicted only, as `plan` and `fit` do: launch.device=cuda
@@ -305,6 +282,7 @@ def resolve_device(cfg: RunConfig, launching: bool = True) -> None:
         launch.backend = "nccl" if launch.device == "cuda" else "gloo"
     if launch.backend == "nccl" and launch.device != "cuda":
         raise ConfigError(f"launch.backend=nccl with launch.device={launch.device}: nccl needs cuda")
+    resolve_switches(cfg)
 
 
 def _parse(parser: OverridesParser, overrides: Sequence[str]) -> list[Override]:

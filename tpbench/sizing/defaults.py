@@ -2,9 +2,9 @@
 run's own (what `tpbench run` with the same overrides would step), so that one layout gets the same
 peak and step from both (tests/test_fit.py); each output says what it assumed (`assumed`).
 
-  optimizer    AdamW's for-each kernels, torch's default on CUDA as on a CPU (train.fused_optimizer=false);
-               train.fused_optimizer=true: its fused kernel, as torchtitan trains (less memory at the
-               optimizer step, and a faster one)
+  optimizer    train.fused_optimizer=auto: AdamW's fused kernel on CUDA, as torchtitan trains and as
+               `tpbench run` steps there (less memory at the optimizer step, and a faster one); on a
+               CPU torch's default, unfused; false: unfused (for-each on CUDA), as the seed's presets
   precision    the model preset's: bf16 mixed (fp32 master weights and AdamW moments) for every published
                model of conf/model/; the config's fp32 pure for the others; precision= and dtype= set it
   recompute    none (train.recompute=); fit searches none, selective and full unless it is given

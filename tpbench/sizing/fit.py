@@ -8,9 +8,10 @@ VP and recompute (none, selective, full), each at the largest micro-batch that f
 With global_batch=B sequences (or tokens_per_step=, B x seq), the micro-batch b divides B / DP and the
 rest is gradient accumulation, B / (DP x b) micro-steps. The sequence, the precision and the optimizer
 are the config's, as `tpbench plan` reads them (tpbench.sizing.defaults): a published model's preset
-trains at its seq in bf16 mixed precision (fp32 master weights and AdamW moments), with for-each AdamW
-unless train.fused_optimizer=true. A searched choice the overrides give (tp=, sp=, recompute=, ...) is
-pinned: every row, and the nodes the nothing-fits line names, keep it.
+trains at its seq in bf16 mixed precision (fp32 master weights and AdamW moments), with fused AdamW
+(train.fused_optimizer=auto: fused on CUDA, as `tpbench run` steps it there; false: for-each). A
+searched choice the overrides give (tp=, sp=, recompute=, ...) is pinned: every row, and the nodes the
+nothing-fits line names, keep it.
 
 Nothing runs: each row is the analytic models' (tpbench.predict.theory, tpbench.predict.steptime), as
 `tpbench plan` prints them, on that GPU:
