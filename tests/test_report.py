@@ -621,6 +621,32 @@ def test_a_run_timed_on_a_loaded_machine_is_marked(monkeypatch):
     assert ticks == ["tp L2 · loaded", "tp_sp L2"]
 
 
+def test_a_cuda_run_shows_its_hosts_issue_time_and_whether_it_was_host_bound(monkeypatch):
+    """step_issue_s and host_bound (CUDA runs only: issue 57) are columns beside the step time; a CPU
+    run's table has neither."""
+    run = {
+        "status": "OK", "kind": "throughput", "tp": 1, "dp": 1, "layers": 8, "setting": "gpu",
+        "hardware": "NVIDIA H200", "tokens_per_s": 3e5, "step_time_s": 0.08, "timing_cuda_events": 1.0,
+    }  # fmt: skip
+    runs = pd.DataFrame(
+        [
+            dict(run, id=1, config_hash="a", mode="tp", step_issue_s=0.075, host_bound=1.0),
+            dict(run, id=2, config_hash="b", mode="tp_sp", step_issue_s=0.02, host_bound=0.0),
+        ]
+    )
+    empty = pd.DataFrame()
+    monkeypatch.setattr(charts, "_png", lambda fig: b"")
+    data = ReportData("sqlite://", Selection(), runs, empty, empty, empty, {})
+    (table,) = section_tables(data, sections.throughput).values()
+    shown = table.display()
+    assert shown["step issue (host)"].tolist() == ["75.00 ms", "20.00 ms"]
+    assert shown["host-bound"].tolist() == ["yes", "no"]
+    on_cpu = runs.drop(columns=["step_issue_s", "host_bound"])
+    cpu = ReportData("sqlite://", Selection(), on_cpu, empty, empty, empty, {})
+    (table,) = section_tables(cpu, sections.throughput).values()
+    assert "host-bound" not in table.display() and "step issue (host)" not in table.display()
+
+
 @pytest.mark.parametrize("chart", ["throughput", "recompute"])  # collectives' subplots have no titles
 def test_a_charts_suptitle_stands_above_its_subplots_titles(chart):
     """The setting's line over titled subplots (throughput, recompute) clears their titles (it overlapped

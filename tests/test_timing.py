@@ -379,7 +379,117 @@ def test_a_throughput_run_times_its_collectives_over_every_timed_step(gpu):
     """The comm rows are the average of the timed steps (2 ms of 1, 2, 3), not one step's."""
     counter = instrumentation.CommCounter(timed=True, timer=timing.CudaEventTimer(gpu))
     trainer = Trainer(gpu)
-    times_s = throughput.timed_steps(timing.CudaEventSteps(gpu), trainer, 3, counter)
+    times_s = throughput.timed_steps(timing.CudaEventSteps(gpu), trainer, 3, counter).device
     assert times_s == pytest.approx([1 * MS, 2 * MS, 3 * MS])
     ((row,),) = [counter.rows(steps=3)]
     assert (row.count, round(row.time_s / MS, 9), round(row.exposed_s / MS, 9)) == (1, 2.0, 1.0)
+
+
+# --- the timed window on CUDA: back to back, one synchronise and barrier at each end (issue 57) ------
+
+
+class HostClock:
+    """The host's perf_counter, moved by the steps."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_timed_steps_run_back_to_back_with_one_sync_and_barrier_at_each_end(gpu, monkeypatch):
+    """The throughput run's window through torch.cuda as the real source calls it (Event,
+    current_stream, synchronize patched onto the fake GPU) and the real Trainer.sync (its barrier
+    counted): 5 steps, 2 synchronisations and 2 barriers, none between the steps; each step's time
+    from the event before it to the one after it."""
+    from types import SimpleNamespace
+
+    from tpbench.experiments.training import Trainer as RealTrainer
+
+    barriers: list[int] = []
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: FakeEvent(gpu))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: gpu.current)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: gpu.synchronize())
+    monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: barriers.append(gpu.synchronizes))
+    steps_seen: list[tuple[int, int]] = []
+
+    class Stepped:
+        ctx = SimpleNamespace(device=torch.device("cuda", 0))
+        sync = RealTrainer.sync
+
+        def step(self) -> None:
+            steps_seen.append((gpu.synchronizes, len(barriers)))
+            gpu.run((len(steps_seen) + 1) * MS)
+
+    timed = throughput.timed_steps(timing.CudaEventSteps(), Stepped(), 5, None)
+    assert timed.device == pytest.approx([2 * MS, 3 * MS, 4 * MS, 5 * MS, 6 * MS])
+    assert steps_seen == [(1, 1)] * 5  # inside the window: no synchronise, no barrier
+    assert (gpu.synchronizes, len(barriers)) == (2, 2)
+
+
+def test_each_step_records_the_hosts_issue_time_beside_the_devices(gpu):
+    """The host takes 3 ms to enqueue a step the GPU runs in 7 ms: issue 3 ms, step 7 ms, not
+    host-bound; 6.5 of 7 ms is."""
+    host = HostClock()
+
+    def step() -> None:
+        host.now += 3 * MS
+        gpu.run(7 * MS)
+
+    timed = timing.CudaEventSteps(gpu, host).steps(step, gpu.synchronize, 3, lambda: None)
+    assert timed.issue == pytest.approx([3 * MS] * 3)
+    assert timed.device == pytest.approx([7 * MS] * 3)
+    assert not timing.host_bound(3 * MS, 7 * MS)
+    assert timing.host_bound(6.5 * MS, 7 * MS) and not timing.host_bound(6.2 * MS, 7 * MS)
+
+
+def test_the_wall_clock_times_each_step_between_barriers_and_issues_nothing():
+    """On a CPU the host's time is the step: barrier to barrier around each, no issue time apart."""
+    syncs: list[str] = []
+    timed = timing.WallClockSteps().steps(lambda: syncs.append("step"), lambda: syncs.append("sync"), 2,
+                                          lambda: None)  # fmt: skip
+    assert syncs == ["sync", "step", "sync"] * 2
+    assert len(timed.device) == 2 and timed.issue == []
+
+
+def test_prefetched_batches_are_the_drawn_ones_copied_pinned_without_blocking(monkeypatch):
+    """Batches.prefetch on a GPU: the same batches in the same order as drawn one by one, each copied
+    from pinned memory with non_blocking; on a CPU it does nothing."""
+    from types import SimpleNamespace
+
+    from tpbench.config import RunConfig
+    from tpbench.experiments.setup import Batches
+
+    ctx = SimpleNamespace(dp=2, dp_rank=0, device=torch.device("cpu"))
+    expected = Batches(RunConfig(), ctx)
+    drawn = [expected.next_global() for _ in range(3)]
+    on_cpu = Batches(RunConfig(), ctx)
+    on_cpu.prefetch(3)
+    assert not on_cpu._ready
+
+    copies: list[tuple[bool, bool]] = []
+    pin, to = torch.Tensor.pin_memory, torch.Tensor.to
+
+    def pinned(t):
+        out = t.clone()
+        out.pinned = True
+        return out
+
+    def copied(t, *args, non_blocking=False, **kwargs):
+        if args and getattr(args[0], "type", None) == "cuda":
+            copies.append((getattr(t, "pinned", False), non_blocking))
+            return t.clone()
+        return to(t, *args, non_blocking=non_blocking, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pinned)
+    monkeypatch.setattr(torch.Tensor, "to", copied)
+    gpu_batches = Batches(RunConfig(), ctx)
+    gpu_batches.device = torch.device("cuda", 0)
+    gpu_batches.prefetch(3)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    assert copies == [(True, True)] * 6  # ids and labels of 3 batches
+    for ids, labels in drawn:
+        got_ids, got_labels = gpu_batches.next_global()
+        assert torch.equal(got_ids, ids) and torch.equal(got_labels, labels)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -149,13 +150,30 @@ class Batches:
         self.dp, self.dp_rank = ctx.dp, ctx.dp_rank
         self.device = ctx.device
         self.gen = torch.Generator().manual_seed(cfg.train.seed + seed_offset)
+        self._ready: collections.deque[tuple[torch.Tensor, torch.Tensor]] = collections.deque()
 
     def next_global(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._ready:
+            return self._ready.popleft()
+        ids, labels = self._drawn()
+        return moved_to(ids, self.device), moved_to(labels, self.device)  # fake tokens too
+
+    def prefetch(self, count: int) -> None:
+        """On a GPU: the next `count` global batches copied there now, from pinned memory without
+        blocking the host, so that timed steps copy nothing from pageable memory (which waits for the
+        copy). The same batches, in the same order, as drawn one by one; on a CPU nothing to do."""
+        if self.device.type != "cuda":
+            return
+        for _ in range(count):
+            pair = tuple(t.pin_memory().to(self.device, non_blocking=True) for t in self._drawn())
+            self._ready.append(pair)  # type: ignore[arg-type]
+
+    def _drawn(self) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.local * self.accumulation * self.dp
         ids = torch.randint(self.vocab, (rows, self.seq), generator=self.gen)
         labels = ids.clone()
         labels[:, 3::7] = IGNORE_INDEX
-        return moved_to(ids, self.device), moved_to(labels, self.device)  # fake tokens too
+        return ids, labels
 
     def local_slice(self, t: torch.Tensor) -> torch.Tensor:
         """This DP rank's rows of a global batch: its K micro-batches."""

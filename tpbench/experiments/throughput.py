@@ -1,8 +1,10 @@
 """Step time and tokens/s of training steps after warm-up; FLOPs counted and MFU on GPUs.
 
-Each step starts and ends on a barrier (and a CUDA synchronize) and its time is that of the slowest
-rank: barrier to barrier on the wall clock, or on NCCL the slowest rank's time between CUDA events on
-its compute stream around the step (tpbench.parallel.timing says what each number means where). The
+A step's time is that of the slowest rank: on the wall clock barrier to barrier, each step between
+barriers; on NCCL the timed steps run back to back between one synchronise and barrier at each end,
+a step the slowest rank's time between CUDA events on its compute stream, beside the host's time to
+issue it (`step_issue_s`) and `host_bound` (that >= 90% of the step), and the batches are on the
+GPU before the window (tpbench.parallel.timing says what each number means where). The
 first warm-up step is reported apart (`first_step_s`: it includes torch.compile's compiling); the step
 time is the median over train.steps after train.warmup steps. Every collective of our engine and
 DDP's buckets is timed in those steps, averaged over them: its total time (from when its group could
@@ -78,8 +80,9 @@ def run(cfg: RunConfig) -> RankResult:
     progress.step()
     result.add("flops_per_step", _summed_over_ranks(flops.get_total_flops()), "FLOP")
 
+    trainer.batches.prefetch(cfg.train.steps)  # on the GPU before the timed window
     cpu_start = time.process_time()
-    times = timed_steps(clock, trainer, cfg.train.steps, counter if timed_comm else None, progress.step)
+    timed = timed_steps(clock, trainer, cfg.train.steps, counter if timed_comm else None, progress.step)
     # this rank's CPU time per step, its threads' (gloo's included): on a loaded CPU, the work without
     # the waiting for cores that the wall clock adds
     result.add("step_cpu_time_s", (time.process_time() - cpu_start) / cfg.train.steps, "s")
@@ -91,8 +94,12 @@ def run(cfg: RunConfig) -> RankResult:
         if total > 0:
             result.add("comm_hidden_fraction", 1 - exposed / total)
     result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")
-    times = _slowest(clock, times)
+    times = _slowest(clock, timed.device)
     median = statistics.median(times)
+    if timed.issue:  # CUDA events: the host's time to enqueue a step, the slowest rank's
+        issue = statistics.median(_slowest(clock, timed.issue))
+        result.add("step_issue_s", issue, "s")
+        result.add("host_bound", float(timing.host_bound(issue, median)))
     world = cfg.parallel.dp * cfg.parallel.tp
     k = cfg.train.accumulation  # a step's micro-batches: its tokens and FLOPs are all of theirs
     tokens = local_batch(cfg) * cfg.parallel.dp * k * cfg.train.seq_len
@@ -140,16 +147,12 @@ def timed_steps(
     steps: int,
     counter: instrumentation.CommCounter | None,
     after_each=lambda: None,
-) -> list[float]:
-    """This rank's time of each of `steps` steps; with `counter`, every collective of them counted and
-    timed into it (its rows(steps) then the average step's). `after_each` runs between the steps'
-    barriers, outside their times."""
-    times = []
+) -> timing.StepTimes:
+    """This rank's time of each of `steps` steps (and, on CUDA, the host's time to issue each), as
+    `clock.steps` times them; with `counter`, every collective of them counted and timed into it (its
+    rows(steps) then the average step's). `after_each` runs after each step, outside its time."""
     with instrumentation.counting(counter) if counter is not None else contextlib.nullcontext():
-        for _ in range(steps):
-            times.append(_timed_step(clock, trainer))
-            after_each()
-    return times
+        return clock.steps(trainer.step, trainer.sync, steps, after_each)
 
 
 def _slowest(clock: timing.StepClock, times: list[float]) -> list[float]:

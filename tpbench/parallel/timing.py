@@ -37,10 +37,15 @@ enqueued, so the host time of its callback says nothing of when the collective e
   exposed   before -> after: how long C stalled at the wait, at most total (it starts after the launch
             and ends with N's end; only event latency could pass it, and is clamped), so
             comm_hidden_fraction lies in [0, 1]. A blocking collective: all of its total.
-  step      an event on C before the step's first op and one after its last: each rank's own time
-            (the caller takes the slowest rank's).
-  Every event is read once, after the step: `resolve()` synchronises the device once and takes the
-  elapsed times; nothing inside a timed step synchronises.
+  step      the timed steps run back to back, as training runs them, between one synchronise and
+            barrier before the first and one after the last: an event on C between each two steps,
+            a step's time from the event before it to the one after it, each rank's own (the caller
+            takes the slowest rank's); the host runs ahead into the next step while C finishes this
+            one. Beside it the host's issue time: from the call of the step to its return, the time
+            the host takes to enqueue it; `host_bound` when that is >= 90% of the step (the GPU then
+            waits for the host). The first step (compiling under train.compile) is timed alone.
+  Every event is read once, after the timed steps: `resolve()` synchronises the device once and takes
+  the elapsed times; nothing inside the timed window synchronises.
   Limits: exposed is an upper bound of what the collective cost the step where C was itself idle
   before the wait (a host behind the GPU: the stall then took the place of idle time, not of compute).
   Collectives of different groups in flight together overlap in time, so their totals can add up to
@@ -58,7 +63,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -94,11 +99,32 @@ class CollectiveTimer(Protocol):
         ...
 
 
+class StepTimes(NamedTuple):
+    """The timed steps of one window: each one's time, and (CUDA events) the host's time to issue it."""
+
+    device: list[float]  # seconds of each step (see the clocks)
+    issue: list[float]  # CUDA events: seconds the host took to enqueue each step; wall clock: none
+
+
+HOST_BOUND = 0.9  # a step whose issue takes at least this fraction of its device time is host-bound
+
+
+def host_bound(issue_s: float, step_s: float) -> bool:
+    """Whether the host, not the GPU, set the step's pace: enqueueing it took >= 90% of its time."""
+    return issue_s >= HOST_BOUND * step_s
+
+
 class StepClock(Protocol):
     method: str
 
     def time(self, step: Callable[[], object], sync: Callable[[], None]) -> float:
         """Seconds of one call of `step`; `sync` (synchronise and barrier) is called before and after."""
+        ...
+
+    def steps(
+        self, step: Callable[[], object], sync: Callable[[], None], count: int, between: Callable[[], None]
+    ) -> StepTimes:
+        """`count` calls of `step`, timed each; `between` runs after each, outside its time."""
         ...
 
 
@@ -185,6 +211,16 @@ class WallClockSteps:
         step()
         sync()
         return time.perf_counter() - start
+
+    def steps(
+        self, step: Callable[[], object], sync: Callable[[], None], count: int, between: Callable[[], None]
+    ) -> StepTimes:
+        """Each step barrier to barrier: on a CPU the host's time is the step (no issue time apart)."""
+        times = []
+        for _ in range(count):
+            times.append(self.time(step, sync))
+            between()
+        return StepTimes(times, [])
 
 
 # --- CUDA events -------------------------------------------------------------------------------
@@ -320,8 +356,10 @@ class _EventSpan:
 class CudaEventSteps:
     method = CUDA_EVENTS
 
-    def __init__(self, source: EventSource | None = None) -> None:
-        self.source = source or CudaEvents()
+    def __init__(
+        self, source: EventSource | None = None, host_clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        self.source, self.host_clock = source or CudaEvents(), host_clock
 
     def time(self, step: Callable[[], object], sync: Callable[[], None]) -> float:
         """Seconds of one `step` on this rank's compute stream, from before its first op to after its
@@ -333,6 +371,28 @@ class CudaEventSteps:
         end.record(self.source.current_stream())
         sync()
         return _seconds(start, end)
+
+    def steps(
+        self, step: Callable[[], object], sync: Callable[[], None], count: int, between: Callable[[], None]
+    ) -> StepTimes:
+        """The steps back to back, as training runs them: one `sync` before the first and one after the
+        last, an event on the compute stream between each two, so that the host runs ahead into the
+        next step while the GPU finishes this one. A step's time is from the event before it to the one
+        after it (the GPU idle in between, waiting for a host that issues too slowly, counts); its issue
+        time is the host's from the call of `step` to its return. Read after the last `sync`."""
+        stream = self.source.current_stream()
+        sync()
+        marks, issue = [self.source.event()], []
+        marks[0].record(stream)
+        for _ in range(count):
+            start = self.host_clock()
+            step()
+            issue.append(self.host_clock() - start)
+            marks.append(self.source.event())
+            marks[-1].record(stream)
+            between()
+        sync()
+        return StepTimes([_seconds(a, b) for a, b in zip(marks[:-1], marks[1:], strict=True)], issue)
 
 
 def collective_timer(device: torch.device, backend: str) -> CollectiveTimer:

@@ -85,6 +85,11 @@ def timed_by(value: object) -> str:
     return units.DASH if value is None or pd.isna(value) else "CUDA events" if value else "wall clock"
 
 
+def yes_no(value: object) -> str:
+    """A 0/1 metric (host_bound) as yes or no."""
+    return units.DASH if value is None or pd.isna(value) else "yes" if value else "no"
+
+
 def mode_key(label: str) -> tuple[int, str]:
     """A run's label (its mode, then its DP level: tp_sp FSDP) in mode order."""
     return mode_rank(label.split(" ")[0]), label

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from tpbench.report import charts, published, units
-from tpbench.report.blocks import Chart, Section, Table, kind_empty, pick, timed_by
+from tpbench.report.blocks import Chart, Section, Table, kind_empty, pick, timed_by, yes_no
 from tpbench.report.data import LOADED_RULE, ReportData, throughput
 from tpbench.report.labels import levels_in
 
@@ -24,6 +24,9 @@ def section(data: ReportData) -> Section:
         "on NCCL, by the host's wall clock elsewhere. Predicted step: the time model's, recorded with "
         "each run (docs/time-model.md), and its error against the measured median; step CPU time: a "
         "rank's CPU time per step, what the step costs without the waiting for cores of a loaded machine. "
+        "On CUDA the timed steps run back to back; step issue is the host's time to enqueue a step "
+        "(the slowest rank's median) and a run is host-bound where that is >= 90% of its step: the GPU "
+        "then waits for Python, and the step measures dispatch, not the mode. "
         "Load before the job: the machine's load average on its cores as the run's job started. "
         f"{LOADED_RULE}.",
     )
@@ -54,6 +57,8 @@ def section(data: ReportData) -> Section:
             "predicted step": ("predicted_step_time_s", units.ms),
             "error": ("step_time_error", units.signed_percent),
             "step CPU time": ("step_cpu_time_s", units.ms),
+            "step issue (host)": ("step_issue_s", units.ms),
+            "host-bound": ("host_bound", yes_no),
             "first step": ("first_step_s", units.ms),
             "comm time": ("comm_time_s", units.ms),
             "comm exposed": ("comm_exposed_s", units.ms),
