@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from tpbench.config import ParallelConfig, RunConfig
-from tpbench.experiments import memory, signs, validate
+from tpbench.experiments import memory, planted, validate
 from tpbench.experiments.throughput import LocalFlopCounter
 from tpbench.experiments.training import Trainer
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, build_model
@@ -793,9 +793,13 @@ def suite_units(checks: dict) -> dict:
     return isolated("units", wanted, lambda name, check: check(ctx))
 
 
+CURVES = (*validate.DRIFT, "step_grad_max_rel_l2", "step_grad_of_bound")
+
+
 def suite_validate(checks: dict) -> dict:
-    """Per config: validate.run's figures, its curves, how many batches it drew, and per parameter its
-    gradient's relative error beside the dense model's own (tests/test_validation.py)."""
+    """Per config: validate.run's figures, its curves (the logits drift, the gradients' per step), how
+    many batches it drew, and per parameter its gradient's relative error and its worst row's beside
+    the dense model's own, and their steps (tests/test_validation.py)."""
     draws = []
     next_global = validate.Batches.next_global
 
@@ -804,28 +808,26 @@ def suite_validate(checks: dict) -> dict:
         return next_global(self)
 
     validate.Batches.next_global = counted
-    rounded_signs, mine, written = signs.mend_rounded_signs, [0], []
+    scale_grad, written = planted.scale_grad, []
 
-    def rounding(cfg, pm, dense, reference, rounded):  # this rank's elements it mended, the last step
-        if not written:  # once a config: the sign rule's write lands where the step reads (x 2, back)
+    def scaled(cfg, pm, dense, step):  # once a config: a planted scale's write lands where the step reads
+        if not written:  # every gradient x 2, read back, then restored
             before = {n: g.detach().clone() for n, g in pm.full_gradients().items()}
             pm.write_gradients({n: 2 * g for n, g in before.items()})
             after = pm.full_gradients()
             errors = [(after[n].double() - 2 * g.double()).abs().max().item() for n, g in before.items()]
             written.append(max(errors))
             pm.write_gradients(before)
-        rounded_signs(cfg, pm, dense, reference, rounded)
-        mine[0] = sum(int(m.sum()) for m in rounded.values())
+        scale_grad(cfg, pm, dense, step)
 
-    signs.mend_rounded_signs = rounding
+    planted.scale_grad = scaled
 
     def check(name: str, overrides: list[str]) -> dict:
         draws.clear()
         written.clear()
-        mine[0] = 0
         cpu = time.process_time()
         r = validate.run(run_config(overrides))
-        curves = {n: [[m.step, m.value] for m in r.measurements if m.name == n] for n in validate.DRIFT}
+        curves = {n: [[m.step, m.value] for m in r.measurements if m.name == n] for n in CURVES}
         return {
             "metrics": {m.name: m.value for m in r.measurements if m.step is None},
             "drift": curves["adamw_logits_max_abs"],
@@ -834,8 +836,9 @@ def suite_validate(checks: dict) -> dict:
             "comm": [[c.op, c.purpose, c.count, c.bytes] for c in r.comm],
             "semantics": sorted({p.semantics for p in r.params}),
             "params": {p.name: [p.grad_rel_l2, p.grad_ref_rel_l2] for p in r.params},  # rank 0's rows
+            "rows": {p.name: [p.grad_row_rel_l2, p.grad_row_ref_rel_l2] for p in r.params},
+            "steps": {p.name: [p.grad_step, p.grad_row_step] for p in r.params},
             "failed": r.failed,
-            "rounded": mine[0],
             "write_gradients_error": written[0] if written else None,
             "cpu_s": round(time.process_time() - cpu, 2),  # this rank's, for `--durations`-like sums
         }

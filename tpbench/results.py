@@ -51,6 +51,13 @@ class ParamRow:
     param_max_abs: float | None = None  # after the AdamW steps
     param_rel_l2: float | None = None  # ||sharded - dense|| / ||moved|| (dense's or reference's, the farther)
     param_ref_rel_l2: float | None = None  # ||dense - reference|| / ||moved||
+    # the gradient's figures above are those of its worst step (issue 56: checked at every step, at
+    # the dense model's weights), this one; the worst row's (a head, a vocabulary row) and its step,
+    # None for a vector (tpbench.experiments.grad_check)
+    grad_step: int | None = None
+    grad_row_rel_l2: float | None = None
+    grad_row_ref_rel_l2: float | None = None
+    grad_row_step: int | None = None
 
 
 @dataclass

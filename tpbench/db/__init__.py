@@ -299,8 +299,13 @@ class ResultsDB:
                 (ParamErrorRow, "params"),
                 (CommRow, "comm"),
             ):
+                columns = table.__table__.c  # a figure the schema holds no column for stays in the results
                 rows = [
-                    {**vars(row), "run_id": run.id, "rank": result.rank}
+                    {
+                        **{k: v for k, v in vars(row).items() if k in columns},
+                        "run_id": run.id,
+                        "rank": result.rank,
+                    }
                     for result in outcome.results
                     for row in getattr(result, attribute)
                 ]

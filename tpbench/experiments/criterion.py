@@ -2,31 +2,50 @@
 
 Every check compares a figure of the sharded model against the dense model (both in the run's
 precision) with the same figure of the dense model against a reference, the dense model one
-precision up, stepped beside them with the same AdamW on the same batches (fp64 for an fp32 run;
-pure fp32 for bf16 and mixed). That second figure is the run's own rounding drift. A check passes
-when
+precision up (fp64 for an fp32 run; pure fp32 for bf16 and mixed). That second figure is the run's
+own rounding. A check passes when
 
     sharded vs dense  <=  K x (dense vs reference)  +  floor
 
-per parameter where the check is per parameter (the gradients, the parameters after the AdamW
-steps), else on the one figure (the forward logits, the loss, the logits drift over the AdamW
-steps). Two models that sum the same terms in different orders each carry an error of about e
-against the exact result, so they differ by up to about 2e; the sharded model rounds a little more
-often than the dense one (each rank's partial sums are rounded before the all-reduce adds them), and
-one parameter's error is one draw, not an average. K is set from the validation grid
-(benchmarks/validation_grid.py, docs/results/validation.md): over it, the largest ratio of
-sharded-vs-dense to dense-vs-reference among the figures above their floor was 2.63 (bf16 at T 2,
-seed 19, a q/k norm's gradient, over the tiny model's 200 bf16 runs; the forward logits 1.81), so
-K = 4 leaves 1.5x room above it. It is 4, not 10
-(the old K, which let a 20% gradient bug pass in bf16), so that one gradient off by 10% fails in
-bf16, where each gradient's own error is 0.4-2.6e-2 (a 5% error fails for about half the parameters
-there).
+per parameter where the check is per parameter, else on the one figure (the forward logits, the
+loss, the logits drift over the AdamW steps). Two models that sum the same terms in different orders
+each carry an error of about e against the exact result, so they differ by up to about 2e; the
+sharded model rounds a little more often than the dense one (each rank's partial sums are rounded
+before the all-reduce adds them), and one parameter's error is one draw, not an average.
 
-Where rounding decides the sign of an element's gradient, the parallel model steps that element with
-the dense model's gradient (tpbench.experiments.signs, at every AdamW step): AdamW moves such an element
-by about lr one way or the other and its momentum carries it on, a difference no reference, itself
-one draw of that chance, can bound (issue 34: mixed precision failed a correct model on layer 0's
-q/k norm weights, 8 elements each, one flipped; the Llama shape at T 4 on one embedding element).
+The gradients are checked at every AdamW step at the same weights (tpbench.experiments.validate:
+the sharded model and a copy of the reference take the dense model's weights first), per parameter
+(relative L2) and per row (its worst head or vocabulary row: tpbench.experiments.grad_check), so
+no drift builds up between the models compared and the reference's figure is the same step's
+rounding. K = 4 was set when the gradients were checked at step 1 only: over the validation grid
+(benchmarks/validation_grid.py, docs/results/validation.md) the largest ratio of sharded-vs-dense
+to dense-vs-reference among the figures above their floor was 3.17, so K = 4 left 1.26x room. Now
+each parameter's worst of N steps is kept, more draws than one; the tests' seeds pass at K = 4
+(docs/results/validation.md says what has been measured since, and what is not). K is 4, not 10
+(the old K, which let a 20% gradient bug pass in bf16), so that one gradient off by 10% fails in
+bf16, where each gradient's own error is 0.4-2.6e-2.
+
+The free-running check (the seed's: N AdamW steps, each model on its own from the same start,
+nothing forced, nothing mended) is reported as before; it gives a verdict in fp32 only, past a wide
+bound, FREE_K = FREE x K = 25 x the reference's own free-running drift + the floor, and none in bf16
+and mixed (its rows show "-"). AdamW steps each element by about lr x sign(its gradient) while the
+gradient is small against its history, so an element whose gradient rounding puts on the other side
+of 0 moves lr the other way, and its momentum carries it on: a difference that rounding, not a bug,
+decides, and that the reference (one draw of the same chance) cannot bound at K.
+
+In fp32 such a flip needs a gradient within about 1e-7 of 0 relative: before the sign rule that then
+hid it (the dense gradient written into the sharded model's where both were within rounding; retired
+by issue 56) the largest seen was the Llama shape's logits drift at 5.2x its reference (issue 34),
+so 25 leaves about 5x room (a stated choice, not yet held against a held-out grid:
+docs/results/validation.md) and still fails what breaks the weights outside the gradient (one weight
+of one rank off by 1: rank1_param), whose difference is of the size of the update itself against a
+reference drift of about 1e-5 of it. In bf16 the reference is pure fp32 and flips are common: the
+tests' first mixed run without the sign rule put layer 0's k_norm weight (8 elements) at 37x its
+reference, so no multiple is a bound a correct model cannot reach, and there is none.
+
+The free-running check never stands in for the gradient check at every step (which carries the
+verdict on the gradients) nor for the optimizer's own check on identical inputs (issue 56 item 3): a
+bug of rounding size passes it by design.
 
 The floors (ValidateConfig.tol_*) are the differences too small to mean anything whatever the
 reference says: a figure under its floor passes even when the reference is 0 (an fp32 figure whose
@@ -47,20 +66,30 @@ from tpbench.models.shapes import model_name, shape_label
 from tpbench.results import ParamRow
 
 K = 4.0  # ValidateConfig.k's default
+# the free-running checks' multiple of the reference's own drift, FREE x validate.k: 25 at the default
+# K (docstring: why); validate.k=0 leaves both checks their floors alone
+FREE = 6.25
+FREE_K = FREE * K
 
 # (figure, what it is, the ValidateConfig floor, the reference figure, the ParamRow fields of a
-# per-parameter check). The loss is one scalar: the dense model's own error on it cancels by chance
-# (2.9e-6 against a sharded-vs-dense 4.0e-5 at tp 2, mixed), so its reference is the mean over
-# tokens of the dense model's |per-token loss error|, which bounds the scalar's error and cannot cancel.
+# per-parameter check, free running: bound FREE_K x reference + floor, not K x). The loss is one
+# scalar: the dense model's own error on it cancels by chance (2.9e-6 against a sharded-vs-dense
+# 4.0e-5 at tp 2, mixed), so its reference is the mean over tokens of the dense model's |per-token
+# loss error|, which bounds the scalar's error and cannot cancel.
 CHECKS = (
-    ("fwd_logits_max_abs", "forward max |logits diff|", "tol_fwd", "dense_fwd_logits_max_abs", None),
-    ("loss_abs_diff", "|loss diff|", "tol_loss", "dense_token_loss_mean_abs_diff", None),
-    ("grad_rel_l2", "gradient relative L2", "tol_grad_rel", None, ("grad_rel_l2", "grad_ref_rel_l2")),
-    ("adamw_param_rel_l2", "AdamW x{steps}: param diff / update", "tol_param", None,
-     ("param_rel_l2", "param_ref_rel_l2")),
-    ("adamw_drift_max_abs", "AdamW x{steps}: worst step's max |logits diff|", "tol_drift",
-     "dense_adamw_drift_max_abs", None),
+    ("fwd_logits_max_abs", "forward max |logits diff|", "tol_fwd", "dense_fwd_logits_max_abs", None, False),
+    ("loss_abs_diff", "|loss diff|", "tol_loss", "dense_token_loss_mean_abs_diff", None, False),
+    ("grad_rel_l2", "gradient relative L2, worst of {steps} steps", "tol_grad_rel", None,
+     ("grad_rel_l2", "grad_ref_rel_l2"), False),
+    ("grad_row_rel_l2", "gradient's worst row (head, vocab), worst step", "tol_grad_rel", None,
+     ("grad_row_rel_l2", "grad_row_ref_rel_l2"), False),
+    ("adamw_param_rel_l2", "free AdamW x{steps}: param diff / update", "tol_param", None,
+     ("param_rel_l2", "param_ref_rel_l2"), True),
+    ("adamw_drift_max_abs", "free AdamW x{steps}: worst step's max |logits diff|", "tol_drift",
+     "dense_adamw_drift_max_abs", None, True),
 )  # fmt: skip
+# the ParamRow field holding the step of a per-parameter check's figure
+STEP_FIELDS = {"grad_rel_l2": "grad_step", "grad_row_rel_l2": "grad_row_step"}
 
 
 @dataclass
@@ -74,6 +103,8 @@ class Verdict:
     reference: float  # dense vs the reference model
     floor: float
     k: float = K
+    step: int | None = None  # the step of a per-step check's worst figure
+    binding: bool = True  # False: reported without a verdict (the free-running checks in bf16)
 
     @property
     def bound(self) -> float:
@@ -81,7 +112,8 @@ class Verdict:
 
     @property
     def ok(self) -> bool:
-        return self.value <= self.bound
+        """Within its bound, or a check without a verdict."""
+        return self.value <= self.bound or not self.binding
 
     @property
     def of_bound(self) -> float:
@@ -91,27 +123,43 @@ class Verdict:
     def failure(self) -> str:
         """The check, the parameter, its figure against its bound: how a run says it failed."""
         where = f" {self.param}" if self.param else ""
+        when = f" at step {self.step}" if self.step is not None else ""
         return (
-            f"{self.check}{where} {self.value:.3g} > bound {self.bound:.3g} "
+            f"{self.check}{where}{when} {self.value:.3g} > bound {self.bound:.3g} "
             f"({self.k:g} x {self.reference:.3g} + {self.floor:.3g})"
         )
 
 
 def verdicts(cfg: RunConfig, figures: dict[str, float], rows: list[ParamRow]) -> list[Verdict]:
     """Every check's verdict: per parameter checks give their worst parameter (largest value / bound)."""
+    return [max(group, key=lambda v: v.of_bound) for group in _per_check(cfg, figures, rows)]
+
+
+def _per_check(cfg: RunConfig, figures: dict[str, float] | None, rows: list[ParamRow]) -> list[list[Verdict]]:
+    """Per check, its verdict on every item (per parameter, or the one of the whole model: figures
+    None leaves the whole model's checks out)."""
     out = []
-    for check, what, floor, reference, fields in CHECKS:
-        floor_value, k = getattr(cfg.validate, floor), cfg.validate.k
+    for check, what, floor, reference, fields, free in CHECKS:
+        floor_value, k = getattr(cfg.validate, floor), cfg.validate.k * (FREE if free else 1)
+        binding = not free or cfg.train.dtype == "float32"
         if fields is None:
-            out.append(Verdict(check, what, "", figures[check], figures[reference], floor_value, k))
+            if figures is not None:
+                whole = Verdict(check, what, "", figures[check], figures[reference], floor_value, k)
+                whole.binding = binding
+                out.append([whole])
             continue
         value, ref = fields
+        step = STEP_FIELDS.get(check)
         per_param = [
-            Verdict(check, what, r.name, getattr(r, value), getattr(r, ref), floor_value, k)
+            Verdict(
+                check, what, r.name, getattr(r, value), getattr(r, ref), floor_value, k,
+                getattr(r, step) if step else None, binding,
+            )
             for r in rows
             if getattr(r, value) is not None
-        ]
-        out.append(max(per_param, key=lambda v: v.of_bound))
+        ]  # fmt: skip
+        if per_param:
+            out.append(per_param)
     return out
 
 
@@ -127,20 +175,13 @@ def table(cfg: RunConfig, checks: list[Verdict], rows: list[ParamRow], passed: b
     for col in ("check", "worst parameter", "measured", f"dense vs {reference}", "bound", "ok"):
         main.add_column(col, justify="left" if col in ("check", "worst parameter") else "right", no_wrap=True)
     for v in checks:
-        cells = (f"{v.value:.2e}", f"{v.reference:.2e}", f"{v.bound:.1e}", "yes" if v.ok else "NO")
+        verdict = ("yes" if v.ok else "NO") if v.binding else "-"
+        cells = (f"{v.value:.2e}", f"{v.reference:.2e}", f"{v.bound:.1e}", verdict)
         main.add_row(v.what.format(steps=cfg.validate.steps), v.param or "-", *cells)
     nearest = Table(title="parameters nearest their bound")
     for col in ("check", "parameter", "measured", f"dense vs {reference}", "bound", "of bound"):
         nearest.add_column(col, justify="left" if col in ("check", "parameter") else "right", no_wrap=True)
-    floors = {check: getattr(cfg.validate, floor) for check, _, floor, _, _ in CHECKS}
-    ranked = []
-    for check, _, _, _, fields in CHECKS:
-        if fields is None:
-            continue
-        for r in rows:
-            if getattr(r, fields[0]) is not None:
-                value, ref = getattr(r, fields[0]), getattr(r, fields[1])
-                ranked.append(Verdict(check, "", r.name, value, ref, floors[check], cfg.validate.k))
+    ranked = [v for group in _per_check(cfg, None, rows) for v in group]
     for v in sorted(ranked, key=lambda v: -v.of_bound)[:5]:
         nearest.add_row(
             v.check, v.param, f"{v.value:.2e}", f"{v.reference:.2e}", f"{v.bound:.1e}", f"{v.of_bound:.2f}"
@@ -163,13 +204,15 @@ def table(cfg: RunConfig, checks: list[Verdict], rows: list[ParamRow], passed: b
     console.print(by_sem)
     console.print(
         f"bound: {cfg.validate.k:g} x (dense vs the dense model in {reference}) + floor, per parameter "
-        f"for the gradients and the AdamW parameters; verdict: {'PASSED' if passed else 'FAILED'}"
+        f"for the gradients (at the dense weights, every step), {FREE * cfg.validate.k:g} x for the "
+        f"free-running AdamW checks; verdict: {'PASSED' if passed else 'FAILED'}"
     )
     return out.getvalue()
 
 
 def check_validate_faults(cfg: RunConfig) -> None:
-    """The validation's planted faults (debug.validate_fault, debug.grad_scale) where they can act;
+    """The validation's planted faults (debug.validate_fault, the gradient scales, from_step,
+    low_precision_reduce) where they can act;
     raises ConfigError naming the bad value and what is accepted (tpbench.run.compose calls it)."""
     if cfg.debug.validate_fault and (cfg.kind != "validate" or cfg.parallel.tp * cfg.parallel.dp < 2):
         raise ConfigError(
@@ -185,12 +228,51 @@ def check_validate_faults(cfg: RunConfig) -> None:
             f"{cfg.parallel.tp}: drops a region entry's backward collective, accepted with "
             "parallel.engine=megatron and tp >= 2"
         )
-    if cfg.debug.grad_scale != 1.0 and (
-        cfg.kind != "validate" or not 0 < cfg.debug.grad_scale < float("inf")
-    ):
+    scales = (("grad_scale", "one gradient"), ("row_grad_scale", "one vocabulary row's gradient"),
+              ("head_grad_scale", "one head's gradient"))  # fmt: skip
+    for name, what in scales:
+        scale = getattr(cfg.debug, name)
+        if scale != 1.0 and (cfg.kind != "validate" or not 0 < scale < float("inf")):
+            raise ConfigError(
+                f"debug.{name}={scale} with kind={cfg.kind}: scales {what} of a validation, accepted "
+                "are finite numbers > 0 with kind=validate"
+            )
+    _check_from_step(cfg)
+    d, p = cfg.debug, cfg.parallel
+    if d.low_precision_reduce and (cfg.kind != "validate" or cfg.train.precision != "mixed" or p.dp < 2):
         raise ConfigError(
-            f"debug.grad_scale={cfg.debug.grad_scale} with kind={cfg.kind}: scales one gradient of a "
-            "validation, accepted are finite numbers > 0 with kind=validate"
+            f"debug.low_precision_reduce=true with kind={cfg.kind}, train.precision={cfg.train.precision} "
+            f"and parallel.dp={p.dp}: reduces the DP gradients in bf16 where mixed precision promises "
+            "fp32, accepted with kind=validate, train.precision=mixed and parallel.dp > 1"
+        )
+
+
+# the planted bugs debug.from_step delays (tpbench.experiments.planted)
+DELAYED = ("grad_scale", "row_grad_scale", "head_grad_scale", "skip_grad_sum")
+
+
+def _check_from_step(cfg: RunConfig) -> None:
+    """debug.from_step: a step of the validation's AdamW steps, with only bugs it can delay."""
+    d, steps = cfg.debug, cfg.validate.steps
+    if d.from_step == 1:
+        return
+    if cfg.kind != "validate" or not 1 <= d.from_step <= steps:
+        raise ConfigError(
+            f"debug.from_step={d.from_step} with kind={cfg.kind} and validate.steps={steps}: the step "
+            f"a planted bug starts at, accepted are 1 to validate.steps ({steps}) with kind=validate"
+        )
+    undelayed = [
+        f"debug.{name}={getattr(d, name)}"
+        for name in ("validate_fault", "overlap_fault", "ddp_fault", "dropout_fault", "shard_fault")
+        if getattr(d, name)
+    ] + (["debug.low_precision_reduce=true"] if d.low_precision_reduce else [])
+    if "dp" in d.skip_grad_sum and cfg.parallel.overlap:
+        undelayed.append("debug.skip_grad_sum=dp with parallel.overlap")
+    if undelayed:
+        raise ConfigError(
+            f"debug.from_step={d.from_step} with {', '.join(undelayed)}: from_step delays "
+            f"{', '.join(f'debug.{n}' for n in DELAYED)}, accepted with those only (the others act "
+            "from step 1)"
         )
 
 
@@ -206,7 +288,7 @@ def check_bf16_gemm(cfg: RunConfig) -> None:
             f"{what} with train.dtype={cfg.train.dtype}: it computes bf16 GEMMs; accepted is "
             "train.dtype=bfloat16 (precision pure or mixed)"
         )
-    if cfg.kind != "validate" or cfg.train.compile is True:
+    if cfg.kind != "validate" or cfg.train.compile:
         why = f"kind={cfg.kind}" if cfg.kind != "validate" else "train.compile=true"
         raise ConfigError(
             f"{what} with {why}: it emulates a GPU's bf16 arithmetic for validation and would slow a "

@@ -3,15 +3,24 @@
 Both are built from the same dense weights, run in the run's precision (`train.dtype`, `pure` or
 `mixed` under autocast) and see the same tokens (the dense model the whole global batch, each DP rank
 its slice; under train.accumulation=K its slice is K micro-batches, taken as a training step takes
-them: `_accumulated`):
-1. forward: max |logits diff| (vocab-sharded logits are gathered for the check only), |loss diff|;
-2. backward: per parameter, the relative L2 error of the local gradient against the matching shard
-   of the dense gradient, after the gradient sums (TP norms, KV replicas, DP average);
-3. AdamW: N steps on both, each on a fresh batch (`validate.batch=fresh`) or all on the forward
-   check's batch (`fixed`, the seed chapter's check); every k steps the logits' mean and max |diff|
-   and relative L2 against dense, on a batch kept aside (fresh) or that same batch (fixed); per
-   parameter, the final difference against the dense model's, relative to how far the dense model's
-   parameter moved (||sharded - dense|| / ||dense - initial||), each rank's own against its shard.
+them: `_accumulated`). Each check says what it forces; nothing forced is fed back into a model that
+runs free (issue 56: the sign rule that wrote the dense gradient into the sharded one is gone):
+1. forward, at the first step: max |logits diff| (vocab-sharded logits are gathered for the check
+   only), |loss diff|;
+2. gradients at every AdamW step, at the same weights: the sharded model and a copy of the reference
+   take the dense model's current weights (each rank its part: tpbench.experiments.same_weights),
+   run the step's forward and backward, and per parameter the relative L2 error of the local
+   gradient against its shard of the dense gradient, after the gradient sums (TP norms, KV
+   replicas, DP average), and of its worst row (a head, a vocabulary row: grad_check); the sharded
+   model then has its own weights back. Per parameter the worst step's, and which step; per step
+   the worst (`step_grad_*` curves). A bug that starts at any step fails at that step;
+3. the seed's free-running check: N AdamW steps, each model on its own from the same start, each on
+   a fresh batch (`validate.batch=fresh`) or all on the forward check's batch (`fixed`, the seed
+   chapter's check); every k steps the logits' mean and max |diff| and relative L2 against dense, on
+   a batch kept aside (fresh) or that same batch (fixed); per parameter, the final difference
+   against the dense model's, relative to how far the dense model's parameter moved
+   (||sharded - dense|| / ||dense - initial||), each rank's own against its shard. Its bound is a
+   wide multiple of the reference's own free-running drift (criterion.FREE_K: why).
 
 Every figure is the worst over all ranks (each rank checks its own logits shard, DP slice, gradients
 and parameters), so every rank reaches the same verdict, and an error on any one rank fails the run.
@@ -41,7 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tpbench.config import RunConfig, public_config
-from tpbench.experiments import criterion, planted, signs
+from tpbench.experiments import criterion, grad_check, planted, same_weights
 from tpbench.experiments.progress import StepProgress
 from tpbench.experiments.setup import (
     Batches,
@@ -62,6 +71,8 @@ from tpbench.parallel.plan import ParallelModel
 from tpbench.predict import theory
 from tpbench.results import ParamRow, RankResult
 
+# ParamRow's fields of the parameters after the AdamW steps (validate._param_errors)
+PARAM_FIELDS = ("param_max_abs", "param_rel_l2", "param_ref_rel_l2")
 # The logits drift against dense at each compared AdamW step, each the worst over ranks, stored per step
 DRIFT = ("adamw_logits_mean_abs", "adamw_logits_max_abs", "adamw_logits_rel_l2")
 
@@ -146,8 +157,7 @@ class _Checked:
     cpu: float = 0.0
     gemms: int = 0
     figures: dict[str, float] = field(default_factory=dict)  # this rank's: each one's worst is kept
-    grads: list = field(default_factory=list)
-    rounded_signs: dict[str, torch.Tensor] = field(default_factory=dict)
+    grads: grad_check.WorstSteps | None = None
     drift: list[tuple[int, list[float], float]] = field(default_factory=list)
     opt: Any = None
 
@@ -165,6 +175,7 @@ class _Checked:
 
 
 def _parallel(cfg: RunConfig, ctx: ParallelContext, dense: MiniMindForCausalLM) -> ParallelModel | DDPModel:
+    cfg = planted.built(cfg)
     if cfg.parallel.engine == "ddp" and cfg.parallel.dp_shard == "none":
         return DDPModel(cfg, ctx)
     return shard_data_parallel(cfg, build_parallel(cfg, ctx, dense), cfg.validate.lr)
@@ -186,13 +197,12 @@ def _run(cfgs: Sequence[RunConfig], mode: gemm.Fp32Accumulate | None) -> list[_C
         planted.plant_model_fault(c.cfg, c.pm, ctx)
     batches = Batches(first, ctx)
 
-    # 1. forward and 2. backward, one step, with the collectives of a training step counted
+    # 1. forward, with the collectives of a training step counted (its gradients are step 1's)
     ids, labels = batches.next_global()
-    with precision(first, ctx.device):
-        dense_logits, dense_loss = dense(ids, labels)
-    dense_loss.backward()
-    ref_logits, ref_loss = reference(ids, labels)
-    ref_loss.backward()
+    with torch.no_grad():
+        with precision(first, ctx.device):
+            dense_logits, dense_loss = dense(ids, labels)
+        ref_logits, ref_loss = reference(ids, labels)
     dense_figures = {  # the dense model's own error against the reference
         "dense_fwd_logits_max_abs": _max_abs(dense_logits, ref_logits),
         "dense_loss_abs_diff": (dense_loss.detach().double() - ref_loss.detach().double()).abs().item(),
@@ -201,13 +211,10 @@ def _run(cfgs: Sequence[RunConfig], mode: gemm.Fp32Accumulate | None) -> list[_C
     for c in checked:
         with c.own():
             _first_step(c, ctx, batches, (ids, labels), (dense_logits, dense_loss), dense_figures)
-            c.grads = _grad_errors(c.pm, dense, reference)
+            c.grads = grad_check.WorstSteps(c.cfg.validate.k, c.cfg.validate.tol_grad_rel)
 
-    # 3. AdamW steps on all of them
+    # 2. and 3. AdamW steps on all of them, the gradients checked at each at the dense weights
     initial = {n: p.detach().clone() for n, p in dense.named_parameters()}
-    for c in checked:
-        full = c.pm.full_parameters()
-        c.rounded_signs = {n: torch.zeros_like(p, dtype=torch.bool) for n, p in full.items()}
     _adamw(first, checked, dense, reference, batches, (ids, labels))
     for c in checked:
         with c.own():
@@ -228,7 +235,6 @@ def _first_step(
     counter = instrumentation.CommCounter()
     with counting(cfg, counter):
         logits, loss = _accumulated(cfg, pm, batches, *batch)
-    planted.scale_grad(cfg, pm)
     result.comm = counter.rows()
     result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")
     result.add("predicted_comm_bytes_per_step", theory.predict(cfg).comm_bytes_per_step, "B")
@@ -255,16 +261,14 @@ def _verdicts(
     planted.plant_error(cfg, pm)
     params = _param_errors(pm, dense, reference, initial)
     rows = _rows(pm, c.grads, params)
+    for step, largest, of_bound in c.grads.curve:
+        result.add("step_grad_max_rel_l2", largest, step=step)
+        result.add("step_grad_of_bound", of_bound, step=step)
     if result.rank == 0:
         result.params = rows
     c.figures["adamw_param_max_abs"] = max(r.param_max_abs for r in rows)  # the seed chapter's figure
 
     worst = _worst_over_ranks(c.figures)  # the drift's figures are the worst over ranks already
-    # the elements that stepped with the dense gradient at least once (signs.mend_rounded_signs),
-    # summed over the ranks: an element of a parameter held whole on several ranks counts once per rank
-    (worst["adamw_rounded_signs"],) = collectives.reduce_floats(
-        [float(sum(int(m.sum()) for m in c.rounded_signs.values()))]
-    )
     worst["grad_max_abs"] = max(r.grad_max_abs for r in rows)
     worst["grad_max_rel_l2"] = max(r.grad_rel_l2 for r in rows)
     worst["dense_grad_max_rel_l2"] = max(r.grad_ref_rel_l2 for r in rows)
@@ -347,19 +351,6 @@ def _worst_over_ranks(figures: dict[str, float]) -> dict[str, float]:
     return dict(zip(figures, worst, strict=True))
 
 
-def _grad_errors(pm: ParallelModel | DDPModel, dense: torch.nn.Module, reference: torch.nn.Module) -> list:
-    """Per parameter of this rank: the local gradient against its shard of the dense gradient (mean and
-    max |diff|, relative L2) and that shard of the dense gradient against the reference's (relative L2)."""
-    dense_params, ref_params = dict(dense.named_parameters()), dict(reference.named_parameters())
-    stats = []
-    for name, grad in pm.full_gradients().items():
-        want = pm.shard_like(name, dense_params[name].grad)
-        exact = pm.shard_like(name, ref_params[name].grad)
-        diff = (grad.double() - want.double()).abs()
-        stats.append([diff.mean(), diff.max(), _rel_l2(grad, want, want), _rel_l2(want, exact, exact)])
-    return stats
-
-
 def _param_errors(
     pm: ParallelModel | DDPModel,
     dense: torch.nn.Module,
@@ -388,13 +379,20 @@ def _param_errors(
     return stats
 
 
-def _rows(pm: ParallelModel | DDPModel, grads: list, params: list) -> list[ParamRow]:
-    """Every parameter's figures, each the worst over ranks, in one all-reduce."""
-    stacked = torch.tensor([[*map(float, g), *map(float, q)] for g, q in zip(grads, params, strict=True)])
-    worst = collectives.reduce_over_world(stacked.double(), dist.ReduceOp.MAX).cpu().tolist()
+def _rows(pm: ParallelModel | DDPModel, grads: grad_check.WorstSteps, params: list) -> list[ParamRow]:
+    """Every parameter's figures, each the worst over ranks (the gradients' are already: grad_check),
+    the parameters' in one all-reduce."""
+    stacked = torch.tensor([[*map(float, q)] for q in params], dtype=torch.float64)
+    worst = collectives.reduce_over_world(stacked, dist.ReduceOp.MAX).cpu().tolist()
     return [
-        ParamRow(n, pm.semantics(n), list(p.shape), *w)
-        for (n, p), w in zip(pm.full_parameters().items(), worst, strict=True)
+        ParamRow(
+            n,
+            pm.semantics(n),
+            list(p.shape),
+            **grads.row_fields(i),
+            **dict(zip(PARAM_FIELDS, w, strict=True)),
+        )
+        for i, ((n, p), w) in enumerate(zip(pm.full_parameters().items(), worst, strict=True))
     ]
 
 
@@ -423,21 +421,30 @@ def _adamw(
     fixed = v.batch == "fixed"
     eval_ids = first[0] if fixed else batches.next_global()[0]
     ids, labels = first
+    at_dense = copy.deepcopy(reference)  # the reference at the dense model's weights, every step
+    head_dim = dense.config.head_dim
     progress = StepProgress("validate", v.steps)
     for step in range(1, v.steps + 1):
         if not fixed:
             ids, labels = batches.next_global()
         for opt in (*(c.opt for c in checked), *dense_opts):
             opt.zero_grad(set_to_none=True)
-        for model in (dense, reference):  # the reference runs without autocast
+        at_dense.zero_grad(set_to_none=True)
+        same_weights.load_reference(at_dense, dense)
+        for model in (dense, reference, at_dense):  # the references run without autocast
             with precision(cfg, device) if model is dense else contextlib.nullcontext():
                 loss = model(ids, labels)[1]
             loss.backward()
         for c in checked:
             with c.own():
-                _accumulated(c.cfg, c.pm, batches, ids, labels)
-                planted.scale_grad(c.cfg, c.pm)
-                signs.mend_rounded_signs(c.cfg, c.pm, dense, reference, c.rounded_signs)
+                planted.start_step(c.cfg, c.pm, step)
+                with same_weights.dense_weights(c.pm, dense):  # 2. the gradients at the same weights
+                    _accumulated(c.cfg, c.pm, batches, ids, labels)
+                    planted.scale_grad(c.cfg, c.pm, dense, step)
+                    c.grads.add(step, grad_check.step_errors(c.pm, dense, at_dense, head_dim))
+                c.opt.zero_grad(set_to_none=True)
+                _accumulated(c.cfg, c.pm, batches, ids, labels)  # 3. its own step, from its own weights
+                planted.scale_grad(c.cfg, c.pm, dense, step)
                 c.opt.step()
         for opt in dense_opts:
             opt.step()
