@@ -288,7 +288,7 @@ def check_bf16_gemm(cfg: RunConfig) -> None:
             f"{what} with train.dtype={cfg.train.dtype}: it computes bf16 GEMMs; accepted is "
             "train.dtype=bfloat16 (precision pure or mixed)"
         )
-    if cfg.kind != "validate" or cfg.train.compile:
+    if cfg.kind != "validate" or cfg.train.compile is True:
         why = f"kind={cfg.kind}" if cfg.kind != "validate" else "train.compile=true"
         raise ConfigError(
             f"{what} with {why}: it emulates a GPU's bf16 arithmetic for validation and would slow a "
