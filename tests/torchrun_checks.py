@@ -975,3 +975,93 @@ def main() -> None:
 if __name__ == "__main__":
     main()
     exit_now()
+def suite_optimizer(checks: dict) -> dict:
+    """Per config: optimizer_check.updates of the run's sharded optimizer against the dense AdamW, on
+    inputs with history (the dense AdamW stepped twice first on seeded gradients, then seeded
+    gradients of every scale: every rank draws the same), after one forward and backward of the
+    parallel model (what a validation step has done before). A config named *planted_*: that bug in
+    the sharded optimizer for the check; *_foreach: AdamW's foreach (tests/test_optimizer_check.py).
+    Also the parameters' names and sizes in order (ZeRO-1 flattens them so)."""
+    from tpbench.experiments import optimizer_check, setup, training
+
+    def check(name: str, overrides: list[str]) -> dict:
+        cfg = run_config(overrides)
+        ctx = setup.context(cfg)
+        dense = setup.build_dense(cfg)
+        if cfg.parallel.engine == "ddp" and cfg.parallel.dp_shard == "none":
+            pm = training.DDPModel(cfg, ctx)
+        else:
+            pm = training.shard_data_parallel(cfg, setup.build_parallel(cfg, ctx, dense), cfg.validate.lr)
+        setup.place(dense, ctx.device, setup.param_dtype(cfg))
+        opt = training.optimizer(cfg, pm, cfg.validate.lr)
+        ids, labels = setup.Batches(cfg, ctx).next_local()
+        with setup.precision(cfg, ctx.device):
+            loss = pm(ids, labels)[1]
+        loss.backward()
+        pm.finish_grads()
+        dense_opt = torch.optim.AdamW(
+            dense.parameters(), lr=cfg.validate.lr, weight_decay=cfg.train.weight_decay
+        )
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(3):  # two steps of history, then the gradients the check steps with
+            dense_opt.step()
+            for i, p in enumerate(dense.parameters()):
+                p.grad = (torch.randn(p.shape, generator=gen) * 10.0 ** -(i % 4)).to(p.dtype)
+        groups = getattr(opt, "adamw", opt).param_groups  # ZeRO-1's AdamW of its shard, or the run's
+        if name.endswith("_foreach"):  # AdamW's foreach, as training.adamw sets it for CUDA tensors
+            for group in groups:
+                group["foreach"] = True
+        if name.endswith("planted_no_decay_on_dp_rank1") and ctx.dp_rank == 1:  # ZeRO-1's 2nd shard
+            groups[0]["weight_decay"] = 0.0
+        if name.endswith("planted_eps"):  # every rank's AdamW, every parameter
+            for group in groups:
+                group["eps"] = 1e-3
+        rows = optimizer_check.updates(pm, opt, dense, dense_opt)
+        return {
+            "rows": {r.name: [r.max_abs, r.rel_l2, r.ref_rel_l2, r.moved, r.gathered_max_abs] for r in rows},
+            "numels": [[n, p.numel()] for n, p in pm.module.named_parameters()],
+            "kind": type(opt).__name__,
+            "fused": [g.get("fused") for g in groups],
+            "foreach": [g.get("foreach") for g in groups],
+        }
+
+    return isolated("optimizer", checks, check)
+
+
+def suite_zero_accumulation(checks: dict) -> dict:
+    """Per config (ZeRO-1 under train.accumulation = K): the fp32 grad buffer after K micro-batches'
+    backwards against each micro-batch's gradients taken alone (the buffer emptied between them)
+    and summed by hand in fp32, the way the buffer promises to sum them: per parameter, max |diff|."""
+    from tpbench.experiments.setup import precision
+
+    def check(name: str, overrides: list[str]) -> dict:
+        trainer = Trainer(run_config(overrides))
+        cfg, zero, batches = trainer.cfg, trainer.optimizer, trainer.batches
+        k = cfg.train.accumulation
+        ids, labels = batches.next_local()
+
+        def backward(i: int) -> None:
+            with precision(cfg, trainer.ctx.device):
+                loss = trainer.model(batches.micro(ids, i), batches.micro(labels, i))[1]
+            (loss / k).backward()
+
+        by_hand: dict[str, torch.Tensor] = {}
+        for i in range(k):
+            zero.zero_grad()
+            backward(i)
+            for n, g in zero.gradients().items():
+                by_hand[n] = g.clone() if i == 0 else by_hand[n] + g
+        zero.zero_grad()
+        for i in range(k):
+            backward(i)
+        summed = zero.gradients()
+        return {
+            "dtype": str(zero.grad_buffer.dtype),
+            "diff": {n: (summed[n].double() - g.double()).abs().max().item() for n, g in by_hand.items()},
+        }
+
+    return isolated("zero_accumulation", checks, check)
+
+
+    "optimizer": suite_optimizer,
+    "zero_accumulation": suite_zero_accumulation,

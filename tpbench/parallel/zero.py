@@ -37,7 +37,9 @@ class DistributedOptimizer:
 
     make_adamw builds the AdamW of the master shard; param_dtype: the model's weights' (bf16 under
     mixed precision); master_dtype: the master weights' and the gradient reduction's (fp32 under
-    mixed precision); fault: debug.shard_fault."""
+    mixed precision); fault: debug.shard_fault; reduce_dtype: the reduce-scatter's (None: the grad
+    buffer's, master_dtype; the compute dtype only to prove validation catches it:
+    debug.low_precision_reduce)."""
 
     def __init__(
         self,
@@ -47,8 +49,10 @@ class DistributedOptimizer:
         param_dtype: torch.dtype,
         master_dtype: torch.dtype,
         fault: str = "",
+        reduce_dtype: torch.dtype | None = None,
     ):
         self.params, self.group, self.fault = params, group, fault
+        self.reduce_dtype = reduce_dtype or master_dtype
         self.dp = collectives.group_size(group)
         self.dp_rank = 0 if group is None else dist.get_rank(group)
         first = next(iter(params.values()))
@@ -74,13 +78,13 @@ class DistributedOptimizer:
         self.adamw = make_adamw([self.master])
         for name, p in params.items():
             p.data = self.param_views[name]  # the model's weights live in the param buffer
-            p.register_post_accumulate_grad_hook(lambda p, name=name: self._into_buffer(name))
+            p.register_post_accumulate_grad_hook(lambda p, name=name: self.add_to_buffer(name))
 
     def _mine(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a padded flat [P] tensor: [P/DP]."""
         return flat.narrow(0, self.dp_rank * self.shard_numel, self.shard_numel)
 
-    def _into_buffer(self, name: str) -> None:
+    def add_to_buffer(self, name: str) -> None:
         """Parameter `name`'s gradient of this backward, added into its slot of the grad buffer (zero
         at the step's start). Where the dtypes agree `.grad` becomes the slot's view and later
         accumulations add into it in place; else (bf16 gradients, fp32 buffer) `.grad` is freed."""
@@ -91,10 +95,10 @@ class DistributedOptimizer:
         p.grad = view if p.grad.dtype == view.dtype else None
 
     def gradients(self) -> dict[str, torch.Tensor]:
-        """Every parameter's gradient slot, after sweeping in what autograd's hooks have not (weight
-        gradients computed outside autograd: parallel.overlap's deferred ones)."""
+        """Every parameter's gradient slot, after sweeping in any gradient still in `.grad` (none
+        once ZeroModel hands parallel.overlap's deferred ones in as they are made)."""
         for name in self.params:
-            self._into_buffer(name)
+            self.add_to_buffer(name)
         return self.grad_views
 
     def reduce_scatter(self) -> None:
@@ -102,8 +106,9 @@ class DistributedOptimizer:
         if self.fault == "no_reduce_scatter":  # this rank's own gradients, never averaged
             self.grad_shard = self._mine(self.grad_buffer).clone()
         else:
-            self.grad_shard = collectives.reduce_scatter(self.grad_buffer, self.group, "dp_grads")
-            self.grad_shard.div_(self.dp)
+            sent = self.grad_buffer.to(self.reduce_dtype)  # the buffer itself where the dtypes agree
+            shard = collectives.reduce_scatter(sent, self.group, "dp_grads")
+            self.grad_shard = shard.to(self.grad_buffer.dtype).div_(self.dp)
 
     @property
     def state(self) -> dict:
@@ -148,6 +153,16 @@ class DistributedOptimizer:
         """Every parameter's master weights (fp32 under mixed precision), gathered as full_gradients."""
         return self._unflatten(collectives.all_gather(self.master.detach(), self.group, "check"))
 
+    def shard_of(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Whole per-parameter tensors (shaped as the parameters: weights, AdamW moments) flattened
+        as the buffers are, this rank's [P/DP] of them in the master dtype, the padding zeros (a copy;
+        tpbench.experiments.optimizer_check)."""
+        flat = torch.zeros_like(self.grad_buffer, dtype=self.master.dtype)  # [P]
+        base = self.grad_buffer.storage_offset()
+        for name, view in self.grad_views.items():
+            flat.narrow(0, view.storage_offset() - base, view.numel()).copy_(tensors[name].reshape(-1))
+        return self._mine(flat).clone()
+
     def _unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """A gathered [P] -> each parameter's view, shaped as the parameter."""
         base = self.grad_buffer.storage_offset()
@@ -169,12 +184,21 @@ class ZeroModel:
         param_dtype: torch.dtype,
         master_dtype: torch.dtype,
         fault: str = "",
+        reduce_dtype: torch.dtype | None = None,
     ):
         self.pm, self.module, self.ctx = pm, pm.module, pm.ctx
         pm.grad_sums = [gs for gs in pm.grad_sums if gs.name != "dp"]  # the reduce-scatter's now
         params = dict(self.module.named_parameters())
         group = pm.ctx.dp_group
-        self.optimizer = DistributedOptimizer(params, group, make_adamw, param_dtype, master_dtype, fault)
+        self.optimizer = DistributedOptimizer(
+            params, group, make_adamw, param_dtype, master_dtype, fault, reduce_dtype
+        )
+        # parallel.overlap's deferred weight gradients (q, k, v, gate, up: made outside autograd, so
+        # no hook sees them) go into the buffer as each is made, as autograd's do: under mixed
+        # precision each micro-batch's bf16 gradient is summed in the fp32 buffer, never in bf16
+        names = {id(p): name for name, p in params.items()}
+        for deferred in pm.deferred:
+            deferred.on_ready = lambda p: self.optimizer.add_to_buffer(names[id(p)])
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
         return self.pm(input_ids, labels)
