@@ -944,37 +944,6 @@ def suite_comm_per_step(checks: dict) -> dict:
     return isolated("comm_per_step", checks, check)
 
 
-SUITES = {
-    "units": suite_units,
-    "validate": suite_validate,
-    "memory": suite_memory,
-    "flops": suite_flops,
-    "recompute": suite_recompute,
-    "comm_per_step": suite_comm_per_step,
-}
-
-
-def main() -> None:
-    started_cpu = time.process_time()  # this rank's imports (torch, tpbench)
-    out_path, suites = sys.argv[1], sys.argv[2:]
-    checks = json.loads(os.environ["TPBENCH_CHECKS"])
-    dist.init_process_group("gloo")
-    PROGRESS.append(Path(f"{out_path}.r{dist.get_rank()}.progress"))
-    torch.set_num_threads(1)
-    gc.freeze()  # as tpbench.run.worker does: memory.run's gc.collect() then scans only what the run made
-    if suites[0] == SHARED:  # keyed by suite however many there are (one when few files are collected)
-        write_every_rank(out_path, {suite: SUITES[suite](checks.get(suite, {})) for suite in suites[1:]})
-    elif len(suites) == 1:
-        write_every_rank(out_path, SUITES[suites[0]](checks))
-    else:
-        write_every_rank(out_path, {suite: SUITES[suite](checks.get(suite, {})) for suite in suites})
-    write_cpu(out_path, started_cpu)
-    leave_world()
-
-
-if __name__ == "__main__":
-    main()
-    exit_now()
 def suite_optimizer(checks: dict) -> dict:
     """Per config: optimizer_check.updates of the run's sharded optimizer against the dense AdamW, on
     inputs with history (the dense AdamW stepped twice first on seeded gradients, then seeded
@@ -1063,5 +1032,36 @@ def suite_zero_accumulation(checks: dict) -> dict:
     return isolated("zero_accumulation", checks, check)
 
 
+SUITES = {
+    "units": suite_units,
+    "validate": suite_validate,
+    "memory": suite_memory,
+    "flops": suite_flops,
+    "recompute": suite_recompute,
+    "comm_per_step": suite_comm_per_step,
     "optimizer": suite_optimizer,
     "zero_accumulation": suite_zero_accumulation,
+}
+
+
+def main() -> None:
+    started_cpu = time.process_time()  # this rank's imports (torch, tpbench)
+    out_path, suites = sys.argv[1], sys.argv[2:]
+    checks = json.loads(os.environ["TPBENCH_CHECKS"])
+    dist.init_process_group("gloo")
+    PROGRESS.append(Path(f"{out_path}.r{dist.get_rank()}.progress"))
+    torch.set_num_threads(1)
+    gc.freeze()  # as tpbench.run.worker does: memory.run's gc.collect() then scans only what the run made
+    if suites[0] == SHARED:  # keyed by suite however many there are (one when few files are collected)
+        write_every_rank(out_path, {suite: SUITES[suite](checks.get(suite, {})) for suite in suites[1:]})
+    elif len(suites) == 1:
+        write_every_rank(out_path, SUITES[suites[0]](checks))
+    else:
+        write_every_rank(out_path, {suite: SUITES[suite](checks.get(suite, {})) for suite in suites})
+    write_cpu(out_path, started_cpu)
+    leave_world()
+
+
+if __name__ == "__main__":
+    main()
+    exit_now()
