@@ -1,6 +1,6 @@
 """A memory run's tracker and storages freed by another thread (gloo's worker, letting go last): such a
-free is counted as late unless the caller is waiting on a collective (memory._late_freed measures the
-step again)."""
+free is counted as late unless the caller is waiting on a collective (a memory run records the count,
+memory_late_frees: 0 where instrumentation.settling waits for the worker, tests/test_parallel.py)."""
 
 from __future__ import annotations
 

@@ -30,14 +30,13 @@ SWEEP = [
 
 def figures(work: Workdir) -> dict[tuple, tuple]:
     """What each run stored that does not depend on time, by run and row: every memory and validate
-    figure but a time (validate_cpu_s), the count of re-measured steps and how many runs shared a
-    dense model, every other figure in bytes, each collective's count and bytes, the gradient errors."""
+    figure but a time (validate_cpu_s) and how many runs shared a dense model (the storages freed late
+    included: none, warm or fresh), every other figure in bytes, each collective's count and bytes, the
+    gradient errors."""
     queries = {
         "measurements": "m.rank, m.name, m.step, m.value, m.unit FROM measurements m "
         "JOIN runs r ON r.id = m.run_id WHERE (r.kind != 'throughput' OR m.unit = 'B') AND m.unit != 's' "
-        # how often a step was measured again after gloo's thread freed a storage late: a race, not a
-        # figure of the config (docs/design.md, "Equal peaks"); the peak it gives is compared
-        "AND m.name != 'memory_steps_remeasured' AND m.name != 'validate_shared_by'",
+        "AND m.name != 'validate_shared_by'",
         "comm": "c.rank, c.op, c.purpose, c.count, c.bytes FROM comm c JOIN runs r ON r.id = c.run_id",
         "param_errors": "p.rank, p.name, p.semantics, p.shape, p.grad_mean_abs, p.grad_max_abs, "
         "p.grad_rel_l2 FROM param_errors p JOIN runs r ON r.id = p.run_id",
@@ -76,6 +75,9 @@ def test_warm_workers_measure_what_fresh_jobs_measure(warm_and_fresh):
     shared = "SELECT value FROM measurements WHERE name = 'validate_shared_by'"
     assert [v for (v,) in warm.query(shared)] == [2.0] * 4
     assert [v for (v,) in fresh.query(shared)] == [1.0] * 4
+    # each memory run's every rank: no storage freed by gloo's thread outside a collective's wait
+    late = "SELECT value FROM measurements WHERE name = 'memory_late_frees'"
+    assert [v for (v,) in warm.query(late)] == [v for (v,) in fresh.query(late)] == [0.0] * 4
     warm_figures, fresh_figures = figures(warm), figures(fresh)
     assert len(warm_figures) > 100
     differ = {

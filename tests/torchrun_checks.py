@@ -30,6 +30,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -46,7 +47,7 @@ from tpbench.experiments import memory, planted, validate
 from tpbench.experiments.throughput import LocalFlopCounter
 from tpbench.experiments.training import Trainer
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, build_model
-from tpbench.parallel import collectives, instrumentation, regions
+from tpbench.parallel import collectives, instrumentation, regions, timing
 from tpbench.parallel.context import ParallelContext, exit_now, leave_world
 from tpbench.parallel.cross_entropy import VocabParallelCrossEntropy
 from tpbench.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -590,8 +591,14 @@ def check_settling(ctx: ParallelContext) -> dict[str, int]:
     unsettled, clones, functional = held(), clones_alive(), functional_held()
     with memory.PeakTracker():  # a memory run's tracker waits for each as it is issued
         functional_settled = functional_held()
+    late_peak, late_frees = released_late(ctx, settled=False)
     with instrumentation.settling():
+        settled_peak, settled_late_frees = released_late(ctx, settled=True)
         return {
+            "forced_late_peak": late_peak,
+            "forced_late_frees": late_frees,
+            "forced_settled_peak": settled_peak,
+            "forced_settled_late_frees": settled_late_frees,
             "unsettled": unsettled,
             "settled": held(),
             "settled_async": held(overlapped=True),
@@ -601,6 +608,37 @@ def check_settling(ctx: ParallelContext) -> dict[str, int]:
             "unsettled_functional": functional,
             "settled_functional": functional_settled,
         }
+
+
+FORCED_NUMEL = 1 << 14  # released_late's all-reduced tensor: 64 KiB in fp32
+
+
+def released_late(ctx: ParallelContext, settled: bool) -> tuple[int, int]:
+    """gloo's race, forced: a thread standing in for its worker takes a view of an all-reduce's input
+    as the collective is issued and lets go of it 0.3 s after, long after the collective is done. The
+    caller drops the input right after the collective and makes a tensor of the same size. Under a
+    memory run's tracker: its peak and its storages freed by another thread outside a wait. Settled,
+    the wait lasts until the stand-in lets go, the caller frees the input itself and the peak is one
+    tensor; unsettled, the stand-in frees it after the new one exists (two)."""
+    tracker, stand_in = memory.PeakTracker(), []
+    with tracker:
+        x = [torch.ones(FORCED_NUMEL)]  # the caller's only reference
+
+        def issue() -> dist.Work:
+            view = [x[0].view(-1)]  # the worker's reference, through the storage
+            stand_in.append(threading.Thread(target=lambda: (time.sleep(0.3), view.clear())))
+            stand_in[0].start()
+            return dist.all_reduce(x[0], group=ctx.tp_group, async_op=True)
+
+        collectives._launch(
+            "all_reduce", "test", x[0], 4 * FORCED_NUMEL, ctx.tp_group, issue, None, True
+        ).wait()
+        assert settled == instrumentation.is_settling()
+        x.clear()
+        y = torch.ones(FORCED_NUMEL)
+        del y
+        stand_in[0].join()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"], tracker.late_frees
 
 
 def storage_refs(t: torch.Tensor) -> int:
@@ -627,44 +665,99 @@ class _Made(TorchDispatchMode):
 
 
 def check_async_timing(ctx: ParallelContext) -> dict[str, float]:
-    """An async all-reduce with 0.5 s of other work before its wait, and the same one blocking: counted
-    alike; the async one's exposed time is its wait, the blocking one's all of its time. An async
-    collective whose Work has no future is timed from its wait: all exposed, none hidden."""
+    """An async all-reduce waited on only once it is seen complete and 0.1 s more passed, and the same
+    one blocking: counted alike; the async one's total runs from its launch to its completion, not to
+    its wait, and its exposed time is its wait, the blocking one's all of its time. An async collective
+    whose Work has no future is timed from its wait: all exposed, none hidden. Beside the counter's
+    figures, the check's own clock around each (`*_window_s`: launch to seen complete; `*_wait_s`:
+    the call of wait()), which bound them whatever the load."""
     counter = instrumentation.CommCounter(timed=True)
-    dist.barrier()
-    with instrumentation.counting(counter):
-        pending = collectives.all_reduce_async(torch.randn(1 << 16), ctx.tp_group, "async")
-        time.sleep(0.5)
+    works: list[dist.Work] = []
+
+    def issue(fn):
+        def launch() -> dist.Work:
+            works.append(fn())
+            return works[-1]
+
+        return launch
+
+    def waited(pending: collectives.Pending) -> float:
+        start = time.perf_counter()
         pending.wait()
+        return time.perf_counter() - start
+
+    x = torch.randn(1 << 16)
+    with instrumentation.counting(counter):
+        begin = time.perf_counter()
+        all_reduce = issue(lambda: dist.all_reduce(x, group=ctx.tp_group, async_op=True))
+        pending = collectives._launch(
+            "all_reduce", "async", x, 4 << 16, ctx.tp_group, all_reduce, None, False
+        )
+        while not works[0].is_completed():  # done before the wait, whatever the load
+            time.sleep(1e-3)
+        window = time.perf_counter() - begin
+        time.sleep(0.1)  # other work: the wait comes 0.1 s after the completion at least
+        wait = waited(pending)
         collectives.all_reduce(torch.randn(1 << 16), ctx.tp_group, "blocking")
         # gloo's reduce_scatter_tensor (an all-reduce inside) has no future to say when it finished
         shard = collectives.reduce_scatter_async(torch.randn(1 << 16), ctx.tp_group, "no_future")
         time.sleep(0.1)
-        shard.wait()
-    return {
+        no_future_wait = waited(shard)
+    out = {
         f"{r.purpose}_{field}": getattr(r, field)
         for r in counter.rows()
         for field in ("count", "bytes", "time_s", "exposed_s")
     }
+    return out | {"async_window_s": window, "async_wait_s": wait, "no_future_wait_s": no_future_wait}
+
+
+DDP_HOLD_S = 0.05  # rank 1's last bucket, held back this long after rank 0 began to wait for it
 
 
 def check_ddp_timing(ctx: ParallelContext) -> list[dict[str, float]]:
     """DDP's bucket all-reduces in a timed step, per rank: counted one per bucket, and timed as our
-    async collectives, waited on where DDP waits, at the end of backward. Rank 1 sleeps 0.3 s once
-    the embedding's gradient (the last one, in the last bucket) is ready, so rank 0 waits for that
-    bucket at the end of its backward (exposed there, were the wait DDP's own or after backward: none)."""
+    async collectives, waited on where DDP waits, at the end of backward. Rank 1 holds back its last
+    bucket (the embedding's gradient is the last one ready) until rank 0 has begun its timed wait for
+    that bucket (told through the store), then DDP_HOLD_S more: rank 0's wait cannot end before rank 1
+    let the bucket go, so its exposed time is at least `released` minus `last_wait_began`, both on the
+    host's monotonic clock, one for every process. Were the wait DDP's own or after backward, rank 0
+    would not wait in the timed wait while rank 1 holds: rank 1 gives up after 20 s (`signalled` 0)."""
     trainer = Trainer(run_config([*TINY, "parallel.engine=ddp", "parallel.tp=1", "parallel.dp=2",
                                   "parallel.ddp_bucket_mb=0.05"]))  # fmt: skip
-    trainer.step()  # DDP rebuilds its buckets after the first backward
-    if dist.get_rank() == 1:
-        trainer.module.model.embed_tokens.weight.register_hook(lambda grad: time.sleep(0.3))
-    counter = instrumentation.CommCounter(timed=True)
-    dist.barrier()
-    with instrumentation.counting(counter):
+    for _ in range(2):  # DDP rebuilds its buckets after the first backward: the second has them all
         trainer.step()
+    buckets, store = len(trainer.ddp_state.buckets), dist.distributed_c10d._get_default_store()
+    mine: dict[str, float] = {}
+    began: list[float] = []
+    waiting = timing._WallClockSpan.waiting
+
+    def told(span) -> None:  # rank 0: each bucket's timed wait begins
+        waiting(span)
+        began.append(span.waiting_at)
+        if len(began) == buckets:
+            store.set("ddp_timing_last_wait", "1")
+
+    def hold(grad: torch.Tensor) -> None:  # rank 1: the embedding's gradient is ready
+        try:
+            store.wait(["ddp_timing_last_wait"], timedelta(seconds=20))
+            mine["signalled"] = 1
+        except dist.DistStoreError:
+            mine["signalled"] = 0
+        time.sleep(DDP_HOLD_S)
+        mine["released"] = time.perf_counter()
+
+    if dist.get_rank() == 1:
+        trainer.module.model.embed_tokens.weight.register_hook(hold)
+    counter = instrumentation.CommCounter(timed=True)
+    timing._WallClockSpan.waiting = told
+    try:
+        with instrumentation.counting(counter):
+            trainer.step()
+    finally:
+        timing._WallClockSpan.waiting = waiting
     (row,) = counter.rows()
-    mine = {"op": row.op, "purpose": row.purpose, "count": row.count, "time_s": row.time_s,
-            "exposed_s": row.exposed_s, "buckets": len(trainer.ddp_state.buckets)}  # fmt: skip
+    mine |= {"op": row.op, "purpose": row.purpose, "count": row.count, "time_s": row.time_s,
+             "exposed_s": row.exposed_s, "buckets": buckets, "last_wait_began": began[-1] if began else -1.0}  # fmt: skip
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     return ranks
@@ -852,9 +945,8 @@ def suite_memory(checks: dict) -> dict:
     the late frees that once made one random rank a few KB higher (gloo's worker letting go of a
     collective's tensors, of reduce-scatter's clone, of a gathered storage through its own views, the
     cycle collector) are settled in tpbench (instrumentation.settling, memory.PeakTracker,
-    memory._measure's gc); a step in which gloo's worker still freed a tracked storage late is
-    measured again by the memory experiment itself, on every rank (memory._late_freed: counted in
-    `remeasured`), never here on a disagreement."""
+    memory._measure's gc), and `late_frees` counts the storages a backend's thread still freed outside a
+    collective's wait: none, on every rank."""
 
     def check(name: str, overrides: list[str]) -> dict:
         r = memory.run(run_config(overrides))
@@ -863,7 +955,7 @@ def suite_memory(checks: dict) -> dict:
             "breakdown": {m.name: m.value for m in r.measurements if m.name.startswith("mem_")},
             "comm": sorted([c.op, c.purpose, c.count, c.bytes] for c in r.comm),
             "peak_at": r.peak_at,
-            "remeasured": next(m.value for m in r.measurements if m.name == "memory_steps_remeasured"),
+            "late_frees": next(m.value for m in r.measurements if m.name == "memory_late_frees"),
         }
 
     return isolated("memory", checks, check)

@@ -74,7 +74,8 @@ class PeakTracker(MemTracker):
     def _delete_callback(self, winfo, w_st) -> None:
         """As MemTracker's; counts a storage freed by another thread (gloo's worker, letting go last)
         while this one was not waiting on a collective: freed at a moment that thread chose, so the
-        step's peak may hold it or not (`_measure` measures such a step again)."""
+        step's peak may hold it or not. instrumentation.settling waits inside every collective for the
+        backend to let go, however long it takes: the count is 0 (`memory_late_frees`)."""
         if threading.get_ident() != self._thread and not instrumentation.is_waiting():
             self.late_frees += 1
         super()._delete_callback(winfo, w_st)
@@ -206,9 +207,6 @@ def _tracker(cfg: RunConfig, mode) -> tuple[PeakTracker, contextlib.AbstractCont
     return PeakTracker(), contextlib.nullcontext()
 
 
-MEASURES = 4  # the measured steps, at most, when a backend's thread frees late (_late_freed)
-
-
 def _tracked_steps(cfg: RunConfig, trainer: Trainer, mode, progress: StepProgress | None):
     """The measured steps under a fresh tracker: the tracker, and the first step's collectives."""
     tracker, feed = _tracker(cfg, mode)
@@ -233,23 +231,6 @@ def _tracked_steps(cfg: RunConfig, trainer: Trainer, mode, progress: StepProgres
     return tracker, counter
 
 
-def _late_freed(tracker: PeakTracker) -> bool:
-    """Whether gloo's worker thread freed a tracked storage on any rank outside a collective's wait.
-
-    instrumentation.settling makes each collective return only once gloo has let go of its tensors,
-    and this thread then frees them, at the same op on every rank. Still, now and then (a few in a
-    hundred steps under load) a storage is freed by the worker later, while this thread runs other
-    ops, after settling saw every reference counted back: its bytes were counted until then, and a
-    peak in between is that much higher on that rank (+2,048 B once in CI: T 4, VP, S 16, H 32). What
-    still holds it was not found. Such a step is not the model's: every rank measures again (the
-    decision is agreed, so that all run the same steps). Never on CUDA (no settling) or fake ranks."""
-    if not tracker._settle:
-        return False
-    late = torch.tensor([tracker.late_frees])
-    dist.all_reduce(late, op=dist.ReduceOp.MAX)
-    return late.item() > 0
-
-
 def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace | None, mode) -> RankResult:
     result = RankResult(rank=trainer.ctx.rank)
     warmup = max(cfg.train.warmup, steady_after(cfg))
@@ -266,12 +247,9 @@ def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace 
     if trace is not None:
         trace.exclude(host_counters)
         trace.mark("window")
-    for attempt in range(1, MEASURES + 1):
-        tracker, counter = _tracked_steps(cfg, trainer, mode, progress if attempt == 1 else None)
-        if not _late_freed(tracker) or attempt == MEASURES:
-            break
-    # steps measured again because a backend's thread freed a tracked storage at a moment of its own
-    result.add("memory_steps_remeasured", attempt - 1, "")
+    tracker, counter = _tracked_steps(cfg, trainer, mode, progress)
+    # storages a backend's thread freed outside a collective's wait: none, settling waits for its thread
+    result.add("memory_late_frees", tracker.late_frees, "")
     result.comm = counter.rows()
     result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")
     peak = tracker.get_tracker_snapshot("peak")[trainer.ctx.device]
