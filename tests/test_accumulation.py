@@ -76,18 +76,6 @@ def test_counted_collectives_equal_the_model(accumulated, name):
     assert grads and all(c == grads[0] for c in grads)
 
 
-def test_the_model_counts_tp_per_micro_batch_and_the_dp_sync_once():
-    one = run_config(DP2_TP2["full_tp_sp_vp"][:-1] + ["train.accumulation=1"])
-    one = dataclasses.replace(one, parallel=dataclasses.replace(one.parallel, dp_shard="full"))
-    four = dataclasses.replace(one, train=dataclasses.replace(one.train, accumulation=4))
-    rows_one = {(r.op, r.purpose): r for r in theory.predict(one).comm_rows()}
-    rows_four = {(r.op, r.purpose): r for r in theory.predict(four).comm_rows()}
-    assert rows_one.keys() == rows_four.keys()
-    for key, r in rows_one.items():
-        times = 1 if key[1] in (sharding.GRADS, "grad_sum") else 4
-        assert (rows_four[key].count, rows_four[key].bytes) == (times * r.count, times * r.bytes), key
-
-
 @pytest.fixture
 def alone():
     """A process group of one rank (the fake backend: no collective runs), torn down after."""
