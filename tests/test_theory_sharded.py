@@ -278,7 +278,8 @@ def test_emulated_mixed_precision_peak_is_predicted_to_the_byte(dp_shard, overri
 # activations. FSDP2 keeps the top block's flat all-gather output to the root's post-forward, which
 # lifts the forward's last moments above backward's under ZeRO-2 (every block gathered): the cross
 # entropy's forward (DDP's and TP's modes), the vocab-parallel loss's at a slice's sum (VP), the LM
-# head's matmul with its re-gathered input (SP with VP), the final norm's cast (bf16 with VP). In
+# head's matmul with its re-gathered input (SP with VP), the final norm's cast (bf16 with VP, MiniMind's
+# ops; torch's F.rms_norm is seen at its fp32 product, below the final norm's backward). In
 # backward, the last reduce-scatter's input (fp32 under mixed precision) is kept beside block 0's
 # moments; and in bf16 the block's output gradient beside the post-attention norm's fp32 temporaries.
 DEFAULT_SHAPE = ["kind=memory", "model.hidden_size=64", "model.num_hidden_layers=2", "train.dtype=float32"]
@@ -287,13 +288,20 @@ TP_VP, TP_SP_VP = (
     ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true"],
 )
 BF16, MIXED = ["train.dtype=bfloat16"], ["train.dtype=bfloat16", "train.precision=mixed"]
+SEED_OPS = "model.fused_ops=false"
 TP_SP_LINEAR = ["parallel.tp=2", "parallel.sp=true", "parallel.sp_gather=linear"]
 FEW_TOKEN_PEAKS = {
     "ddp_grads": (["parallel.engine=ddp", "parallel.tp=1", "parallel.dp_shard=grads"], "loss forward"),
     "tp_vp_grads": ([*TP_VP, "parallel.dp_shard=grads"], "loss"),
     "tp_sp_vp_grads": ([*TP_SP_VP, "parallel.dp_shard=grads"], "head forward"),
-    "tp_vp_grads_bf16": ([*TP_VP, *BF16, "parallel.dp_shard=grads"], "final norm forward"),
-    "tp_sp_vp_grads_mixed": ([*TP_SP_VP, *MIXED, "parallel.dp_shard=grads"], "swiglu backward 0"),
+    "tp_vp_grads_bf16": ([*TP_VP, *BF16, "parallel.dp_shard=grads"], "final norm backward"),
+    # MiniMind's own ops (model.fused_ops=false): its final norm's cast is seen beside the fp32 product
+    "tp_vp_grads_bf16_seed_ops": ([*TP_VP, *BF16, "parallel.dp_shard=grads", SEED_OPS], "final norm forward"),
+    "tp_sp_vp_grads_mixed": ([*TP_SP_VP, *MIXED, "parallel.dp_shard=grads"], "q_norm backward 0"),
+    "tp_sp_vp_grads_mixed_seed_ops": (
+        [*TP_SP_VP, *MIXED, "parallel.dp_shard=grads", SEED_OPS],
+        "swiglu backward 0",
+    ),
     "tp_vp_full_bf16": ([*TP_VP, *BF16, "parallel.dp_shard=full"], "post-attention norm backward"),
     # the odd shape (TINY's, S 16): under SP's per-linear gathers up's input gradient is reduce-scattered
     # by its own linear before gate's backward, [S/T B, H] beside gate's [S B, H] (3,072 B over before)

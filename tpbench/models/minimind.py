@@ -52,6 +52,9 @@ class MiniMindConfig:
     flash_attn: bool = True
     fused_swiglu: bool = True  # keep gate and up only; False: MiniMind's silu and mul, as autograd saves
     lean_rmsnorm: bool = True  # RMSNorm keeps its input only; False: its fp32 internals, as autograd saves
+    # torch's fused ops where they are the same math: F.rms_norm, GQA inside SDPA, RoPE tables in the
+    # compute dtype made once, the loss's log-softmax upcast inside; False: MiniMind's own ops (the seed's)
+    fused_ops: bool = True
     # MiniMind's four dropouts (embedding output, attention probabilities, after o_proj, after down_proj),
     # each mask a hash of the element's position (tpbench.models.dropout); needs the manual attention
     dropout: float = 0.0
@@ -93,15 +96,20 @@ class RMSNorm(nn.Module):
     backward (x.float(), which pow and mul save, and the normalised result, which the weight's mul
     saves) and an fp32 rsqrt per row.
 
+    fused (model.fused_ops) calls torch's F.rms_norm instead, the same math: on CUDA one kernel each
+    way, keeping x and an fp32 rsqrt per row; on this torch's CPU it decomposes into the very ops
+    above (mean's result plus eps in place), so it keeps what they keep.
+
     keep_input_only (model.lean_rmsnorm) keeps x alone and runs the same ops again at the start of the
     norm's backward (torch.utils.checkpoint): the same autograd graph, so the same gradients bit for
     bit, for 2 bytes per element kept instead of 8 in bf16 (4 instead of 8 in fp32; in fp32, x.float()
     is x)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, keep_input_only: bool = False):
+    def __init__(self, dim: int, eps: float = 1e-6, keep_input_only: bool = False, fused: bool = False):
         super().__init__()
         self.eps = eps
         self.keep_input_only = keep_input_only
+        self.fused = fused
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,6 +118,8 @@ class RMSNorm(nn.Module):
         return self._norm(x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dtype == self.weight.dtype:  # else (autocast's q, k) torch decomposes it too
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32, or fp64 for validation's reference
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * normed).type_as(x)
@@ -135,6 +145,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     # x [S, B, N, D]; cos, sin [S, D] -> broadcast over B and N
     cos, sin = cos.view(cos.shape[0], 1, 1, -1).to(x.dtype), sin.view(sin.shape[0], 1, 1, -1).to(x.dtype)
     return x * cos + rotate_half(x) * sin
+
+
+def fused_rope_tables(
+    cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[S, D] fp32 cos, sin -> [S, 1, 1, D] cos and sign-folded sin in `dtype`, cast once: rounded as
+    apply_rope rounds them at each call. The sine's first half negated, so that rotate_half's neg
+    and cat become one flip of x's halves (x2 * -sin1 is -x2 * sin1 bit for bit)."""
+    half = sin.shape[-1] // 2
+    signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+    return cos[:, None, None, :].to(dtype), signed[:, None, None, :].to(dtype)
+
+
+def apply_fused_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope's result, bit for bit, in 4 ops instead of 5 and no per-call cast: x [S, B, N, D];
+    cos, signed_sin [S, 1, 1, D] from fused_rope_tables."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]
+    return x * cos + swapped * signed_sin
 
 
 def dropout(cfg: MiniMindConfig, key: DropoutKey, layer: int, site: str) -> PositionalDropout | None:
@@ -173,9 +201,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=bias)
         self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)  # weight [H, Nq D]
         self.qk_norm = cfg.qk_norm
+        self.fused = cfg.fused_ops
         if cfg.qk_norm:  # off (Llama, Qwen2.5): no such parameters at all
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.lean_rmsnorm)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.lean_rmsnorm)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.lean_rmsnorm, cfg.fused_ops)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.lean_rmsnorm, cfg.fused_ops)
         key = key or DropoutKey()
         self.attn_dropout = dropout(cfg, key, layer, "attention")  # [B, N, S, S]: split by heads
         self.resid_dropout = dropout(cfg, key, layer, "attention_output")  # [S(/T), B, H]
@@ -189,12 +218,18 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x).view(s, b, -1, d)  # [S, B, Nkv, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        n_rep = q.shape[2] // k.shape[2]
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, N, S, D]
+        if self.fused:  # tables made once in the compute dtype (a cast here only if q's dtype differs)
+            cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+            q, k = apply_fused_rope(q, cos, sin), apply_fused_rope(k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gqa = self.flash and self.fused  # SDPA takes the KV heads as they are
+        if not gqa:  # manual attention's matmuls need as many KV heads as query heads: a copy
+            n_rep = q.shape[2] // k.shape[2]
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [B, N, S, D] (k, v: [B, Nkv, S, D] if gqa)
         if self.flash:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(d)  # [B, N, S, S]
             causal = torch.full((s, s), float("-inf"), device=x.device).triu(1)
@@ -250,8 +285,10 @@ class MiniMindBlock(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, key, layer)
         self.mlp = FeedForward(cfg, key, layer)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.lean_rmsnorm)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.lean_rmsnorm)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.lean_rmsnorm, cfg.fused_ops)
+        self.post_attention_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, cfg.lean_rmsnorm, cfg.fused_ops
+        )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -269,9 +306,11 @@ class MiniMindModel(nn.Module):
         self.dropout = dropout(cfg, self.dropout_key, -1, "embedding")  # [S(/T), B, H]
         blocks = (MiniMindBlock(cfg, self.dropout_key, i) for i in range(cfg.num_hidden_layers))
         self.layers = nn.ModuleList(blocks)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.lean_rmsnorm)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.lean_rmsnorm, cfg.fused_ops)
         self.config = cfg
         self.rope_cache: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        # model.fused_ops: the fp32 tables it was made from and fused_rope_tables' result
+        self.fused_rope: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [S, D] in fp32, built once per length and device, not on the CPU at every step."""
@@ -280,31 +319,50 @@ class MiniMindModel(nn.Module):
             self.rope_cache[key] = rope_tables(self.config, seq_len, device)
         return self.rope_cache[key]
 
+    def rope_in(self, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """model.fused_ops: fused_rope_tables of these fp32 tables in `dtype`, made again only when the
+        tables or the dtype change (a planted fault may hand new tables at each step)."""
+        made = self.fused_rope
+        if made is None or made[0][0] is not cos or made[0][1] is not sin or made[1][0].dtype != dtype:
+            self.fused_rope = made = ((cos, sin), fused_rope_tables(cos, sin, dtype))
+        return made[1]
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rope(input_ids.shape[1], input_ids.device)
         if self.training:
             self.dropout_key.step += 1
         x = drop(self.dropout, self.embed_tokens(input_ids.t()))  # [S, B, H]; SP: [S/T, B, H]
+        if self.config.fused_ops:  # the dtype q, k will have: autocast's, else the stream's
+            kind = x.device.type
+            dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+            cos, sin = self.rope_in(cos, sin, dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.norm(x)  # [S, B, H]
 
 
 class CausalLMLoss(nn.Module):
-    """Cross entropy of logits[s] against labels[s + 1], ignore_index -100, mean over valid tokens."""
+    """Cross entropy of logits[s] against labels[s + 1], ignore_index -100, mean over valid tokens,
+    in fp32 (fp64: validation's reference). fused: the log-softmax reads the 16-bit logits and writes
+    fp32 (its backward the 16-bit gradient), the same bits without a whole fp32 copy of the logits."""
+
+    def __init__(self, fused: bool = False):
+        super().__init__()
+        self.fused = fused
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # logits [S, B, V], targets [S, B] already shifted
-        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp64: validation's reference
-        return F.cross_entropy(
-            wide.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
-        )
+        wide = torch.promote_types(logits.dtype, torch.float32)
+        flat, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)  # [S B, V], [S B]
+        if self.fused:
+            return F.nll_loss(torch.log_softmax(flat, -1, dtype=wide), targets, ignore_index=IGNORE_INDEX)
+        return F.cross_entropy(flat.to(wide), targets, ignore_index=IGNORE_INDEX)
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     """[B, S] labels -> [S, B] targets: position s predicts token s + 1; the last predicts nothing."""
-    last = torch.full_like(labels.narrow(1, 0, 1), IGNORE_INDEX)  # [B, 1]
-    return torch.cat([labels.narrow(1, 1, labels.shape[1] - 1), last], dim=1).t().contiguous()
+    shifted = F.pad(labels.narrow(1, 1, labels.shape[1] - 1), (0, 1), value=IGNORE_INDEX)  # [B, S]
+    return shifted.t().contiguous()
 
 
 class MiniMindForCausalLM(nn.Module):
@@ -315,7 +373,7 @@ class MiniMindForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.loss_fn = CausalLMLoss()
+        self.loss_fn = CausalLMLoss(cfg.fused_ops)
 
     def forward(
         self, input_ids: torch.Tensor, labels: torch.Tensor | None = None

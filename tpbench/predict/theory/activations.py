@@ -10,8 +10,9 @@ The terms of a block (recompute none), as shapes on this rank (Ns tokens of the 
                      one each where each linear casts or gathers its own
   q_norm, k_norm     the same over [N, Nq/T, D] and [N, Nkv/T, D]
   rope tables        cos, sin [S, D] in p, for q and for k (once for both where the block's input is
-                     cast: FSDP2's MixedPrecisionPolicy)
-  q, k, v            [N, Nq/T D] each, k and v repeated out to the query heads (`kv_widths`)
+                     cast: FSDP2's MixedPrecisionPolicy); none with model.fused_ops (made once in p)
+  q, k, v            [N, Nq/T D] each, k and v repeated out to the query heads (`kv_widths`; SDPA
+                     with model.fused_ops: at their own heads)
   attention core     SDPA: its output [N, Nq/T D] and logsumexp [B, Nq/T, S] (fp32); manual: the
                      fp32 softmax [B, Nq/T, S, S], its cast, and o_proj's input [N, Nq/T D]
   swiglu             gate, up and their product [N, I/T] (MiniMind's unfused ops: silu(gate) too)
@@ -44,7 +45,7 @@ def layer_activations(d: Dims) -> dict[str, int]:
     it remakes are still held, by autocast's cache, until the forward ends: `forward_only_casts`)."""
     N, Ns, S, B, H, p = d.N, d.Ns, d.S, d.B, d.H, d.p
     if d.recompute == "full":  # the stream entering the block, [S(/T), B, H] (and FSDP2's cast cos, sin)
-        rope = 2 * S * d.D * p if d.rope_cast_once else 0
+        rope = 2 * S * d.D * p if d.rope_cast_once and not d.fused_ops else 0
         return {"block input": d.s * Ns * H, "weight casts": 0, "rope tables": rope}
     selective, lean = d.recompute == "selective", d.lean_rmsnorm
     # fp32 input, rsqrt [Ns, 1], fp32 normed (the weight's mul saves it); lean: the input
@@ -69,7 +70,7 @@ def layer_activations(d: Dims) -> dict[str, int]:
         "attention input": attn_input,
         "q_norm": head_norm(d.Hq, d.Nq_l) if d.qk_norm else 0,
         "k_norm": head_norm(d.Hkv, d.Nkv_l) if d.qk_norm else 0,
-        "rope tables": (2 if d.rope_cast_once else 4) * S * d.D * p if p != FP32 else 0,  # cos, sin in p
+        "rope tables": rope_casts(d),
         "q, k, v": p * N * (d.Hq + k_width + v_width),
         "attention core": core,
         "post_attention_layernorm": rmsnorm,
@@ -82,6 +83,15 @@ def layer_activations(d: Dims) -> dict[str, int]:
     if d.dropout:
         terms["attention output dropout"] = terms["mlp output dropout"] = stream_mask(d)
     return terms
+
+
+def rope_casts(d: Dims) -> int:
+    """cos and sin cast to p in a block and saved by RoPE's muls: for q and for k, or once for both
+    (FSDP2's input cast); none in fp32 (the cast is the table) or with model.fused_ops (the tables
+    are made in p once, `model_activations`)."""
+    if d.p == FP32 or d.fused_ops:
+        return 0
+    return (2 if d.rope_cast_once else 4) * d.S * d.D * d.p
 
 
 def probs_saved(d: Dims) -> int:
@@ -128,7 +138,10 @@ def kv_widths(d: Dims) -> tuple[int, int]:
     query heads, unless this rank has one KV head: then the expanded size-1 dim merges into a
     stride-0 view and nothing is copied. SDPA saves that view; manual attention's matmuls reshape it
     to [B Nq, S, D], which copies it (and saves the copy) unless B is 1: a size-1 batch dim merges
-    with the stride-0 head dim into a view."""
+    with the stride-0 head dim into a view. SDPA with model.fused_ops takes them at their own heads
+    (enable_gqa): nothing repeated."""
+    if d.flash and d.fused_ops:
+        return d.Hkv, d.Hkv
     n_rep = d.Nq_l > d.Nkv_l
     v_width = d.Hq if n_rep and (d.Nkv_l > 1 or not d.flash and d.B > 1) else d.Hkv
     return v_width, v_width
@@ -146,8 +159,11 @@ def model_activations(d: Dims) -> dict[str, int]:
         "embedding": (INT64 + 1) * d.N if d.vp else 0,  # VP: masked local ids (int64), out-of-range mask
         "embedding dropout": stream_mask(d),
         # cos, sin [S, D] fp32, built once and kept by the model. Where FSDP2 casts them at each block's
-        # entry no op of the step takes them or a view of them, so MemTracker does not count them
-        "rope tables": 0 if d.rope_cast_once else 2 * FP32 * d.S * d.D,
+        # entry no op of the step takes them or a view of them, so MemTracker does not count them.
+        # model.fused_ops: the tables made from them once, in p, which every block's RoPE takes as they
+        # are: no op takes the fp32 ones nor makes a view of either, so neither is counted (2 S D (4 + p)
+        # bytes, made at the first step and kept, which this model leaves out as MemTracker does)
+        "rope tables": 0 if d.rope_cast_once or d.fused_ops else 2 * FP32 * d.S * d.D,
         "final norm": d.s * Ns * H if d.lean_rmsnorm else 2 * FP32 * Ns * H + FP32 * Ns,
         "head input": head_input,
         "head weight cast": p * d.V_l * H if d.mixed else 0,

@@ -60,6 +60,11 @@ class Dims:
     dropout: bool = False  # model.dropout > 0: each dropout keeps a 1-byte mask (tpbench.models.dropout)
     overlap: bool = False  # parallel.overlap (megatron): with dp > 1, the DP gradients in flat buckets
     rope_cast_once: bool = False  # cos, sin cast once per block, shared by q and k (FSDP2's input cast)
+    # model.fused_ops: RoPE's tables made once in p and shared by every block; SDPA takes k and v at
+    # their own heads (enable_gqa). fused_loss: the log-softmax upcasts inside, with no fp32 copy of
+    # the logits, which torch does on CUDA only (on a CPU, real or emulating a GPU, it copies them)
+    fused_ops: bool = False
+    fused_loss: bool = False
     gloo_clone: bool = False  # real gloo ranks: a reduce-scatter all-reduces a clone of its input
     # parallel.dp_shard where its shard group has more than one rank (else none): ZeRO-1's (optimizer)
     # or FSDP2's (grads, full) own the DP gradients and AdamW steps this rank's shard of dp_shards
@@ -191,4 +196,6 @@ def dims(cfg: RunConfig) -> Dims:
         dp_shard=par.dp_shard if par.dp // par.dp_replicate > 1 else "none",
         dp_shards=par.dp // par.dp_replicate if par.dp_shard != "none" else 1,
         gloo_clone=cfg.launch.device == "cpu" and cfg.launch.emulate == "none",
+        fused_ops=m.fused_ops,
+        fused_loss=m.fused_ops and cfg.launch.device == "cuda" and cfg.launch.emulate != "fake",
     )

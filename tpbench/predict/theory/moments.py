@@ -34,6 +34,7 @@ def loss_extra(d: Dims) -> tuple[int, int]:
     Dense loss (F.cross_entropy on logits.float()): the peak is log_softmax's backward, holding its
     fp32 output (saved), the fp32 gradient from nll_loss and the fp32 gradient it makes: 3 x 4 N V
     (the logits themselves are gone by then: nothing saves them), and the loss and its gradient.
+    With fused_loss (model.fused_ops on CUDA) the gradient it makes is the logits' own, in p.
     Vocab-parallel loss (tpbench.parallel.cross_entropy): its forward holds the logits, the [N]
     bookkeeping and one fp32 slice of LOSS_CHUNKS of the tokens (`loss_slice`) with its sum of exp
     (fp32, the slice's rows), made before it is written into the [N] one; its backward is
@@ -44,8 +45,8 @@ def loss_extra(d: Dims) -> tuple[int, int]:
     nv = d.N * d.V_l
     if d.logits_mean:
         return d.p * nv + (FP32 * nv if d.p != FP32 else 0) + LOSS_AND_GRAD, 0
-    if not d.vp:
-        return FP32 * nv + LOSS_AND_GRAD, 2 * FP32 * nv
+    if not d.vp:  # fused_loss: log_softmax's backward writes the p gradient directly
+        return FP32 * nv + LOSS_AND_GRAD, FP32 * nv + (d.p if d.fused_loss else FP32) * nv
     # at a slice: targets and local ids (int64); row max, target logit, sum of exp (fp32); valid and
     # owned masks (bool)
     small = (2 * INT64 + 3 * FP32 + 2) * d.N
@@ -56,12 +57,15 @@ def loss_forward(d: Dims) -> int:
     """Bytes of a dense loss at the end of its forward, beyond the saved activations: the logits and
     their fp32 copy (unless they are fp32); cross entropy's log_softmax output, the shifted targets
     (int64 [N]), the loss and nll's total weight; the mean's scalar. Only beside the forward-only
-    weight casts (mixed precision with recompute) can it outgrow the loss's backward."""
+    weight casts (mixed precision with recompute) can it outgrow the loss's backward.
+    model.fused_ops: the copy is log_softmax's own (on a CPU; on CUDA there is none), freed as it
+    returns: the peak is then log_softmax's, before nll_loss makes its two scalars."""
     nv = d.N * d.V_l
-    logits = d.p * nv + (FP32 * nv if d.p != FP32 else 0)
+    copy = FP32 * nv if d.p != FP32 and (d.logits_mean or not d.fused_loss) else 0
     if d.logits_mean:
-        return logits + FP32
-    return logits + FP32 * nv + INT64 * d.N + 2 * FP32
+        return d.p * nv + copy + FP32
+    scalars = 0 if d.fused_ops and copy else 2 * FP32
+    return d.p * nv + copy + FP32 * nv + INT64 * d.N + scalars
 
 
 def loss_slice(d: Dims) -> int:

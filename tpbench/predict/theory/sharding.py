@@ -218,11 +218,16 @@ def _final_norm_forward(d: Dims, acts: dict[str, int]) -> int:
     less the head's input and weight cast (not made yet): the fp32 product and its cast to the
     stream's dtype (none where that is fp32: the product itself); a lean norm (its input kept alone,
     tpbench.models.minimind.RMSNorm) holds its fp32 copy of the input (unless that is fp32: x.float()
-    is x) and the normed tensor too, which it does not save."""
+    is x) and the normed tensor too, which it does not save.
+    model.fused_ops: torch's F.rms_norm, whose ops on a CPU are MiniMind's in one C++ function: the
+    tracker sees its peak at the weight's mul (the fp32 product), with the rsqrt of each row still
+    held (fp32 [Ns]) where the norm does not save it (lean); its cast back is seen with the product and
+    the normed tensor already freed."""
     tokens = d.Ns * d.H
-    made = FP32 * tokens + (d.s * tokens if d.s != FP32 else 0)
+    fused = d.fused_ops and d.s == d.w  # F.rms_norm where the input's dtype is the weight's
+    made = FP32 * tokens + (d.s * tokens if d.s != FP32 and not fused else 0)
     if d.lean_rmsnorm:
-        made += FP32 * tokens + (FP32 * tokens if d.s != FP32 else 0)
+        made += FP32 * tokens + (FP32 * tokens if d.s != FP32 else 0) + (FP32 * d.Ns if fused else 0)
     return made - acts["head input"] - acts["head weight cast"]
 
 
