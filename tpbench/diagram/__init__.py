@@ -51,6 +51,7 @@ def traceable(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"parallel.dp={p.dp}: the diagram draws one TP group; accepted is dp=1")
     cfg = copy.deepcopy(cfg)
     cfg.model.num_hidden_layers = 1
+    cfg.train.compile = False  # the trace steps the block eager on emulated ranks (compile=auto on CUDA)
     return cfg
 
 
