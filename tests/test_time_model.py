@@ -10,9 +10,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
+from tpbench.experiments.setup import build_dense
 from tpbench.models.gemm import MODES
 from tpbench.models.minimind import MiniMindConfig, build_model
+from tpbench.parallel.recompute import apply_recompute
 from tpbench.predict import hardware, rate_probe
 from tpbench.predict.steptime import Rates, gpu_rates, model, predict_time
 from tpbench.predict.steptime import ops as O
@@ -53,7 +56,8 @@ def test_op_time_is_the_roofline_plus_the_fixed_cost_on_a_cpu_and_the_larger_on_
     assert model.op_time(big, r) == pytest.approx((2 * 2**30 / 1e10 + 12 * 2**20 / 1e10, 4e-5))
     assert model.op_time(big, replace(r, gpu=True))[0] == pytest.approx(2 * 2**30 / 1e10)  # the larger
     skinny = O.gemm("w", 4096, 64, 64, 4)  # a side of 64: the small class, 1e9
-    assert model.op_time(skinny, r)[0] == pytest.approx(2 * 4096 * 64 * 64 / 1e9 + skinny.bytes / 1e10)
+    operands = 4 * (4096 * 64 + 64 * 64 + 4096 * 64)  # [4096, 64] x [64, 64] -> [4096, 64], fp32: 2,113,536 B
+    assert model.op_time(skinny, r)[0] == pytest.approx(2 * 4096 * 64 * 64 / 1e9 + operands / 1e10)
     attention = O.Op("a", O.ATTENTION, 5e9, 1e8, 16)
     assert model.op_time(attention, r)[0] == pytest.approx(1.0 + 0.01)
     assert model.op_time(attention, replace(r, gpu=True))[0] == pytest.approx(1.0)
@@ -201,32 +205,30 @@ def test_the_blocks_collectives_and_the_rest_keep_comm_rows_totals(line):
     }
 
 
-def test_full_recompute_adds_each_blocks_forward_to_down_proj_and_its_collectives():
-    """Full recompute's step is the plain one + L x the block's forward ops up to down_proj's input,
-    and its "recompute" collectives: a model that forgets the extra forward fails."""
-    r = rates()
-    plain, full = config("mode=tp_sp"), config("mode=tp_sp recompute=full")
-    d = dims(full)
-    forward = O.layer_forward(d)
-    names = [op.name for op in forward]
-    cut = names.index("down_proj")
-    again = d.L * sum(sum(model.op_time(op, r)) for op in forward[:cut])
-    a, b = predict_time(plain, r), predict_time(full, r)
-    assert again > 0
-    assert b.compute_s - a.compute_s == pytest.approx(again)
-    rows = {(x.op, x.purpose): x for x in comm_rows(full)}
-    ag, rs = rows[("all_gather", "recompute")], rows[("reduce_scatter", "recompute")]
-    recompute = ag.count * 2e-4 + ag.bytes * 2e-9 + rs.count * 3e-4 + rs.bytes * 4e-9
-    assert b.comm_exposed["recompute"] == pytest.approx(recompute)
+def matmul_flops(cfg, mode: str) -> int:
+    """FLOPs torch's FlopCounterMode counts in a real forward and backward of the dense model (T 1,
+    manual attention: every FLOP a matmul) with train.recompute=`mode` applied."""
+    net = build_dense(cfg)
+    apply_recompute(net, mode)
+    d = dims(cfg)
+    ids = torch.randint(0, cfg.model.vocab_size, (d.B, d.S), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        net(ids, ids)[1].backward()
+    return counter.get_total_flops()
 
 
-def test_selective_recompute_remakes_what_it_names():
-    r = rates()
-    plain, sel = config("mode=tp"), config("mode=tp recompute=selective")
-    d = dims(sel)
-    swiglu = next(op for op in O.layer_forward(d) if op.name == "swiglu")
-    extra = predict_time(sel, r).compute_s - predict_time(plain, r).compute_s
-    assert extra == pytest.approx(d.L * sum(model.op_time(swiglu, r)))
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recomputes_extra_compute_is_the_matmuls_a_recomputing_step_runs_again(mode):
+    """At a rate of 1 FLOP/s for every matmul and attention and no cost for anything else, the time
+    model's extra compute under recompute is the extra FLOPs it predicts: those a real step runs again,
+    counted by torch (full: each block's forward up to down_proj's input; selective: the SwiGLU,
+    elementwise, none). A model that forgot the recomputed forward, or recomputed down_proj, fails."""
+    unit = rates(gemm={"large": 1.0, "small": 1.0}, attention=1.0, bandwidth=1e300, op_s=0.0)
+    base = "mode=ddp parallel.dp=1 model.flash_attn=false train.compile=false"
+    plain, again = config(base), config(f"{base} recompute={mode}")
+    extra = predict_time(again, unit).compute_s - predict_time(plain, unit).compute_s
+    assert extra == matmul_flops(again, mode) - matmul_flops(plain, "none")
+    assert (extra > 0) == (mode == "full")
 
 
 def test_overlap_hides_only_what_outlasts_the_work_behind_it():
