@@ -95,6 +95,13 @@ BREAKS = {
     # gradients arrived: the final norm's (256 B) first, then the top down_proj's (64 KiB), past the
     # 0.05 MB cap: those two and no other (the tied embedding's comes last, after its lookup's)
     "debug.ddp_fault=drop_bucket": r"^model\.(norm|layers\.1\.mlp\.down_proj)\.weight$",
+    # overlap's DP buckets (T 2, 0.05 MB), each sent at its first gradient: the others of its bucket
+    # land in it after the all-reduce read it. In reverse order, per block: [final norm or the block
+    # below's q; post-attention norm, input norm, down], [up], [gate, o, v, k], [q]; gate, the lone
+    # up and q, the final norm and the late bucket (q/k norms, the tied embedding) are sent whole.
+    # (A peer slow enough to read a slot after its copy lets one step pass; not all six.)
+    "debug.overlap_fault=early_bucket": r"\.(input_layernorm|post_attention_layernorm|mlp\.down_proj"
+    r"|self_attn\.[kvo]_proj)\.weight$",
 }
 LLAMA31_ROPE = ["model.rope_scaling_factor=8", "model.rope_original_max_position_embeddings=16"]
 
@@ -767,7 +774,8 @@ def check_ddp_timing(ctx: ParallelContext) -> list[dict[str, float]]:
         timing._WallClockSpan.waiting = waiting
     (row,) = counter.rows()
     mine |= {"op": row.op, "purpose": row.purpose, "count": row.count, "time_s": row.time_s,
-             "exposed_s": row.exposed_s, "buckets": buckets, "last_wait_began": began[-1] if began else -1.0}  # fmt: skip
+             "exposed_s": row.exposed_s, "buckets": buckets}  # fmt: skip
+    mine["last_wait_began"] = began[-1] if began else -1.0  # -1: rank 0 never waited in a timed wait
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     return ranks
