@@ -204,7 +204,7 @@ for flavour in ("compiled", "eager"):
         # the step's time as the throughput experiment measures it on CUDA, any CUDA-timed figure, and
         # the host's issue time and host_bound where the run records them
         cuda = ", ".join(f"{k} {v:.4g}" for k, v in sorted(m.items()) if "cuda" in k or "event" in k)
-        host = ", ".join(f"{k} {v:.4g}" for k, v in sorted(m.items()) if k.startswith("host"))
+        host = ", ".join(f"{k} {v:.4g}" for k, v in sorted(m.items()) if k.startswith("host") or "issue" in k)
         mfu = m.get("mfu")
         verdict = "no MFU (not on a GPU)" if mfu is None else (
             f"goal {goal:.0%} {'met' if mfu >= goal else f'missed by {goal - mfu:.1%} points ({mfu / goal:.2f}x)'}")

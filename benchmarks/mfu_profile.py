@@ -25,10 +25,10 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from tpbench.experiments.training import Trainer
+from tpbench.parallel.timing import HOST_BOUND, host_bound
 from tpbench.run.compose import expand
 
 WARMUP, TIMED, PROFILED, TOP = 3, 20, 3, 25
-HOST_BOUND = 0.9  # issue time >= 90% of the step's: the device waits on the host (issue 57, item 3)
 # op name prefix -> class; the first that matches, else "other" (as benchmarks/profile_step.py groups)
 CLASSES = {
     "aten::mm": "GEMMs",
@@ -106,7 +106,7 @@ def measure(cfg, overrides: list[str], cuda: bool) -> str:
         f"first step: {first:.2f} s (with train.compile, its compiling)",
         f"{TIMED} steps back to back: host issue time {issue * 1e3:.2f} ms a step (median), step "
         f"{per_step * 1e3:.2f} ms on the device's clock; issue / step {issue / per_step:.2f}: host_bound "
-        f"{int(issue >= HOST_BOUND * per_step)}",
+        f"{int(host_bound(issue, per_step))} (issue >= {HOST_BOUND:.0%} of the step)",
         "",
     ]
     lines += breakdown(prof, wall, cuda)
