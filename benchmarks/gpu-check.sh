@@ -207,7 +207,9 @@ for flavour in ("compiled", "eager"):
         host = ", ".join(f"{k} {v:.4g}" for k, v in sorted(m.items()) if k.startswith("host") or "issue" in k)
         mfu = m.get("mfu")
         verdict = "no MFU (not on a GPU)" if mfu is None else (
-            f"goal {goal:.0%} {'met' if mfu >= goal else f'missed by {goal - mfu:.1%} points ({mfu / goal:.2f}x)'}")
+            f"goal {goal:.0%} {'met' if mfu >= goal else f'missed by {(goal - mfu) * 100:.1f} points ({mfu / goal:.2f}x)'}")
+        if flavour == "compiled" and "host_bound" in m:
+            verdict += f", host_bound {m['host_bound']:.0f} (goal 0 {'met' if m['host_bound'] < 1 else 'missed'})"
         profiled = out / f"profile-{flavour}.txt"
         wide.append((f"throughput, {flavour}", r["mode"], "1",
                      f"{r['status']}: MFU {mfu if mfu is not None else float('nan'):.3f}, {verdict} (predicted "
