@@ -22,8 +22,9 @@ decompose into: the CPU's counts are not a GPU's, where rms_norm is one fused ke
 
 The counts are the suite's guard too (tests/test_host_cost.py); the times are noisy on a shared
 machine: the table says the load average beside them. Run from the repository root:
-  OMP_NUM_THREADS=1 .venv/bin/python benchmarks/host_cost.py [--steps 200] [--no-compile] [--run]
-      [tpbench overrides, e.g. model.fused_ops=false]
+  OMP_NUM_THREADS=1 .venv/bin/python benchmarks/host_cost.py [--counts] [--steps 200] [--no-compile]
+      [--run] [tpbench overrides, e.g. model.fused_ops=false]
+(--counts: the layer's dispatches alone, in seconds; the rest takes minutes, compiling included.)
 """
 
 from __future__ import annotations
