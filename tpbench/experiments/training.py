@@ -159,7 +159,8 @@ def build_ddp(
         gradient_as_bucket_view=p.ddp_gradient_as_bucket_view,
         init_sync=not fake,  # an emulated rank has no one to agree with, nor values to send
     )
-    state = _DDPHookState(ctx.dp_group, cfg.debug.ddp_fault)
+    low = cfg.debug.low_precision_reduce and cfg.train.precision == "mixed"
+    state = _DDPHookState(ctx.dp_group, cfg.debug.ddp_fault, DTYPES[cfg.train.dtype] if low else None)
     ddp.register_comm_hook(state, _counted_allreduce)
     if fake and cfg.launch.emulate == "fake":
         ddp.reducer = _KeepBuckets(ddp.reducer)
@@ -173,15 +174,16 @@ def shard_data_parallel(cfg: RunConfig, pm: ParallelModel, lr: float):
     level = cfg.parallel.dp_shard
     if level == "none":
         return pm
+    low = cfg.debug.low_precision_reduce
     if level == "optimizer":
         mixed = cfg.train.precision == "mixed"
         weights = DTYPES[cfg.train.dtype] if mixed else param_dtype(cfg)
         master = torch.float32 if mixed else weights
         make = lambda params: adamw(cfg, params, lr)  # noqa: E731
-        return ZeroModel(pm, make, weights, master, cfg.debug.shard_fault)
+        return ZeroModel(pm, make, weights, master, cfg.debug.shard_fault, weights if low else None)
     from tpbench.parallel.fsdp import FSDPModel
 
-    return FSDPModel(pm, cfg.parallel, cfg.train, cfg.debug.shard_fault)
+    return FSDPModel(pm, cfg.parallel, cfg.train, cfg.debug.shard_fault, low)
 
 
 def optimizer(cfg: RunConfig, model, lr: float) -> torch.optim.Optimizer | DistributedOptimizer:
@@ -229,6 +231,7 @@ class _KeepBuckets:
 class _DDPHookState:
     group: dist.ProcessGroup | None
     fault: str = ""  # debug.ddp_fault
+    reduce_dtype: torch.dtype | None = None  # debug.low_precision_reduce: the compute dtype, not fp32
     buckets: dict[int, torch.Tensor] = field(default_factory=dict)  # DDP's flat bucket buffers
     timed: list[collectives.Pending] = field(default_factory=list)  # this backward's, in a timed step
 
@@ -258,6 +261,13 @@ def _counted_allreduce(state, bucket):  # no annotations: DDP checks them and ou
     buffer = bucket.buffer()
     if state.fault != "no_divide":
         buffer.div_(dist.get_world_size(group))
+    if state.reduce_dtype is not None:  # debug.low_precision_reduce: summed in bf16, back in fp32
+        low = buffer.to(state.reduce_dtype)
+        collectives.all_reduce(low, group, "dp_grads")
+        buffer.copy_(low)
+        done = torch.futures.Future()
+        done.set_result(buffer)
+        return done
     pending, future = collectives.all_reduce_bucket(buffer, group, "dp_grads")
     if instrumentation.timed():
         state.timed.append(pending)

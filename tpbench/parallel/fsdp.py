@@ -140,7 +140,14 @@ class FSDPModel:
     """A parallel model (any TP mode of either engine, or the dense model at tp 1) with FSDP2 over
     its DP dimension: the model's interface for training and the checks."""
 
-    def __init__(self, pm, pcfg: ParallelConfig, train: TrainConfig, fault: str = ""):
+    def __init__(
+        self,
+        pm,
+        pcfg: ParallelConfig,
+        train: TrainConfig,
+        fault: str = "",
+        low_precision_reduce: bool = False,
+    ):
         self.pm, self.module, self.ctx = pm, pm.module, pm.ctx
         if pcfg.engine == "dtensor":  # its DP average is FSDP2's now
             pm.skip_grad_sum = (*pm.skip_grad_sum, "dp")
@@ -150,8 +157,11 @@ class FSDPModel:
         if pcfg.engine == "dtensor":  # the TP DTensors' mesh and the DP mesh: one 2-D mesh
             mesh = pm.ctx.mesh["dp"]
         mixed = train.precision == "mixed"
+        # low_precision_reduce (debug.low_precision_reduce, to prove validation catches it): no
+        # reduce_dtype, so FSDP2 reduces the gradients in param_dtype, the compute dtype
+        reduce = None if low_precision_reduce else torch.float32
         policy = (
-            MixedPrecisionPolicy(param_dtype=DTYPES[train.dtype], reduce_dtype=torch.float32)
+            MixedPrecisionPolicy(param_dtype=DTYPES[train.dtype], reduce_dtype=reduce)
             if mixed
             else MixedPrecisionPolicy()
         )
