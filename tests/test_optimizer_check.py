@@ -202,7 +202,7 @@ def test_zero1_without_its_all_gather_steps_right_masters_and_leaves_stale_weigh
     parameter's masters to the bit), but the other rank's stepped shard never reaches its parameter
     buffer, which the next forward reads: every weight matrix (each lies, on some rank, in the other
     rank's half) is named by its bf16 gathered weights. Validation's gradient check writes the dense
-    weights into that buffer and cannot see this (tests/test_sharded_dp.py, UNSEEN)."""
+    weights into that buffer and cannot see this (tests/test_sharded_dp.py, by SHARD_BREAKS)."""
     rows = dp2_tp1["optimizer_mixed_no_all_gather"]["rows"]
     assert [n for n, (max_abs, *_) in rows.items() if max_abs != 0.0] == []
     # every weight matrix; a norm weight near 1.0 moves less than half a bf16 ulp, stale or not

@@ -167,13 +167,11 @@ SHARD_BREAKS = {  # fault -> (the checks that fail, every other passing; whether
     "broken_full_all_gather_mixed": (FORWARD | GRADIENTS, True),
 }
 K, TOL_GRAD = 4.0, 1e-5  # the criterion's multiple and the gradient floor (validate.k, validate.tol_grad_rel)
-UNSEEN = {  # planted faults validation passes: why, and what sees them instead
-    "broken_optimizer_all_gather_mixed": "validation since 3108b48 writes the dense weights into ZeRO-1's "
-    "param buffer for each gradient check and gives the free-running steps no verdict in mixed precision, "
-    "so a missing all-gather after the step passes it (every check under 0.65 of its bound); "
-    "optimizer_check.updates sees it (gathered_max_abs, tests/test_optimizer_check.py), which validate "
-    "does not call yet (engineer C's wiring, issue 56 item 3)",
-}
+# Not here: broken_optimizer_all_gather_mixed (ZeRO-1's missing gather in mixed precision) passes
+# validation since 3108b48, which writes the dense weights into ZeRO-1's param buffer for each gradient
+# check and gives the free-running steps no verdict in mixed precision (every check under 0.65 of its
+# bound); optimizer_check.updates names it (gathered_max_abs, tests/test_optimizer_check.py), which
+# validate does not call yet (issue 56 item 3's wiring)
 
 
 @pytest.mark.parametrize("name", SHARD_BREAKS)
@@ -188,11 +186,6 @@ def test_a_planted_shard_fault_fails_exactly_the_checks_and_gradients_it_breaks(
     assert {line.split()[0] for line in r["failed"]} == checks, r["failed"]
     failing = {n for n, (error, reference) in r["params"].items() if error > K * reference + TOL_GRAD}
     assert failing == (set(r["params"]) if every_gradient else set())
-
-
-@pytest.mark.parametrize("name", UNSEEN)
-def test_a_planted_fault_validation_cannot_see_yet(name):
-    pytest.skip(UNSEEN[name])
 
 
 LOW_REDUCE = [  # each level's low-precision reduction, the same level reducing in fp32 (a fault
