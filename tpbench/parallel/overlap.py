@@ -43,8 +43,10 @@ from tpbench.parallel.wrappers import behaviour, wrap
 class DeferredWeightGrads:
     """The weight gradients of one region's column-parallel layers, waiting for the region's entry
     backward to compute them while its collective runs (a regions.Meanwhile). `on_ready(param)` is
-    called after each. `wait=False` only to prove validation catches an entry gradient read before
-    its collective lands (debug.overlap_fault=no_wait)."""
+    called after each: DPGradBuckets' `ready`, or ZeRO-1's `add_to_buffer`, which sums it into the
+    fp32 grad buffer at once (under mixed precision `.grad` is bf16: never a sum across
+    micro-batches). `wait=False` only to prove validation catches an entry gradient read before its
+    collective lands (debug.overlap_fault=no_wait)."""
 
     def __init__(self, wait: bool = True) -> None:
         self.pending: list[tuple[nn.Parameter, Callable[[], torch.Tensor]]] = []
