@@ -46,6 +46,7 @@ from tpbench.experiments import throughput, validate
 from tpbench.experiments.setup import context, counting
 from tpbench.experiments.training import Trainer
 from tpbench.parallel import collectives, instrumentation
+from tpbench.parallel.checks import resolve_switches
 
 WORLD = 4  # dp 2 x tp 2: the dp and tp sub-groups are both real groups of the fake backend
 TP2 = ["parallel.tp=2", "parallel.dp=2"]
@@ -68,7 +69,7 @@ SWITCHES = {
     "overlap": ["parallel.overlap=true"],
     "recompute_selective": ["train.recompute=selective"],
     "recompute_full": ["train.recompute=full"],
-    "fused_adamw": ["train.fused_optimizer=true"],
+    "foreach_adamw": ["train.fused_optimizer=false"],  # fused is the CUDA default (auto)
     "logits_mean_keep_output": ["train.loss=logits_mean", "train.keep_output=true"],
     "flash": ["model.flash_attn=true"],
     "dropout": ["model.dropout=0.1"],  # TINY's attention is manual already, as dropout needs
@@ -94,8 +95,8 @@ _CASES = [
     ("tp_sp_vp", ("recompute_full",), "bf16_pure"),
     ("dtensor_tp_sp_vp", ("recompute_full", "dropout"), "bf16_mixed"),
     ("tp_sp_vp", ("overlap", "recompute_selective"), "bf16_mixed"),
-    ("tp_sp_vp", ("fused_adamw", "no_regather"), "bf16_pure"),
-    ("dtensor_tp", ("fused_adamw",), "bf16_mixed"),
+    ("tp_sp_vp", ("foreach_adamw", "no_regather"), "bf16_pure"),
+    ("dtensor_tp", ("foreach_adamw",), "bf16_mixed"),
     ("ddp", ("logits_mean_keep_output",), "bf16_mixed"),
     ("tp_sp_vp", ("logits_mean_keep_output",), "bf16_pure"),
     ("ddp", ("flash",), "bf16_pure"),
@@ -173,6 +174,9 @@ def check_case(overrides: list[str]) -> dict:
     """Two training steps of the run's Trainer, device=cuda, on fake CUDA tensors."""
     cfg = run_config([*TINY, *overrides])
     cfg.launch.device = "cuda"
+    if "train.fused_optimizer=false" not in overrides:  # auto, as compose resolves it on CUDA: fused
+        cfg.train.fused_optimizer = "auto"
+    resolve_switches(cfg)
     ctx = context(cfg)  # on cuda:0; the mesh is built outside fake mode: it reads the store
     cfg.launch.emulate = "fake"  # the tensors are fake: DDP keeps its first buckets (it cannot read them)
     seen: dict = {"device": str(ctx.device)}

@@ -100,7 +100,7 @@ def test_a_training_step_on_cuda(fake_cuda, case):
     assert seen["params"] == seen["grads"] == ["cuda"]
     assert seen["grads_missing"] == 0
     assert seen["optimizer_states"] == seen["params_count"]
-    fused = "fused_adamw" in case
+    fused = "foreach_adamw" not in case  # train.fused_optimizer=auto: fused on CUDA
     assert (seen["foreach"], seen["fused"]) == ((None, True) if fused else (True, None))
     # AdamW's step counters stay on the host unless fused
     assert seen["optimizer"] == {
