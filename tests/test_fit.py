@@ -141,15 +141,28 @@ LLAMA70 = "model=llama3_70b seq=8192 gpu=H100-80GB gpus_per_node=8"
 T8 = ["tp=8", "sp=true", "vp=true"]  # the search kept to T 8 SP VP, to keep these tests cheap
 
 
-def test_llama70_in_mixed_precision_needs_more_than_one_node_an_answer_exit_1():
-    done = runner.invoke(app, ["fit", *LLAMA70.split(), *T8])
+@pytest.mark.parametrize(
+    "optimizer, nodes",
+    [
+        ([], "fits on 2 nodes (16 GPUs) with sharded DP, e.g. T 8 SP VP x FSDP 2"),  # fused, the default
+        (
+            ["train.fused_optimizer=false"],
+            "fits on 4 nodes (32 GPUs) with sharded DP, e.g. T 8 SP VP x FSDP 4",
+        ),  # noqa: E501
+    ],
+)
+def test_llama70_in_mixed_precision_needs_more_than_one_node_an_answer_exit_1(optimizer, nodes):
+    """On a GPU fit assumes fused AdamW (train.fused_optimizer=auto), as `tpbench run` steps there: its
+    optimizer step holds no for-each temporaries, and 70B needs 2 nodes, not 4."""
+    done = runner.invoke(app, ["fit", *LLAMA70.split(), *T8, *optimizer])
     assert done.exit_code == 1 and done.stdout == "" and len(done.stderr.splitlines()) == 1
     said = done.stderr
     shape = "(L80 H8192 I28672 heads 64/8 head_dim 128 V128256 theta 500000 untied)"
-    here = f"llama3_70b {shape} at S 8192 (mixed precision, for-each AdamW) fits no layout with tp=8 sp=true"
+    adamw = "for-each AdamW" if optimizer else "fused AdamW"
+    here = f"llama3_70b {shape} at S 8192 (mixed precision, {adamw}) fits no layout with tp=8 sp=true"
     assert f"{here} vp=true on 1 node(s) of 8 H100-SXM" in said, said
-    assert "fits on 4 nodes (32 GPUs) with sharded DP, e.g. T 8 SP VP x FSDP 4" in said, said
-    done = runner.invoke(app, ["fit", *LLAMA70.split(), *T8, "--json"])  # the rows, and the line
+    assert nodes in said, said
+    done = runner.invoke(app, ["fit", *LLAMA70.split(), *T8, *optimizer, "--json"])  # the rows, and the line
     assert done.exit_code == 1 and json.loads(done.stdout)["nothing_fits"] == said.strip()
 
 
@@ -171,6 +184,11 @@ def test_pure_precision_and_fused_adamw_stay_options_and_the_title_says_which():
     assert "pure precision (bf16 weights, gradients and AdamW moments), fused AdamW on 1 x 8" in shown
     assert "assumed: fused AdamW (train.fused_optimizer=true), pure precision" in shown
     done = runner.invoke(app, ["fit", *LLAMA70.split(), *T8, "nodes=4", "--rows", "2"])
+    shown = " ".join(done.stdout.split())
+    assert "mixed precision (bf16 compute, fp32 master weights and AdamW moments), fused AdamW" in shown
+    done = runner.invoke(
+        app, ["fit", *LLAMA70.split(), *T8, "nodes=4", "--rows", "2", "train.fused_optimizer=false"]
+    )
     shown = " ".join(done.stdout.split())
     assert "mixed precision (bf16 compute, fp32 master weights and AdamW moments), for-each AdamW" in shown
 
@@ -326,7 +344,7 @@ def test_plan_with_gpu_predicts_that_gpus_step_and_says_what_it_assumed():
     assert done.exit_code == 0, done.stderr
     said = " ".join(done.stdout.split())
     assert "predicted step time on an H100" in said and "this CPU" not in said
-    assumed = "assumed: for-each AdamW (train.fused_optimizer=false), mixed precision (bf16 compute, fp32"
+    assumed = "assumed: fused AdamW (train.fused_optimizer=true), mixed precision (bf16 compute, fp32"
     assert f"{assumed} master weights and AdamW moments), recompute none, micro-batch 4" in said
     for device in ("launch.device=cpu", "device=cpu"):  # the key, or conf/device's group
         done = runner.invoke(app, ["plan", "model=qwen3_0_6b", "gpu=H100", device])
