@@ -449,8 +449,9 @@ def test_every_combination_equals_dense(validated, name):
     assert m["loss_abs_diff"] <= TOL_FWD
     assert m["grad_max_rel_l2"] <= TOL_GRAD
     assert m["adamw_param_max_abs"] <= TOL_PARAM
-    # the reference, the dense model in fp64, measures fp32's own rounding: not 0, far under the floor
-    assert 0 < m["dense_grad_max_rel_l2"] < TOL_GRAD / 3
+    # the reference, the dense model in fp64, measures fp32's own rounding: not 0, under the floor (the
+    # worst over every step's gradients: 4.3e-6 at step 6 with the untied padded vocabulary)
+    assert 0 < m["dense_grad_max_rel_l2"] < TOL_GRAD
     assert m["passed"] == 1.0
     assert validated[name]["failed"] == []
     assert len(validated[name]["drift"]) == 2  # logits compared at steps 3 and 6
@@ -464,8 +465,9 @@ def test_every_mode_equals_dense_in_its_own_precision(validated, name):
     if not name.startswith("ddp"):  # DDP's ranks compute the dense forward itself, bit for bit
         assert m["fwd_logits_max_abs"] > 100 * TOL_FWD  # bf16 rounding: fp32's tolerance would fail it
     failed = validated[name]["failed"]
-    for check, *_ in VALIDATE_CHECKS:  # each one's worst item (parameter) within K x its reference + floor
-        assert m[f"{check}_of_bound"] <= 1, check
+    for check, *_, free in VALIDATE_CHECKS:  # each one's worst item within K x its reference + floor
+        if not free:  # the free-running checks are reported without a verdict in bf16 and mixed
+            assert m[f"{check}_of_bound"] <= 1, check
     for own in ("dense_fwd_logits_max_abs", "dense_grad_max_rel_l2", "dense_adamw_param_max_rel_l2"):
         assert m[own] > 100 * TOL_FWD, own  # the dense model in bf16 is itself off fp32
     # against how far a parameter moved, the dense model's or the reference's: the norm weights do
@@ -528,8 +530,9 @@ def test_a_fixed_batch_check_trains_every_step_on_the_forward_checks_batch(valid
     comparisons; fresh draws that one, one kept aside for the comparisons, and one per step."""
     fixed, fresh = validated[name], validated[FIXED[name]]
     assert (fixed["draws"], fresh["draws"]) == (1, 1 + 1 + 6)
-    for check in ("fwd_logits_max_abs", "loss_abs_diff", "grad_max_rel_l2"):  # the same first batch
+    for check in ("fwd_logits_max_abs", "loss_abs_diff"):  # the same first batch
         assert fixed["metrics"][check] == fresh["metrics"][check], check
+    # the gradients are checked at each AdamW step's batch: fresh's first is a batch of its own
     assert fixed["curves"] != fresh["curves"]  # trained on other batches, compared on another
     assert fixed["failed"] == [] and fixed["metrics"]["passed"] == 1.0
 

@@ -204,7 +204,8 @@ def test_the_low_precision_reduce_sends_the_dp_gradients_in_bf16(dp2_tp1, name, 
     assert low[0] == full[0] and 2 * low[1] == full[1]
 
 
-@pytest.mark.skip(
+@pytest.mark.xfail(
+    strict=True,  # a validation that catches it passes this test, and strict makes that a failure to see
     reason="validation does not see debug.low_precision_reduce yet: its one AdamW step under the "
     "plant measured the gradients at 0.61-0.64 of their bound at each level, 0.63 without it (DP 2 x "
     "TP 1, mixed, 2026-12-07): a 2^-9 reduction error under bf16 compute's own 0.4-2.6%; it needs a "

@@ -48,6 +48,7 @@ from tpbench.experiments.throughput import LocalFlopCounter
 from tpbench.experiments.training import Trainer
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, build_model
 from tpbench.parallel import collectives, instrumentation, regions, timing
+from tpbench.parallel.checks import resolve_switches
 from tpbench.parallel.context import ParallelContext, exit_now, leave_world
 from tpbench.parallel.cross_entropy import VocabParallelCrossEntropy
 from tpbench.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -124,12 +125,21 @@ class JobFailed(AssertionError):
 
 
 def torchrun(
-    script: Path, nproc: int, out: Path, *args: str, checks: dict | None = None, timeout: float = 600
+    script: Path,
+    nproc: int,
+    out: Path,
+    *args: str,
+    checks: dict | None = None,
+    timeout: float = 600,
+    alone: bool = False,
 ) -> list:
     """Run `script OUT ARGS...` as a real torchrun job over gloo and return the JSON rank 0 wrote:
     a list of every rank's results, rank 0's first (`write_every_rank`); a crashed config's results
-    are `Crashed` (`isolated`)."""
+    are `Crashed` (`isolated`). alone: every validate config beside a dense side of its own
+    (`isolated_beside`), as a job started again after a crash runs them."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TPBENCH_CHECKS=json.dumps(checks or {}))
+    if alone:
+        env[ALONE] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     try:
         proc = subprocess.run([*cmd, str(script), str(out), *args], env=env, capture_output=True, text=True,
@@ -244,7 +254,7 @@ class Shared:
             for path in progress_files(out):
                 path.unlink()
             try:
-                ranks = torchrun(CHECKS, self.nproc, out, SHARED, *checks, checks=checks)
+                ranks = torchrun(CHECKS, self.nproc, out, SHARED, *checks, checks=checks, alone=attempt > 0)
                 break
             except JobFailed as e:
                 # every rank runs the configs in one order: the first one running is where the job broke
@@ -389,6 +399,7 @@ def run_config(overrides: list[str]) -> RunConfig:
     merged = OmegaConf.merge(_schema(), OmegaConf.from_dotlist(overrides))
     cfg = OmegaConf.to_object(merged)
     cfg.launch.device = "cpu"
+    resolve_switches(cfg)  # train.compile and fused_optimizer: auto is off on a CPU, as compose makes it
     return cfg
 
 
@@ -919,42 +930,83 @@ def suite_validate(checks: dict) -> dict:
         return next_global(self)
 
     validate.Batches.next_global = counted
-    scale_grad, written = planted.scale_grad, []
+    scale_grad, written = planted.scale_grad, {}
 
-    def scaled(cfg, pm, dense, step):  # once a config: a planted scale's write lands where the step reads
-        if not written:  # every gradient x 2, read back, then restored
+    def scaled(cfg, pm, dense, step):  # once a model: a planted scale's write lands where the step reads
+        if id(pm) not in written:  # every gradient x 2, read back, then restored
             before = {n: g.detach().clone() for n, g in pm.full_gradients().items()}
             pm.write_gradients({n: 2 * g for n, g in before.items()})
             after = pm.full_gradients()
             errors = [(after[n].double() - 2 * g.double()).abs().max().item() for n, g in before.items()]
-            written.append(max(errors))
+            written[id(pm)] = max(errors)
             pm.write_gradients(before)
         scale_grad(cfg, pm, dense, step)
 
     planted.scale_grad = scaled
 
-    def check(name: str, overrides: list[str]) -> dict:
+    def check(names: list[str], cfgs: list[RunConfig]) -> dict:
         draws.clear()
         written.clear()
-        cpu = time.process_time()
-        r = validate.run(run_config(overrides))
+        results = validate.run_beside(cfgs)
+        return {name: figures(r, len(draws), list(written.values())[i] if written else None)
+                for i, (name, r) in enumerate(zip(names, results, strict=True))}  # fmt: skip
+
+    def figures(r, drawn: int, write_error: float | None) -> dict:
         curves = {n: [[m.step, m.value] for m in r.measurements if m.name == n] for n in CURVES}
         return {
             "metrics": {m.name: m.value for m in r.measurements if m.step is None},
             "drift": curves["adamw_logits_max_abs"],
             "curves": curves,
-            "draws": len(draws),
+            "draws": drawn,  # by the dense side its group shares: as many as a run alone draws
             "comm": [[c.op, c.purpose, c.count, c.bytes] for c in r.comm],
             "semantics": sorted({p.semantics for p in r.params}),
             "params": {p.name: [p.grad_rel_l2, p.grad_ref_rel_l2] for p in r.params},  # rank 0's rows
             "rows": {p.name: [p.grad_row_rel_l2, p.grad_row_ref_rel_l2] for p in r.params},
             "steps": {p.name: [p.grad_step, p.grad_row_step] for p in r.params},
             "failed": r.failed,
-            "write_gradients_error": written[0] if written else None,
-            "cpu_s": round(time.process_time() - cpu, 2),  # this rank's, for `--durations`-like sums
+            "write_gradients_error": write_error,
+            # this rank's: its model's own work and its share of the dense side (validate_cpu_s)
+            "cpu_s": round(next(m.value for m in r.measurements if m.name == "validate_cpu_s"), 2),
         }
 
-    return isolated("validate", checks, check)
+    return isolated_beside("validate", checks, check)
+
+
+SHARE_DENSE = 8  # the most configs of a job's validate suite validated beside one dense side
+ALONE = "TPBENCH_TEST_ALONE"  # set: each validate config alone (a job started again after a crash)
+
+
+def isolated_beside(suite: str, checks: dict, check: Callable[[list[str], list[RunConfig]], dict]) -> dict:
+    """`isolated` for validate configs, in groups validated beside one dense model and its reference
+    (validate.run_beside: each model's figures are those of a run of its own, to the bit,
+    tests/test_warm.py): the configs that share a dense side (validate.dense_key) run one after
+    another, up to SHARE_DENSE of them beside one. A group is one unit: every config of it is in
+    flight while it runs (`in_flight`), and one that raises leaves {CRASHED: why} on each of its
+    configs; a job started again after a crash (`Shared._run`) runs each config alone, so that the
+    one that killed it is found. CPU[suite] gets each config's CPU (validate_cpu_s) and its share
+    of the wall."""
+    share = 1 if os.environ.get(ALONE) else SHARE_DENSE  # 1: no dense key, every config alone
+    cfgs = {name: run_config([*overrides, f"launch.share_dense={share}"]) for name, overrides in checks.items()}
+    keys = list(dict.fromkeys(validate.dense_key(c) for c in cfgs.values()))  # first seen, first run
+    order = sorted(cfgs, key=lambda name: keys.index(validate.dense_key(cfgs[name])))
+    results, mine = {}, CPU.setdefault(suite, {})
+    for first, count in validate.groups_beside([cfgs[name] for name in order]):
+        names = order[first : first + count]
+        for name in names:
+            _progress("start", suite, name)
+        if os.environ.get("TPBENCH_TEST_KILL_RANK1_AT") in names and dist.get_rank() == 1:
+            os._exit(3)  # planted: rank 1 dies in this group (tests/test_crash_isolation.py)
+        wall = time.perf_counter()
+        try:
+            results.update(check(names, [cfgs[name] for name in names]))
+        except Exception:
+            why = {CRASHED: f"rank {dist.get_rank()}: {traceback.format_exc(limit=-12)}"}
+            results.update({name: why for name in names})
+        for name in names:
+            cpu = results[name].get("cpu_s", 0.0)
+            mine[name] = [cpu, round((time.perf_counter() - wall) / count, 3)]
+            _progress("end", suite, name)
+    return {name: results[name] for name in checks}  # in the job's order
 
 
 def suite_memory(checks: dict) -> dict:
