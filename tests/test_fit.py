@@ -363,7 +363,8 @@ def test_a_presets_seq_is_fits_default_and_seq_overrides_it():
     assert done.exit_code == 0 and data["global_batch"] == 16, done.stderr
 
 
-PINNED = "model=llama3_8b seq=8192 gpu=H100-80GB tp=2 sp=true vp=true dp_shard=full recompute=selective"
+# S 8704: micro-batch 4 runs tight on 8 H100s (75.75 GiB, 3.40 of headroom under the 3.95 margin)
+PINNED = "model=llama3_8b seq=8704 gpu=H100-80GB tp=2 sp=true vp=true dp_shard=full recompute=selective"
 
 
 def test_pinned_choices_stay_in_the_tight_table_and_the_suggestion():

@@ -351,9 +351,11 @@ def _with(row: Row, micro_batch: int, global_batch: int | None) -> Row:
 
 
 def _memory(base: RunConfig, cluster: Cluster, row: Row) -> Row:
-    """One row's memory: the per-rank peak of one micro-step and its headroom."""
+    """One row's memory: the per-rank peak of one micro-step and its headroom, on the GPU itself as
+    `plan` predicts it (launch.emulate=none: fit's base emulates a rank for --measure, and an emulated
+    rank runs torch's CPU-build loss, which copies the logits to fp32 where CUDA's fused one does not)."""
     cfg = configure(base, row)
-    prediction = theory.predict(cfg)
+    prediction = theory.predict(dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, emulate="none")))
     allocated = prediction.max_memory_allocated_bytes(cluster.gpu.name)
     overhead = cluster.overheads.nccl_bytes_per_communicator * communicators(cfg)
     peak = allocated + overhead
