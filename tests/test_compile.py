@@ -16,11 +16,14 @@ from tpbench.run.compose import expand
 # The hashes of these configs as commit b01d731 (train.compile and fused_optimizer plain bools, false)
 # made them: a recorded run of each keeps its identity once `auto` is resolved to false on a CPU, and a
 # CUDA run that `auto` compiles and fuses has the identity of one that asked for both.
+# They ran the input-only RMSNorm, the default then (model.lean_rmsnorm=true): said here, as auto
+# resolves it to false without recompute (a new default run, another identity: test_lean_rmsnorm_auto).
+LEAN = "model.lean_rmsnorm=true"
 RECORDED = {
-    ("kind=validate", "launch.device=cpu"): "214010c7bd5ed45b",
-    ("kind=throughput", "launch.device=cpu"): "d2486ccb91dad410",
-    ("kind=throughput", "launch.device=cuda"): "1373013401c856db",  # compile=true fused_optimizer=true
-    ("kind=throughput", "launch.device=cuda", "compile=false", "fused=false"): "20e5800956cc1dc9",
+    ("kind=validate", "launch.device=cpu", LEAN): "214010c7bd5ed45b",
+    ("kind=throughput", "launch.device=cpu", LEAN): "d2486ccb91dad410",
+    ("kind=throughput", "launch.device=cuda", LEAN): "1373013401c856db",  # compile=true fused_optimizer=true
+    ("kind=throughput", "launch.device=cuda", "compile=false", "fused=false", LEAN): "20e5800956cc1dc9",
 }
 
 
@@ -63,9 +66,40 @@ def test_auto_is_on_for_cuda_throughput_and_validate_only(overrides, expected):
 
 
 @pytest.mark.parametrize(
+    "overrides, lean",
+    [
+        (["kind=throughput"], False),  # no recompute: torch's norm, no checkpoint (fewer dispatches)
+        (["kind=memory"], False),
+        (["kind=memory", "recompute=selective"], True),  # memory asked for: the input-only norm
+        (["kind=throughput", "recompute=full"], True),
+        (["kind=throughput", "model.lean_rmsnorm=true"], True),
+        (["kind=memory", "recompute=full", "model.lean_rmsnorm=true"], True),
+    ],
+)
+def test_lean_rmsnorm_auto_is_on_where_recompute_asks_for_memory(overrides, lean):
+    (cfg,) = expand(["launch.device=cpu", *overrides], single=True, launching=False)
+    assert cfg.model.lean_rmsnorm is lean
+    said = f"model.lean_rmsnorm={str(lean).lower()}"
+    (pinned,) = expand(["launch.device=cpu", *overrides, said], single=True, launching=False)
+    assert config_hash(cfg) == config_hash(pinned)  # the resolved bool is the run's identity
+
+
+def test_an_unresolved_lean_rmsnorm_auto_is_never_read_as_true():
+    from tpbench.config import RunConfig
+    from tpbench.experiments.setup import model_config
+    from tpbench.predict.theory import dims
+
+    cfg = RunConfig()  # built directly, not composed: lean_rmsnorm stays "auto"
+    assert model_config(cfg).lean_rmsnorm is False and dims(cfg).lean_rmsnorm is False
+    cfg.train.recompute = "selective"
+    assert model_config(cfg).lean_rmsnorm is True and dims(cfg).lean_rmsnorm is True
+
+
+@pytest.mark.parametrize(
     "override, said",
     [
         ("compile=maybe", "train.compile=maybe: accepted are auto, true, false"),
+        ("model.lean_rmsnorm=sometimes", "model.lean_rmsnorm=sometimes: accepted are auto, true, false"),
         ("compile=1", "train.compile=1: accepted are auto, true, false"),
         ("train.fused_optimizer=yes", "train.fused_optimizer=yes: accepted are auto, true, false"),
         ("compile=true mode=tp_sp", "train.compile=true with parallel.sp_regather=true"),

@@ -47,6 +47,7 @@ def config(seed: int = 0) -> RunConfig:
     cfg = RunConfig()
     cfg.train.seed = seed
     cfg.launch.device, cfg.launch.backend = "cpu", "gloo"
+    cfg.model.lean_rmsnorm = True  # as schema 6 ran it (the default then; auto is false without recompute)
     return cfg
 
 

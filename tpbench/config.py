@@ -80,9 +80,12 @@ class ModelConfig:
     # SwiGLU); False: MiniMind's own two ops, which keep silu(gate) too: the seed's benchmark model
     fused_swiglu: bool = True
     # True: each RMSNorm keeps its input only and remakes its fp32 internals in backward (the same
-    # ops again: the gradients bit for bit); False: MiniMind's ops as autograd saves them, two fp32
-    # copies of the input's shape per norm: the seed's benchmark model
-    lean_rmsnorm: bool = True
+    # ops again: the gradients bit for bit; a checkpoint per norm, more dispatches in backward); False:
+    # the norm's ops as autograd saves them (two fp32 copies of the input's shape per norm unfused:
+    # the seed's benchmark model). auto | true | false; auto: true where train.recompute asks for
+    # memory (selective or full: false is refused there), false with train.recompute=none
+    # (`lean_rmsnorm`; resolved before a run by tpbench.parallel.checks.resolve_switches)
+    lean_rmsnorm: Any = "auto"
     # True: torch's fused ops where they are the same math (F.rms_norm, GQA inside SDPA, RoPE tables in
     # the compute dtype made once, the loss upcast inside cross-entropy): fewer host dispatches;
     # False: MiniMind's own ops, as the seed's published figures were measured
@@ -369,6 +372,13 @@ def run_label(c: RunConfig) -> str:
     return f"{c.kind} {mode_label(p)} {parallel_label(p)} layers={c.model.num_hidden_layers}"
 
 
+def lean_rmsnorm(value: Any, recompute: str) -> bool:
+    """model.lean_rmsnorm as a run builds it: auto is on where recompute is asked for (its memory
+    saving wanted, and false refused there), off with recompute none; only True itself is on
+    otherwise, so an unresolved "auto" is never read as true by its truthiness."""
+    return recompute != "none" if value == "auto" else value is True
+
+
 def local_batch(cfg: RunConfig) -> int:
     """Sequences per DP rank (shared by the TP ranks of its group) under the batch policy."""
     t = cfg.train
@@ -445,6 +455,7 @@ def config_hash(cfg: RunConfig) -> str:
     config since `_HASHED_KEYS` counts only where it is not at its default."""
     data = _as_data(cfg)
     del data["db"], data["sweep"], data["model"]["hf_config"]
+    data["model"]["lean_rmsnorm"] = lean_rmsnorm(cfg.model.lean_rmsnorm, cfg.train.recompute)  # what runs
     for key in _UNHASHED_LAUNCH:
         del data["launch"][key]
     _drop_new_defaults(data, cfg, "")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from tpbench.config import ModelConfig, RunConfig, local_batch
+from tpbench.config import ModelConfig, RunConfig, lean_rmsnorm, local_batch
 from tpbench.models.minimind import DTYPES, IGNORE_INDEX, MiniMindConfig, MiniMindForCausalLM, build_model
 from tpbench.parallel import instrumentation
 from tpbench.parallel.compiled import apply_compile
@@ -28,6 +28,7 @@ def model_config(cfg: RunConfig) -> MiniMindConfig:
     was read from. A field the model does not know is refused unless it keeps its default."""
     fields = asdict(cfg.model)
     del fields["name"], fields["hf_config"]
+    fields["lean_rmsnorm"] = lean_rmsnorm(cfg.model.lean_rmsnorm, cfg.train.recompute)  # auto: a bool
     known = {f.name for f in dataclasses.fields(MiniMindConfig)}
     for key in set(fields) - known:
         value = fields.pop(key)
@@ -103,7 +104,7 @@ def build_parallel(
 
         pm = parallelize_dtensor(model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum))
         place(pm.module, ctx.device, param_dtype(cfg))
-        if cfg.train.compile:
+        if cfg.train.compile is True:  # an unresolved "auto" (a RunConfig built directly) runs eager
             apply_compile(pm.module)
         return pm
     debug = cfg.debug
@@ -112,7 +113,7 @@ def build_parallel(
         model, ctx, cfg.parallel, skip, cfg.train.recompute, debug.overlap_fault, debug.dropout_fault
     )
     place(pm.module, ctx.device, param_dtype(cfg))
-    if cfg.train.compile:
+    if cfg.train.compile is True:
         apply_compile(pm.module, between_linears=cfg.parallel.overlap)
     return pm
 
@@ -124,7 +125,7 @@ def counting(cfg: RunConfig, counter: instrumentation.CommCounter) -> AbstractCo
     if cfg.parallel.engine == "dtensor":
         from tpbench.parallel import dtensor
 
-        if not cfg.train.compile:
+        if cfg.train.compile is not True:
             return dtensor.counting(counter)
         stack = contextlib.ExitStack()
         stack.enter_context(torch.compiler.set_stance("force_eager"))

@@ -147,7 +147,7 @@ def build_ddp(
     apply_recompute(dense, cfg.train.recompute)
     # each DP rank draws its slice of the global batch's masks
     place_dropouts(dense, 0, 1, ctx.dp_rank, ctx.dp, False, cfg.debug.dropout_fault)
-    if cfg.train.compile:  # after recompute, before DDP wraps it (torchtitan's order)
+    if cfg.train.compile is True:  # after recompute, before DDP wraps it (torchtitan's order)
         apply_compile(dense)
     on_device(dense)
     fake = collectives.fake_backend(ctx.dp_group)
@@ -202,7 +202,7 @@ def adamw(cfg: RunConfig, params, lr: float) -> torch.optim.AdamW:
     params = list(params)
     groups = [g for g in (_plain(params, True), _plain(params, False)) if g]
     kinds = [{"params": g} for g in groups] if len(groups) > 1 else params
-    if cfg.train.fused_optimizer:
+    if cfg.train.fused_optimizer is True:  # an unresolved "auto" is not read as true
         return torch.optim.AdamW(kinds, lr=lr, weight_decay=cfg.train.weight_decay, fused=True)
     foreach = True if cfg.launch.device == "cuda" else None
     return torch.optim.AdamW(kinds, lr=lr, weight_decay=cfg.train.weight_decay, foreach=foreach)

@@ -238,7 +238,7 @@ def _first_step(
     result.comm = counter.rows()
     result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")
     result.add("predicted_comm_bytes_per_step", theory.predict(cfg).comm_bytes_per_step, "B")
-    if cfg.train.compile:  # what Dynamo made of this model's blocks (fullgraph: no breaks)
+    if cfg.train.compile is True:  # what Dynamo made of this model's blocks (fullgraph: no breaks)
         from torch._dynamo.utils import counters
 
         result.add("compile_graphs", counters["stats"]["unique_graphs"])

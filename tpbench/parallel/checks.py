@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tpbench.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
+from tpbench.config import ConfigError, ModelConfig, ParallelConfig, RunConfig, lean_rmsnorm
 from tpbench.models.shapes import default_intermediate_size
 from tpbench.parallel.names import DROPOUT_FAULTS as FAULTS
 
@@ -225,15 +225,16 @@ def check_dp_shard(cfg: RunConfig) -> None:
             raise ConfigError(f"parallel.dp_shard={level} with {what}: accepted is {accepted}")
 
 
-AUTO_SWITCHES = ("train.compile", "train.fused_optimizer")  # auto | true | false
+AUTO_SWITCHES = ("train.compile", "train.fused_optimizer", "model.lean_rmsnorm")  # auto | true | false
 COMPILED_KINDS = ("throughput", "validate")  # kind=memory runs eager: the memory model counts eager tensors
 
 
 def check_compile(cfg: RunConfig) -> None:
-    """train.compile and train.fused_optimizer take auto, true or false; compile=true is refused,
-    with why, where a compiled block cannot run (`compile_refusal`)."""
+    """train.compile, train.fused_optimizer and model.lean_rmsnorm take auto, true or false;
+    compile=true is refused, with why, where a compiled block cannot run (`compile_refusal`)."""
     for key in AUTO_SWITCHES:
-        value = getattr(cfg.train, key.partition(".")[2])
+        group, _, name = key.partition(".")
+        value = getattr(getattr(cfg, group), name)
         if not (value is True or value is False or value == "auto"):
             raise ConfigError(f"{key}={value}: accepted are auto, true, false")
     refused = compile_refusal(cfg)
@@ -260,7 +261,10 @@ def resolve_switches(cfg: RunConfig) -> None:
     """train.fused_optimizer=auto: fused on CUDA (as torchtitan trains), torch's default on a CPU.
     train.compile=auto: on for a CUDA run of kind throughput or validate that can compile, off
     elsewhere; kind=memory runs eager whatever it says (the memory model counts eager tensors).
-    Both become true or false, the values recorded runs hold: their identities stay (config_hash)."""
+    model.lean_rmsnorm=auto: the input-only norm where train.recompute asks for memory, torch's
+    norm without its checkpoint otherwise (tpbench.config.lean_rmsnorm).
+    All become true or false, the values recorded runs hold: their identities stay (config_hash)."""
+    cfg.model.lean_rmsnorm = lean_rmsnorm(cfg.model.lean_rmsnorm, cfg.train.recompute)
     t, cuda = cfg.train, cfg.launch.device == "cuda"
     if t.fused_optimizer == "auto":
         t.fused_optimizer = cuda

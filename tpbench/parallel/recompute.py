@@ -11,8 +11,9 @@ Selective follows Korthikanti et al. (2022) section 5: recompute what is large t
 make again. Their choice, the attention core's [S, S] softmax, is already recomputed by the fused SDPA
 kernel (it keeps the output and the logsumexp only), so here the large and cheap parts are the
 elementwise ones. The model itself already remakes two of them at no matmul's cost, with or without
-recompute: each RMSNorm keeps its input only (model.lean_rmsnorm) and the fused silu-mul keeps gate
-and up (model.fused_swiglu). What is left is the SwiGLU's product silu(gate) * up, down_proj's input
+recompute: each RMSNorm keeps its input only (model.lean_rmsnorm, which auto turns on wherever
+recompute is asked for) and the fused silu-mul keeps gate and up (model.fused_swiglu). What is
+left is the SwiGLU's product silu(gate) * up, down_proj's input
 (I wide, the largest per-token term of the block): selective keeps gate and up only and makes the
 product again at down_proj's backward. No matmul is run again, so the FLOPs a counter sees do not
 change. The autograd graph is the one of `none`: the gradients are bit-identical. (MiniMind's own

@@ -147,9 +147,17 @@ class Request:
 
     def base(self, base):
         """The composed config with the user's dp_shard / dp_replicate (kept apart from compose, which
-        refuses a sharded memory run the model has not been measured against)."""
+        refuses a sharded memory run the model has not been measured against), and model.lean_rmsnorm
+        left at auto where neither the user nor a preset set it (each row has its own recompute)."""
         import dataclasses
 
+        from tpbench.config import lean_rmsnorm
+
+        m = base.model
+        auto = lean_rmsnorm("auto", base.train.recompute)
+        if "model.lean_rmsnorm" not in self.keys and m.lean_rmsnorm == auto:
+            # model.lean_rmsnorm=auto again, resolved per row with the row's recompute (theory.dims)
+            base = dataclasses.replace(base, model=dataclasses.replace(m, lean_rmsnorm="auto"))
         if not self.sharding:
             return base
         par = base.parallel

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpbench.config import RunConfig, local_batch
+from tpbench.config import RunConfig, lean_rmsnorm, local_batch
 from tpbench.models.minimind import default_intermediate_size
 from tpbench.parallel.plan import padded_vocab
 
@@ -174,7 +174,7 @@ def dims(cfg: RunConfig) -> Dims:
         regather=par.sp_regather,
         flash=m.flash_attn,
         fused_swiglu=m.fused_swiglu,
-        lean_rmsnorm=m.lean_rmsnorm,
+        lean_rmsnorm=lean_rmsnorm(m.lean_rmsnorm, t.recompute),  # fit keeps auto: per row
         tied=m.tie_word_embeddings,
         p=BYTES[t.dtype],
         w=FP32 if mixed else BYTES[t.dtype],
