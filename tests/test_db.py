@@ -21,6 +21,7 @@ from sqlalchemy import create_engine, inspect, text
 from tpbench import machine
 from tpbench.config import RunConfig, TrainConfig, config_hash
 from tpbench.db import SCHEMA_VERSION, DatabaseRefused, NoDatabase, ResultsDB, _driver_url, schema
+from tpbench.parallel.checks import resolve_switches
 from tpbench.results import CommRow, Environment, Outcome, ParamRow, RankResult, Status
 from tpbench.run import sweep
 
@@ -48,6 +49,7 @@ def config(seed: int = 0) -> RunConfig:
     cfg.train.seed = seed
     cfg.launch.device, cfg.launch.backend = "cpu", "gloo"
     cfg.model.lean_rmsnorm = True  # as schema 6 ran it (the default then; auto is false without recompute)
+    resolve_switches(cfg)  # train.compile and fused_optimizer=auto to what a CPU run records, as compose does
     return cfg
 
 

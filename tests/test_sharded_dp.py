@@ -209,7 +209,7 @@ def test_the_low_precision_reduce_sends_the_dp_gradients_in_bf16(dp2_tp1, name, 
     reason="validation does not see debug.low_precision_reduce yet: its one AdamW step under the "
     "plant measured the gradients at 0.61-0.64 of their bound at each level, 0.63 without it (DP 2 x "
     "TP 1, mixed, 2026-12-07): a 2^-9 reduction error under bf16 compute's own 0.4-2.6%; it needs a "
-    "check of the DP reduction on identical inputs (issue 56 item 6, engineer C's criterion)"
+    "check of the DP reduction on identical inputs (issue 56 item 6, engineer C's criterion)",
 )
 @pytest.mark.parametrize("name", [n for n, *_ in LOW_REDUCE])
 def test_the_low_precision_reduce_fails_validation_naming_every_gradient(dp2_tp1, name):

@@ -986,7 +986,7 @@ def isolated_beside(suite: str, checks: dict, check: Callable[[list[str], list[R
     one that killed it is found. CPU[suite] gets each config's CPU (validate_cpu_s) and its share
     of the wall."""
     share = 1 if os.environ.get(ALONE) else SHARE_DENSE  # 1: no dense key, every config alone
-    cfgs = {name: run_config([*overrides, f"launch.share_dense={share}"]) for name, overrides in checks.items()}
+    cfgs = {name: run_config([*o, f"launch.share_dense={share}"]) for name, o in checks.items()}
     keys = list(dict.fromkeys(validate.dense_key(c) for c in cfgs.values()))  # first seen, first run
     order = sorted(cfgs, key=lambda name: keys.index(validate.dense_key(cfgs[name])))
     results, mine = {}, CPU.setdefault(suite, {})

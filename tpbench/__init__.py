@@ -31,7 +31,7 @@ layers as a module-level one does.
 # The layers, lowest first: each entry names modules or packages (a package holds its submodules; a
 # module is in the entry that names it most closely: run.compose, else run).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("config", "results", "machine", "labels"),
+    ("config", "config_schema", "results", "machine", "labels"),
     ("models",),
     ("parallel",),
     ("predict",),

@@ -29,7 +29,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException, Ove
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, ValidationError
 
-from tpbench import config, machine
+from tpbench import config_schema, machine
 from tpbench.config import (
     CONF_DIR,
     SHORT_NAMES,
@@ -327,7 +327,7 @@ def _check_added_keys(overrides: list[Override]) -> None:
 def _check_booleans(overrides: list[Override]) -> None:
     """A bool setting takes true or false only (OmegaConf would also take 2, yes, on, 1)."""
     for o in overrides:
-        if config.field_type(o.key_or_group, default="") != "bool":
+        if config_schema.field_type(o.key_or_group, default="") != "bool":
             continue
         values = list(o.sweep_iterator()) if o.is_sweep_override() else [o.value()]
         for value in values:
@@ -373,7 +373,7 @@ def _explain(e: ConfigCompositionException, typed: dict[str, str]) -> str:
     cause = e.__cause__
     if isinstance(cause, ConfigAttributeError | ConfigKeyError):
         key = cause.full_key
-        near = difflib.get_close_matches(key, [*SHORT_NAMES, *config.schema_keys()], n=1)
+        near = difflib.get_close_matches(key, [*SHORT_NAMES, *config_schema.schema_keys()], n=1)
         guess = f" (did you mean {near[0]}?)" if near else ""
         return (
             f"{typed.get(key, key)}: {key} is not a tpbench setting{guess}; "
@@ -382,7 +382,8 @@ def _explain(e: ConfigCompositionException, typed: dict[str, str]) -> str:
         )
     if isinstance(cause, ValidationError):
         key = cause.full_key
-        return f"{typed.get(key, key)}: {key} takes {config.field_type(key)} ({str(cause).splitlines()[0]})"
+        takes = config_schema.field_type(key)
+        return f"{typed.get(key, key)}: {key} takes {takes} ({str(cause).splitlines()[0]})"
     return " ".join(str(e).split())
 
 

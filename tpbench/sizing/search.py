@@ -355,7 +355,8 @@ def _memory(base: RunConfig, cluster: Cluster, row: Row) -> Row:
     `plan` predicts it (launch.emulate=none: fit's base emulates a rank for --measure, and an emulated
     rank runs torch's CPU-build loss, which copies the logits to fp32 where CUDA's fused one does not)."""
     cfg = configure(base, row)
-    prediction = theory.predict(dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, emulate="none")))
+    on_the_gpu = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, emulate="none"))
+    prediction = theory.predict(on_the_gpu)
     allocated = prediction.max_memory_allocated_bytes(cluster.gpu.name)
     overhead = cluster.overheads.nccl_bytes_per_communicator * communicators(cfg)
     peak = allocated + overhead
