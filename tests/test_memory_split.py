@@ -11,7 +11,8 @@ from tpbench.run.compose import expand
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
 # Qwen3-0.6B's family (q/k norms, head_dim 64 != H / heads), cut in width and depth so that the peak is
-# AdamW's foreach step on an emulated GPU, pure fp32
+# AdamW's foreach step on an emulated GPU, pure fp32. train.fused_optimizer=false: CUDA's default is
+# fused AdamW now (auto), which makes no temporaries, so this rank would peak at the embedding's backward
 AT_THE_STEP = [
     "model=qwen3_0_6b",
     "layers=2",
@@ -30,6 +31,7 @@ AT_THE_STEP = [
     "kind=memory",
     "launch.device=cuda",
     "launch.emulate=fake",
+    "train.fused_optimizer=false",
 ]
 
 

@@ -292,5 +292,8 @@ def _device_name(trainer: Trainer) -> str:
 
 def _host_step_counters(trainer: Trainer) -> list[torch.Tensor]:
     """AdamW's `step` counters: on a GPU they stay on the host (torch keeps them there unless the
-    optimizer is capturable or fused)."""
+    optimizer is capturable or fused: then on the parameters' device, which a GPU counts)."""
+    adamw = getattr(trainer.optimizer, "adamw", trainer.optimizer)  # ZeRO-1's: its master shard's
+    if any(getattr(adamw, "defaults", {}).get(k) for k in ("fused", "capturable")):
+        return []
     return [state["step"] for state in trainer.optimizer.state.values() if "step" in state]
