@@ -23,6 +23,7 @@ from browser import chromium
 
 from tpbench.config import ConfigError, RunConfig, dp_level_label, mode_label
 from tpbench.db import ResultsDB
+from tpbench.parallel.checks import resolve_switches
 from tpbench.report import charts, html, markdown, sections, write
 from tpbench.report.data import Selection, load
 from tpbench.report.sections.diagrams import DRAWN_MODES
@@ -57,10 +58,14 @@ def configs() -> list[RunConfig]:
             p.dp, p.dp_shard, p.dp_replicate = WORLD // p.tp, shard, replicas
             t.precision, t.dtype, t.recompute = precision, dtype, recompute
             cfg.kind = kind
+            # The base's auto switches were resolved for its own kind and recompute none (lean_rmsnorm
+            # false, which check refuses with recompute): back to auto, resolved after check as expand does.
+            cfg.model.lean_rmsnorm = t.compile = t.fused_optimizer = "auto"
             try:
                 compose.check(cfg)
             except ConfigError:
                 continue
+            resolve_switches(cfg)
             out.append(cfg)
     return sorted(out, key=last_level_first)
 
