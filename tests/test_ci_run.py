@@ -57,7 +57,7 @@ def test_a_hand_run_is_the_ci_run(checkout):
     ]
     assert (
         "ci: the test command took" in done.stderr
-        and "of its 1200 s budget: within the 10-minute goal" in done.stderr
+        and "of its 1800 s budget: within the 10-minute goal" in done.stderr
     )
 
 
