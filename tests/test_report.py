@@ -279,28 +279,35 @@ def test_a_throughput_run_records_the_load_before_its_job(filled):
 
 def test_the_drift_table_holds_each_compared_steps_figures(filled, html_report):
     """validate tp_sp_vp, 3 fresh-batch AdamW steps compared at each: per step the logits' mean and max
-    |diff| and relative L2 against dense (each the worst over ranks), and each one's worst."""
+    |diff| and relative L2 against dense (each the worst over ranks), and each one's worst; the
+    gradients checked at every step (at the same weights) in a table of their own, not the drift's."""
     rows = filled.query(
         "SELECT m.step, m.name, MAX(m.value) FROM runs r JOIN measurements m ON m.run_id = r.id "
         "WHERE r.kind = 'validate' AND r.status = 'OK' AND m.step IS NOT NULL GROUP BY m.step, m.name"
     )
     db = {(int(step), name): value for step, name, value in rows}
-    assert {name for _, name in db} == {
-        "adamw_logits_mean_abs",
-        "adamw_logits_max_abs",
-        "adamw_logits_rel_l2",
-    }
+    drift = {"adamw_logits_mean_abs", "adamw_logits_max_abs", "adamw_logits_rel_l2"}
+    assert {name for _, name in db} == drift | {"step_grad_max_rel_l2", "step_grad_of_bound"}
     data = load(ResultsDB(filled.url), Selection(kind="validate"))
-    (table,) = [t for title, t in section_tables(data, sections.validation).items() if "drift" in title]
+    tables = section_tables(data, sections.validation)
+    (table,) = [t for title, t in tables.items() if "drift" in title]
     assert table.title.startswith("AdamW drift against dense (fresh batch): tiny: H64 S32")
     assert table.frame["step"].tolist() == [1, 2, 3, "worst"]
+    assert not any("of bound" in str(c) for c in table.frame.columns)  # the gradient curves: not here
     for name, what in (("mean_abs", "mean"), ("max_abs", "max"), ("rel_l2", "rel L2")):
         column = table.frame[f"tp_sp_vp {what}"].tolist()
         assert column == [*(db[(step, f"adamw_logits_{name}")] for step in (1, 2, 3)), max(column[:3])]
+    (grads,) = [t for title, t in tables.items() if title.startswith("Gradients against dense at every step")]
+    steps = sorted(step for step, name in db if name == "step_grad_of_bound")
+    assert grads.frame["step"].tolist() == [*steps, "worst"]
+    for name, what in (("max_rel_l2", "rel L2"), ("of_bound", "of bound")):
+        column = grads.frame[f"tp_sp_vp {what}"].tolist()
+        assert column == [*(db[(step, f"step_grad_{name}")] for step in steps), max(column[:-1])]
     html = html_report.read_text()
     assert (
         f"{db[(2, 'adamw_logits_rel_l2')]:.2e}" in html and "AdamW drift against dense (fresh batch)" in html
     )
+    assert "Gradients against dense at every step" in html
 
 
 def test_html_is_self_contained_and_escapes_what_runs_hold(html_report):

@@ -383,17 +383,20 @@ def drift(data: ReportData) -> pd.DataFrame:
 
 
 DRIFT = {"adamw_logits_mean_abs": "mean", "adamw_logits_max_abs": "max", "adamw_logits_rel_l2": "rel_l2"}
+# the gradients at every step, at the same weights (not free-running): the worst parameter's
+STEP_GRAD = {"step_grad_max_rel_l2": "rel_l2", "step_grad_of_bound": "of_bound"}
 
 
-def drift_table(data: ReportData) -> pd.DataFrame:
+def drift_table(data: ReportData, names: dict[str, str] = DRIFT) -> pd.DataFrame:
     """The logits drift of every validate run shown, one row per compared step: run_id, mode,
-    validate_batch, step, mean, max, rel_l2 (runs before the mean and relative L2 were recorded: NaN)."""
+    validate_batch, step, mean, max, rel_l2 (runs before the mean and relative L2 were recorded: NaN).
+    With `names` STEP_GRAD: the per-step gradient check instead, rel_l2 and of_bound per step."""
     runs = validation(data)
-    curve = data.curves[data.curves["name"].isin(list(DRIFT))]
+    curve = data.curves[data.curves["name"].isin(list(names))]
     if runs.empty or curve.empty:
         return pd.DataFrame()
     wide = curve.pivot_table(index=["run_id", "step"], columns="name", values="value", aggfunc="max")
-    wide = wide.rename(columns=DRIFT).reindex(columns=list(DRIFT.values())).reset_index()
+    wide = wide.rename(columns=names).reindex(columns=list(names.values())).reset_index()
     keep = ["id", "mode", "label", "mode_rank", "level_rank", "setting", "layers", "validate_batch"]
     frame = runs[keep].rename(columns={"id": "run_id"}).merge(wide, on="run_id")
     return frame.sort_values(["setting", "mode_rank", "level_rank", "run_id", "step"]).reset_index(drop=True)

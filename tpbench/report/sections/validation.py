@@ -6,7 +6,7 @@ import pandas as pd
 
 from tpbench.report import charts, published, units
 from tpbench.report.blocks import Chart, Section, Table, kind_empty, pick
-from tpbench.report.data import ReportData, drift, drift_table, validation
+from tpbench.report.data import STEP_GRAD, ReportData, drift, drift_table, validation
 from tpbench.report.labels import levels_in
 
 SEED_NOTE = (
@@ -71,6 +71,9 @@ def section(data: ReportData) -> Section:
         () if steps.empty else steps.groupby(["setting", "validate_batch"], sort=False)
     ):
         section.blocks.append(_drift_table(group, setting, batch, runs))
+    grads = drift_table(data, STEP_GRAD)  # empty for runs before the per-step gradient check
+    for setting, group in () if grads.empty else grads.groupby("setting", sort=False):
+        section.blocks.append(_step_grad_table(group, setting))
     if not curves.empty:
         section.blocks.append(
             Chart(
@@ -153,3 +156,31 @@ def _drift_table(steps: pd.DataFrame, setting: str, batch: str, runs: pd.DataFra
         )
     title = f"AdamW drift against dense ({batch} batch): {setting}{levels_in(steps)}"
     return Table(title, frame, formats, note)
+
+
+def _step_grad_table(steps: pd.DataFrame, setting: str) -> Table:
+    """One row per step, per run (mode) the worst parameter's gradient relative L2 against dense at
+    the same weights and its figure / bound; a last row with each column's worst over the run."""
+    steps = steps.astype({"step": int})
+    step = pd.Series(sorted(steps["step"].unique()))
+    columns = {"step": step}
+    unique = steps.drop_duplicates("run_id")["label"].is_unique
+    for (run_id, mode), run in steps.groupby(["run_id", "label"], sort=False):
+        label = mode if unique else f"{mode} #{run_id}"
+        by_step = run.set_index("step")
+        columns[f"{label} rel L2"] = step.map(by_step["rel_l2"])
+        columns[f"{label} of bound"] = step.map(by_step["of_bound"])
+    frame = pd.DataFrame(columns)
+    formats = {col: units.sci if col.endswith("rel L2") else _ratio for col in columns if col != "step"}
+    worst = {"step": "worst"} | {col: frame[col].max() for col in formats}
+    frame = pd.concat([frame.astype({"step": object}), pd.DataFrame([worst])], ignore_index=True)
+    note = (
+        "At every AdamW step both models' gradients at the same weights (the dense model's current ones, "
+        "loaded into the sharded model): the worst parameter's ||sharded - dense|| / ||dense|| and the "
+        "worst figure / bound (above 1 fails), each the worst over the ranks."
+    )
+    return Table(f"Gradients against dense at every step: {setting}{levels_in(steps)}", frame, formats, note)
+
+
+def _ratio(v: float) -> str:
+    return units.text(v) if v != v else f"{v:.2f}"
