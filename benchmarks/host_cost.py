@@ -41,6 +41,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -187,6 +188,47 @@ class LlamaStep:
         return loss.detach()
 
 
+class PhaseClock:
+    """A step cut into its phases by hooks, timed and (while `counted` is set) counted: forward (the
+    batch, zero_grad, forward and loss: until the model's forward returns), backward (and the gradient
+    sums: until the optimizer's step begins), optimizer (its step) and the rest (to the step's end).
+    The hooks cost both models alike: the whole step's times are taken without them."""
+
+    PHASES = ("forward", "backward", "optimizer", "rest")
+
+    def __init__(self, step: Callable[[], object], module: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.step = step
+        self.counted: Dispatches | None = None
+        self.marks: list[tuple[float, int]] = []
+        module.register_forward_hook(self._mark)
+        optimizer.register_step_pre_hook(self._mark)
+        optimizer.register_step_post_hook(self._mark)
+
+    def _mark(self, *args) -> None:
+        self.marks.append((time.perf_counter(), self._dispatched()))
+
+    def _dispatched(self) -> int:
+        return 0 if self.counted is None else sum(self.counted.ops.values())
+
+    def __call__(self) -> tuple[list[float], list[int]]:
+        """One step: each phase's seconds and dispatches (0 unless counted)."""
+        self.marks = [(time.perf_counter(), self._dispatched())]
+        self.step()
+        self._mark()
+        if len(self.marks) != len(self.PHASES) + 1:
+            raise RuntimeError(f"{len(self.marks) - 2} phase marks in a step, not {len(self.PHASES) - 1}")
+        times, counts = zip(*self.marks, strict=True)
+        return [b - a for a, b in pairwise(times)], [b - a for a, b in pairwise(counts)]
+
+    def dispatches(self) -> list[int]:
+        """Each phase's dispatches in one step, after one to warm up."""
+        self()
+        with Dispatches() as self.counted:
+            _, counts = self()
+        self.counted = None
+        return counts
+
+
 def step_dispatches(step: Callable[[], object]) -> int:
     """The non-view dispatches of one step, after one to warm up (AdamW makes its state in its first)."""
     step()
@@ -275,8 +317,11 @@ def step_table(extra: tuple[str, ...], args: argparse.Namespace, load: list[tupl
     """The dispatches and host time of a whole step: Llama's, tpbench's eager and compiled."""
     cfg = config(*extra)
     with fake_world(1):
-        steps = {"transformers LlamaForCausalLM": LlamaStep(cfg), "tpbench eager": Trainer(cfg).step}
+        fused = Trainer(config("train.fused_optimizer=true", *extra))
+        steps = {"transformers LlamaForCausalLM": LlamaStep(cfg), "tpbench eager": Trainer(cfg).step,
+                 "tpbench eager, fused AdamW": fused.step}  # fmt: skip
         counts = {name: step_dispatches(step) for name, step in steps.items()}
+        phases = phase_table(cfg, fused.cfg, args.steps)
         compile_s = None
         if not args.no_compile:
             compiled = Trainer(config("compile=true", *extra))
@@ -303,6 +348,7 @@ def step_table(extra: tuple[str, ...], args: argparse.Namespace, load: list[tupl
         rows.append(("tpbench run kind=throughput", "-", f"{recorded * 1e3:.2f}", "-", "-",
                      f"{recorded / reference:.2f}", f"{recorded / eager:.2f}"))  # fmt: skip
     table(rows)
+    print(phases)
     if compile_s is not None:
         print(f"  the compiled step's first (compile included): {compile_s:.1f} s")
     print(
@@ -315,10 +361,34 @@ def step_table(extra: tuple[str, ...], args: argparse.Namespace, load: list[tupl
     )
 
 
-def table(rows: list[tuple]) -> None:
+def phase_table(cfg, fused_cfg, n: int) -> str:
+    """Where each eager step's host time goes: per phase (PhaseClock) its dispatches and median ms,
+    Llama's, tpbench's and tpbench's with fused AdamW, timed in interleaved rounds as step_times does."""
+    llama, ours, fused = LlamaStep(cfg), Trainer(cfg), Trainer(fused_cfg)
+    clocks = {
+        "transformers LlamaForCausalLM": PhaseClock(llama, llama.model, llama.optimizer),
+        "tpbench eager": PhaseClock(ours.step, ours.module, ours.optimizer),
+        "tpbench eager, fused AdamW": PhaseClock(fused.step, fused.module, fused.optimizer),
+    }
+    counts = {name: clock.dispatches() for name, clock in clocks.items()}
+    seen: dict[str, list[list[float]]] = {name: [] for name in clocks}
+    # each step's phase times kept; the hooked steps' whole times are not the table's (taken without)
+    step_times({name: lambda c=clock, s=seen[name]: s.append(c()[0]) for name, clock in clocks.items()}, n)
+    rows = [("per phase: dispatches / median ms", *PhaseClock.PHASES)]
+    for name, steps in seen.items():
+        medians = [statistics.median(phase) * 1e3 for phase in zip(*steps[3:], strict=True)]  # 3 warm-ups
+        rows.append((name, *(f"{c} / {m:.2f}" for c, m in zip(counts[name], medians, strict=True))))
+    lines: list[str] = []
+    table(rows, lines)
+    return "\n".join(lines)
+
+
+def table(rows: list[tuple], lines: list[str] | None = None) -> None:
+    """Prints `rows` as columns (or appends the lines to `lines`)."""
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        print("  " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        line = "  " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        print(line) if lines is None else lines.append(line)
 
 
 if __name__ == "__main__":
