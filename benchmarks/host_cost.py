@@ -9,8 +9,11 @@ which makes MiniMind's layer Llama's; transformers with attn_implementation=sdpa
   rank under torch's fake process group: T 1's ops plus the collectives and what wraps them); and
   those of a whole step (forward, backward, AdamW) beside LlamaForCausalLM's;
 - host time: the median of many eager steps of each, interleaved in rounds so that the machine's
-  drift falls on both alike; tpbench's compiled step (train.compile: each block compiled) beside its
-  eager one; and, with --run, the step time `tpbench run kind=throughput` itself records.
+  drift falls on both alike; tpbench's step with fused AdamW (train.fused_optimizer=true; a CPU run's
+  auto is torch's default, the for-loop AdamW) and its compiled step (train.compile: each block
+  compiled) beside its eager one; and, with --run, the step time `tpbench run kind=throughput` records;
+- where an eager step's host time goes: per phase (forward with the batch and the loss, backward,
+  optimizer, the rest; `PhaseClock`), the dispatches and median time of each model's.
 
 A view is an op torch itself calls one: `OpOverload.is_view`, set (torch 2.13, torch/_ops.py) where
 some argument's alias annotation in the op's schema is a non-writing alias (`Tensor(a)`: view,
@@ -314,7 +317,8 @@ def difference(ops: collections.Counter[str], base: collections.Counter[str]) ->
 
 
 def step_table(extra: tuple[str, ...], args: argparse.Namespace, load: list[tuple[float, ...]]) -> None:
-    """The dispatches and host time of a whole step: Llama's, tpbench's eager and compiled."""
+    """The dispatches and host time of a whole step: Llama's, tpbench's eager (with its AdamW and
+    with the fused one) and compiled; then per phase (phase_table)."""
     cfg = config(*extra)
     with fake_world(1):
         fused = Trainer(config("train.fused_optimizer=true", *extra))
