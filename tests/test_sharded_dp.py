@@ -143,35 +143,40 @@ def test_the_sign_rule_writes_the_gradients_where_each_level_steps_them(dp2_tp2,
 
 # What each planted fault breaks, reasoned from where its collective sits in a step. Validation's
 # checks (tpbench.experiments.criterion): the first forward (logits, loss), the gradients at every step
-# at the dense model's weights (per parameter and per row), and the free-running AdamW steps
-# (parameters, logits drift: a verdict in fp32 only)
+# at the dense model's weights (per parameter and per row), the DP reduction on identical inputs
+# (tpbench.experiments.reduce_check: every DP rank the same micro-batches, rank 0's loss x 2), the
+# optimizer on identical inputs (tpbench.experiments.optimizer_check: the update, and ZeRO-1's gathered
+# weights against its masters), and the free-running AdamW steps (parameters, logits drift: a verdict
+# in fp32 only)
 FORWARD = {"fwd_logits_max_abs", "loss_abs_diff"}
 GRADIENTS = {"grad_rel_l2", "grad_row_rel_l2"}
+REDUCE = {"dp_reduce"}
 FREE = {"adamw_param_rel_l2", "adamw_drift_max_abs"}
 SHARD_BREAKS = {  # fault -> (the checks that fail, every other passing; whether every gradient fails)
     # a reduce-scatter left out: each rank steps its own gradients, never averaged, so every gradient
     # is wrong (each element lies in some rank's shard: that rank's own), and so are the free-running
-    # steps taken from them; the first forward, before any step, is right
-    "broken_optimizer_reduce_scatter": (GRADIENTS | FREE, True),
-    "broken_full_reduce_scatter": (GRADIENTS | FREE, True),
-    # FSDP2's all-gather left out: half of every weight is zeros in every forward, the first one too
+    # steps taken from them; on identical inputs rank 0's doubled gradient is never averaged with the
+    # others' (the reduction check); the first forward, before any step, is right
+    "broken_optimizer_reduce_scatter": (GRADIENTS | REDUCE | FREE, True),
+    "broken_full_reduce_scatter": (GRADIENTS | REDUCE | FREE, True),
+    # FSDP2's all-gather left out: half of every weight is zeros in every forward, the first one too;
+    # every gradient comes out 0 (measured), whose reduction on identical inputs is exact
     "broken_grads_all_gather": (FORWARD | GRADIENTS | FREE, True),
     # ZeRO-1's all-gather left out: it runs after the step, so it breaks parameters, not gradients. The
     # gradient check puts the dense weights where the forward reads them (the param buffer): every
-    # gradient right. Only the free-running steps see the stale half, in their parameters and drift
-    "broken_optimizer_all_gather": (FREE, False),
+    # gradient right. The optimizer check sees the stale half (the gathered weights against the
+    # masters), and the free-running steps in their parameters and drift
+    "broken_optimizer_all_gather": ({"optimizer_gather"} | FREE, False),
     # in mixed precision the free-running checks give no verdict: the gradients show the faults, and
-    # the forward a gather before it; DDP's sum left undivided doubles every gradient
+    # the forward a gather before it; DDP's sum left undivided doubles every gradient, on identical
+    # inputs too (R2 / R1 stays 3 / 2: the reduction check passes it)
     "broken_none_all_reduce_mixed": (GRADIENTS, True),
-    "broken_grads_reduce_scatter_mixed": (GRADIENTS, True),
+    "broken_grads_reduce_scatter_mixed": (GRADIENTS | REDUCE, True),
     "broken_full_all_gather_mixed": (FORWARD | GRADIENTS, True),
+    # ZeRO-1's all-gather left out in mixed precision: only the optimizer check sees it
+    "broken_optimizer_all_gather_mixed": ({"optimizer_gather"}, False),
 }
 K, TOL_GRAD = 4.0, 1e-5  # the criterion's multiple and the gradient floor (validate.k, validate.tol_grad_rel)
-# Not here: broken_optimizer_all_gather_mixed (ZeRO-1's missing gather in mixed precision) passes
-# validation since 3108b48, which writes the dense weights into ZeRO-1's param buffer for each gradient
-# check and gives the free-running steps no verdict in mixed precision (every check under 0.65 of its
-# bound); optimizer_check.updates names it (gathered_max_abs, tests/test_optimizer_check.py), which
-# validate does not call yet (issue 56 item 3's wiring)
 
 
 @pytest.mark.parametrize("name", SHARD_BREAKS)
@@ -204,20 +209,33 @@ def test_the_low_precision_reduce_sends_the_dp_gradients_in_bf16(dp2_tp1, name, 
     assert low[0] == full[0] and 2 * low[1] == full[1]
 
 
-@pytest.mark.xfail(
-    strict=True,  # a validation that catches it passes this test, and strict makes that a failure to see
-    reason="validation does not see debug.low_precision_reduce yet: its one AdamW step under the "
-    "plant measured the gradients at 0.61-0.64 of their bound at each level, 0.63 without it (DP 2 x "
-    "TP 1, mixed, 2026-12-07): a 2^-9 reduction error under bf16 compute's own 0.4-2.6%; it needs a "
-    "check of the DP reduction on identical inputs (issue 56 item 6, engineer C's criterion)",
-)
 @pytest.mark.parametrize("name", [n for n, *_ in LOW_REDUCE])
 def test_the_low_precision_reduce_fails_validation_naming_every_gradient(dp2_tp1, name):
-    """Every gradient is reduced in bf16: each fails the gradient check, past its bound."""
+    """Every gradient is reduced in bf16: on identical inputs (every DP rank rank 0's micro-batch, rank
+    0's loss x 2) each parameter's reduced gradient is off the exact 3/2 of the first pass's by bf16's
+    rounding, about 2^-10 relative, past the reduction check's bound (16 x fp32's unit roundoff,
+    9.5e-7) by over 1,000 times; the check alone fails, naming its worst parameter. The gradient check
+    does not see it: a 2^-9 error under bf16 compute's own 0.4-2.6% (every gradient within its bound)."""
     r = dp2_tp1[name]
     assert r["metrics"]["passed"] == 0.0
-    failing = {n for n, (error, reference) in r["params"].items() if error > K * reference + TOL_GRAD}
-    assert failing == set(r["params"]) and "grad_rel_l2" in {f.split()[0] for f in r["failed"]}
+    assert r["metrics"]["dp_reduce_params_failed"] == len(r["params"])
+    assert r["metrics"]["dp_reduce_of_bound"] > 1000
+    ((check, param, *_),) = [f.split() for f in r["failed"]]
+    assert check == "dp_reduce" and param in r["params"]
+    assert {n for n, (error, reference) in r["params"].items() if error > K * reference + TOL_GRAD} == set()
+
+
+@pytest.mark.parametrize("name", [n for n in (*DP2_TP2, *DP2_TP1) if not n.startswith(("broken", "low_"))])
+def test_the_reduction_and_the_optimizer_on_identical_inputs_are_exact_where_correct(dp2_tp2, dp2_tp1, name):
+    """A correct level's DP reduction of identical inputs is exact here (DP 2: 2 g + g and its halving
+    need no rounding in fp32 for these gradients; DP 4: within the bound) and its AdamW steps the
+    dense update bit for bit (per tensor on a CPU; fused AdamW is another kernel, not run here), and
+    ZeRO-1's gathered weights are its masters in bf16 or fp32, bit for bit."""
+    m = (dp2_tp2 | dp2_tp1)[name]["metrics"]
+    assert m["dp_reduce_params_failed"] == 0 and m["dp_reduce_of_bound"] <= 1
+    assert m["optimizer_update_of_bound"] == 0.0
+    assert m.get("optimizer_gather_of_bound", 0.0) == 0.0
+    assert ("optimizer_gather_of_bound" in m) == ("parallel.dp_shard=optimizer" in (DP2_TP2 | DP2_TP1)[name])
 
 
 def _comm(r: dict) -> dict[tuple[str, str], tuple[int, int]]:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from tpbench.experiments.criterion import Verdict
 from tpbench.parallel import collectives
 from tpbench.parallel.fsdp import _tp_local
 from tpbench.parallel.zero import DistributedOptimizer
@@ -47,9 +48,9 @@ class UpdateRow:
     rel_l2: float  # ||sharded update - dense update|| / ||dense update||
     ref_rel_l2: float  # ||dense update - reference update|| / ||reference update||: its own rounding
     moved: float  # ||dense update||: the step the check compares (never 0 where it means anything)
-    # ZeRO-1: max |the all-gathered weights the next forward takes - the dense stepped weights in their
-    # dtype| (a broken all-gather shows here, not in the masters); 0 for the levels with no gather after
-    # the step
+    # ZeRO-1: max |the all-gathered weights the next forward takes - its own stepped masters in the
+    # weights' dtype| (a broken all-gather shows here, not in the masters: bitwise, fused or not); 0 for
+    # the levels with no gather after the step
     gathered_max_abs: float = 0.0
 
 
@@ -79,7 +80,7 @@ def updates(
         start, dense_w, ref_w = (pm.shard_like(name, t[name]).double() for t in (weights, want, exact))
         late = 0.0
         if name in gathered:
-            cast = pm.shard_like(name, want[name]).to(gathered[name].dtype).double()
+            cast = stepped.to(gathered[name].dtype).double()  # its own masters, fused or not
             late = (gathered[name].double() - cast).abs().max().item() if cast.numel() else 0.0
         diff = stepped.double() - dense_w
         moved, ref_moved = dense_w - start, ref_w - start
@@ -108,7 +109,9 @@ def _dense_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch
 def _stepped(weights, grads, states, hyper: dict, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """One step of AdamW(**hyper) on copies of the dense inputs (in `dtype`, or their own): the weights
     after it."""
-    copies = {n: nn.Parameter(w.clone() if dtype is None else w.to(dtype)) for n, w in weights.items()}
+    # copies always: w.to(dtype) is w itself where the dtypes agree (the fp32 reference of a mixed run's
+    # fp32 dense weights), and this step would write into the dense model
+    copies = {n: nn.Parameter(w.to(dtype or w.dtype, copy=True)) for n, w in weights.items()}
     adamw = torch.optim.AdamW(list(copies.values()), **hyper)
     for n, p in copies.items():
         p.grad = grads[n].to(p.dtype, copy=True)  # copies: AdamW steps its moments in place
@@ -200,3 +203,50 @@ def _put_state(opt: torch.optim.Optimizer, p: torch.Tensor, state: dict | None) 
         opt.state.pop(p, None)
     else:
         opt.state[p] = state
+
+
+class WorstSteps:
+    """Validation's optimizer check at every step (tpbench.experiments.validate): per parameter the
+    step whose update was farthest from the dense one (relative L2, beside the dense update's own
+    rounding at that step), and the largest gathered-weights difference (ZeRO-1)."""
+
+    def __init__(self, fused: bool, zero1: bool):
+        self.fused, self.zero1 = fused, zero1
+        self.rows: dict[str, list[float]] = {}  # name -> [rel_l2, ref_rel_l2, step, gathered, its step]
+
+    def add(self, step: int, rows: list[UpdateRow]) -> None:
+        for r in rows:
+            worst = self.rows.setdefault(r.name, [r.rel_l2, r.ref_rel_l2, step, r.gathered_max_abs, step])
+            if r.rel_l2 > worst[0]:
+                worst[:3] = [r.rel_l2, r.ref_rel_l2, step]
+            if r.gathered_max_abs > worst[3]:
+                worst[3:] = [r.gathered_max_abs, step]
+
+    def verdicts(self, k: float) -> list[Verdict]:
+        """Per check its worst parameter: optimizer_update (bitwise, bound 0, but under fused AdamW:
+        another kernel, within k x the dense update's own rounding) and under ZeRO-1
+        optimizer_gather (bitwise)."""
+        update = [
+            Verdict("optimizer_update", UPDATE, n, rel, ref, 0.0, k if self.fused else 0.0, int(step))
+            for n, (rel, ref, step, *_) in self.rows.items()
+        ]
+        out = [max(update, key=_badness)]
+        if self.zero1:
+            gather = [Verdict("optimizer_gather", GATHER, n, g, 0.0, 0.0, 0.0, int(step))
+                      for n, (*_, g, step) in self.rows.items()]  # fmt: skip
+            out.append(max(gather, key=_badness))
+        return out
+
+
+UPDATE = "AdamW on identical inputs: update vs dense's, worst step"
+GATHER = "ZeRO-1's gathered weights vs its masters, worst step"
+
+
+def _badness(v: Verdict) -> tuple[float, float]:
+    """Orders a check's verdicts: past its bound first (a bound of 0 gives inf), then the value."""
+    return v.of_bound, v.value
+
+
+def is_fused(opt) -> bool:
+    """Whether the run's optimizer (AdamW, or ZeRO-1's over its shard) steps the fused kernel."""
+    return any(bool(g.get("fused")) for g in getattr(opt, "adamw", opt).param_groups)

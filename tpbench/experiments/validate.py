@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import time
 from collections.abc import Iterator, Sequence
@@ -50,7 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tpbench.config import RunConfig, public_config
-from tpbench.experiments import criterion, grad_check, planted, same_weights
+from tpbench.experiments import criterion, grad_check, optimizer_check, planted, reduce_check, same_weights
 from tpbench.experiments.progress import StepProgress
 from tpbench.experiments.setup import (
     Batches,
@@ -68,6 +69,7 @@ from tpbench.models.minimind import IGNORE_INDEX, MiniMindForCausalLM, shift_lab
 from tpbench.parallel import collectives, instrumentation
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.plan import ParallelModel
+from tpbench.parallel.zero import ZeroModel
 from tpbench.predict import theory
 from tpbench.results import ParamRow, RankResult
 
@@ -160,6 +162,8 @@ class _Checked:
     grads: grad_check.WorstSteps | None = None
     drift: list[tuple[int, list[float], float]] = field(default_factory=list)
     opt: Any = None
+    updates: optimizer_check.WorstSteps | None = None  # the optimizer on identical inputs, every step
+    reduce: reduce_check.WorstSteps | None = None  # the DP reduction on identical inputs (DP > 1)
 
     @contextlib.contextmanager
     def own(self) -> Iterator[None]:
@@ -238,11 +242,10 @@ def _first_step(
     result.comm = counter.rows()
     result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")
     result.add("predicted_comm_bytes_per_step", theory.predict(cfg).comm_bytes_per_step, "B")
-    if cfg.train.compile is True:  # what Dynamo made of this model's blocks (fullgraph: no breaks)
-        from torch._dynamo.utils import counters
+    if cfg.train.compile is True:  # what Dynamo makes of this model's blocks, at any step (fullgraph)
+        from tpbench.parallel.compiled import record_graphs
 
-        result.add("compile_graphs", counters["stats"]["unique_graphs"])
-        result.add("compile_graph_breaks", sum(counters["graph_break"].values()))
+        record_graphs(pm.module, result)
 
     dense_logits, dense_loss = dense_out
     full_logits = torch.cat([pm.full_logits(micro) for micro in logits])  # [K b, S, V]
@@ -276,7 +279,11 @@ def _verdicts(
     worst["dense_adamw_param_max_rel_l2"] = max(r.param_ref_rel_l2 for r in rows)
     worst["adamw_drift_max_abs"] = max(values[1] for _, values, _ in c.drift)
     worst["dense_adamw_drift_max_abs"] = max(own for *_, own in c.drift)
-    checks = criterion.verdicts(cfg, worst, rows)
+    checks = criterion.verdicts(cfg, worst, rows) + c.updates.verdicts(cfg.validate.k)
+    if c.reduce is not None:
+        per_param = c.reduce.verdicts(cfg)
+        checks.append(max(per_param, key=lambda v: (v.of_bound, v.value)))
+        worst["dp_reduce_params_failed"] = sum(not v.ok for v in per_param)
     for v in checks:  # each check's worst item against its bound: at most 1 passes
         worst[f"{v.check}_of_bound"] = v.of_bound
     for name, value in worst.items():
@@ -292,15 +299,25 @@ def _verdicts(
 
 
 def _accumulated(
-    cfg: RunConfig, pm: ParallelModel | DDPModel, batches: Batches, ids: torch.Tensor, labels: torch.Tensor
+    cfg: RunConfig,
+    pm: ParallelModel | DDPModel,
+    batches: Batches,
+    ids: torch.Tensor,
+    labels: torch.Tensor,
+    scale: float | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The parallel model's forward and backward over this rank's slice of the global batch (ids,
     labels [K x DP x b, S]) as a training step takes it: train.accumulation = K micro-batches of b,
     each loss divided by K, the DP gradient sync at the last only (training.set_gradient_sync), then
     the gradient sums. Returns each micro-batch's logits (copies: the vocab-parallel loss's backward
-    writes over them) and the mean loss."""
+    writes over them) and the mean loss. scale (the reduction check's identical inputs only): every
+    rank takes DP rank 0's slice, its loss times `scale`."""
     k = cfg.train.accumulation
-    mine_ids, mine_labels = batches.local_slice(ids), batches.local_slice(labels)
+    if scale is None:
+        mine_ids, mine_labels = batches.local_slice(ids), batches.local_slice(labels)
+    else:
+        rows = batches.local * k
+        mine_ids, mine_labels = ids[:rows], labels[:rows]
     logits, losses = [], []
     for i in range(k):
         if k > 1:
@@ -308,7 +325,8 @@ def _accumulated(
         with precision(cfg, batches.device):
             out, loss = pm(batches.micro(mine_ids, i), batches.micro(mine_labels, i))
             logits.append(out.detach().clone())
-        (loss / k if k > 1 else loss).backward()
+        out = loss / k if k > 1 else loss
+        (out * scale if scale is not None and scale != 1.0 else out).backward()
         losses.append(loss.detach())
     pm.finish_grads()
     return logits, losses[0] if k == 1 else torch.stack(losses).mean()
@@ -413,6 +431,10 @@ def _adamw(
     for c in checked:  # fused under train.fused_optimizer; a sharded level's own
         with c.own():
             c.opt = optimizer(c.cfg, c.pm, v.lr)
+            zero1 = isinstance(c.pm, ZeroModel)
+            c.updates = optimizer_check.WorstSteps(optimizer_check.is_fused(c.opt), zero1)
+            if batches.dp > 1:
+                c.reduce = reduce_check.WorstSteps(list(c.pm.full_parameters()))
     dense_opts = [
         torch.optim.AdamW(m.parameters(), lr=v.lr, weight_decay=cfg.train.weight_decay)
         for m in (dense, reference)
@@ -442,6 +464,14 @@ def _adamw(
                     _accumulated(c.cfg, c.pm, batches, ids, labels)
                     planted.scale_grad(c.cfg, c.pm, dense, step)
                     c.grads.add(step, grad_check.step_errors(c.pm, dense, at_dense, head_dim))
+                    if c.reduce is not None:  # the DP reduction on identical inputs
+                        run = functools.partial(_accumulated, c.cfg, c.pm, batches, ids, labels)
+                        c.reduce.add(step, reduce_check.errors(c.pm, c.opt, run, batches.dp_rank, batches.dp))
+                # the optimizer on identical inputs: the dense weights, state and gradient, on copies;
+                # its reference one precision above the weights AdamW steps (fp32 masters: fp64)
+                up = torch.float64 if param_dtype(c.cfg) == torch.float32 else torch.float32
+                rows = optimizer_check.updates(c.pm, c.opt, dense, dense_opts[0], up)
+                c.updates.add(step, rows)
                 c.opt.zero_grad(set_to_none=True)
                 _accumulated(c.cfg, c.pm, batches, ids, labels)  # 3. its own step, from its own weights
                 planted.scale_grad(c.cfg, c.pm, dense, step)
