@@ -94,6 +94,17 @@ def test_other_seeds_pass_with_their_own_rounding_measured(validated, name):
         assert 0 < r["metrics"][own] < floor, own
 
 
+@pytest.mark.parametrize("name", [*SEEDS, *CORRECT, "bf16_gemm"])
+def test_each_tp_models_adamw_steps_the_dense_update_to_the_bit_at_every_step(validated, name):
+    """The optimizer on identical inputs (tpbench.experiments.optimizer_check, at every step): a TP
+    model's AdamW per tensor, given the dense weights, state and gradient (its shards), steps the
+    dense update bit for bit, in fp32, bf16 and mixed, both engines; with no DP there is no
+    reduction to check and no ZeRO-1 gather."""
+    m = validated[name]["metrics"]
+    assert m["optimizer_update_of_bound"] == 0.0
+    assert "dp_reduce_of_bound" not in m and "optimizer_gather_of_bound" not in m
+
+
 def test_bf16_with_its_gemms_fp32_accumulated_passes_with_bf16_rounding(validated):
     """Every GEMM of the run (sharded, dense, forward and backward) went through the switch, and the
     dense model is still a bf16 one: its own error against the fp32 reference at bf16's scale."""
