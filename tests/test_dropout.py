@@ -220,7 +220,6 @@ REFUSED = {
         ["parallel.engine=dtensor", "model.dropout=0.1"],
         "model.dropout=0.1 with parallel.engine=dtensor",
     ),
-    "compile": (["model.dropout=0.1", "train.compile=true"], "model.dropout=0.1 with train.compile=true"),
     "fault without dropout": (["debug.dropout_fault=no_seq_offset"], "accepted with model.dropout > 0"),
     "unknown fault": (
         ["model.dropout=0.1", "debug.dropout_fault=late"],

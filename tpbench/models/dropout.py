@@ -31,7 +31,6 @@ recomputed block, run again in backward, draws the same masks).
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -81,16 +80,55 @@ def mix32_int(x: int) -> int:
     return x ^ (x >> 16)
 
 
-@dataclass
 class DropoutKey:
-    """The model's dropout seed and training step, shared by all its dropouts."""
+    """The model's dropout seed and training step, shared by all its dropouts.
 
-    seed: int = 0
-    step: int = 0
+    Eager, each dropout hashes its key on the host (`site`). Compiled (train.compile), a Python int
+    read inside a block would be a constant of its graph, recompiled at every step: `place` gives the
+    key a tensor, [] int32 on the model's device, holding the hash of (seed, step) and rewritten in
+    place (no host sync) whenever seed or step change, so that a compiled block takes it as an input
+    and hashes its site in the graph (`PositionalDropout.dropped`): the same bits."""
+
+    def __init__(self, seed: int = 0, step: int = 0):
+        self._seed, self._step = seed, step
+        self.tensor: torch.Tensor | None = None  # place(): the compiled blocks' key
+
+    def __repr__(self) -> str:
+        return f"DropoutKey(seed={self._seed}, step={self._step})"
+
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    @seed.setter
+    def seed(self, seed: int) -> None:
+        self._seed = seed
+        self._write()
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        self._step = step
+        self._write()
+
+    def step_key(self) -> int:
+        """A 32-bit key of (seed, step)."""
+        return mix32_int(mix32_int(self._seed) ^ self._step)
 
     def site(self, site: int) -> int:
         """A 32-bit key of (seed, step, site)."""
-        return mix32_int(mix32_int(mix32_int(self.seed) ^ self.step) ^ site)
+        return mix32_int(self.step_key() ^ site)
+
+    def place(self, device: torch.device) -> None:
+        """Give the key its tensor on `device` (apply_compile, once the model is there)."""
+        self.tensor = torch.tensor(signed32(self.step_key()), dtype=torch.int32, device=device)
+
+    def _write(self) -> None:
+        if self.tensor is not None:
+            self.tensor.fill_(signed32(self.step_key()))
 
 
 def signed32(x: int) -> int:
@@ -100,11 +138,15 @@ def signed32(x: int) -> int:
 
 
 def dense_mask_bits(
-    key: int, shape: tuple[int, ...], splits: tuple[tuple[int, int], ...], device: torch.device
+    key: int | torch.Tensor, shape: tuple[int, ...], splits: tuple[tuple[int, int], ...], device: torch.device
 ) -> torch.Tensor:
     """int32 [*shape]: the 32-bit hash of each element's global coordinates (two's complement), where
-    dim i of this shard is part splits[i][0] of splits[i][1] equal parts of the dense dim."""
-    h = torch.full((1,) * len(shape), signed32(key), dtype=torch.int32, device=device)
+    dim i of this shard is part splits[i][0] of splits[i][1] equal parts of the dense dim. key: the
+    site's 32-bit key, a Python int or (compiled) an int32 [] tensor of its bits, left as it is."""
+    if isinstance(key, torch.Tensor):
+        h = key.to(device).reshape((1,) * len(shape))
+    else:
+        h = torch.full((1,) * len(shape), signed32(key), dtype=torch.int32, device=device)
     for dim, (size, (index, _parts)) in enumerate(zip(shape, splits, strict=True)):
         view = [1] * len(shape)
         view[dim] = size
@@ -140,6 +182,7 @@ class PositionalDropout(nn.Module):
         self.p, self.site, self.dims, self.key = p, site, dims, key
         self.splits: dict[str, tuple[int, int]] = {}  # dim name -> (this shard's index, parts)
         self.threshold = round((1.0 - p) * 2**32)  # keep where the hash is below it
+        self.site_tensor: torch.Tensor | None = None  # place(): the site as a compiled block's input
 
     def extra_repr(self) -> str:
         split = ", ".join(f"{name} {i}/{n}" for name, (i, n) in self.splits.items() if n > 1)
@@ -153,8 +196,18 @@ class PositionalDropout(nn.Module):
     def dropped(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
         """bool [*shape]: True where this shard drops, its slice of the dense model's mask."""
         splits = tuple(self.splits.get(name, (0, 1)) for name in self.dims)
-        bits = dense_mask_bits(self.key.site(self.site), tuple(shape), splits, device)
+        if torch.compiler.is_compiling():  # the key a graph input, not a constant (DropoutKey)
+            if self.key.tensor is None or self.site_tensor is None:
+                raise RuntimeError("a compiled dropout needs its key placed: tpbench.parallel.compiled")
+            key = mix32(self.key.tensor.to(device) ^ self.site_tensor.to(device))  # key.site's bits
+        else:
+            key = self.key.site(self.site)
+        bits = dense_mask_bits(key, tuple(shape), splits, device)
         return dropped_where(bits, self.threshold)
+
+    def place(self, device: torch.device) -> None:
+        """Give this dropout's site its tensor on `device` (apply_compile places the key's too)."""
+        self.site_tensor = torch.tensor(self.site, dtype=torch.int32, device=device)
 
 
 class _Drop(torch.autograd.Function):

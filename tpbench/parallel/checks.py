@@ -99,7 +99,9 @@ def check_shardable(cfg: RunConfig) -> None:
 
 
 def check_dropout(cfg: RunConfig) -> None:
-    """model.dropout: a probability, and only where each mask can be the dense model's slice."""
+    """model.dropout: a probability, and only where each mask can be the dense model's slice.
+    train.compile runs it too: a compiled block takes the masks' key as a tensor, so a new step
+    recompiles nothing (tpbench.models.dropout.DropoutKey)."""
     m, p = cfg.model, cfg.parallel
     if not (0.0 <= m.dropout < 1.0):  # also refuses nan
         raise ConfigError(f"model.dropout={m.dropout}: accepted are probabilities in [0, 1)")
@@ -123,12 +125,6 @@ def check_dropout(cfg: RunConfig) -> None:
             p.engine == "dtensor",
             "parallel.engine=dtensor (its plan tells no dropout where its shard sits)",
             "parallel.engine=megatron or ddp",
-        ),
-        (
-            cfg.train.compile is True,  # auto stays eager here (resolve_switches)
-            "train.compile=true (the step in each mask's key, a Python int, would recompile the blocks "
-            "every step)",
-            "train.compile=false",
         ),
     ]
     for bad, what, accepted in blocked:
@@ -269,7 +265,6 @@ def resolve_switches(cfg: RunConfig) -> None:
     if t.fused_optimizer == "auto":
         t.fused_optimizer = cuda
     if t.compile == "auto":
-        compilable = compile_refusal(cfg) is None and cfg.model.dropout == 0.0  # check_dropout: why
-        t.compile = cuda and cfg.kind in COMPILED_KINDS and compilable
+        t.compile = cuda and cfg.kind in COMPILED_KINDS and compile_refusal(cfg) is None
     if cfg.kind not in COMPILED_KINDS:
         t.compile = False
