@@ -51,6 +51,9 @@ def test_auto_keeps_the_recorded_identities(overrides, expected):
         (["kind=memory", "launch.device=cuda"], (False, True)),  # the memory model counts eager tensors
         (["kind=memory", "launch.device=cuda", "compile=true"], (False, True)),
         (["kind=throughput", "launch.device=cpu", "compile=true", "fused=true"], (True, True)),
+        (["kind=throughput", "launch.device=cpu", "compile=true"], (True, True)),  # fused beside compile
+        (["kind=memory", "launch.device=cpu", "compile=true"], (False, False)),  # eager: torch's default
+        (["kind=throughput", "launch.device=cpu", "compile=true", "fused=false"], (True, False)),
         (["kind=throughput", "launch.device=cuda", "compile=false", "fused=false"], (False, False)),
         # SP's re-gather breaks the graph: auto stays eager there, compile=true is refused
         (["kind=throughput", "launch.device=cuda", "mode=tp_sp"], (False, True)),

@@ -254,17 +254,19 @@ def compile_refusal(cfg: RunConfig) -> tuple[str, str] | None:
 
 
 def resolve_switches(cfg: RunConfig) -> None:
-    """train.fused_optimizer=auto: fused on CUDA (as torchtitan trains), torch's default on a CPU.
-    train.compile=auto: on for a CUDA run of kind throughput or validate that can compile, off
+    """train.compile=auto: on for a CUDA run of kind throughput or validate that can compile, off
     elsewhere; kind=memory runs eager whatever it says (the memory model counts eager tensors).
+    train.fused_optimizer=auto: fused on CUDA (as torchtitan trains) and wherever the blocks compile
+    (a CPU run asked to: AdamW's one fused op, not its per-parameter loop, beside the compiled blocks),
+    torch's default on a CPU otherwise.
     model.lean_rmsnorm=auto: the input-only norm where train.recompute asks for memory, torch's
     norm without its checkpoint otherwise (tpbench.config.lean_rmsnorm).
     All become true or false, the values recorded runs hold: their identities stay (config_hash)."""
     cfg.model.lean_rmsnorm = lean_rmsnorm(cfg.model.lean_rmsnorm, cfg.train.recompute)
     t, cuda = cfg.train, cfg.launch.device == "cuda"
-    if t.fused_optimizer == "auto":
-        t.fused_optimizer = cuda
     if t.compile == "auto":
         t.compile = cuda and cfg.kind in COMPILED_KINDS and compile_refusal(cfg) is None
     if cfg.kind not in COMPILED_KINDS:
         t.compile = False
+    if t.fused_optimizer == "auto":
+        t.fused_optimizer = cuda or t.compile is True
