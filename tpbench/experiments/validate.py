@@ -281,7 +281,7 @@ def _verdicts(
     worst["dense_adamw_drift_max_abs"] = max(own for *_, own in c.drift)
     checks = criterion.verdicts(cfg, worst, rows) + c.updates.verdicts(cfg.validate.k)
     if c.reduce is not None:
-        per_param = c.reduce.verdicts(cfg)
+        per_param = c.reduce.verdicts()
         checks.append(max(per_param, key=lambda v: (v.of_bound, v.value)))
         worst["dp_reduce_params_failed"] = sum(not v.ok for v in per_param)
     for v in checks:  # each check's worst item against its bound: at most 1 passes
@@ -434,7 +434,7 @@ def _adamw(
             zero1 = isinstance(c.pm, ZeroModel)
             c.updates = optimizer_check.WorstSteps(optimizer_check.is_fused(c.opt), zero1)
             if batches.dp > 1:
-                c.reduce = reduce_check.WorstSteps(list(c.pm.full_parameters()))
+                c.reduce = reduce_check.WorstSteps(c.cfg, list(c.pm.full_parameters()))
     dense_opts = [
         torch.optim.AdamW(m.parameters(), lr=v.lr, weight_decay=cfg.train.weight_decay)
         for m in (dense, reference)
@@ -466,7 +466,9 @@ def _adamw(
                     c.grads.add(step, grad_check.step_errors(c.pm, dense, at_dense, head_dim))
                     if c.reduce is not None:  # the DP reduction on identical inputs
                         run = functools.partial(_accumulated, c.cfg, c.pm, batches, ids, labels)
-                        c.reduce.add(step, reduce_check.errors(c.pm, c.opt, run, batches.dp_rank, batches.dp))
+                        cuda = batches.device.type == "cuda"
+                        figures = reduce_check.errors(c.pm, c.opt, run, batches.dp_rank, batches.dp, cuda)
+                        c.reduce.add(step, figures)
                 # the optimizer on identical inputs: the dense weights, state and gradient, on copies;
                 # its reference one precision above the weights AdamW steps (fp32 masters: fp64)
                 up = torch.float64 if param_dtype(c.cfg) == torch.float32 else torch.float32
