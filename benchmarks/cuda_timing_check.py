@@ -64,7 +64,7 @@ def check() -> int:
     works: dict[str, dist.Work] = {}
 
     def gather(purpose: str, blocking: bool, compute_ms: float) -> None:
-        def fn() -> dist.Work:
+        def fn(*_) -> dist.Work:
             works[purpose] = collectives.all_gather_single(out, x, group, async_op=True)
             return works[purpose]
 

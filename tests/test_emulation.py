@@ -10,7 +10,7 @@ import pytest
 import torch
 from beside import beside
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torchrun_checks import FAMILIES, WORLD2, WORLD4, per_config, run_config
+from torchrun_checks import FAMILIES, WORLD2, WORLD4, peaks_told, per_config, run_config
 
 from tpbench.config import RunConfig
 from tpbench.experiments import memory
@@ -78,7 +78,7 @@ def test_real_tensors_give_every_rank_of_the_job_byte_for_byte(real_job, name):
     for rank, measured in enumerate(real_job[name]):
         emulated = emulate(name, "real", rank)
         assert emulated["rank"] == rank
-        assert emulated["peak"] == measured["peak"], f"rank {rank}"
+        assert emulated["peak"] == measured["peak"], f"rank {rank}\n{peaks_told(real_job[name])}"
         assert emulated["comm"] == measured["comm"], f"rank {rank}"
 
 
@@ -94,14 +94,15 @@ def test_fake_tensors_give_the_same_bytes(real_job, name):
 @pytest.mark.parametrize("name", MODES)
 def test_the_default_rank_is_the_busiest(real_job, name):
     peaks = [r["peak"] for r in real_job[name]]
-    assert peaks[emulation.emulated_rank(run_config([*SMALL, *MODES[name]]))] == max(peaks)
+    busiest = emulation.emulated_rank(run_config([*SMALL, *MODES[name]]))
+    assert peaks[busiest] == max(peaks), peaks_told(real_job[name])
 
 
 def test_a_padded_vocab_makes_no_rank_busier(real_job):
     padded = real_job["t4_tp_vp"]  # 510 rows pad to 512: rank 3 masks its padded logits, in place
-    assert len({r["peak"] for r in padded}) == 1
+    assert len({r["peak"] for r in padded}) == 1, peaks_told(padded)
     assert emulation.emulated_rank(run_config([*SMALL, *MODES["t4_tp_vp"]])) == 0
-    assert len({r["peak"] for r in real_job["t4_tp_sp"]}) == 1
+    assert len({r["peak"] for r in real_job["t4_tp_sp"]}) == 1, peaks_told(real_job["t4_tp_sp"])
 
 
 def gpu_config(overrides: list[str]) -> RunConfig:

@@ -367,14 +367,18 @@ def test_a_settled_collective_returns_with_its_tensors_let_go(units):
 
 def test_a_backend_letting_go_late_is_waited_for_and_the_peak_stays_exact(units):
     """gloo's race forced (torchrun_checks.released_late): a stand-in for its worker lets go of an
-    all-reduce's input 0.3 s late. Without settling it frees the input after the caller made another
-    tensor of that size: the peak holds two, the tracker counts one late free. Settling waits for it,
-    however long: the caller frees the input itself, the peak is one tensor, no free lands late."""
+    all-reduce's tensor 0.3 s late. Without settling it frees the input after the caller made another
+    tensor of that size: the peak holds two, the tracker counts one late free. Settling hands the
+    worker a staging copy that no tracker sees: the caller frees its input itself, the peak is one
+    tensor, no free lands late; unstaged (DDP's buckets), settling waits for the worker, however long."""
     one = 4 * FORCED_NUMEL  # fp32 bytes of the all-reduced tensor, and of the one made after it
     for rank, checks in enumerate(units):
         s = checks["settling"]
         assert (s["forced_late_peak"], s["forced_late_frees"]) == (2 * one, 1), rank  # the race, forced
-        assert (s["forced_settled_peak"], s["forced_settled_late_frees"]) == (one, 0), rank
+        assert (s["forced_settled_peak"], s["forced_settled_late_frees"]) == (one, 0), rank  # staged
+        assert (s["forced_unstaged_peak"], s["forced_unstaged_late_frees"]) == (one, 0), rank  # waited
+        # staged, the worker is handed a copy no tracker counts; unstaged, the caller's own tensor
+        assert (s["forced_settled_tracked_handed"], s["forced_unstaged_tracked_handed"]) == (0, 1), rank
 
 
 def test_an_async_collective_counts_as_blocking_and_times_its_wait_as_exposed(units):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from beside import beside
 from torch.utils.flop_counter import FlopCounterMode
-from torchrun_checks import FAMILIES, WORLD2, WORLD4, per_config, run_config, same_on_every_rank
+from torchrun_checks import FAMILIES, WORLD2, WORLD4, peaks_told, per_config, run_config, same_on_every_rank
 from typer.testing import CliRunner
 
 from tpbench.config import RunConfig
@@ -310,9 +310,8 @@ def test_peak_memory_is_predicted_to_the_byte(measured, name):
     each collective for it to let go, so no rank's tracker saw a storage freed outside a wait.)"""
     predicted = theory.predict(config(name)).peak_bytes
     ranks = measured[name]
-    assert [rank["late_frees"] for rank in ranks] == [0] * len(ranks)
-    where = [(rank["peak"], rank["peak_at"]) for rank in ranks]
-    assert [rank["peak"] for rank in ranks] == [predicted] * len(ranks), where
+    assert [rank["late_frees"] for rank in ranks] == [0] * len(ranks), peaks_told(ranks)
+    assert [rank["peak"] for rank in ranks] == [predicted] * len(ranks), peaks_told(ranks)
 
 
 def test_the_peak_moments_are_the_ones_measured(measured):

@@ -132,7 +132,7 @@ def counter(gpu):
 
 
 def launch(gpu: FakeGPU, seconds: float, purpose: str, blocking: bool = False, future: bool = True):
-    def fn() -> FakeWork:
+    def fn(*_) -> FakeWork:
         work = gpu.collective(seconds)
         work.future = future
         return work

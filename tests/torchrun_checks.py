@@ -138,6 +138,7 @@ def torchrun(
     are `Crashed` (`isolated`). alone: every validate config beside a dense side of its own
     (`isolated_beside`), as a job started again after a crash runs them."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TPBENCH_CHECKS=json.dumps(checks or {}))
+    env["TPBENCH_PEAK_STORAGES"] = "1"  # memory.PeakTracker: the live storages at each rank's peak
     if alone:
         env[ALONE] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
@@ -372,6 +373,20 @@ def per_config(ranks: list[dict]) -> dict[str, list]:
 
 # what each rank measures of itself (its own CPU time): never the same on two ranks, so not compared
 PER_RANK = frozenset({"validate_cpu_s"})
+
+
+def peaks_told(ranks: list[dict]) -> str:
+    """Each rank's memory-suite peak, where it fell and its late frees, and the live storages at the
+    peak ("<bytes> <category>": count) in which a rank differs from rank 0: a failing comparison of
+    peaks says which storage the odd rank held."""
+    lines = []
+    for i, r in enumerate(ranks):
+        mine, first = r.get("storages", {}), ranks[0].get("storages", {})
+        diff = sorted((k, mine.get(k, 0) - first.get(k, 0)) for k in {*mine, *first})
+        odd = {k: n for k, n in diff if n}
+        lines.append(f"rank {i}: {r['peak']:.0f} B at {r['peak_at']}, late frees {r['late_frees']:.0f}, "
+                     f"storages against rank 0's {odd}")  # fmt: skip
+    return "\n".join(lines)
 
 
 def agreed(x):
@@ -619,14 +634,19 @@ def check_settling(ctx: ParallelContext) -> dict[str, int]:
     unsettled, clones, functional = held(), clones_alive(), functional_held()
     with memory.PeakTracker():  # a memory run's tracker waits for each as it is issued
         functional_settled = functional_held()
-    late_peak, late_frees = released_late(ctx, settled=False)
+    late_peak, late_frees, _ = released_late(ctx, settled=False)
     with instrumentation.settling():
-        settled_peak, settled_late_frees = released_late(ctx, settled=True)
+        settled_peak, settled_late_frees, handed = released_late(ctx, settled=True)
+        unstaged_peak, unstaged_late_frees, unstaged_handed = released_late(ctx, settled=True, stage=False)
         return {
             "forced_late_peak": late_peak,
             "forced_late_frees": late_frees,
             "forced_settled_peak": settled_peak,
             "forced_settled_late_frees": settled_late_frees,
+            "forced_unstaged_peak": unstaged_peak,
+            "forced_unstaged_late_frees": unstaged_late_frees,
+            "forced_settled_tracked_handed": handed,  # the worker handed a tensor the tracker counts
+            "forced_unstaged_tracked_handed": unstaged_handed,
             "unsettled": unsettled,
             "settled": held(),
             "settled_async": held(overlapped=True),
@@ -641,32 +661,35 @@ def check_settling(ctx: ParallelContext) -> dict[str, int]:
 FORCED_NUMEL = 1 << 14  # released_late's all-reduced tensor: 64 KiB in fp32
 
 
-def released_late(ctx: ParallelContext, settled: bool) -> tuple[int, int]:
-    """gloo's race, forced: a thread standing in for its worker takes a view of an all-reduce's input
-    as the collective is issued and lets go of it 0.3 s after, long after the collective is done. The
-    caller drops the input right after the collective and makes a tensor of the same size. Under a
-    memory run's tracker: its peak and its storages freed by another thread outside a wait. Settled,
-    the wait lasts until the stand-in lets go, the caller frees the input itself and the peak is one
-    tensor; unsettled, the stand-in frees it after the new one exists (two)."""
-    tracker, stand_in = memory.PeakTracker(), []
+def released_late(ctx: ParallelContext, settled: bool, stage: bool = True) -> tuple[int, int, int]:
+    """gloo's race, forced: a thread standing in for its worker takes a view of the tensor an
+    all-reduce runs on as the collective is issued and lets go of it 0.3 s after, long after the
+    collective is done. The caller drops its input right after the collective and makes a tensor of the
+    same size. Under a memory run's tracker: its peak and its storages freed by another thread outside a
+    wait. Unsettled, the stand-in frees the input after the new one exists (two tensors). Settled, the
+    worker runs on a staging copy no tracker sees and the caller frees its input itself (one); with
+    stage=False (DDP's buckets), the wait lasts until the stand-in lets go (one). Also returned:
+    whether the tensor handed to the worker was one the tracker counts (1) or not (0)."""
+    tracker, stand_in, handed = memory.PeakTracker(), [], []
     with tracker:
         x = [torch.ones(FORCED_NUMEL)]  # the caller's only reference
 
-        def issue() -> dist.Work:
-            view = [x[0].view(-1)]  # the worker's reference, through the storage
+        def issue(a: torch.Tensor, _) -> dist.Work:
+            handed.append(int(tracker._WINFO.get(a.untyped_storage()) is not None))
+            view = [a.view(-1)]  # the worker's reference, through the storage
             stand_in.append(threading.Thread(target=lambda: (time.sleep(0.3), view.clear())))
             stand_in[0].start()
-            return dist.all_reduce(x[0], group=ctx.tp_group, async_op=True)
+            return dist.all_reduce(a, group=ctx.tp_group, async_op=True)
 
         collectives._launch(
-            "all_reduce", "test", x[0], 4 * FORCED_NUMEL, ctx.tp_group, issue, None, True
+            "all_reduce", "test", x[0], 4 * FORCED_NUMEL, ctx.tp_group, issue, None, True, stage
         ).wait()
         assert settled == instrumentation.is_settling()
         x.clear()
         y = torch.ones(FORCED_NUMEL)
         del y
         stand_in[0].join()
-    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"], tracker.late_frees
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"], tracker.late_frees, handed[0]
 
 
 def storage_refs(t: torch.Tensor) -> int:
@@ -703,7 +726,7 @@ def check_async_timing(ctx: ParallelContext) -> dict[str, float]:
     works: list[dist.Work] = []
 
     def issue(fn):
-        def launch() -> dist.Work:
+        def launch(*_) -> dist.Work:
             works.append(fn())
             return works[-1]
 
@@ -824,8 +847,8 @@ def check_overlap_order(ctx: ParallelContext) -> dict[str, dict[str, list[int]]]
         with Matmuls():
             return backward(*args, **kwargs)
 
-    def logged(op, purpose, x, full_bytes, group, fn, out, blocking):
-        pending = launch(op, purpose, x, full_bytes, group, fn, out, blocking)
+    def logged(op, purpose, x, full_bytes, group, fn, out, blocking, stage=True):
+        pending = launch(op, purpose, x, full_bytes, group, fn, out, blocking, stage)
         if not blocking:
             start, finish = len(log), pending._finish
             log.append(("launch", purpose))
@@ -1026,6 +1049,7 @@ def suite_memory(checks: dict) -> dict:
             "comm": sorted([c.op, c.purpose, c.count, c.bytes] for c in r.comm),
             "peak_at": r.peak_at,
             "late_frees": next(m.value for m in r.measurements if m.name == "memory_late_frees"),
+            "storages": memory.last_peak_storages,  # the live storages at the peak (TPBENCH_PEAK_STORAGES)
         }
 
     return isolated("memory", checks, check)

@@ -9,9 +9,11 @@ reset_peak_memory_stats); an emulated GPU rank (tpbench.parallel.emulation) repo
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import gc
+import os
 import threading
 import time
 
@@ -19,13 +21,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from tpbench.config import RunConfig
 from tpbench.experiments.progress import StepProgress
 from tpbench.experiments.setup import context, counting
 from tpbench.experiments.training import Trainer
-from tpbench.parallel import emulation, instrumentation
+from tpbench.parallel import collectives, emulation, instrumentation
 from tpbench.predict import allocator, theory
 from tpbench.results import RankResult
 
@@ -40,6 +42,10 @@ CATEGORIES = {
     "Other": "mem_other_bytes",
 }
 
+
+# the live storages at the last measured peak of this process (PeakTracker.peak_storages), when
+# TPBENCH_PEAK_STORAGES is set: the tests' jobs report it beside each rank's peak
+last_peak_storages: dict[str, int] = {}
 
 # functional ops that issue no collective
 _NOT_ISSUING = {
@@ -62,6 +68,10 @@ class PeakTracker(MemTracker):
         self._snap_lock = threading.Lock()
         self._thread = threading.get_ident()
         self.late_frees = 0  # storages a backend's thread freed outside a collective's wait (below)
+        # with TPBENCH_PEAK_STORAGES set (the tests' jobs): the live storages at the peak, by size and
+        # category, so that a rank whose peak differs says which storage it held (`peak_storages`)
+        self.keep_storages = bool(os.environ.get("TPBENCH_PEAK_STORAGES"))
+        self.peak_storages: dict[str, int] = {}
 
     def _update_snap(self, *args, **kwargs) -> None:
         """As MemTracker's, one update at a time: a storage that gloo's worker thread lets go of last is
@@ -74,30 +84,40 @@ class PeakTracker(MemTracker):
     def _delete_callback(self, winfo, w_st) -> None:
         """As MemTracker's; counts a storage freed by another thread (gloo's worker, letting go last)
         while this one was not waiting on a collective: freed at a moment that thread chose, so the
-        step's peak may hold it or not. instrumentation.settling waits inside every collective for the
-        backend to let go, however long it takes: the count is 0 (`memory_late_frees`)."""
+        step's peak may hold it or not. Inside instrumentation.settling the worker runs on staging
+        copies no tracker sees (collectives._launch), or is waited for (DDP's buckets): the count is
+        0 (`memory_late_frees`)."""
         if threading.get_ident() != self._thread and not instrumentation.is_waiting():
             self.late_frees += 1
         super()._delete_callback(winfo, w_st)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        """As MemTracker; over gloo, a functional collective (the dtensor engine's) is waited on as it
-        is issued, and returns once gloo's worker has let go of its inputs, as tpbench's own blocking
-        collectives do inside instrumentation.settling (see there). Its input, often dropped by the caller
-        right after (the final norm's output shard, gathered for the LM head), was otherwise freed whenever
-        that thread next ran: 4 KB more on one rank in 2-3 of 30 steps (tp 4, SP). Its later wait
-        finds it done. Waited at first use instead, with its inputs held to then, the peak moved."""
+        """As MemTracker; over gloo, a functional collective (the dtensor engine's) runs on staging
+        copies of its inputs that no tracker sees, is waited on as it is issued, and returns a tracked
+        copy of its output, made at once: gloo's worker never holds a tensor the tracker counts, as
+        tpbench's own collectives run staged inside instrumentation.settling (collectives._launch).
+        Issued on the caller's input, that input, often dropped by the caller right after (the final
+        norm's output shard, gathered for the LM head), was freed whenever the worker let go: 4 KB
+        more on one rank in 2-3 of 30 steps (tp 4, SP); its later wait finds it done. An in-place one
+        (none of the dtensor engine's) waits for the worker to let go of its inputs instead."""
         if not self._settle or func.namespace != "_c10d_functional" or func in _NOT_ISSUING:
             return super().__torch_dispatch__(func, types, args, kwargs)
-        inputs = tuple(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-        before = instrumentation.references(inputs)
-        with instrumentation.waiting():
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    torch.ops._c10d_functional.wait_tensor(t)
-            instrumentation.settle_released(inputs, before)
-        return out
+        if func._schema.is_mutable:
+            inputs = tuple(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+            before = instrumentation.references(inputs)
+            with instrumentation.waiting():
+                out = super().__torch_dispatch__(func, types, args, kwargs)
+                _wait_all(out)
+                instrumentation.settle_released(inputs, before)
+            return out
+        with collectives.untracked():
+            staged_args, staged_kwargs = tree_map_only(torch.Tensor, torch.clone, (args, kwargs or {}))
+            raw = func(*staged_args, **staged_kwargs)
+            _wait_all(raw)
+        track = super().__torch_dispatch__  # the output as the collective would have made it
+        return tree_map_only(
+            torch.Tensor, lambda t: track(torch.ops.aten.clone.default, types, (t,), {}), raw
+        )
 
     def _update_peak_stats(self, peak_state) -> None:
         backward = peak_state == _ModState.PEAK_BW
@@ -107,6 +127,17 @@ class PeakTracker(MemTracker):
                 self._peak_mem[device] = snapshot["Total"]
                 self._peak_mem_snap[device] = dict(snapshot)
                 self.peak_at = self._where(backward)
+                if self.keep_storages:
+                    self.peak_storages = self.live_storages()
+
+    def live_storages(self) -> dict[str, int]:
+        """The tracked live storages now: "<bytes> <category>" -> how many."""
+        live = collections.Counter(
+            f"{winfo.mem_consumed} {winfo.reftype.value}"
+            for winfo, _ in list(self._WINFO.values())
+            if winfo.mem_consumed > 0
+        )
+        return dict(sorted(live.items()))
 
     def _where(self, backward: bool) -> str:
         """The moment of the step now: its phase (forward, backward, after backward: the gradient sums,
@@ -127,6 +158,12 @@ class PeakTracker(MemTracker):
         """After each step: the next one starts with its forward."""
         super().reset_mod_stats()
         self._after_backward = False
+
+
+def _wait_all(out: object) -> None:
+    for t in tree_leaves(out):
+        if isinstance(t, torch.Tensor):
+            torch.ops._c10d_functional.wait_tensor(t)
 
 
 class _Unpushed(TorchDispatchMode):
@@ -260,6 +297,8 @@ def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace 
         result.add(name, peak.get(category, 0), "B")
     result.add("peak_bytes", peak["Total"], "B")
     result.peak_at = tracker.peak_at
+    global last_peak_storages
+    last_peak_storages = tracker.peak_storages
     if on_gpu:
         result.add("max_memory_allocated_bytes", torch.cuda.max_memory_allocated(), "B")
         result.add("max_memory_reserved_bytes", torch.cuda.max_memory_reserved(), "B")

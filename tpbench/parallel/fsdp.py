@@ -67,8 +67,8 @@ class CountedAllGather(AllGather):
             output_tensor.narrow(0, dist.get_rank(group) * n, n).copy_(input_tensor)
             return None
 
-        def fn() -> dist.Work:
-            return collectives.all_gather_single(output_tensor, input_tensor, group, async_op=True)
+        def fn(x: torch.Tensor, out: torch.Tensor) -> dist.Work:
+            return collectives.all_gather_single(out, x, group, async_op=True)
 
         pending = collectives.launch_counted(
             "all_gather", input_tensor, output_tensor, group, "dp_params", fn
@@ -95,10 +95,8 @@ class CountedReduceScatter(ReduceScatter):
             output_tensor.copy_(input_tensor.narrow(0, dist.get_rank(group) * n, n))
             return None
 
-        def fn() -> dist.Work:
-            return collectives.reduce_scatter_single(
-                output_tensor, input_tensor, op=op, group=group, async_op=True
-            )
+        def fn(x: torch.Tensor, out: torch.Tensor) -> dist.Work:
+            return collectives.reduce_scatter_single(out, x, op=op, group=group, async_op=True)
 
         pending = collectives.launch_counted(
             "reduce_scatter", input_tensor, output_tensor, group, "dp_grads", fn

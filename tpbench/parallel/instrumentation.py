@@ -161,15 +161,20 @@ _settling = False
 
 @contextlib.contextmanager
 def settling() -> Iterator[None]:
-    """Each collective returns only once its backend has let go of its tensors, for a memory tracker.
+    """Each collective leaves no tensor a memory tracker counts in its backend's hands, for a memory
+    tracker: over gloo tpbench's collectives run on staging copies no tracker sees
+    (collectives._launch), and so do the dtensor engine's functional ones (memory.PeakTracker); what
+    follows is why, and what an unstaged one (DDP's buckets) still waits for.
 
     gloo runs a collective on a worker thread that wakes the caller as soon as the result is ready,
     then drops its own references to the input and output a moment later. When the caller's were the
     other references, the tensor is freed at a moment the thread scheduler chooses: measured here, a
     gathered [S, B, H] freed after the LM head's next op made MemTracker's peak 12.5-14 KB higher on one
-    random rank in a few percent of steps (tp 4, SP + VP). Inside, waiting on a collective (a blocking
-    one, or `Pending.wait()`) also waits for the worker to drop them (microseconds), so every rank
-    frees at the same op.
+    random rank in a few percent of steps (tp 4, SP + VP). Waiting for the worker to drop them, until
+    every count of references to the tensors was back where it was (tensor and storage, strong and
+    weak), still let 2-10 of 3,000 all-reduces through on a loaded 2-core machine: the worker held
+    the tensor again after the counts said it had let go (a CI run's T 4, VP peak 16 KB high on one
+    rank). A staging copy is waited for by nobody: it is never counted.
 
     gloo's reduce-scatter also makes a tensor of its own: it all-reduces a clone of the input, and its
     wait(), on the caller's thread, copies this rank's chunk out of it (the chunk is the op a memory

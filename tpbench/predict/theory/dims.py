@@ -65,7 +65,6 @@ class Dims:
     # the logits, which torch does on CUDA only (on a CPU, real or emulating a GPU, it copies them)
     fused_ops: bool = False
     fused_loss: bool = False
-    gloo_clone: bool = False  # real gloo ranks: a reduce-scatter all-reduces a clone of its input
     # parallel.dp_shard where its shard group has more than one rank (else none): ZeRO-1's (optimizer)
     # or FSDP2's (grads, full) own the DP gradients and AdamW steps this rank's shard of dp_shards
     dp_shard: str = "none"
@@ -195,7 +194,6 @@ def dims(cfg: RunConfig) -> Dims:
         # theory.sharding's Sharding.sharded and D, which cannot be imported here (it builds on Dims)
         dp_shard=par.dp_shard if par.dp // par.dp_replicate > 1 else "none",
         dp_shards=par.dp // par.dp_replicate if par.dp_shard != "none" else 1,
-        gloo_clone=cfg.launch.device == "cpu" and cfg.launch.emulate == "none",
         fused_ops=m.fused_ops,
         fused_loss=m.fused_ops and cfg.launch.device == "cuda" and cfg.launch.emulate != "fake",
     )

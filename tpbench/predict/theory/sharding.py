@@ -179,15 +179,12 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
     kept = base[-1].activations
     # the root's gradients reduce-scattered at backward's end: copied into a padded input (fp32 under
     # mixed precision), freed once copied (FSDP2's foreach_reduce), then the output made beside the
-    # input (and gloo's clone of it, on real CPU ranks)
+    # input
     root_in, rs_out = rs_in[ROOT], shard_g[ROOT]
     sharded_blocks = sum(shard_g[b] for b in blocks)
     out.append(Moment("root reduce-scatter copy-in", st.params, sharded_blocks + whole[ROOT], st.optimizer,
                       kept, root_in))  # fmt: skip
-    clone = root_in if c.gloo_clone else 0
-    out.append(
-        Moment("root reduce-scatter", st.params, sharded_blocks, st.optimizer, kept, root_in + clone + rs_out)
-    )
+    out.append(Moment("root reduce-scatter", st.params, sharded_blocks, st.optimizer, kept, root_in + rs_out))
     out.append(Moment("optimizer", st.params, st.grads, st.optimizer, kept, _adam_temporaries(d, s)))
     return out
 
@@ -323,15 +320,15 @@ def _block_reduce_scatter(
 ) -> Moment:  # fmt: skip
     """FSDP2: block `layer`'s gradients reduce-scattered in its post-backward. The block is resharded
     and its gradients copied into the reduce-scatter's input (fp32 under mixed precision), the
-    previous one's freed; the output, the shard, is made beside it, and gloo on real CPU ranks
-    all-reduces a clone of the whole input (`Dims.gloo_clone`). The blocks above are done (their
-    gradients shards), the root's own made, a tied head's waiting (a temporary) for the embedding's
-    share; alive too: the block's input gradient, what the blocks below saved, the block below
+    previous one's freed; the output, the shard, is made beside it (gloo's own clone of the input,
+    on real CPU ranks, is of a staging copy no tracker counts: collectives._launch). The blocks above
+    are done (their gradients shards), the root's own made, a tied head's waiting (a temporary) for
+    the embedding's share; alive too: the block's input gradient, what the blocks below saved, the block below
     prefetched (ZeRO-3) or every block below still gathered (ZeRO-2)."""
     blocks = [f"layers.{i}" for i in range(d.L)]
     unit = blocks[layer]
     params = st.params + gathered[ROOT]
-    temps = rs_in[unit] * (2 if d.gloo_clone else 1) + shard_g[unit] + d.s * d.Ns * d.H
+    temps = rs_in[unit] + shard_g[unit] + d.s * d.Ns * d.H
     if s.level == "grads":
         params += sum(gathered[b] for b in blocks[:layer])
     elif layer > 0:
