@@ -213,6 +213,10 @@ class Shared:
     module reads its part (`part`): the launches of several files in one, started once."""
 
     RELAUNCHES = 3  # a job started again at most this often, each time without the config that killed it
+    # a hung job is stopped after this: the world-2 job ran past 600 s once on the 2-core EPYC at load
+    # 8-15 (every-step optimizer and DP-reduction checks, compiled dropout configs), and its config then
+    # in flight was blamed for a hang (alone: 8 s)
+    TIMEOUT_S = 1200
     ALL: list[Shared] = []  # every one made (conftest.py's keep_selected selects in each)
 
     def __init__(self, nproc: int) -> None:
@@ -255,7 +259,8 @@ class Shared:
             for path in progress_files(out):
                 path.unlink()
             try:
-                ranks = torchrun(CHECKS, self.nproc, out, SHARED, *checks, checks=checks, alone=attempt > 0)
+                ranks = torchrun(CHECKS, self.nproc, out, SHARED, *checks, checks=checks, alone=attempt > 0,
+                                 timeout=self.TIMEOUT_S)  # fmt: skip
                 break
             except JobFailed as e:
                 # every rank runs the configs in one order: the first one running is where the job broke
