@@ -130,6 +130,7 @@ SLOW_TESTS = {  # a few seconds or more each (`--durations` on the files), cover
     "test_report.py::test_browser_checks_catch_errors_and_blank_charts",
     "test_report.py::test_markdown_has_the_tables_and_png_charts_beside_it",
     "test_report.py::test_filters_select_runs",
+    "test_compile.py::test_compiled_dropout_draws_eagers_masks_and_never_recompiles",  # 17 s warm, 22 cold
 }
 
 
