@@ -64,20 +64,19 @@ def _launch(
     Under instrumentation.settling over gloo (a memory run), gloo's worker thread is handed staging
     copies that no memory tracker sees, never the caller's tensors: the result is copied into x (or
     out) at the wait, on the caller's thread. Handed the caller's tensors, the worker sometimes let go
-    of one after the caller had (`_staged` says how), so that a tensor the caller dropped was freed on
+    of one after the caller had (`_copy_back` says how), so that a tensor the caller dropped was freed on
     that thread at a moment of its own: the peak of one random rank a tensor higher. `stage=False`
     (DDP's buckets, whose future DDP reads) keeps the caller's tensors and settles them instead."""
     counter = instrumentation.active_counter()
     purpose = instrumentation.counted_purpose(purpose)
-    settle = instrumentation.is_settling() and dist.get_backend(group) == "gloo"
-    staged = settle and stage
+    on_gloo = instrumentation.is_settling() and dist.get_backend(group) == "gloo"
+    staged, settle = on_gloo and stage, on_gloo and not stage
     if staged:
         with untracked():  # the staging copies: no tracker sees them made or freed
             run_x, run_out = x.clone(), None if out is None else torch.empty_like(out)
     else:
         run_x, run_out = x, out
     held = (x,) if out is None else (x, out)
-    settle = settle and not staged
     before = instrumentation.references(held) if settle else ()
     span = None
     if counter is not None and counter.timed:
