@@ -25,6 +25,7 @@ products, no recompute (6N + 12 L S H). On a CPU the peak is the probed large-GE
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ from tpbench.parallel.instrumentation import ring_bytes
 from tpbench.predict.steptime import ops as O
 from tpbench.predict.steptime.rates import Rates
 from tpbench.predict.theory.dims import Dims
+from tpbench.predict.theory.shards import ROOT, unit_shards
 from tpbench.results import CommRow
 
 
@@ -191,6 +193,68 @@ def step_collectives(d: Dims, rows: list[CommRow]) -> list[Collective]:
     return out
 
 
+FSDP_PURPOSES = ("dp_params", "dp_grads")  # theory.sharding's PARAMS and GRADS
+
+
+def fsdp_units(d: Dims) -> bool:
+    """Whether FSDP2 shards the step's parameters by unit (ZeRO-2 or -3 over more than one rank)."""
+    return d.dp_shard in ("grads", "full") and d.dp_shards > 1
+
+
+def fsdp_exposed(
+    d: Dims, colls: list[Collective], rates: Rates, block: dict[str, float], head_backward: float
+) -> dict[str, tuple[float, float]]:
+    """purpose -> (seconds, hidden seconds) of FSDP2's DP collectives as it schedules them (torch's
+    fully_shard, one unit per block and the root; docs/time-model.md): each unit's all-gather on its
+    own stream, the next block's issued while this block computes (forward: implicit prefetch, as the
+    host runs ahead; backward: backward_prefetch), each block's reduce-scatter (and HSDP's all-reduce
+    over the replicas after it) running beside the next block's backward. Exposed: the root's
+    gathers, the first block's forward gather, the last block's backward gather beyond the head's
+    backward, the last reduce-scatters (the first block's, the root's), and in between, per block,
+    what its collectives take beyond the block's compute. Where the collectives have no cores of
+    their own (`Rates.overlap`), nothing is hidden. The collectives' totals are `colls`' (the memory
+    model's counted rows), shared among the units by their shard sizes; contention for the GPU's SMs
+    and memory between the collectives and the compute is not modelled."""
+    shards = unit_shards(d, d.dp_shards)
+    whole = sum(shards.values())
+    share = {u: n / whole for u, n in shards.items()}
+    blocks = [u for u in shards if u != ROOT]
+    gathers = 2 if d.dp_shard == "full" else 1
+
+    def per_unit(purpose: str, ops: tuple[str, ...], times: int) -> dict[str, float]:
+        """Seconds of one of a unit's `ops` collectives of `purpose` (of `times` a step)."""
+        out = dict.fromkeys(shards, 0.0)
+        for c in colls:
+            if c.purpose == purpose and c.op in ops:
+                calls = c.count / (times * len(shards))  # a unit's share of the calls, of the bytes
+                for u in shards:
+                    out[u] += rates.collective_s(c.op, calls, c.bytes / times * share[u])
+        return out
+
+    gather = per_unit("dp_params", ("all_gather",), gathers)
+    reduce = per_unit("dp_grads", ("reduce_scatter", "all_reduce"), 1)
+    seconds = lambda p: sum(rates.collective_s(c.op, c.count, c.bytes) for c in colls if c.purpose == p)  # noqa: E731
+    total = {p: seconds(p) for p in FSDP_PURPOSES}
+    if not rates.overlap or not blocks:
+        return {p: (s, 0.0) for p, s in total.items()}
+    f, b = block[O.FORWARD], block[O.BACKWARD]
+    exposed_ag = gather[ROOT] * gathers + gather[blocks[0]]  # forward: the root's, the first block's
+    exposed_ag += sum(max(0.0, gather[u] - f) for u in blocks[1:])
+    exposed_rs = reduce[blocks[0]] + reduce[ROOT]  # backward's last
+    if gathers == 2:  # backward: the last block's gather behind the head's backward
+        exposed_ag += max(0.0, gather[blocks[-1]] - head_backward)
+    # then each block's backward hides a reduce-scatter (the block after it's) and, with full, a
+    # gather (the block before it's); with blocks of one size, as here, these pairs are those windows
+    for later, earlier in itertools.pairwise(blocks):
+        rs, ag = reduce[later], gather[earlier] if gathers == 2 else 0.0
+        over = max(0.0, rs + ag - b)
+        if over:
+            exposed_rs += over * rs / (rs + ag)
+            exposed_ag += over * ag / (rs + ag)
+    exposed = {"dp_params": exposed_ag, "dp_grads": exposed_rs}
+    return {p: (total[p], max(0.0, total[p] - exposed[p])) for p in FSDP_PURPOSES}
+
+
 def predict_ops(
     d: Dims,
     rows: list[CommRow],
@@ -209,7 +273,8 @@ def predict_ops(
     by_kind: dict[str, float] = defaultdict(float)
     by_phase: dict[str, float] = defaultdict(float)
     by_name: dict[tuple[str, str], float] = defaultdict(float)
-    compute = optimizer = 0.0
+    compute = optimizer = head_backward = 0.0
+    layer_s: dict[str, float] = {O.FORWARD: 0.0, O.BACKWARD: 0.0}
     for op in step:
         roof, fixed = op_time(op, rates)
         by_kind[op.kind] += roof
@@ -222,10 +287,22 @@ def predict_ops(
         else:
             compute += seconds
             by_phase[O.FORWARD if op.phase == O.FORWARD else O.BACKWARD] += seconds
+            if op.layer:  # the blocks' own: what FSDP2 hides a unit's collectives behind
+                layer_s[O.FORWARD if op.phase == O.FORWARD else O.BACKWARD] += seconds
+            elif op.phase == O.BACKWARD and op.name != "dp copies":  # the head's, loss's, embedding's
+                head_backward += seconds
     exposed: dict[str, float] = defaultdict(float)
     total = 0.0
     backward_compute = sum(s for (phase, _), s in by_name.items() if phase == O.BACKWARD)
     per_layer = 1 if layer_only else d.L
+    if fsdp_units(d) and not layer_only:  # FSDP2's gathers and reduce-scatters, as it schedules them
+        sharded = [c for c in colls if c.purpose in FSDP_PURPOSES]
+        colls = [c for c in colls if c.purpose not in FSDP_PURPOSES]
+        block = {phase: seconds / d.L for phase, seconds in layer_s.items()}
+        for purpose, (seconds, hidden) in fsdp_exposed(d, sharded, rates, block, head_backward).items():
+            total += seconds
+            exposed[purpose] += seconds - hidden
+            by_phase["grads"] += seconds - hidden
     for c in colls:
         seconds = rates.collective_s(c.op, c.count, c.bytes)
         total += seconds

@@ -29,12 +29,16 @@ SMALL_DIM = 128  # a GEMM with a dimension this small or smaller is of the "smal
 # - attention: a flash kernel's FLOPs; the manual attention's softmax, mask and dropout are
 #   elementwise (hbm), its two products GEMMs. FlashAttention-2 reaches "up to 225 TFLOPs/s" forward
 #   and backward on an A100, 72% of peak (Dao 2023, "FlashAttention-2", abstract): an upper figure.
+#   On Hopper (H100, H200) the same kernel, which torch's SDPA runs (its flash backend is
+#   FlashAttention-2), reaches "only 35% utilization on the H100 GPU" (Shah et al. 2024,
+#   "FlashAttention-3", arXiv 2407.08608, abstract): FlashAttention-3's 75% needs Hopper's own
+#   instructions, which FlashAttention-2 does not use.
 # - launch_s: one kernel's fixed cost; on a GPU it overlaps with the kernels before it (the host
 #   runs ahead), so an op costs max(its roofline time, its kernels x launch_s). Assumed 5 us.
 FRACTIONS: dict[str, dict[str, float]] = {
     "A100": {"gemm": 0.859, "nccl": 200 / 600, "hbm": 0.85},
-    "H100": {"gemm": 0.801, "nccl": 475 / 900, "hbm": 0.85},
-    "H200": {"gemm": 0.801, "nccl": 475 / 900, "hbm": 0.85},
+    "H100": {"gemm": 0.801, "nccl": 475 / 900, "hbm": 0.85, "attention": 0.35},
+    "H200": {"gemm": 0.801, "nccl": 475 / 900, "hbm": 0.85, "attention": 0.35},
     "MI300X": {"gemm": 0.601, "nccl": 0.5, "hbm": 0.85},
 }
 DEFAULT_FRACTIONS = {

@@ -1,0 +1,153 @@
+"""The time model's FSDP2 (issue 60 item 2): each unit's all-gather and reduce-scatter hidden behind
+the blocks' compute as torch's fully_shard schedules them (steptime.model.fsdp_exposed), the totals
+the memory model's counted rows; and the published runs it is checked against (benchmarks/
+published_throughput.py: torchtitan's FSDP runs on 64 A100s, 30-35% too slow while every FSDP2
+collective was charged as exposed). All in-process, nothing runs a model."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tpbench.predict import hardware
+from tpbench.predict.steptime import Rates, gpu_rates, model, predict_time
+from tpbench.predict.theory import comm_rows, dims
+from tpbench.predict.theory.shards import ROOT, unit_shards
+from tpbench.run import compose
+
+pytestmark = pytest.mark.not_quick
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "published_throughput.py"
+
+
+@functools.cache
+def config(line: str):
+    (cfg,) = compose.expand(["kind=throughput", "train.compile=false", *line.split()])
+    return cfg
+
+
+def rates(overlap: bool, alpha: float, beta: float) -> Rates:
+    return Rates(
+        gemm={"large": 1e10, "small": 1e10},
+        attention=1e10,
+        bandwidth=1e10,
+        op_s=0.0,
+        alpha=dict.fromkeys(KINDS, alpha),
+        beta=dict.fromkeys(KINDS, beta),
+        overlap=overlap,
+        gpu=True,
+        peak=1e10,
+    )
+
+
+def dp_seconds(cfg, r: Rates) -> tuple[float, float]:
+    """(exposed, total) seconds of FSDP2's DP collectives in `cfg`'s predicted step."""
+    got = predict_time(cfg, r)
+    exposed = sum(got.comm_exposed.get(p, 0.0) for p in model.FSDP_PURPOSES)
+    return exposed, got.comm_total_s
+
+
+@pytest.mark.parametrize("level", ["full", "grads"])
+def test_fsdp2_hides_each_blocks_collectives_behind_the_blocks_compute(level):
+    """Collectives of negligible cost against a block's compute (one latency each, no bytes): exposed
+    are the root's gathers, the first block's forward gather, the last reduce-scatters (first block's,
+    root's) and, with full, the last block's backward gather less the head's backward (more than a
+    latency here); every collective of the others hidden. Without cores to spare nothing hides."""
+    cfg = config(f"mode=tp tp=1 dp=2 parallel.dp_shard={level} model.num_hidden_layers=4")
+    alpha = 1e-9
+    exposed, total = dp_seconds(cfg, rates(True, alpha, 0.0))
+    gathers = 2 if level == "full" else 1
+    assert exposed == pytest.approx(alpha * (gathers + 1 + 2))
+    units = len(unit_shards(dims(cfg), 2))
+    assert total == pytest.approx(alpha * units * (gathers + 1))  # every unit's gathers and reduce-scatter
+    assert dp_seconds(cfg, rates(False, alpha, 0.0)) == pytest.approx((total, total))
+
+
+def test_fsdp2_exposes_what_a_units_collectives_take_beyond_its_blocks_compute():
+    """Collectives far longer than any compute: every one exposed, less at most a block's compute per
+    unit hidden (forward's gathers behind the forward, backward's gathers and reduce-scatters behind
+    the backward); the totals are comm_rows' at these rates."""
+    cfg = config("mode=tp tp=1 dp=2 parallel.dp_shard=full model.num_hidden_layers=4")
+    slow = rates(True, 1.0, 0.0)
+    got = predict_time(cfg, slow)
+    exposed, total = dp_seconds(cfg, slow)
+    rows = [r for r in comm_rows(cfg) if r.purpose in model.FSDP_PURPOSES]
+    assert total == pytest.approx(sum(r.count for r in rows))  # alpha 1 s a collective, no bytes
+    d = dims(cfg)
+    per_block = got.compute_s / d.L  # more than either phase's share of a block
+    assert total - 2 * (d.L - 1) * per_block <= exposed < total
+
+
+def test_the_units_share_the_counted_bytes_by_their_shard_sizes():
+    """At beta only (no latency), the root's gathers exposed in full are its share of the gathered
+    bytes: its shard's fraction of the rank's elements."""
+    cfg = config("mode=tp tp=1 dp=2 parallel.dp_shard=grads model.num_hidden_layers=2")
+    d = dims(cfg)
+    shards = unit_shards(d, 2)
+    beta = 1e-6
+    colls = [c for c in model.step_collectives(d, comm_rows(cfg)) if c.purpose in model.FSDP_PURPOSES]
+    block = {"forward": 1e9, "backward": 1e9}  # hides every block's
+    got = model.fsdp_exposed(d, colls, rates(True, 0.0, beta), block, 1e9)
+    gathered = sum(c.bytes for c in colls if c.purpose == "dp_params")
+    reduced = sum(c.bytes for c in colls if c.purpose == "dp_grads")
+    first = next(u for u in shards if u != ROOT)
+    share = {u: n / sum(shards.values()) for u, n in shards.items()}
+    seconds, hidden = got["dp_params"]
+    assert seconds - hidden == pytest.approx(beta * gathered * (share[ROOT] + share[first]))
+    seconds, hidden = got["dp_grads"]
+    assert seconds - hidden == pytest.approx(beta * reduced * (share[ROOT] + share[first]))
+
+
+@functools.cache
+def published():
+    spec = importlib.util.spec_from_file_location("published_throughput", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    return module, [(row, module.predicted(row)) for row in module.ROWS]
+
+
+def test_torchtitans_in_scope_published_runs_are_within_20_percent():
+    """Issue 60's goal on the rows tpbench models (bf16, eager, AC none, full or per-layer): all five
+    FSDP 64 rows on A100s. Seen failing with FSDP2's collectives all exposed (-30% to -35%)."""
+    script, results = published()
+    assert sum(row.in_scope for row, _ in results) == 5
+    assert script.missed(results) == [], script.table(results)
+
+
+def test_the_goal_bites_and_the_directions_hold():
+    """A row 21% off is named. Directions: Llama 2 13B at AC none beats per-layer AC (published and
+    predicted); the H100 Llama 3.1 8B run beats the A100's (local batch 2 against 1); FSDP 128 is
+    slower than FSDP 8 (both). Compile is not modelled: its rows are predicted as the eager ones."""
+    script, results = published()
+    row, p = next((r, p) for r, p in results if r.in_scope)
+    assert script.missed([(row, dict(p, tokens_per_s=row.tokens_per_s * 1.21))])
+    assert script.missed([(row, dict(p, tokens_per_s=row.tokens_per_s * 1.19))]) == []
+    by = {(r.name, r.ac): (r, p) for r, p in results}
+    none, layer = by[("Llama 2 13B, FSDP 64", "none")], by[("Llama 2 13B, FSDP 64", "selective layer")]
+    assert none[0].tokens_per_s > layer[0].tokens_per_s and none[1]["tokens_per_s"] > layer[1]["tokens_per_s"]
+    h100, a100 = by[("Llama 3.1 8B, FSDP 8", "selective op")], by[("Llama 3 8B, FSDP 64", "selective op")]
+    for level in ("selective", "full"):
+        assert h100[1]["levels"][level]["tokens_per_s"] > a100[1]["levels"][level]["tokens_per_s"]
+    eight, many = by[("Llama 3.1 8B, FSDP 8", "selective op")], by[("Llama 3.1 8B, FSDP 128", "selective op")]
+    assert eight[0].tokens_per_s > many[0].tokens_per_s
+    assert eight[1]["levels"]["full"]["tokens_per_s"] > many[1]["levels"]["full"]["tokens_per_s"]
+
+
+def test_flash_attention_on_hopper_is_charged_at_flashattention_2s_published_share():
+    """torch's SDPA runs FlashAttention-2, which reaches 35% of an H100's peak (FlashAttention-3's
+    abstract), not the 72% it reaches on an A100: Hopper's attention rate is the lower one."""
+    h100, h200, a100 = (gpu_rates(hardware.gpu(g), "bfloat16") for g in ("H100-SXM", "H200", "A100-80GB"))
+    assert h100.attention == pytest.approx(0.35 * h100.peak)
+    assert h200.attention == pytest.approx(0.35 * h200.peak)
+    assert a100.attention == pytest.approx(0.72 * a100.peak)
+    cfg = config(
+        "model=llama3_8b seq=8192 train.micro_batch=1  launch.device=cuda launch.emulate=fake kind=memory"
+    )
+    faster = replace(h100, attention=0.72 * h100.peak)
+    assert predict_time(cfg, h100).step_s > predict_time(cfg, faster).step_s
