@@ -27,29 +27,15 @@ class ConfigError(ValueError):
 
 # Short names for the keys people type most; any full key of `tpbench run --cfg` works as well.
 SHORT_NAMES = {
-    "tp": "parallel.tp",
-    "dp": "parallel.dp",
-    "sp": "parallel.sp",
-    "vp": "parallel.vp",
-    "engine": "parallel.engine",
-    "layers": "model.num_hidden_layers",
-    "hidden": "model.hidden_size",
-    "heads": "model.num_attention_heads",
-    "kv_heads": "model.num_key_value_heads",
-    "vocab": "model.vocab_size",
-    "seq": "train.seq_len",
-    "micro_batch": "train.micro_batch",
-    "accumulation": "train.accumulation",
-    "global_batch": "train.global_batch",
-    "steps": "train.steps",
-    "dtype": "train.dtype",
-    "precision": "train.precision",
-    "recompute": "train.recompute",
-    "compile": "train.compile",
-    "overlap": "parallel.overlap",
-    "dp_shard": "parallel.dp_shard",
-    "dp_replicate": "parallel.dp_replicate",
-}
+    "tp": "parallel.tp", "dp": "parallel.dp", "sp": "parallel.sp", "vp": "parallel.vp",
+    "engine": "parallel.engine", "layers": "model.num_hidden_layers", "hidden": "model.hidden_size",
+    "heads": "model.num_attention_heads", "kv_heads": "model.num_key_value_heads",
+    "vocab": "model.vocab_size", "seq": "train.seq_len", "micro_batch": "train.micro_batch",
+    "accumulation": "train.accumulation", "global_batch": "train.global_batch", "steps": "train.steps",
+    "dtype": "train.dtype", "precision": "train.precision", "recompute": "train.recompute",
+    "compile": "train.compile", "overlap": "parallel.overlap", "dp_shard": "parallel.dp_shard",
+    "dp_replicate": "parallel.dp_replicate"
+}  # fmt: skip
 
 
 @dataclass
@@ -125,6 +111,19 @@ class ParallelConfig:
 
 
 @dataclass
+class LRSchedulerConfig:
+    """train.lr_scheduler, torchtitan's (tpbench.experiments.optim); the defaults keep the lr constant."""
+
+    warmup_steps: int = 0  # linear warm-up steps
+    decay_ratio: float | None = 0.0  # the share of the steps that decay, the last; None: all after warm-up
+    decay_type: str = "linear"  # linear | sqrt | cosine
+    min_lr_factor: float = 0.0  # the lr decays to train.lr x this
+
+    def constant(self) -> bool:
+        return self.warmup_steps == 0 and self.decay_ratio == 0
+
+
+@dataclass
 class TrainConfig:
     seq_len: int = 32
     micro_batch: int = 2  # fixed_per_rank: per DP rank (per TP group)
@@ -144,7 +143,10 @@ class TrainConfig:
     keep_output: bool = False
     recompute: str = "none"  # none | selective | full: activation recompute (tpbench.parallel.recompute)
     lr: float = 1e-3
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay of the decayed group
+    # left undecayed (tpbench.experiments.optim): any of norms, biases, embeddings; Megatron's [norms, biases]
+    no_decay: list[str] = field(default_factory=list)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     # auto | true | false, auto resolved with the device (tpbench.parallel.checks.resolve_switches).
     # AdamW's fused kernel instead of torch's default (foreach on CUDA); auto: fused on CUDA
     fused_optimizer: Any = "auto"
@@ -286,6 +288,9 @@ class DebugConfig:
     # kind=validate: one attention head's gradient (q_proj rows of head tpbench.experiments.planted.HEAD
     # in layer 0) multiplied by this after the gradient sums (1: none)
     head_grad_scale: float = 1.0
+    # Break the sharded side's AdamW, to prove validation catches it (tpbench.experiments.optim):
+    # decay_norm (model.norm.weight decays despite train.no_decay) | lr_ahead (its lr schedule a step ahead)
+    optim_fault: str = ""
 
 
 @dataclass
@@ -398,19 +403,9 @@ def local_world_size(cfg: RunConfig) -> int:
 
 # How a run was launched and where it is stored, not what it measures: left out of the config hash.
 _UNHASHED_LAUNCH = (
-    "launcher",
-    "max_parallel",
-    "slurm",
-    "node_rank",
-    "rdzv_backend",
-    "rdzv_endpoint",
-    "rdzv_id",
-    "collective_timeout_s",
-    "job_timeout_s",
-    "max_result_mb",
-    "reuse_workers",
-    "share_dense",
-)
+    "launcher", "max_parallel", "slurm", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id",
+    "collective_timeout_s", "job_timeout_s", "max_result_mb", "reuse_workers", "share_dense",
+)  # fmt: skip
 
 
 # The keys the hash was made of when it last changed (the config of schema 6, commit a18794b): always

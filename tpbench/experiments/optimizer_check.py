@@ -67,9 +67,12 @@ def updates(
     weights = {n: p.detach() for n, p in params.items()}
     grads = {n: p.grad.detach() for n, p in params.items()}
     states = {n: _dense_state(dense_opt, p) for n, p in params.items()}
-    hyper = {k: v for k, v in dense_opt.param_groups[0].items() if k in HYPER}
+    # each parameter's group's: its weight decay (train.no_decay) and the lr its schedule is at now
+    group = {id(p): g for g in dense_opt.param_groups for p in g["params"]}
+    hyper = {n: {k: v for k, v in group[id(p)].items() if k in HYPER} for n, p in params.items()}
     want = _stepped(weights, grads, states, hyper, None)
-    exact = _stepped(weights, grads, states, {**hyper, "foreach": False, "fused": None}, reference_dtype)
+    plain = {n: {**h, "foreach": False, "fused": None} for n, h in hyper.items()}
+    exact = _stepped(weights, grads, states, plain, reference_dtype)
     gathered: dict[str, torch.Tensor] = {}
     if isinstance(opt, DistributedOptimizer):
         got, gathered = _zero_step(pm, opt, weights, grads, states)
@@ -107,12 +110,12 @@ def _dense_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch
 
 
 def _stepped(weights, grads, states, hyper: dict, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """One step of AdamW(**hyper) on copies of the dense inputs (in `dtype`, or their own): the weights
-    after it."""
+    """One step of AdamW on copies of the dense inputs (in `dtype`, or their own), each parameter in a
+    group of its own hyperparameters (hyper[name]): the weights after it."""
     # copies always: w.to(dtype) is w itself where the dtypes agree (the fp32 reference of a mixed run's
     # fp32 dense weights), and this step would write into the dense model
     copies = {n: nn.Parameter(w.to(dtype or w.dtype, copy=True)) for n, w in weights.items()}
-    adamw = torch.optim.AdamW(list(copies.values()), **hyper)
+    adamw = torch.optim.AdamW([{"params": [p], **hyper[n]} for n, p in copies.items()])
     for n, p in copies.items():
         p.grad = grads[n].to(p.dtype, copy=True)  # copies: AdamW steps its moments in place
         adamw.state[p] = {

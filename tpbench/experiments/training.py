@@ -2,6 +2,7 @@
 
 Engines: `ddp` (torch DistributedDataParallel over the dense model, the baseline), `megatron` (ours),
 `dtensor` (PyTorch's parallelize_module). Seeded random token batches, AdamW.
+AdamW's weight-decay groups and lr schedule: tpbench.experiments.optim.
 Precision: `pure` keeps parameters, gradients and optimizer state in train.dtype (as the seed measured);
 `mixed` keeps fp32 masters and optimizer state and runs forward/backward under autocast(train.dtype).
 """
@@ -13,10 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from tpbench.config import RunConfig
+from tpbench.experiments import optim
+from tpbench.experiments.optim import adamw
 from tpbench.experiments.setup import (
     Batches,
     build_dense,
@@ -64,6 +66,10 @@ class Trainer:
         if cfg.train.keep_output:
             self.module.model.register_forward_hook(self._keep_hidden)
         self.optimizer = optimizer(cfg, self.model, cfg.train.lr)
+        # train.lr_scheduler over the steps the run takes (None: a constant lr)
+        torch_adamw = getattr(self.optimizer, "adamw", self.optimizer)  # ZeRO-1's AdamW of its shard
+        horizon = cfg.train.warmup + cfg.train.steps
+        self.scheduler = optim.scheduler(cfg.train, torch_adamw, horizon, cfg.debug.optim_fault)
 
     def tracked(self) -> list:
         """What a memory tracker must see beside the module's tensors: the optimizer (ZeRO-1's own
@@ -107,6 +113,8 @@ class Trainer:
             losses.append(loss.detach())
         self.finish_grads()
         self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         self._hidden.clear()  # train.keep_output: the final hidden states live as long as the output
         del kept
         return losses[0] if k == 1 else torch.stack(losses).mean()
@@ -180,36 +188,21 @@ def shard_data_parallel(cfg: RunConfig, pm: ParallelModel, lr: float):
         weights = DTYPES[cfg.train.dtype] if mixed else param_dtype(cfg)
         master = torch.float32 if mixed else weights
         make = lambda params: adamw(cfg, params, lr)  # noqa: E731
-        return ZeroModel(pm, make, weights, master, cfg.debug.shard_fault, weights if low else None)
+        decays = optim.decay_rule(cfg)  # the weight-decay groups, if any: decayed parameters first
+        return ZeroModel(pm, make, weights, master, cfg.debug.shard_fault, weights if low else None, decays)
     from tpbench.parallel.fsdp import FSDPModel
 
     return FSDPModel(pm, cfg.parallel, cfg.train, cfg.debug.shard_fault, low)
 
 
 def optimizer(cfg: RunConfig, model, lr: float) -> torch.optim.Optimizer | DistributedOptimizer:
-    """The run's optimizer of `model`: AdamW (`adamw`) over its parameters, or ZeRO-1's own."""
+    """The run's optimizer of `model`: AdamW (`adamw`) over its parameters in their weight-decay
+    groups (tpbench.experiments.optim), or ZeRO-1's own."""
     if isinstance(model, ZeroModel):
         return model.optimizer
-    params = model.module.parameters() if hasattr(model, "module") else model.parameters()
-    return adamw(cfg, params, lr)
-
-
-def adamw(cfg: RunConfig, params, lr: float) -> torch.optim.AdamW:
-    """The run's AdamW: fused under train.fused_optimizer; else foreach, AdamW's default for CUDA
-    tensors, said here for an emulated GPU rank. Both take a group's tensors in one op, which cannot mix
-    DTensors with plain tensors (the dtensor engine's replicated embedding beside its shards without
-    VP): those are two parameter groups."""
-    params = list(params)
-    groups = [g for g in (_plain(params, True), _plain(params, False)) if g]
-    kinds = [{"params": g} for g in groups] if len(groups) > 1 else params
-    if cfg.train.fused_optimizer is True:  # an unresolved "auto" is not read as true
-        return torch.optim.AdamW(kinds, lr=lr, weight_decay=cfg.train.weight_decay, fused=True)
-    foreach = True if cfg.launch.device == "cuda" else None
-    return torch.optim.AdamW(kinds, lr=lr, weight_decay=cfg.train.weight_decay, foreach=foreach)
-
-
-def _plain(params: list[torch.Tensor], plain: bool) -> list[torch.Tensor]:
-    return [p for p in params if isinstance(p, DTensor) != plain]
+    # torch's own named_parameters: the dtensor engine's yields local copies, for the checks
+    named = torch.nn.Module.named_parameters(model.module if hasattr(model, "module") else model)
+    return adamw(cfg, optim.param_groups(named, cfg.train, cfg.debug.optim_fault), lr)
 
 
 class _KeepBuckets:

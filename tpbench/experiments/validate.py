@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from tpbench.config import RunConfig, public_config
 from tpbench.experiments import criterion, grad_check, optimizer_check, planted, reduce_check, same_weights
+from tpbench.experiments.optim import dense_adamw, scheduler
 from tpbench.experiments.progress import StepProgress
 from tpbench.experiments.setup import (
     Batches,
@@ -435,10 +436,10 @@ def _adamw(
             c.updates = optimizer_check.WorstSteps(optimizer_check.is_fused(c.opt), zero1)
             if batches.dp > 1:
                 c.reduce = reduce_check.WorstSteps(c.cfg, list(c.pm.full_parameters()))
-    dense_opts = [
-        torch.optim.AdamW(m.parameters(), lr=v.lr, weight_decay=cfg.train.weight_decay)
-        for m in (dense, reference)
-    ]
+    dense_opts = [dense_adamw(cfg.train, m, v.lr) for m in (dense, reference)]  # train.no_decay's groups
+    # train.lr_scheduler over validate.steps on every side (debug.optim_fault: the sharded one's wrong)
+    schedules = [scheduler(c.cfg.train, getattr(c.opt, "adamw", c.opt), v.steps, c.cfg.debug.optim_fault)
+                 for c in checked] + [scheduler(cfg.train, opt, v.steps) for opt in dense_opts]  # fmt: skip
     device = batches.device
     fixed = v.batch == "fixed"
     eval_ids = first[0] if fixed else batches.next_global()[0]
@@ -480,6 +481,8 @@ def _adamw(
                 c.opt.step()
         for opt in dense_opts:
             opt.step()
+        for schedule in filter(None, schedules):
+            schedule.step()
         if step % v.every == 0 or step == v.steps:
             with torch.no_grad():
                 with precision(cfg, device):

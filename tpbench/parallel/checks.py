@@ -23,6 +23,7 @@ def check_shardable(cfg: RunConfig) -> None:
     """Raise ConfigError if the model cannot be split as the parallel config asks."""
     check_dropout(cfg)
     check_accumulation(cfg)
+    check_optimizer(cfg)
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.tp < 1 or p.dp < 1:
         raise ConfigError(f"parallel.tp={p.tp}, parallel.dp={p.dp}: both must be >= 1")
@@ -130,6 +131,35 @@ def check_dropout(cfg: RunConfig) -> None:
     for bad, what, accepted in blocked:
         if bad:
             raise ConfigError(f"model.dropout={m.dropout} with {what}: accepted is {accepted}")
+
+
+NO_DECAY = ("norms", "biases", "embeddings")  # train.no_decay (tpbench.experiments.optim)
+DECAY_TYPES = ("linear", "sqrt", "cosine")  # train.lr_scheduler.decay_type, torchtitan's
+OPTIM_FAULTS = ("decay_norm", "lr_ahead")  # debug.optim_fault
+
+
+def check_optimizer(cfg: RunConfig) -> None:
+    """train.no_decay, train.lr_scheduler and debug.optim_fault take what tpbench.experiments.optim
+    knows."""
+    t, s = cfg.train, cfg.train.lr_scheduler
+    unknown = [k for k in t.no_decay if k not in NO_DECAY]
+    if unknown:
+        raise ConfigError(
+            f"train.no_decay={t.no_decay}: {unknown[0]!r} is unknown, accepted are {list(NO_DECAY)}"
+        )
+    if s.decay_type not in DECAY_TYPES:
+        raise ConfigError(
+            f"train.lr_scheduler.decay_type={s.decay_type!r}: accepted are {', '.join(DECAY_TYPES)}"
+        )
+    if s.warmup_steps < 0:
+        raise ConfigError(f"train.lr_scheduler.warmup_steps={s.warmup_steps}: accepted are steps >= 0")
+    if s.decay_ratio is not None and not 0.0 <= s.decay_ratio <= 1.0:
+        raise ConfigError(f"train.lr_scheduler.decay_ratio={s.decay_ratio}: accepted are null or [0, 1]")
+    if not 0.0 <= s.min_lr_factor <= 1.0:
+        raise ConfigError(f"train.lr_scheduler.min_lr_factor={s.min_lr_factor}: accepted are [0, 1]")
+    if cfg.debug.optim_fault not in ("", *OPTIM_FAULTS):
+        accepted = ", ".join(map(repr, ("", *OPTIM_FAULTS)))
+        raise ConfigError(f"debug.optim_fault={cfg.debug.optim_fault!r}: accepted are {accepted}")
 
 
 def check_dtensor_shardable(model: ModelConfig | MiniMindConfig, pcfg: ParallelConfig) -> None:

@@ -12,8 +12,16 @@ up to P = ceil(N / DP) * DP so that every rank's shard is P / DP elements:
     param buffer  [P]       the model's parameters are views of it (bf16 under mixed precision)
 
 AdamW is elementwise, so one AdamW over the flat shard takes the same steps as one per parameter
-(the same learning rate and weight decay for all: tpbench.experiments.training.adamw). The padding
-stays zero: its gradients are zero and so is its weight decay's pull.
+(the same learning rate for all, and its schedule: tpbench.experiments.optim). The padding stays zero:
+its gradients are zero and so is its weight decay's pull.
+
+Weight-decay groups (train.no_decay): the buffers hold the decayed parameters first, then the others,
+then the padding, so each rank's shard is a decayed part, then an undecayed one (either may be empty:
+one rank's shard at most straddles the boundary D). AdamW steps the shard at weight decay 0, and the
+decayed part is decayed before it as AdamW decays a parameter (`p.mul_(1 - lr * weight_decay)`, the
+decoupled decay of torch's per-tensor and foreach AdamW): the same update, element by element, as
+the dense model's AdamW with the two groups, and not a byte more than one group (no second AdamW
+state, no step counter more, no padding).
 
 The TP gradient sums (q/k norms, SP norms, KV replicas) run on the buffer's views before the
 reduce-scatter, as they ran on `.grad` before DDP's average: a sum over TP ranks and an average over
@@ -39,7 +47,8 @@ class DistributedOptimizer:
     mixed precision); master_dtype: the master weights' and the gradient reduction's (fp32 under
     mixed precision); fault: debug.shard_fault; reduce_dtype: the reduce-scatter's (None: the grad
     buffer's, master_dtype; the compute dtype only to prove validation catches it:
-    debug.low_precision_reduce)."""
+    debug.low_precision_reduce); decays: which parameters make_adamw's weight decay applies to (None:
+    all, AdamW decays the whole shard itself, as before the groups)."""
 
     def __init__(
         self,
@@ -50,6 +59,7 @@ class DistributedOptimizer:
         master_dtype: torch.dtype,
         fault: str = "",
         reduce_dtype: torch.dtype | None = None,
+        decays: Callable[[str], bool] | None = None,
     ):
         self.params, self.group, self.fault = params, group, fault
         self.reduce_dtype = reduce_dtype or master_dtype
@@ -63,11 +73,10 @@ class DistributedOptimizer:
         self.grad_buffer = torch.zeros(padded, dtype=master_dtype, device=first.device)  # [P]
         self.param_views: dict[str, torch.Tensor] = {}
         self.grad_views: dict[str, torch.Tensor] = {}
-        offset = 0
-        for name, p in params.items():
-            self.param_views[name] = self.param_buffer.narrow(0, offset, p.numel()).view_as(p)
-            self.grad_views[name] = self.grad_buffer.narrow(0, offset, p.numel()).view_as(p)
-            offset += p.numel()
+        offsets, decayed = _offsets(params, decays)  # the decayed parameters first: [0, D)
+        for name, p in params.items():  # the views in the model's order, wherever they sit
+            self.param_views[name] = self.param_buffer.narrow(0, offsets[name], p.numel()).view_as(p)
+            self.grad_views[name] = self.grad_buffer.narrow(0, offsets[name], p.numel()).view_as(p)
         with torch.no_grad():  # the master shard from the weights as they come (fp32 under mixed)
             for name, p in params.items():
                 self.grad_views[name].copy_(p)  # the grad buffer lends its [P] for a moment
@@ -76,6 +85,12 @@ class DistributedOptimizer:
             for name, p in params.items():
                 self.param_views[name].copy_(p)
         self.adamw = make_adamw([self.master])
+        # decays given: this rank's part of [0, D), decayed here, and AdamW at weight decay 0
+        self.weight_decay, self.decayed = 0.0, self.shard_numel
+        if decays is not None:
+            group = self.adamw.param_groups[0]
+            self.weight_decay, group["weight_decay"] = group["weight_decay"], 0.0
+            self.decayed = min(max(decayed - self.dp_rank * self.shard_numel, 0), self.shard_numel)
         for name, p in params.items():
             p.data = self.param_views[name]  # the model's weights live in the param buffer
             p.register_post_accumulate_grad_hook(lambda p, name=name: self.add_to_buffer(name))
@@ -124,6 +139,10 @@ class DistributedOptimizer:
     def step(self) -> None:
         """AdamW on the master shard, then the stepped weights all-gathered into every rank's params."""
         self.master.grad = self.grad_shard.to(self.master.dtype)
+        if self.weight_decay and self.decayed:  # the decayed part (groups), as AdamW would decay it
+            with torch.no_grad():
+                lr = self.adamw.param_groups[0]["lr"]
+                self.master.narrow(0, 0, self.decayed).mul_(1 - lr * self.weight_decay)
         self.adamw.step()
         self.master.grad, self.grad_shard = None, None
         shard = self.master.detach().to(self.param_buffer.dtype)  # [P/DP]
@@ -172,6 +191,19 @@ class DistributedOptimizer:
         }
 
 
+def _offsets(
+    params: dict[str, nn.Parameter], decays: Callable[[str], bool] | None
+) -> tuple[dict[str, int], int]:
+    """Each parameter's offset in the flat [P] buffers: the decayed ones first, then the others, each
+    in the model's order (None: all in the model's order); and D, the decayed parameters' count."""
+    first = [n for n in params if decays is None or decays(n)]
+    offsets, offset, decayed = {}, 0, set(first)
+    for name in first + [n for n in params if n not in decayed]:
+        offsets[name] = offset
+        offset += params[name].numel()
+    return offsets, sum(params[n].numel() for n in first)
+
+
 class ZeroModel:
     """A parallel model (tpbench.parallel.plan.ParallelModel: any TP mode, or the dense model at tp
     1) whose DP average is ZeRO-1's reduce-scatter instead of an all-reduce: the model's interface
@@ -185,13 +217,14 @@ class ZeroModel:
         master_dtype: torch.dtype,
         fault: str = "",
         reduce_dtype: torch.dtype | None = None,
+        decays: Callable[[str], bool] | None = None,
     ):
         self.pm, self.module, self.ctx = pm, pm.module, pm.ctx
         pm.grad_sums = [gs for gs in pm.grad_sums if gs.name != "dp"]  # the reduce-scatter's now
         params = dict(self.module.named_parameters())
         group = pm.ctx.dp_group
         self.optimizer = DistributedOptimizer(
-            params, group, make_adamw, param_dtype, master_dtype, fault, reduce_dtype
+            params, group, make_adamw, param_dtype, master_dtype, fault, reduce_dtype, decays
         )
         # parallel.overlap's deferred weight gradients (q, k, v, gate, up: made outside autograd, so
         # no hook sees them) go into the buffer as each is made, as autograd's do: under mixed

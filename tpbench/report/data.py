@@ -19,7 +19,7 @@ from tpbench.config import emulation_label
 from tpbench.db import ResultsDB, parse_since
 from tpbench.report.labels import MODE_ORDER as MODE_ORDER  # re-exported: what the report calls a run
 from tpbench.report.labels import mode_rank as mode_rank
-from tpbench.report.labels import model_label, setting_label, switches, with_dp_level
+from tpbench.report.labels import model_label, optimizer_setting, setting_label, switches, with_dp_level
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 # MemTracker's split of the peak, bottom to top of the stacked bars; the last two are often zero.
@@ -135,6 +135,11 @@ def load(db: ResultsDB, selection: Selection) -> ReportData:
     # the step's speed switches (the throughput section's axes), "" when none is on
     runs["switches"] = [switches(configs.get(i, {})) for i in runs["id"]]
     runs["base_setting"] = runs.apply(setting_label, axis=1) if len(runs) else pd.Series(dtype=str)
+    # runs of other weight-decay groups or an lr schedule (what they train differs) are their own setting
+    trained = pd.Series(
+        [optimizer_setting(configs.get(i, {})) for i in runs["id"]], index=runs.index, dtype=str
+    )
+    runs["base_setting"] = runs["base_setting"] + trained.map(lambda t: f" · {t}" if t else "")
     # runs with activation recompute are their own setting in every section but the recompute one
     suffix = runs["recompute"].map(lambda r: "" if r == "none" else f" · recompute {r}")
     runs["setting"] = runs["base_setting"] + suffix

@@ -3,9 +3,12 @@ speed switches, and the order modes and levels are shown in (tpbench.report.data
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pandas as pd
 
-from tpbench.config import dp_level_label, layout_label
+from tpbench.config import LRSchedulerConfig, TrainConfig, dp_level_label, layout_label
+from tpbench.sizing.defaults import optimizer_label
 
 MODE_ORDER = ("ddp", "tp", "tp_sp", "tp_sp_linear", "tp_vp", "tp_sp_vp")
 DP_LEVEL_ORDER = ("none", "optimizer", "grads", "full")  # parallel.dp_shard: DDP, ZeRO-1, ZeRO-2, FSDP
@@ -80,6 +83,23 @@ SWITCHES = {"parallel.overlap": "overlap", "train.fused_optimizer": "fused AdamW
 def switches(flat: dict) -> str:
     """The speed switches a run had on (a flat config), e.g. "overlap · fused AdamW"; "" for none."""
     return " · ".join(label for key, label in SWITCHES.items() if flat.get(key))
+
+
+def optimizer_setting(flat: dict) -> str:
+    """A run's AdamW weight-decay groups and lr schedule (a flat config), as `fit` says them
+    (tpbench.sizing.defaults.optimizer_label), e.g. "no decay on norms+biases"; "" for the defaults."""
+    schedule = LRSchedulerConfig(
+        **{
+            f.name: flat[k]
+            for f in fields(LRSchedulerConfig)
+            if (k := f"train.lr_scheduler.{f.name}") in flat
+        }
+    )
+    no_decay = list(flat.get("train.no_decay") or [])
+    train = TrainConfig(
+        weight_decay=flat.get("train.weight_decay", 0.0), no_decay=no_decay, lr_scheduler=schedule
+    )
+    return optimizer_label(train)
 
 
 def mode_rank(mode: str) -> int:

@@ -10,13 +10,15 @@ peak and step from both (tests/test_fit.py); each output says what it assumed (`
   recompute    none (train.recompute=); fit searches none, selective and full unless it is given
   micro-batch  the model preset's, else 2 (train.micro_batch=); fit searches it unless it is given
   sequence     the model preset's (seq= sets it); fit refuses a model whose preset has none
+  decay, lr    train.no_decay and train.lr_scheduler, said where set (`optimizer_label`): they change no
+               byte and no step time (docs/results/optimizer_groups.md), only what a run trains
   GPU          gpu=NAME: predict for that GPU (launch.device=cuda, the GPU's rates and its allocator's
                workspaces), in `plan` as in `fit`; `plan` without it predicts for the device it runs on
 """
 
 from __future__ import annotations
 
-from tpbench.config import CONF_DIR, SHORT_NAMES, ConfigError, RunConfig
+from tpbench.config import CONF_DIR, SHORT_NAMES, ConfigError, RunConfig, TrainConfig
 
 SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -33,6 +35,19 @@ def optimizer_words(cfg: RunConfig) -> str:
     return "fused AdamW" if cfg.train.fused_optimizer else "for-each AdamW"
 
 
+def optimizer_label(t: TrainConfig) -> str:
+    """AdamW's weight-decay groups and lr schedule in a few words (tpbench.experiments.optim), as `fit`
+    and the report name them, e.g. "no decay on norms+biases · warm-up 200, cosine decay to 0.1";
+    "" for the defaults (every parameter at train.weight_decay, a constant lr)."""
+    parts = [f"no decay on {'+'.join(t.no_decay)}"] if t.no_decay and t.weight_decay else []
+    s = t.lr_scheduler
+    if not s.constant():
+        over = "" if s.decay_ratio is None else f" over {s.decay_ratio:g} of the steps"
+        floor = f" to {s.min_lr_factor:g}" if s.min_lr_factor else ""
+        parts.append(f"warm-up {s.warmup_steps}, {s.decay_type} decay{over}{floor}")
+    return " · ".join(parts)
+
+
 def assumed(cfg: RunConfig, searched: bool = False) -> str:
     """The line every plan and fit output carries: the optimizer, the precision, and (`searched`: fit,
     whose rows say their own) the recompute and micro-batch it predicted for."""
@@ -41,6 +56,8 @@ def assumed(cfg: RunConfig, searched: bool = False) -> str:
         f"assumed: {optimizer_words(cfg)} (train.fused_optimizer={str(t.fused_optimizer).lower()}), "
         f"{t.precision} precision ({precision_words(t.precision, t.dtype)})"
     )
+    if optimizer_label(t):  # the weight-decay groups and lr schedule, where not the defaults
+        said += f", {optimizer_label(t)}"
     if searched:
         return said
     return f"{said}, recompute {t.recompute}, micro-batch {t.micro_batch}"
