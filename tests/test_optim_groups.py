@@ -39,6 +39,13 @@ ENGINES = {  # every engine and DP level of a world of 2
     "megatron_tp2_sp_vp": ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true"],
     "megatron_tp2_untied": ["parallel.tp=2", "model.tie_word_embeddings=false"],
     "zero1_dp2": ZERO1,
+    # fp32 masters under bf16 autocast (bf16 GEMMs as a GPU computes them: fast on this CPU)
+    "zero1_dp2_mixed": [
+        *ZERO1,
+        "train.precision=mixed",
+        "train.dtype=bfloat16",
+        "launch.bf16_gemm=fp32_accumulate",
+    ],
     "fsdp2_dp2": [*DP2, "parallel.dp_shard=full"],
     "dtensor_tp2": ["parallel.engine=dtensor", "parallel.tp=2"],  # DTensor shards beside plain tensors
 }
