@@ -212,6 +212,32 @@ def test_fit_and_the_report_say_the_groups_and_schedule():
     assert optimizer_setting({}) == ""  # a run recorded before the groups
 
 
+def test_the_report_tells_a_run_with_groups_and_schedule_apart(tmp_path):
+    """A run of the same shape with the groups and schedule is a setting of its own (tpbench.report.data)."""
+    from test_db import config, outcome
+
+    from tpbench.db import ResultsDB
+    from tpbench.report.data import Selection, load
+
+    db = ResultsDB(f"sqlite:///{tmp_path}/runs.db")
+    grouped = config()
+    grouped.train = dataclasses.replace(grouped.train, **{k: v for k, v in _train(run_config(ON)).items()})
+    db.record(config(), outcome())
+    db.record(grouped, outcome())
+    settings = list(load(db, Selection()).runs.sort_values("id")["setting"])
+    assert not settings[0].endswith("cosine decay over 0.5 of the steps to 0.1")
+    assert (
+        settings[1]
+        == settings[0]
+        + " · no decay on norms+biases+embeddings · warm-up 2, cosine decay over 0.5 of the steps to 0.1"
+    )
+
+
+def _train(cfg) -> dict:
+    t = cfg.train
+    return {"weight_decay": t.weight_decay, "no_decay": t.no_decay, "lr_scheduler": t.lr_scheduler}
+
+
 # --- the world-2 job -------------------------------------------------------------------------------
 
 
