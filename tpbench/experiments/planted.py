@@ -1,6 +1,8 @@
 """The faults kind=validate plants on purpose, to prove that validation catches each one
 (tpbench.experiments.validate): debug.validate_fault, the gradient scales (debug.grad_scale,
-row_grad_scale, head_grad_scale) and, from debug.from_step on, debug.skip_grad_sum.
+row_grad_scale, head_grad_scale) and, from debug.from_step on, debug.skip_grad_sum. debug.optim_fault, the
+sharded side's AdamW decaying a norm or scheduled a step ahead, is planted where its groups and
+schedule are built (tpbench.experiments.optim).
 
 debug.from_step=N: the gradient scales and the skipped gradient sums act from step N of the AdamW
 steps on (the forward check's pass is step 1's), so a bug that starts late must fail at the step it
