@@ -113,7 +113,8 @@ def parallelize_dtensor(
     pcfg: ParallelConfig,
     skip_grad_sum: tuple[str, ...] = (),
 ) -> DTensorParallelModel:
-    """Shard `model` in place with parallelize_module on ctx.mesh["tp"]; return it with the
+    """Shard `model` in place with parallelize_module on the tp dim of the layout's mesh (under HSDP
+    the (dp_replicate, dp_shard, tp) one, whose DP dims FSDP2 then shards over); return it with the
     ParallelModel interface (tpbench.parallel.plan.ParallelModel).
 
     skip_grad_sum names entries of GRAD_SUMS (tpbench.parallel.checks) to leave out, only to prove each
@@ -129,7 +130,7 @@ def parallelize_dtensor(
         plan = tp_plan(cfg.num_hidden_layers, pcfg.sp, pcfg.vp, cfg.qk_norm)
         if "qk_norm" in skip_grad_sum:  # q/k norms as plain replicated weights: nothing sums their grads
             plan = {k: v for k, v in plan.items() if not k.endswith(("q_norm", "k_norm"))}
-        parallelize_module(model, ctx.mesh["tp"], plan)
+        parallelize_module(model, ctx.with_replicas(pcfg.dp_replicate).tp_mesh, plan)
         if pcfg.vp:
             model.loss_fn = LossParallelCrossEntropy()
             if cfg.tie_word_embeddings:  # both [V, H] Shard(0): tie the lm_head to the embedding again

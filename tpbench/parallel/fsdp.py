@@ -21,6 +21,10 @@ HSDP (`parallel.dp_replicate=R`): FSDP2's 2-D mesh (replicate, shard): each para
 dp / R consecutive DP ranks (within a node) and replicated across the R groups; the gradients are
 reduce-scattered within a group, then all-reduced across the groups (FSDP2 issues that all-reduce
 itself, outside the custom comms: its all-reduce hook, which runs right after it, counts it).
+
+The DP mesh is the layout's (tpbench.parallel.context): its dp dim, or under HSDP its (dp_replicate,
+dp_shard) dims, made once per job. With the DTensor engine its tp dim holds the TP shards, so FSDP2
+composes both into one mesh, (dp, tp) or (dp_replicate, dp_shard, tp), HSDP's included.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor, Replicate
@@ -36,7 +39,6 @@ from torch.distributed.tensor import DTensor, Replicate
 from tpbench.config import ParallelConfig, TrainConfig
 from tpbench.models.minimind import DTYPES
 from tpbench.parallel import collectives, instrumentation
-from tpbench.parallel.context import ParallelContext
 
 
 class _Work:
@@ -107,33 +109,6 @@ class CountedReduceScatter(ReduceScatter):
         return None
 
 
-def dp_mesh(ctx: ParallelContext, replicate: int) -> DeviceMesh:
-    """The DP mesh of this rank's TP shard: 1-D over its DP group, or HSDP's 2-D (replicate, shard)
-    with the shard groups of dp / replicate consecutive DP ranks (collective: every rank makes every
-    group)."""
-    if replicate == 1:
-        return ctx.mesh["dp"]
-    shard = ctx.dp // replicate
-    # global ranks by (tp rank, replicate group, shard index): DP rank d = r * shard + s
-    grid = torch.arange(ctx.dp * ctx.tp).view(replicate, shard, ctx.tp).permute(2, 0, 1)
-    mine = grid[ctx.tp_rank]  # [R, S]
-    shard_groups = [[g.tolist() for g in by_tp] for by_tp in grid]  # per TP rank, R groups of S
-    rep_groups = [[g.tolist() for g in by_tp.t()] for by_tp in grid]  # per TP rank, S groups of R
-    own_shard = own_rep = None
-    rank = dist.get_rank()
-    for groups in shard_groups:
-        for ranks in groups:
-            group = dist.new_group(ranks, timeout=ctx.timeout)
-            own_shard = group if rank in ranks else own_shard
-    for groups in rep_groups:
-        for ranks in groups:
-            group = dist.new_group(ranks, timeout=ctx.timeout)
-            own_rep = group if rank in ranks else own_rep
-    return DeviceMesh.from_group(
-        [own_rep, own_shard], ctx.device.type, mine, mesh_dim_names=("dp_replicate", "dp_shard")
-    )
-
-
 class FSDPModel:
     """A parallel model (any TP mode of either engine, or the dense model at tp 1) with FSDP2 over
     its DP dimension: the model's interface for training and the checks."""
@@ -151,9 +126,9 @@ class FSDPModel:
             pm.skip_grad_sum = (*pm.skip_grad_sum, "dp")
         else:
             pm.grad_sums = [gs for gs in pm.grad_sums if gs.name != "dp"]
-        mesh = dp_mesh(pm.ctx, pcfg.dp_replicate)
-        if pcfg.engine == "dtensor":  # the TP DTensors' mesh and the DP mesh: one 2-D mesh
-            mesh = pm.ctx.mesh["dp"]
+        # the DP dims of the layout's mesh, whose tp dim holds the DTensor engine's TP shards: FSDP2
+        # composes them into one (dp, tp) or (dp_replicate, dp_shard, tp) mesh
+        mesh = pm.ctx.with_replicas(pcfg.dp_replicate).fsdp_mesh
         mixed = train.precision == "mixed"
         # low_precision_reduce (debug.low_precision_reduce, to prove validation catches it): no
         # reduce_dtype, so FSDP2 reduces the gradients in param_dtype, the compute dtype
