@@ -91,6 +91,8 @@ print(f"python {sys.version.split()[0]} | torch {torch.__version__} | CUDA {torc
       torch.cuda.nccl.version(), f"| {p.name} | {p.multi_processor_count} SMs | {p.total_memory / 2**30:.1f} GiB")
 PY
   gpu=$("$py" -c "import torch; from tpbench.predict.allocator import gpu_of; print(gpu_of(torch.cuda.get_device_name(0)) or 'H100')")
+  # the time model's host term, probed on this host (the sourced figure it replaces: 8 us an op)
+  "$py" -c "from tpbench.predict import host_probe; print(f'host: {host_probe.host_op_probe() * 1e6:.2f} us to issue an op')" >&2 || true
 fi
 memory() {  # FLAVOUR: the seed preset at L 8, every mode at T 2, 4, 8 and DDP, emulated (one db each)
   local flavour=$1 db="db.url=sqlite:///$out/memory-$1.db" rc=0

@@ -631,7 +631,7 @@ def test_plans_step_time_is_in_one_format():
     ]  # fmt: skip
     timed = SimpleNamespace(
         step_s=16.75, compute_s=2.144, comm_s=13.5, comm_exposed={"activation": 12.46, "loss": 0.0662},
-        optimizer_s=1.161, tokens_per_s=4.0, mfu=None,
+        optimizer_s=1.161, tokens_per_s=4.0, mfu=None, host_s=0.0,
     )  # fmt: skip
     with output.out.capture() as said:
         output.step_time(RunConfig(), timed)

@@ -308,6 +308,12 @@ def step_time(cfg: RunConfig, timed: TimePrediction) -> None:
         f" + exposed communication {ms(timed.comm_s)} ({comm or 'none'}) + optimizer "
         f"{ms(timed.optimizer_s)}; {timed.tokens_per_s:,.0f} tokens/s"
     )
+    if timed.host_s:
+        bound = "host-bound: the GPU waits for it" if timed.host_bound else "under the device's"
+        out.print(
+            f"predicted host issue time: {ms(timed.host_s)} ms ({bound}; "
+            f"{ms(timed.device_s)} ms on the device)"
+        )
     if timed.mfu is not None:
         out.print(
             f"predicted MFU: {100 * timed.mfu:.1f}% (model FLOPs / (step time x devices x peak FLOP/s))"

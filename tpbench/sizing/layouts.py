@@ -79,6 +79,7 @@ class Row:
     margin_bytes: int = 0
     comm_bytes_per_step: int = 0  # per rank, one micro-step's
     step_s: float = 0.0  # the whole optimizer step: every micro-step, the DP sync, the optimizer
+    host_bound: bool = False  # the host's issue time of the step exceeds the device's (steptime)
     tokens_per_step: int = 0  # of the whole job (global batch x seq)
     tokens_per_s_per_gpu: float = 0.0
     mfu: float = 0.0

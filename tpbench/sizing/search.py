@@ -386,12 +386,13 @@ def _timed(base: RunConfig, row: Row, timing) -> Row:
         for purpose in DP_SYNC:
             if purpose in across.comm_exposed:
                 timed.comm_exposed[purpose] = across.comm_exposed[purpose]
-    step_s = step_time(timed, row)
+    step_s, host_bound = step_time(timed, row)
     tokens = row.micro_batch * row.dp * row.accumulation * cfg.train.seq_len
     model_flops = theory.model_flops_per_step(cfg) * row.accumulation
     return dataclasses.replace(
         row,
         step_s=step_s,
+        host_bound=host_bound,
         tokens_per_step=tokens,
         tokens_per_s_per_gpu=tokens / step_s / row.gpus,
         mfu=model_flops / (step_s * row.gpus * rates.peak),
@@ -406,13 +407,16 @@ def evaluate(base: RunConfig, cluster: Cluster, row: Row) -> Row:
     return _timed(base, _memory(base, cluster, row), (rates, cluster.network_rates(rates), cluster))
 
 
-def step_time(timed: steptime.TimePrediction, row: Row) -> float:
+def step_time(timed: steptime.TimePrediction, row: Row) -> tuple[float, bool]:
     """The optimizer step of `row.accumulation` micro-steps: each micro-step's compute and exposed
     communication, then (DDP, ZeRO-1) one DP gradient sync, and the optimizer; FSDP's levels (grads,
-    full) sync every micro-step (layouts.ACCUMULATION)."""
+    full) sync every micro-step (layouts.ACCUMULATION). The host's issue time instead where it is
+    longer (each micro-step's ops, the optimizer's once), and whether it is."""
     once = 0.0 if row.dp_shard in ("grads", "full") else sum(timed.comm_exposed.get(p, 0.0) for p in DP_SYNC)
     micro = timed.compute_s + timed.comm_s - once
-    return row.accumulation * micro + once + timed.optimizer_s
+    device = row.accumulation * micro + once + timed.optimizer_s
+    host = row.accumulation * (timed.host_s - timed.host_optimizer_s) + timed.host_optimizer_s
+    return max(device, host), host > device
 
 
 def communicators(cfg: RunConfig) -> int:

@@ -35,8 +35,8 @@ def caption(fit: Fit) -> str:
         f"{mem.reserve_bytes / MiB:.0f} MiB CUDA context; peak: theory's live tensors + 2 cuBLAS "
         f"workspaces + NCCL "
         f"{o.nccl_bytes_per_communicator / MiB:.0f} MiB per communicator; time: the time model's, per "
-        "optimizer step (micro-steps x accumulation + one DP sync + AdamW); micro-batch n+: the largest "
-        "searched"
+        "optimizer step (micro-steps x accumulation + one DP sync + AdamW), the host's issue time where it "
+        "is longer (step s marked host: predicted host-bound); micro-batch n+: the largest searched"
     )
 
 
@@ -72,7 +72,7 @@ def tables(fit: Fit, shown: int = SHOWN, tight_only: bool = False) -> list[Table
                 str(r.accumulation),
                 f"{r.peak_bytes / GiB:,.2f}",
                 f"{r.headroom_bytes / GiB:,.2f}",
-                f"{r.step_s:,.3g}",
+                f"{r.step_s:,.3g}" + (" host" if r.host_bound else ""),
                 f"{r.tokens_per_s_per_gpu:,.0f}",
                 f"{r.mfu:.1%}",
                 f"{r.comm_bytes_per_step / GiB:,.2f}",

@@ -21,7 +21,7 @@ from __future__ import annotations
 from tpbench.config import RunConfig, local_batch, local_world_size
 from tpbench.predict import hardware
 from tpbench.predict.steptime.model import TimePrediction, predict_ops
-from tpbench.predict.steptime.rates import KINDS, Rates, gpu_rates
+from tpbench.predict.steptime.rates import HOST_OP_S, KINDS, Rates, gpu_rates
 from tpbench.predict.theory import comm_rows, dims, model_flops_per_step
 
 __all__ = ["Rates", "TimePrediction", "cpu_rates", "gpu_rates", "predict_ops", "predict_time", "rates_for"]
@@ -82,6 +82,18 @@ def cpu_rates(cfg: RunConfig, threads: int | None, ranks: int | None = None) -> 
     )
 
 
+def host_op_s(row: hardware.GPU) -> float:
+    """The host's issue cost per op for a step on `row`: probed where this machine has that GPU
+    (host_probe.cuda_host_op_s), else the sourced figure (rates.HOST_OP_S)."""
+    import torch
+
+    if not torch.cuda.is_available() or hardware.of_device(torch.cuda.get_device_name(0)) != row:
+        return HOST_OP_S
+    from tpbench.predict import host_probe
+
+    return host_probe.cuda_host_op_s()
+
+
 def rates_for(
     cfg: RunConfig, gpu: str | None = None, threads: int | None = None, ranks: int | None = None
 ) -> Rates:
@@ -91,5 +103,5 @@ def rates_for(
         row = hardware.gpu(gpu or cfg.launch.emulate_gpu or "H100-SXM")
         if row is None:
             raise ValueError(f"gpu={gpu!r}: accepted are {', '.join(hardware.names())}")
-        return gpu_rates(row, cfg.train.dtype)
+        return gpu_rates(row, cfg.train.dtype, host_op_s=host_op_s(row))
     return cpu_rates(cfg, threads, ranks)

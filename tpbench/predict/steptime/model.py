@@ -64,14 +64,28 @@ class TimePrediction:
     devices: int = 1
     peak: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # on a GPU, the host's time to issue the step: every dispatched op and collective at
+    # Rates.host_op_s (0 on a CPU, whose per-op cost is in compute_s); of it, the optimizer's
+    host_s: float = 0.0
+    host_optimizer_s: float = 0.0
 
     @property
     def comm_s(self) -> float:
         return sum(self.comm_exposed.values())
 
     @property
-    def step_s(self) -> float:
+    def device_s(self) -> float:
+        """The device's time: compute, exposed communication and the optimizer."""
         return self.compute_s + self.comm_s + self.optimizer_s
+
+    @property
+    def step_s(self) -> float:
+        """The device's time, or the host's where issuing the step takes longer (the GPU then waits)."""
+        return max(self.device_s, self.host_s)
+
+    @property
+    def host_bound(self) -> bool:
+        return self.host_s > self.device_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -91,6 +105,8 @@ class TimePrediction:
             "predicted_tokens_per_s": self.tokens_per_s,
         }
         out |= {f"predicted_comm_{purpose}_s": s for purpose, s in sorted(self.comm_exposed.items())}
+        if self.host_s:
+            out |= {"predicted_host_s": self.host_s, "predicted_host_bound": float(self.host_bound)}
         if self.mfu is not None:
             out["predicted_mfu"] = self.mfu
         return out
@@ -270,12 +286,15 @@ def predict_ops(
         step = [op for op in step if op.layer and op.phase != O.STEP]
         step = [op.times(1 / d.L) for op in step]
         colls = layer_collectives(d)
+    calls = sum(c.count for c in colls)
     by_kind: dict[str, float] = defaultdict(float)
     by_phase: dict[str, float] = defaultdict(float)
     by_name: dict[tuple[str, str], float] = defaultdict(float)
     compute = optimizer = head_backward = 0.0
     layer_s: dict[str, float] = {O.FORWARD: 0.0, O.BACKWARD: 0.0}
+    dispatches = {"step": 0.0, "optimizer": 0.0}  # the host's issue work: ops, then collectives
     for op in step:
+        dispatches["optimizer" if op.phase == O.STEP else "step"] += op.kernels
         roof, fixed = op_time(op, rates)
         by_kind[op.kind] += roof
         by_kind["per-op cost"] += fixed
@@ -318,4 +337,8 @@ def predict_ops(
         exposed[c.purpose] += seconds - hidden
         by_phase[c.phase if c.phase in (O.FORWARD, "grads") else O.BACKWARD] += seconds - hidden
     by_kind["collectives"] = sum(exposed.values())
-    return TimePrediction(compute, optimizer, dict(exposed), total, dict(by_kind), dict(by_phase))
+    out = TimePrediction(compute, optimizer, dict(exposed), total, dict(by_kind), dict(by_phase))
+    if rates.host_op_s:  # a GPU's host issues every op and collective the device then runs
+        out.host_s = rates.host_op_s * (dispatches["step"] + dispatches["optimizer"] + calls)
+        out.host_optimizer_s = rates.host_op_s * dispatches["optimizer"]
+    return out

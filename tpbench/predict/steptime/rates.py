@@ -48,6 +48,12 @@ DEFAULT_FRACTIONS = {
     "attention": 0.72,
 }  # GPUs with no published figure above
 GPU_LAUNCH_S = 5e-6
+# The host's time to issue one eager aten op on a GPU node (Python, torch's dispatcher, the CUDA
+# launch), for a GPU not at hand: 8 us, `torch.add` of two [512, 512] CUDA tensors issued back to back
+# and synchronised once on an A100 node ("cuda_sub", flagos-ai/Torch-FL pull request 27, 2026-07-28).
+# A call from Python; autograd's backward ops are issued from C++ and may cost less. On the GPU at
+# hand, host_probe.cuda_host_op_s measures it instead (the same probe's shape).
+HOST_OP_S = 8e-6
 NCCL_ALPHA_S = 20e-6  # a ring collective's latency within an NVLink node (assumed)
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
@@ -74,6 +80,9 @@ class Rates:
     widen: float = 0.0
     # bytes/s of passes over operands the cache holds (an op's `memory_bytes`); 0: `bandwidth`
     cache_bandwidth: float = 0.0
+    # a GPU's host: seconds to issue one dispatched op or collective (HOST_OP_S, or probed); 0 on a
+    # CPU, whose per-op cost (`op_s`) is already on the compute's thread
+    host_op_s: float = 0.0
 
     @property
     def cached(self) -> float:
@@ -86,8 +95,11 @@ class Rates:
         return count * self.alpha[kind] + ring_bytes * self.beta[kind]
 
 
-def gpu_rates(gpu: GPU, dtype: str, tf32: bool = False, **fractions: float) -> Rates:
-    """A GPU's rates from its data sheet and the achievable fractions (FRACTIONS; any set here)."""
+def gpu_rates(
+    gpu: GPU, dtype: str, tf32: bool = False, host_op_s: float = HOST_OP_S, **fractions: float
+) -> Rates:
+    """A GPU's rates from its data sheet and the achievable fractions (FRACTIONS; any set here); the
+    host's issue cost per op, HOST_OP_S unless given (probed on the GPU at hand)."""
     f = {**DEFAULT_FRACTIONS, **FRACTIONS.get(gpu.family, {}), **fractions}
     peak = gpu.peak_flops(dtype, tf32) or gpu.fp32
     gemm = peak * f["gemm"]
@@ -100,6 +112,7 @@ def gpu_rates(gpu: GPU, dtype: str, tf32: bool = False, **fractions: float) -> R
         alpha=dict.fromkeys(KINDS, NCCL_ALPHA_S),
         beta=dict.fromkeys(KINDS, 1 / bus),
         gpu=True,
-        source=f"{gpu.name} data sheet x fractions {f}",
+        source=f"{gpu.name} data sheet x fractions {f}, host {host_op_s * 1e6:.3g} us an op",
         peak=peak,
+        host_op_s=host_op_s,
     )
