@@ -156,6 +156,13 @@ class TrainConfig:
     steps: int = 5  # measured steps (memory, throughput)
     warmup: int = 2  # steps before measuring; memory takes at least the steady state (1, DDP 2)
     seed: int = 0
+    # the gradients' global norm clipped to this (torch's clip_grad_norm_ over the whole model, TP, SP
+    # and DP shards summed, a replicated parameter counted once: tpbench.parallel.clip); 0: off. The
+    # published models' presets (conf/model/) set 1.0, torchtitan's and Megatron's default
+    grad_clip: float = 0.0
+    # a non-finite global norm under grad_clip: error (the run fails, as torch's error_if_nonfinite) |
+    # skip (the optimizer step is skipped and counted, as Megatron skips an overflowed step)
+    grad_clip_nonfinite: str = "error"
 
 
 @dataclass
@@ -276,6 +283,10 @@ class DebugConfig:
     # (each rank keeps its own gradients, never averaged) | no_all_gather (ZeRO-1: the other ranks'
     # stepped shards never arrive; FSDP2: the other ranks' shards of a block's weights are zeros)
     shard_fault: str = ""
+    # Break train.grad_clip, to prove validation and the runs catch it (tpbench.parallel.clip):
+    # double_count (every TP rank counts the replicated parameters in the global norm, not one) |
+    # nonfinite (every rank writes inf into one gradient before the norm: kind memory or throughput)
+    clip_fault: str = ""
     # kind=validate: the step (1-based) from which every planted bug above acts; 1: from the first
     # (a bug that starts late must fail at the step it starts: issue 56)
     from_step: int = 1

@@ -163,6 +163,25 @@ def _per_check(cfg: RunConfig, figures: dict[str, float] | None, rows: list[Para
     return out
 
 
+def token_loss_error(logits, reference, labels) -> float:
+    """The loss check's reference figure: the mean over the valid tokens of |cross entropy of `logits`
+    - that of `reference`| (both [B, S, V] tensors, labels [B, S]), the per-token scale of the rounding
+    error of the mean loss (CHECKS: why not the scalar's own). Imports torch itself: the rest of this
+    module is read before torch loads."""
+    import torch.nn.functional as F  # noqa: N812
+
+    from tpbench.models.minimind import IGNORE_INDEX, shift_labels
+
+    targets = shift_labels(labels).t().reshape(-1)  # [B S]
+
+    def token_losses(x):
+        flat = x.detach().double().reshape(-1, x.shape[-1])
+        return F.cross_entropy(flat, targets, ignore_index=IGNORE_INDEX, reduction="none")
+
+    valid = targets != IGNORE_INDEX
+    return (token_losses(logits) - token_losses(reference)).abs()[valid].mean().item()
+
+
 def table(cfg: RunConfig, checks: list[Verdict], rows: list[ParamRow], passed: bool) -> str:
     """The verdicts, the parameters nearest their bound, and the gradient error by semantics."""
     p, t = cfg.parallel, cfg.train

@@ -19,6 +19,9 @@ touched). Everything the sharded step wrote is put back afterwards (weights, gra
 run goes on as if unchecked. AdamW is elementwise, so a level that steps the same kernel on the same
 elements gives the dense update to the bit (docs/results/sharded_dp.md says which do); the figure
 beside it is the dense update's own rounding, against a reference AdamW one precision up.
+With train.grad_clip both sides step the dense gradient scaled by the dense model's clip coefficient
+(`coef`): the dense side by torch's foreach multiply, the sharded one by its own clip.scale on its
+shards (ZeRO-1's flat shard included), so the clip's scaling is in the update compared to the bit.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tpbench.experiments.criterion import Verdict
-from tpbench.parallel import collectives
+from tpbench.parallel import clip, collectives
 from tpbench.parallel.fsdp import _tp_local
 from tpbench.parallel.zero import DistributedOptimizer
 
@@ -55,7 +58,12 @@ class UpdateRow:
 
 
 def updates(
-    pm, opt, dense: nn.Module, dense_opt: torch.optim.Optimizer, reference_dtype: torch.dtype = torch.float64
+    pm,
+    opt,
+    dense: nn.Module,
+    dense_opt: torch.optim.Optimizer,
+    reference_dtype: torch.dtype = torch.float64,
+    coef: torch.Tensor | None = None,
 ) -> list[UpdateRow]:
     """The sharded optimizer `opt` of the parallel model `pm` (a torch optimizer over pm.module's
     parameters, or ZeroModel's DistributedOptimizer) stepped once from the dense model's weights, AdamW
@@ -66,6 +74,7 @@ def updates(
     params = dict(dense.named_parameters())
     weights = {n: p.detach() for n, p in params.items()}
     grads = {n: p.grad.detach() for n, p in params.items()}
+    raw, grads = grads, _clipped(grads, coef)  # the dense side steps the clipped gradients
     states = {n: _dense_state(dense_opt, p) for n, p in params.items()}
     # each parameter's group's: its weight decay (train.no_decay) and the lr its schedule is at now
     group = {id(p): g for g in dense_opt.param_groups for p in g["params"]}
@@ -75,9 +84,9 @@ def updates(
     exact = _stepped(weights, grads, states, plain, reference_dtype)
     gathered: dict[str, torch.Tensor] = {}
     if isinstance(opt, DistributedOptimizer):
-        got, gathered = _zero_step(pm, opt, weights, grads, states)
+        got, gathered = _zero_step(pm, opt, weights, raw, states, coef)
     else:
-        got = _torch_step(pm, opt, weights, grads, states)
+        got = _torch_step(pm, opt, weights, raw, states, coef)
     figures = []
     for name, stepped in got.items():
         start, dense_w, ref_w = (pm.shard_like(name, t[name]).double() for t in (weights, want, exact))
@@ -126,7 +135,15 @@ def _stepped(weights, grads, states, hyper: dict, dtype: torch.dtype | None) -> 
     return {n: p.detach() for n, p in copies.items()}
 
 
-def _zero_step(pm, zopt: DistributedOptimizer, weights, grads, states) -> tuple[dict, dict]:
+def _clipped(grads: dict[str, torch.Tensor], coef: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """train.grad_clip: the dense gradients times the dense clip coefficient, as clip_grad_norm_
+    scales them (a foreach multiply); None: the gradients themselves."""
+    if coef is None:
+        return grads
+    return dict(zip(grads, torch._foreach_mul(list(grads.values()), coef), strict=True))
+
+
+def _zero_step(pm, zopt: DistributedOptimizer, weights, grads, states, coef=None) -> tuple[dict, dict]:
     """ZeRO-1: the master shard, its moments and its gradient shard from the dense inputs, the
     optimizer's own step (AdamW, then the all-gather of the weights): the stepped masters (gathered
     for the check) and the weights the all-gather left in the parameter buffer; then put back."""
@@ -143,6 +160,8 @@ def _zero_step(pm, zopt: DistributedOptimizer, weights, grads, states) -> tuple[
     zopt.adamw.state[master] = {"step": step.clone(), **{k: shard({n: s[k] for n, s in states.items()})
                                                         for k in MOMENTS}}  # fmt: skip
     zopt.grad_shard = shard(grads)
+    if coef is not None:  # train.grad_clip: its own scaling of its shard, by the dense coefficient
+        clip.scale(pm, coef)
     zopt.step()
     stepped = {n: t.clone() for n, t in zopt.full_masters().items()}
     gathered = {n: view.clone() for n, view in zopt.param_views.items()}
@@ -154,7 +173,7 @@ def _zero_step(pm, zopt: DistributedOptimizer, weights, grads, states) -> tuple[
     return stepped, gathered
 
 
-def _torch_step(pm, opt: torch.optim.Optimizer, weights, grads, states) -> dict[str, torch.Tensor]:
+def _torch_step(pm, opt: torch.optim.Optimizer, weights, grads, states, coef=None) -> dict[str, torch.Tensor]:
     """A torch optimizer over pm.module's parameters (plain tensors or DTensors): each parameter, its
     gradient and moments written as its shards of the dense ones, one step, the stepped weights read
     as TP-local wholes (full_parameters); then put back."""
@@ -170,6 +189,8 @@ def _torch_step(pm, opt: torch.optim.Optimizer, weights, grads, states) -> dict[
             p.grad = _like(p, pm.shard_like(n, grads[n]))
             moments = {k: _like(p, pm.shard_like(n, states[n][k])) for k in MOMENTS}
             opt.state[p] = {"step": states[n]["step"].clone(), **moments}
+    if coef is not None:  # train.grad_clip: its own scaling of its gradients, by the dense coefficient
+        clip.scale(pm, coef)
     opt.step()
     stepped = {n: t.clone() for n, t in pm.full_parameters().items()}
     with torch.no_grad():

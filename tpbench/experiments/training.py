@@ -9,6 +9,7 @@ Precision: `pure` keeps parameters, gradients and optimizer state in train.dtype
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ from tpbench.experiments.setup import (
     precision,
 )
 from tpbench.models.minimind import DTYPES, MiniMindForCausalLM
-from tpbench.parallel import collectives, instrumentation
+from tpbench.parallel import clip, collectives, instrumentation
 from tpbench.parallel.compiled import apply_compile
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.plan import ParallelModel, write_in_place
@@ -62,6 +63,7 @@ class Trainer:
             on_device(pm.module)
             pm = shard_data_parallel(cfg, pm, cfg.train.lr)
             self.model, self.module, self.finish_grads = pm, pm.module, pm.finish_grads
+        self.steps = self.skipped_steps = 0  # the steps clip_grads saw, and those it skipped
         self._hidden: list[torch.Tensor] = []
         if cfg.train.keep_output:
             self.module.model.register_forward_hook(self._keep_hidden)
@@ -112,12 +114,37 @@ class Trainer:
             (loss / k if k > 1 else loss).backward()
             losses.append(loss.detach())
         self.finish_grads()
+        if not self.clip_grads():  # train.grad_clip_nonfinite=skip: no optimizer step this time
+            self._hidden.clear()
+            return losses[0] if k == 1 else torch.stack(losses).mean()
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         self._hidden.clear()  # train.keep_output: the final hidden states live as long as the output
         del kept
         return losses[0] if k == 1 else torch.stack(losses).mean()
+
+    def clip_grads(self) -> bool:
+        """train.grad_clip: the accumulated, summed gradients clipped to their global norm
+        (tpbench.parallel.clip) before the optimizer steps. A non-finite norm fails the run
+        (train.grad_clip_nonfinite=error) or skips the step (skip: counted in `skipped_steps`, said on
+        stderr). Returns whether the optimizer steps."""
+        t, fault = self.cfg.train, self.cfg.debug.clip_fault
+        if t.grad_clip <= 0:
+            return True
+        if fault == "nonfinite":
+            clip.plant_nonfinite(self.model)
+        norm = clip.global_norm(self.model, fault)
+        self.steps += 1
+        if not clip.finite(norm):
+            self.skipped_steps += 1
+            said = f"train.grad_clip: the global gradient norm is {norm.item()} at step {self.steps}"
+            if t.grad_clip_nonfinite != "skip":
+                raise clip.NonFiniteGradNorm(f"{said} (train.grad_clip_nonfinite=error)")
+            print(f"{said}: its optimizer step skipped (train.grad_clip_nonfinite=skip)", file=sys.stderr)
+            return False
+        clip.scale(self.model, clip.coefficient(norm, t.grad_clip))
+        return True
 
     def _keep_hidden(self, module: torch.nn.Module, args: tuple, hidden: torch.Tensor) -> None:
         """The final hidden states the LM head takes ([S, B, H]; this rank's [S/T, B, H] under SP with

@@ -14,6 +14,7 @@ runs free (issue 56: the sign rule that wrote the dense gradient into the sharde
    replicas, DP average), and of its worst row (a head, a vocabulary row: grad_check); the sharded
    model then has its own weights back. Per parameter the worst step's, and which step; per step
    the worst (`step_grad_*` curves). A bug that starts at any step fails at that step;
+   with train.grad_clip also the global norm against clip_grad_norm_'s (clip_check: how each side clips);
 3. the seed's free-running check: N AdamW steps, each model on its own from the same start, each on
    a fresh batch (`validate.batch=fresh`) or all on the forward check's batch (`fixed`, the seed
    chapter's check); every k steps the logits' mean and max |diff| and relative L2 against dense, on
@@ -48,10 +49,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from tpbench.config import RunConfig, public_config
 from tpbench.experiments import criterion, grad_check, optimizer_check, planted, reduce_check, same_weights
+from tpbench.experiments.clip_check import NormSteps, clip_dense, clip_sharded, count_norm, dense_side
 from tpbench.experiments.optim import dense_adamw, scheduler
 from tpbench.experiments.progress import StepProgress
 from tpbench.experiments.setup import (
@@ -66,7 +67,7 @@ from tpbench.experiments.setup import (
 )
 from tpbench.experiments.training import DDPModel, optimizer, set_gradient_sync, shard_data_parallel
 from tpbench.models import gemm
-from tpbench.models.minimind import IGNORE_INDEX, MiniMindForCausalLM, shift_labels
+from tpbench.models.minimind import MiniMindForCausalLM
 from tpbench.parallel import collectives, instrumentation
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.plan import ParallelModel
@@ -165,6 +166,7 @@ class _Checked:
     opt: Any = None
     updates: optimizer_check.WorstSteps | None = None  # the optimizer on identical inputs, every step
     reduce: reduce_check.WorstSteps | None = None  # the DP reduction on identical inputs (DP > 1)
+    norms: NormSteps = field(default_factory=NormSteps)  # train.grad_clip: the global norm, every step
 
     @contextlib.contextmanager
     def own(self) -> Iterator[None]:
@@ -211,7 +213,7 @@ def _run(cfgs: Sequence[RunConfig], mode: gemm.Fp32Accumulate | None) -> list[_C
     dense_figures = {  # the dense model's own error against the reference
         "dense_fwd_logits_max_abs": _max_abs(dense_logits, ref_logits),
         "dense_loss_abs_diff": (dense_loss.detach().double() - ref_loss.detach().double()).abs().item(),
-        "dense_token_loss_mean_abs_diff": _token_loss_error(dense_logits, ref_logits, labels),
+        "dense_token_loss_mean_abs_diff": criterion.token_loss_error(dense_logits, ref_logits, labels),
     }
     for c in checked:
         with c.own():
@@ -240,6 +242,7 @@ def _first_step(
     counter = instrumentation.CommCounter()
     with counting(cfg, counter):
         logits, loss = _accumulated(cfg, pm, batches, *batch)
+        count_norm(cfg, pm)
     result.comm = counter.rows()
     result.add("comm_bytes_per_step", sum(r.bytes for r in result.comm), "B")
     result.add("predicted_comm_bytes_per_step", theory.predict(cfg).comm_bytes_per_step, "B")
@@ -280,7 +283,7 @@ def _verdicts(
     worst["dense_adamw_param_max_rel_l2"] = max(r.param_ref_rel_l2 for r in rows)
     worst["adamw_drift_max_abs"] = max(values[1] for _, values, _ in c.drift)
     worst["dense_adamw_drift_max_abs"] = max(own for *_, own in c.drift)
-    checks = criterion.verdicts(cfg, worst, rows) + c.updates.verdicts(cfg.validate.k)
+    checks = criterion.verdicts(cfg, worst, rows) + c.updates.verdicts(cfg.validate.k) + c.norms.verdicts()
     if c.reduce is not None:
         per_param = c.reduce.verdicts()
         checks.append(max(per_param, key=lambda v: (v.of_bound, v.value)))
@@ -331,19 +334,6 @@ def _accumulated(
         losses.append(loss.detach())
     pm.finish_grads()
     return logits, losses[0] if k == 1 else torch.stack(losses).mean()
-
-
-def _token_loss_error(logits: torch.Tensor, reference: torch.Tensor, labels: torch.Tensor) -> float:
-    """Mean over the valid tokens of |cross entropy of `logits` - that of `reference`| (both [B, S, V],
-    labels [B, S]): the per-token scale of the rounding error of the mean loss."""
-    targets = shift_labels(labels).t().reshape(-1)  # [B S]
-
-    def token_losses(x: torch.Tensor) -> torch.Tensor:
-        flat = x.detach().double().reshape(-1, x.shape[-1])
-        return F.cross_entropy(flat, targets, ignore_index=IGNORE_INDEX, reduction="none")
-
-    valid = targets != IGNORE_INDEX
-    return (token_losses(logits) - token_losses(reference)).abs()[valid].mean().item()
 
 
 def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -458,6 +448,7 @@ def _adamw(
             with precision(cfg, device) if model is dense else contextlib.nullcontext():
                 loss = model(ids, labels)[1]
             loss.backward()
+        side = dense_side(cfg, dense, reference, at_dense)  # train.grad_clip: the dense norms
         for c in checked:
             with c.own():
                 planted.start_step(c.cfg, c.pm, step)
@@ -465,6 +456,7 @@ def _adamw(
                     _accumulated(c.cfg, c.pm, batches, ids, labels)
                     planted.scale_grad(c.cfg, c.pm, dense, step)
                     c.grads.add(step, grad_check.step_errors(c.pm, dense, at_dense, head_dim))
+                    c.norms.add(step, c.cfg, c.pm, side)
                     if c.reduce is not None:  # the DP reduction on identical inputs
                         run = functools.partial(_accumulated, c.cfg, c.pm, batches, ids, labels)
                         cuda = batches.device.type == "cuda"
@@ -473,12 +465,14 @@ def _adamw(
                 # the optimizer on identical inputs: the dense weights, state and gradient, on copies;
                 # its reference one precision above the weights AdamW steps (fp32 masters: fp64)
                 up = torch.float64 if param_dtype(c.cfg) == torch.float32 else torch.float32
-                rows = optimizer_check.updates(c.pm, c.opt, dense, dense_opts[0], up)
+                rows = optimizer_check.updates(c.pm, c.opt, dense, dense_opts[0], up, side and side.coef)
                 c.updates.add(step, rows)
                 c.opt.zero_grad(set_to_none=True)
                 _accumulated(c.cfg, c.pm, batches, ids, labels)  # 3. its own step, from its own weights
                 planted.scale_grad(c.cfg, c.pm, dense, step)
+                clip_sharded(c.cfg, c.pm)
                 c.opt.step()
+        clip_dense(side, dense, reference)
         for opt in dense_opts:
             opt.step()
         for schedule in filter(None, schedules):

@@ -21,6 +21,7 @@ GRAD_SUMS = ("qk_norm", "kv_replicas", "sp_norms", "dp")
 
 def check_shardable(cfg: RunConfig) -> None:
     """Raise ConfigError if the model cannot be split as the parallel config asks."""
+    check_grad_clip(cfg)
     check_dropout(cfg)
     check_accumulation(cfg)
     check_optimizer(cfg)
@@ -198,6 +199,38 @@ def check_accumulation(cfg: RunConfig) -> None:
             f"train.accumulation={k} with parallel.overlap=true and parallel.dp={p.dp}: overlap's flat DP "
             "buckets all-reduce during every backward; accepted are parallel.overlap=false, "
             "parallel.dp_shard=optimizer, or train.accumulation=1"
+        )
+
+
+CLIP_FAULTS = ("double_count", "nonfinite")  # debug.clip_fault (tpbench.parallel.clip)
+
+
+def check_grad_clip(cfg: RunConfig) -> None:
+    """Raise ConfigError (one line) for train.grad_clip, train.grad_clip_nonfinite or debug.clip_fault
+    that cannot act as asked."""
+    t, fault = cfg.train, cfg.debug.clip_fault
+    if not 0 <= t.grad_clip < float("inf"):
+        raise ConfigError(f"train.grad_clip={t.grad_clip}: accepted are a finite max norm > 0, or 0 (off)")
+    if t.grad_clip_nonfinite not in ("error", "skip"):
+        raise ConfigError(
+            f"train.grad_clip_nonfinite={t.grad_clip_nonfinite!r}: accepted are 'error', 'skip'"
+        )
+    if fault not in ("", *CLIP_FAULTS):
+        accepted = ", ".join(map(repr, ("", *CLIP_FAULTS)))
+        raise ConfigError(f"debug.clip_fault={fault!r}: accepted are {accepted}")
+    if fault and t.grad_clip <= 0:
+        raise ConfigError(
+            f"debug.clip_fault={fault} with train.grad_clip=0: breaks the clipping, set a max norm"
+        )
+    if fault == "double_count" and (cfg.kind != "validate" or cfg.parallel.tp < 2):
+        raise ConfigError(
+            f"debug.clip_fault=double_count with kind={cfg.kind}, tp={cfg.parallel.tp}: counts a replicated "
+            "parameter on every TP rank, accepted with kind=validate and tp >= 2"
+        )
+    if fault == "nonfinite" and cfg.kind == "validate":
+        raise ConfigError(
+            "debug.clip_fault=nonfinite with kind=validate: fails or skips a training step, accepted with "
+            "kind=memory or throughput"
         )
 
 

@@ -196,7 +196,7 @@ def step_collectives(d: Dims, rows: list[CommRow]) -> list[Collective]:
     for (op, purpose), (count, size) in sorted(left.items()):
         if count <= 0:
             continue
-        if purpose in ("dp_grads", "grad_sum"):
+        if purpose in ("dp_grads", "grad_sum", "grad_norm"):  # after backward (the norm: before AdamW)
             hidden = behind_backward if purpose == "dp_grads" else ()
             out.append(Collective(op, purpose, "grads", int(count), size, hidden))
         elif purpose == "loss":

@@ -289,6 +289,25 @@ def optimizer(d: Dims) -> Op:
     return adamw if d.dp_shard == "optimizer" else replace(adamw, memory_bytes=7 * d.w * n)
 
 
+def grad_clip(d: Dims) -> list[Op]:
+    """train.grad_clip (tpbench.parallel.clip), before AdamW: the global norm reads every gradient this
+    rank steps once (a square and an add an element, summed in fp32), the scaling reads and writes them
+    once: 3 w n bytes, 3 n FLOPs over n, this rank's gradients (ZeRO-1's flat shard, FSDP2's shard of
+    each). Kernels: a norm and a multiply per tensor (a CPU's foreach runs per tensor; a GPU's one
+    each), and the scalar's ten (stack, norm, square, sqrt, the coefficient's add, reciprocal, multiply
+    and clamp, isfinite, the host read). Its all-reduces are the memory model's (`grad_norm`)."""
+    if not d.grad_clip:
+        return []
+    tensors = len(params(d))
+    n = sum(count for _, count in params(d))
+    if d.dp_shard == "optimizer":  # ZeRO-1's one flat shard
+        n, tensors = flat_shard(d, d.dp_shards), 1
+    elif d.dp_shard != "none":
+        n = math.ceil(n / d.dp_shards)
+    kernels = (2 if d.gpu else 2 * tensors) + 10
+    return [Op("grad clip", OPTIMIZER, 3.0 * n, 3 * d.w * n, kernels, phase=STEP, layer=False)]
+
+
 def dp_copies(d: Dims) -> list[Op]:
     """What DP's gradient average (and FSDP2's parameter gathers) copy on the compute's thread, by
     engine: n this rank's parameters, w their bytes, p an activation's, D the shard group:
@@ -327,4 +346,4 @@ def step_ops(d: Dims, impl: Implementation = TPBENCH) -> list[Op]:
     forward = [op.times(d.L) for op in layer] + outside
     backward = [backward_of(op).times(d.L) for op in layer] + [backward_of(op) for op in outside]
     extra = [op.times(d.L) for op in recomputed(d, impl)]
-    return forward + extra + backward + dp_copies(d) + [optimizer(d)]
+    return forward + extra + backward + dp_copies(d) + grad_clip(d) + [optimizer(d)]

@@ -10,7 +10,8 @@ Collectives (`accumulated`), from one micro-batch's step (tpbench.predict.theory
   once a step                the DP gradient sync (dp_grads: DDP's bucket all-reduces, megatron's
                              DP sum, ZeRO-1's and FSDP2's reduce-scatters, HSDP's all-reduce), the
                              TP gradient sums (grad_sum: in finish_grads, on the accumulated
-                             gradients) and ZeRO-1's all-gather of the stepped shard (dp_params,
+                             gradients), the global norm's (grad_norm, train.grad_clip: after
+                             them) and ZeRO-1's all-gather of the stepped shard (dp_params,
                              in the optimizer step)
 
 Memory: not modelled for K > 1 (tpbench.predict.checked refuses kind=memory there). What persists
@@ -27,7 +28,8 @@ from tpbench.config import RunConfig
 from tpbench.predict.theory.sharding import GRADS, PARAMS, sharding
 from tpbench.results import CommRow
 
-ONCE = (GRADS, "grad_sum")  # synced once a step, on the accumulated gradients
+# synced once a step, on the accumulated gradients: the DP sync, the TP sums, train.grad_clip's norm
+ONCE = (GRADS, "grad_sum", "grad_norm")
 
 
 def once_a_step(cfg: RunConfig, row: CommRow) -> bool:

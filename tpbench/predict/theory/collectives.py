@@ -82,6 +82,9 @@ def comm_rows(cfg: RunConfig) -> list[CommRow]:
             add("all_reduce", "dp_grads", size, d.dp)
     elif "dp" not in skip:
         add("all_reduce", "dp_grads", sum(n for _, n in params(d)) * d.w, d.dp)
+    if d.grad_clip:  # the global norm's squares (an fp32 scalar) over TP, then the DP shard group
+        add("all_reduce", "grad_norm", FP32, T)
+        add("all_reduce", "grad_norm", FP32, s.D if sharded else 1)
     return _sorted(rows)
 
 

@@ -69,6 +69,7 @@ class Dims:
     # or FSDP2's (grads, full) own the DP gradients and AdamW steps this rank's shard of dp_shards
     dp_shard: str = "none"
     dp_shards: int = 1
+    grad_clip: bool = False  # train.grad_clip > 0: the global norm and the scaling before AdamW
 
     @property
     def flat_dp(self) -> bool:
@@ -196,4 +197,5 @@ def dims(cfg: RunConfig) -> Dims:
         dp_shards=par.dp // par.dp_replicate if par.dp_shard != "none" else 1,
         fused_ops=m.fused_ops,
         fused_loss=m.fused_ops and cfg.launch.device == "cuda" and cfg.launch.emulate != "fake",
+        grad_clip=t.grad_clip > 0,
     )

@@ -135,7 +135,7 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
         whole[unit_of(name)] += n * c.w
     out = []
     for m in _forward_moments(c, base) + _lower_blocks(c, s, base, whole) + _middle_blocks(c, s):
-        if m.name in ("gradient sums", "optimizer"):
+        if m.name in ("gradient sums", "gradient clipping", "optimizer"):
             continue
         held = [ROOT]  # gathered units MemTracker counts as parameters: in forward, or the running one
         fetched: list[str] = []  # prefetched in backward: temporaries to MemTracker
@@ -185,6 +185,8 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
     out.append(Moment("root reduce-scatter copy-in", st.params, sharded_blocks + whole[ROOT], st.optimizer,
                       kept, root_in))  # fmt: skip
     out.append(Moment("root reduce-scatter", st.params, sharded_blocks, st.optimizer, kept, root_in + rs_out))
+    clipping = [m for m in base if m.name == "gradient clipping"]  # train.grad_clip: the sharded gradients
+    out += [Moment(m.name, st.params, st.grads, st.optimizer, kept, m.temporaries) for m in clipping]
     out.append(Moment("optimizer", st.params, st.grads, st.optimizer, kept, _adam_temporaries(d, s)))
     return out
 
@@ -386,6 +388,8 @@ def _zero1(d: Dims, s: Sharding, st: State, base: list[Moment]) -> list[Moment]:
             continue
         if m.name == "optimizer":  # the reduce-scatter's output, the master's .grad, beside the buffer
             grads, temps = st.grads + st.master, _adam_temporaries(d, s)
+        elif m.name == "gradient clipping":  # train.grad_clip: on the reduce-scatter's output
+            grads, temps = st.grads + st.master, m.temporaries
         else:
             grads, temps = st.grads, m.temporaries
         out.append(replace(m, params=st.params, grads=grads, optimizer=st.optimizer, temporaries=temps))

@@ -1,5 +1,5 @@
 """The moments of one training step in order, each a `Moment` (tpbench.predict.theory.moments):
-  zero_grad(set_to_none) -> forward -> loss -> backward -> gradient sums -> AdamW step.
+  zero_grad(set_to_none) -> forward -> loss -> backward -> gradient sums -> clipping -> AdamW step.
 The peak is the largest of them; docs/theory.md, "The moments of a step", lists them.
 """
 
@@ -112,6 +112,9 @@ def moments(d: Dims) -> list[Moment]:
         )
     if d.dp > 1 and not d.ddp and not d.flat_dp:  # megatron's blocking DP sum: one flat copy of all
         out.append(Moment("gradient sums", P, buckets + G, O, kept, P))
+    if d.grad_clip:  # tpbench.parallel.clip's global norm: one fp32 norm per gradient on every rank
+        # (an empty one where it counts none) and their stack, every gradient and moment held
+        out.append(Moment("gradient clipping", P, buckets + G, O, kept, 2 * FP32 * len(weights.params(d))))
     # AdamW's temporaries count as optimizer bytes, as MemTracker counts every tensor made inside
     # optimizer.step (its Optstate), so that the split agrees with the measurement's, not the total alone
     adam_temp = weights.optimizer_temporaries(d)
