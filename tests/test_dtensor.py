@@ -1,7 +1,8 @@
 """The DTensor engine (torch.distributed.tensor.parallel) against dense and against ours.
 
 Every case runs in test_parallel's world-2 torchrun job over gloo (tests/torchrun_checks.py `WORLD2`:
-its validate suite, and `comm_per_step` for each engine's collectives); the assertions live here.
+its validate suite, and `comm_per_step` for each engine's collectives), and its world-8 job for the
+DTensor engine's TP under HSDP; the assertions live here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torchrun_checks import (
     TOL_GRAD,
     TOL_PARAM,
     WORLD2,
+    WORLD8,
     B,
     H,
     L,
@@ -68,6 +70,29 @@ WORLD2.add(
 )
 WORLD2.add("comm_per_step", "dtensor", {name: [*TINY, *o] for name, o in MODES.items()})
 
+# TP 2 x HSDP (replicate 2 x shard 2): FSDP2 over the (dp_replicate, dp_shard) dims of the mesh whose tp
+# dim holds the TP shards, one (dp_replicate, dp_shard, tp) mesh (tpbench.parallel.context). 8 ranks,
+# the fewest with every dim real, share the 2 cores: two AdamW steps, as test_parallel's T 8 cases
+HSDP8 = ["parallel.engine=dtensor", "parallel.tp=2", "parallel.dp=4", "parallel.dp_replicate=2"]
+HSDP = {
+    "hsdp_full": [*HSDP8, "parallel.dp_shard=full"],
+    "hsdp_grads_sp_vp_mixed": [
+        *HSDP8,
+        "parallel.dp_shard=grads",
+        "parallel.sp=true",
+        "parallel.vp=true",
+        *PRECISIONS["mixed"],
+    ],  # fmt: skip
+    "broken_hsdp_full_reduce_scatter": [
+        *HSDP8,
+        "parallel.dp_shard=full",
+        "debug.shard_fault=no_reduce_scatter",
+    ],
+}
+WORLD8.add(
+    "validate", "dtensor", {k: [*TINY, "validate.steps=2", "validate.every=1", *o] for k, o in HSDP.items()}
+)
+
 
 @beside
 def measured(folder: Path) -> dict:
@@ -82,6 +107,16 @@ def measured(folder: Path) -> dict:
         name: {"metrics": m, "failed": failed[name], "params": rows[name], **comm.get(name, {})}
         for name, m in metrics.items()
     }
+
+
+@beside
+def hsdp(folder: Path) -> dict:
+    """Per case, rank 0's figures and failed checks, once every rank reported the same figures."""
+    ranks = WORLD8.part(folder, "validate", "dtensor")
+    same_on_every_rank(
+        [{n: {"metrics": r["metrics"], "comm": r["comm"]} for n, r in rank.items()} for rank in ranks]
+    )
+    return ranks[0]
 
 
 @pytest.mark.parametrize("mode", [*MODES, *FAMILIES])
@@ -126,6 +161,28 @@ def test_a_skipped_norm_sum_fails_exactly_the_gradients_that_need_it(measured, c
     assert failing == {n for n in rows if breaks.search(n)} and failing
     (line,) = [f for f in measured[case]["failed"] if f.startswith("grad_rel_l2 ")]
     assert breaks.search(line.split()[1]), line
+
+
+@pytest.mark.parametrize("case", [c for c in HSDP if not c.startswith("broken")])
+def test_dtensor_tp_under_hsdp_equals_dense(hsdp, case):
+    """fp32 to the core tolerances; bf16 compute within each check's bound. FSDP2 all-reduces each
+    unit's reduce-scattered gradients across the 2 replicas: 2 blocks and the root."""
+    m, failed = hsdp[case]["metrics"], hsdp[case]["failed"]
+    if case == "hsdp_full":
+        assert m["fwd_logits_max_abs"] <= TOL_FWD and m["grad_max_rel_l2"] <= TOL_GRAD
+        assert m["adamw_param_max_abs"] <= TOL_PARAM
+    assert failed == [] and m["passed"] == 1.0
+    counted = {(op, purpose): count for op, purpose, count, _ in hsdp[case]["comm"]}
+    assert counted[("all_reduce", "dp_grads")] == counted[("reduce_scatter", "dp_grads")] == 3
+
+
+def test_dtensor_tp_under_hsdp_fails_with_its_reduce_scatter_broken(hsdp):
+    m, failed = (
+        hsdp["broken_hsdp_full_reduce_scatter"]["metrics"],
+        hsdp["broken_hsdp_full_reduce_scatter"]["failed"],
+    )
+    assert m["passed"] == 0.0 and m["grad_max_rel_l2"] > 0.1
+    assert any(f.startswith("grad_rel_l2 ") for f in failed)
 
 
 def test_tp_all_reduces_twice_per_block_each_way(measured):

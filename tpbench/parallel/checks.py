@@ -265,11 +265,6 @@ def check_dp_shard(cfg: RunConfig) -> None:
             "parallel.engine=dtensor (ZeRO-1 is built over the megatron and ddp engines' plain tensors)",
             "dp_shard=grads or full there",
         ),
-        (
-            p.engine == "dtensor" and p.dp_replicate > 1,
-            f"parallel.engine=dtensor and dp_replicate={p.dp_replicate} (a 3-D mesh is not built)",
-            "dp_replicate=1 there",
-        ),
         (bool(d.ddp_fault), f"debug.ddp_fault={d.ddp_fault} (no DDP runs)", "debug.ddp_fault unset"),
         (
             d.overlap_fault == "early_bucket",
