@@ -19,6 +19,8 @@ from tpbench.predict.steptime import Rates, gpu_rates, model, predict_time
 from tpbench.predict.theory import comm_rows, dims
 from tpbench.predict.theory.shards import ROOT, unit_shards
 from tpbench.run import compose
+from tpbench.sizing import fit as fitting
+from tpbench.sizing import search
 
 pytestmark = pytest.mark.not_quick
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -151,3 +153,23 @@ def test_flash_attention_on_hopper_is_charged_at_flashattention_2s_published_sha
     )
     faster = replace(h100, attention=0.72 * h100.peak)
     assert predict_time(cfg, h100).step_s > predict_time(cfg, faster).step_s
+
+
+def test_hsdps_replica_all_reduce_crosses_the_network_when_its_shard_group_is_within_a_node():
+    """HSDP with its shard group within a node (2 nodes of 8, FSDP 8 x 2 replicas): the gathers and
+    reduce-scatters on NVLink, the all-reduce between the replicas (on the other node) at the
+    network's rate. Seen failing with every DP collective at NVLink's rate there (as before)."""
+    line = "model=qwen3_0_6b seq=2048 gpu=H100 nodes=2 tp=1 dp_shard=full dp_replicate=2 micro_batch=1"
+    request = fitting.parse(f"{line} recompute=full".split())
+    (base,) = compose.expand(request.overrides, single=True, launching=False)
+    fit = fitting.solve(request, base)
+    (row,) = [r for r in fit.rows if r.dp_replicate == 2 and not r.reason]
+    cfg = fit.config(row)
+    nvlink = gpu_rates(hardware.gpu("H100-SXM"), "bfloat16")
+    network = search.Cluster(fit.gpu, 2, 8, fit.memory).network_rates(nvlink)
+    mixed = replace(nvlink, beta={**nvlink.beta, "all_reduce": network.beta["all_reduce"]})
+    timed, slow = predict_time(cfg, nvlink), predict_time(cfg, mixed)
+    for p in search.DP_SYNC:
+        timed.comm_exposed[p] = slow.comm_exposed.get(p, 0.0)
+    assert row.step_s == pytest.approx(search.step_time(timed, row)[0])
+    assert slow.comm_exposed["dp_grads"] > predict_time(cfg, nvlink).comm_exposed["dp_grads"]

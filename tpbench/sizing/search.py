@@ -375,13 +375,18 @@ def _memory(base: RunConfig, cluster: Cluster, row: Row) -> Row:
 
 def _timed(base: RunConfig, row: Row, timing) -> Row:
     """The row's whole step: its time, tokens/s per GPU, MFU and FLOPs. DP's collectives run at the
-    network's rates where its group spans nodes (all but an HSDP shard group within one node, whose
-    replicas' all-reduce is then counted at NVLink's rate too), the rest at the GPU's."""
+    network's rates where their group spans nodes: all of them, but under HSDP with its shard group
+    within one node, where only the all-reduce between the replicas (on other nodes by construction)
+    does; the rest at the GPU's."""
     rates, network, cluster = timing
     cfg = configure(base, row)
     timed = steptime.predict_time(cfg, rates)
     within = row.dp_replicate > 1 and row.dp // row.dp_replicate * row.tp <= cluster.gpus_per_node
-    if cluster.nodes > 1 and row.dp > 1 and not within:
+    if cluster.nodes > 1 and row.dp > 1:
+        if within:  # the shard group's gathers and reduce-scatters on NVLink, the replicas' all-reduce not
+            network = dataclasses.replace(
+                rates, beta={**rates.beta, "all_reduce": network.beta["all_reduce"]}
+            )
         across = steptime.predict_time(cfg, network)
         for purpose in DP_SYNC:
             if purpose in across.comm_exposed:
