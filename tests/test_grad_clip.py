@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 from beside import beside
 from torchrun_checks import (
     WORLD2,
@@ -240,3 +241,21 @@ def test_bad_clip_settings_are_refused_in_one_line(override):
     with pytest.raises(ConfigError) as e:
         check_grad_clip(run_config([override]))
     assert str(e.value) == REFUSED[override]
+
+
+TRAINED = ("llama3_8b", "llama3_70b", "llama3_405b", "qwen2_5_7b", "qwen3_0_6b", "qwen3_8b", "qwen3_32b")
+
+
+def test_the_published_models_presets_clip_at_1_and_the_others_not_at_all():
+    """The presets that bring their training (conf/model/: torchtitan's) clip at 1.0; the tiny
+    default, the seed's checks and MiniMind's keep it off, and so their runs' identities. Every preset
+    read, one of each kind composed."""
+    from tpbench.config import CONF_DIR
+    from tpbench.run.compose import expand
+
+    for path in sorted((CONF_DIR / "model").glob("*.yaml")):
+        train = yaml.safe_load(path.read_text()).get("train") or {}
+        assert train.get("grad_clip", 0.0) == (1.0 if path.stem in TRAINED else 0.0), path.name
+    for model, max_norm in (("model=llama3_8b", 1.0), ("model=minimind2", 0.0)):
+        (cfg,) = expand(["kind=memory", "tp=4", model])
+        assert cfg.train.grad_clip == max_norm

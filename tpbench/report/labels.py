@@ -81,8 +81,12 @@ SWITCHES = {"parallel.overlap": "overlap", "train.fused_optimizer": "fused AdamW
 
 
 def switches(flat: dict) -> str:
-    """The speed switches a run had on (a flat config), e.g. "overlap · fused AdamW"; "" for none."""
-    return " · ".join(label for key, label in SWITCHES.items() if flat.get(key))
+    """The speed switches a run had on (a flat config), e.g. "overlap · fused AdamW", and its gradient
+    clipping ("clip 1", train.grad_clip: it costs a step a norm and a scaling); "" for none."""
+    on = [label for key, label in SWITCHES.items() if flat.get(key)]
+    if flat.get("train.grad_clip"):
+        on.append(f"clip {flat['train.grad_clip']:g}")
+    return " · ".join(on)
 
 
 def optimizer_setting(flat: dict) -> str:

@@ -31,6 +31,13 @@ def precision_words(precision: str, dtype: str) -> str:
     return f"{short} weights, gradients and AdamW moments"
 
 
+def clip_words(cfg: RunConfig) -> str:
+    """The words ", gradient clipping at 1 (train.grad_clip=1.0)" where a run clips its gradients' norm
+    (tpbench.parallel.clip: a norm and a scaling a step, two scalar all-reduces); "" where not."""
+    clip = cfg.train.grad_clip
+    return f", gradient clipping at {clip:g} (train.grad_clip={clip})" if clip > 0 else ""
+
+
 def optimizer_words(cfg: RunConfig) -> str:
     return "fused AdamW" if cfg.train.fused_optimizer else "for-each AdamW"
 
@@ -59,8 +66,8 @@ def assumed(cfg: RunConfig, searched: bool = False) -> str:
     if optimizer_label(t):  # the weight-decay groups and lr schedule, where not the defaults
         said += f", {optimizer_label(t)}"
     if searched:
-        return said
-    return f"{said}, recompute {t.recompute}, micro-batch {t.micro_batch}"
+        return said + clip_words(cfg)
+    return f"{said}, recompute {t.recompute}, micro-batch {t.micro_batch}{clip_words(cfg)}"
 
 
 def assumed_dict(cfg: RunConfig) -> dict:
