@@ -46,6 +46,9 @@ WORLD4_CASES = {
     "tp2_dp2_all_reduce": TP2_DP2,
     "zero1_tp2_sp_vp_mixed": [*TP2_DP2, SP, VP, "parallel.dp_shard=optimizer", *MIXED],
     "zero1_tp2_accumulation2": [*TP2_DP2, "parallel.dp_shard=optimizer", "train.accumulation=2"],
+    # pure bf16: the gradients bf16, their squares summed in fp32 on both sides (clip.dense_norm)
+    "zero1_tp2_bf16": [*TP2_DP2, "parallel.dp_shard=optimizer", "train.dtype=bfloat16"],
+    "tp4_kv2_sp_vp_bf16": [*TP4_KV2, SP, VP, "train.dtype=bfloat16"],
     "fsdp_grads_tp2_vp": [*TP2_DP2, VP, "parallel.dp_shard=grads"],
     "fsdp_full_tp2_sp_mixed": [*TP2_DP2, SP, "parallel.dp_shard=full", *MIXED],
     "fsdp_full_dtensor_tp_sp_vp": [*TP2_DP2, SP, VP, "parallel.engine=dtensor", "parallel.dp_shard=full"],
