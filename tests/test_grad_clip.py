@@ -21,6 +21,7 @@ from beside import beside
 from torchrun_checks import (
     WORLD2,
     WORLD4,
+    WORLD8,
     CrashedConfig,
     peaks_told,
     per_config,
@@ -40,6 +41,8 @@ TP4_KV2 = ["parallel.tp=4", "model.num_key_value_heads=2"]  # N_kv < T: each KV 
 TP2_DP2 = ["parallel.tp=2", "parallel.dp=2"]
 DDP4 = ["parallel.engine=ddp", "parallel.tp=1", "parallel.dp=4"]
 DOUBLE = "debug.clip_fault=double_count"
+HSDP_DTENSOR = ["parallel.engine=dtensor", "parallel.tp=2", "parallel.dp=4", "parallel.dp_shard=full",
+                "parallel.dp_replicate=2", SP, VP]  # fmt: skip
 WORLD4_CASES = {
     "tp4_kv2": TP4_KV2,
     "tp4_kv2_sp_vp": [*TP4_KV2, SP, VP],
@@ -57,6 +60,10 @@ WORLD4_CASES = {
     "zero1_ddp_dp4": [*DDP4, "parallel.dp_shard=optimizer"],
     "planted_double_count_tp4_kv2": [*TP4_KV2, SP, DOUBLE],
     "planted_double_count_zero1_tp2": [*TP2_DP2, "parallel.dp_shard=optimizer", DOUBLE],
+}
+WORLD8_CASES = {  # the DTensor engine under HSDP (replicate 2 x shard 2 x TP 2): the replicas not summed
+    "hsdp_dtensor_tp2_sp_vp": HSDP_DTENSOR,
+    "planted_double_count_hsdp_dtensor_tp2_sp_vp": [*HSDP_DTENSOR, DOUBLE],
 }
 WORLD2_CASES = {
     "dtensor_tp": ["parallel.engine=dtensor", "parallel.tp=2"],  # its replicated embedding a plain tensor
@@ -83,6 +90,7 @@ FAILING = {  # a non-finite norm: the run fails with one line, or its steps are 
 
 WORLD4.add("validate", "grad_clip", {k: [*TINY, *v] for k, v in WORLD4_CASES.items()})
 WORLD2.add("validate", "grad_clip", {k: [*TINY, *v] for k, v in WORLD2_CASES.items()})
+WORLD8.add("validate", "grad_clip", {k: [*TINY, *v] for k, v in WORLD8_CASES.items()})
 WORLD4.add("memory", "grad_clip", {k: [*SMALL, *v] for k, v in (MEMORY | FAILING).items()})
 
 
@@ -105,40 +113,49 @@ def world2(folder: Path) -> dict:
 
 
 @beside
+def world8(folder: Path) -> dict:
+    return _rank0(WORLD8.part(folder, "validate", "grad_clip"))
+
+
+@beside
 def memory(folder: Path) -> dict:
     return per_config(WORLD4.part(folder, "memory", "grad_clip"))
 
 
-CASES = {**WORLD4_CASES, **WORLD2_CASES}
+CASES = {**WORLD4_CASES, **WORLD2_CASES, **WORLD8_CASES}
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if not n.startswith("planted")])
-def test_the_global_norm_is_the_dense_clip_grad_norm_in_every_engine_mode_and_level(world4, world2, name):
+def test_the_global_norm_is_the_dense_clip_grad_norm_in_every_engine_mode_and_level(
+    world4, world2, world8, name
+):
     """The sharded global norm within the criterion's bound of the dense clip_grad_norm_'s at every
     step (grad_norm), and every other check passing with both sides clipped."""
-    r = (world4 | world2)[name]
+    r = (world4 | world2 | world8)[name]
     assert r["failed"] == [], r["failed"]
     assert r["metrics"]["passed"] == 1.0
     assert 0 <= r["metrics"]["grad_norm_of_bound"] <= 1
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n.startswith("planted")])
-def test_a_replicated_parameter_counted_on_every_tp_rank_fails_the_norm(world4, world2, name):
-    r = (world4 | world2)[name]
+def test_a_replicated_parameter_counted_on_every_tp_rank_fails_the_norm(world4, world2, world8, name):
+    r = (world4 | world2 | world8)[name]
     assert r["metrics"]["passed"] == 0.0
     assert "grad_norm" in {line.split()[0] for line in r["failed"]}, r["failed"]
     assert r["metrics"]["grad_norm_of_bound"] > 1
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if not n.startswith("planted")])
-def test_the_norm_collectives_are_counted_as_predicted(world4, world2, name):
+def test_the_norm_collectives_are_counted_as_predicted(world4, world2, world8, name):
     """The first step's collectives, the norm's all-reduces among them, as the memory model counts
     them (ZeRO-1's all-gather, in the optimizer step, is after the counted part)."""
     cfg = run_config([*TINY, *CASES[name]])
     rows = [r for r in theory.predict(cfg).comm_rows() if not ("optimizer" in cfg.parallel.dp_shard and
                                                                r.purpose == sharding.PARAMS)]  # fmt: skip
     predicted = {(r.op, r.purpose): [r.count, r.bytes] for r in rows}
-    counted = {(op, purpose): [count, size] for op, purpose, count, size in (world4 | world2)[name]["comm"]}
+    counted = {
+        (op, purpose): [count, size] for op, purpose, count, size in (world4 | world2 | world8)[name]["comm"]
+    }
     if cfg.parallel.engine == "dtensor":  # its own activations and sums are counted apart from the model's
         predicted = {k: v for k, v in predicted.items() if k[1] == "grad_norm"}
         counted = {k: v for k, v in counted.items() if k[1] == "grad_norm"}
