@@ -82,6 +82,20 @@ MEMORY = {
     "mem_ddp_dp4": [*DDP4, "parallel.ddp_bucket_mb=0.05"],
     "mem_fused_tp2_dp2": [*TP2_DP2, "train.fused_optimizer=true"],
 }
+# four tokens, many tensors, fused AdamW (no temporaries at its step), untied: the norm's fp32 scalars
+# (one per gradient tensor on every rank, counted or not) lift its moment over the embedding's backward
+FEW_TOKENS = [
+    "train.fused_optimizer=true",
+    "train.seq_len=4",
+    "train.micro_batch=1",
+    "model.tie_word_embeddings=false",
+]
+AT_THE_NORM = {
+    "mem_norm_peak_tp4_l8": [*FEW_TOKENS, "model.num_hidden_layers=8", "parallel.tp=4"],
+    "mem_norm_peak_zero1_tp2_vp_l12": [*FEW_TOKENS, "model.num_hidden_layers=12", *TP2_DP2, VP,
+                                       "parallel.dp_shard=optimizer"],
+}  # fmt: skip
+MEMORY |= AT_THE_NORM
 NONFINITE = ["parallel.tp=2", "parallel.dp=2", "debug.clip_fault=nonfinite"]
 FAILING = {  # a non-finite norm: the run fails with one line, or its steps are skipped
     "nonfinite_error": NONFINITE,
@@ -176,6 +190,13 @@ def test_the_peak_with_clipping_is_predicted_to_the_byte(memory, name):
     assert all(rank["comm"] == predicted for rank in ranks)
     norm = [count for _, purpose, count, _ in predicted if purpose == "grad_norm"]
     assert norm == ([] if cfg.parallel.engine == "ddp" else [1 + (cfg.parallel.dp_shard != "none")])
+
+
+@pytest.mark.parametrize("name", AT_THE_NORM)
+def test_the_norms_own_moment_is_the_peak_of_these(name):
+    """So that the peak test above holds the norm's own bytes to the byte (theory.step's "gradient
+    clipping" moment, 8 B a gradient tensor), not only the moments around it."""
+    assert theory.predict(run_config([*SMALL, *MEMORY[name]])).peak.name == "gradient clipping"
 
 
 def test_a_non_finite_norm_fails_the_run_with_one_line(memory):
