@@ -40,21 +40,11 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from tpbench.config import RunConfig, TrainConfig
+from tpbench.models.param_kinds import EMBEDDING, kind_of
 
-EMBEDDING = "model.embed_tokens.weight"
+__all__ = ["EMBEDDING", "adamw", "decays", "kind_of", "param_groups", "scheduler"]
+
 FAULT_PARAM = "model.norm.weight"  # debug.optim_fault=decay_norm: the norm the sharded side decays
-
-
-def kind_of(name: str) -> str:
-    """What train.no_decay calls the parameter `name`: norms, biases, embeddings, or weights (a
-    projection's weight matrix, an untied LM head: always decayed)."""
-    if name.endswith(".bias"):
-        return "biases"
-    if name == EMBEDDING:
-        return "embeddings"
-    if name.endswith(".weight") and name.rsplit(".", 2)[-2].endswith("norm"):
-        return "norms"
-    return "weights"
 
 
 def decays(name: str, train: TrainConfig, fault: str = "") -> bool:

@@ -70,6 +70,8 @@ class Dims:
     dp_shard: str = "none"
     dp_shards: int = 1
     grad_clip: bool = False  # train.grad_clip > 0: the global norm and the scaling before AdamW
+    # train.no_decay where AdamW has weight decay to group by (weights.adam_groups), else empty
+    no_decay: tuple[str, ...] = ()
 
     @property
     def flat_dp(self) -> bool:
@@ -198,4 +200,5 @@ def dims(cfg: RunConfig) -> Dims:
         fused_ops=m.fused_ops,
         fused_loss=m.fused_ops and cfg.launch.device == "cuda" and cfg.launch.emulate != "fake",
         grad_clip=t.grad_clip > 0,
+        no_decay=tuple(t.no_decay) if t.weight_decay else (),
     )

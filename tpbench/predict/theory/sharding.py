@@ -37,7 +37,7 @@ from tpbench.predict.theory.activations import after_head, layer_activations, mo
 from tpbench.predict.theory.dims import FP32, LOSS_AND_GRAD, Dims, dims
 from tpbench.predict.theory.moments import Moment, loss_forward
 from tpbench.predict.theory.shards import ROOT, dim0_shard, flat_shard, unit_of, unit_shards, units
-from tpbench.predict.theory.weights import optimizer_bytes, param_bytes, params
+from tpbench.predict.theory.weights import adam_temporaries, optimizer_bytes, param_bytes, params
 
 LEVELS = ("none", "optimizer", "grads", "full")
 GRADS, PARAMS = "dp_grads", "dp_params"  # the purposes of the DP collectives (DDP's is dp_grads too)
@@ -397,18 +397,12 @@ def _zero1(d: Dims, s: Sharding, st: State, base: list[Moment]) -> list[Moment]:
 
 
 def _adam_temporaries(d: Dims, s: Sharding) -> int:
-    """AdamW's temporaries on the shards (as tpbench.predict.theory.weights.optimizer_temporaries): on
-    the CPU one tensor at a time, its sqrt(exp_avg_sq) and quotient beside the previous `denom`; the
-    foreach path (GPU) all at once; the fused kernel none."""
-    if d.fused_adam:
-        return 0
+    """AdamW's temporaries on the shards (tpbench.predict.theory.weights.adam_temporaries, group by
+    group): ZeRO-1's one flat shard (its groups are a mask over it: tpbench.parallel.zero), FSDP2's
+    shard of each parameter, unit by unit."""
     if s.level == "optimizer":
-        sizes = [flat_shard(d, s.D)]
-    else:
-        sizes = [dim0_shard(r, c, s.D) for u in units(d).values() for _, r, c in u]
-    if d.gpu:
-        return sum(sizes) * d.w
-    return max(2 * n + before for n, before in zip(sizes, [0] + sizes[:-1], strict=True)) * d.w
+        return adam_temporaries(d, [("flat", flat_shard(d, s.D))])
+    return adam_temporaries(d, [(n, dim0_shard(r, c, s.D)) for u in units(d).values() for n, r, c in u])
 
 
 # --- the DP collectives ---------------------------------------------------------------------------

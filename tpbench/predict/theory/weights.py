@@ -9,6 +9,7 @@ LM head [V / T, H] under VP, else [V, H].
 
 from __future__ import annotations
 
+from tpbench.models.param_kinds import kind_of
 from tpbench.predict.theory.dims import FP32, Dims
 
 
@@ -168,11 +169,32 @@ def late_grad_bytes(d: Dims) -> int:
 
 
 def optimizer_temporaries(d: Dims) -> int:
-    """AdamW's temporaries at its step. On the CPU it runs one tensor at a time, in the parameters'
-    order: a tensor's sqrt(exp_avg_sq) and its quotient by the bias correction live together beside
-    the previous tensor's `denom`, which the loop's variable holds until the new one is assigned;
-    foreach (GPU) makes them for all at once; the fused kernel updates each element in place and
-    makes none."""
-    sizes = [n for _, n in params(d)]
-    single = max(2 * n + before for n, before in zip(sizes, [0] + sizes[:-1], strict=True))
-    return 0 if d.fused_adam else param_bytes(d) if d.gpu else single * d.w
+    """AdamW's temporaries at its step, over this rank's parameters (`params`): `adam_temporaries`."""
+    return adam_temporaries(d, params(d))
+
+
+def adam_temporaries(d: Dims, tensors: list[tuple[str, int]]) -> int:
+    """AdamW's temporaries at its step over `tensors` (name, elements), group by group (`adam_groups`).
+    On the CPU it runs one tensor at a time, in each group's order: a tensor's sqrt(exp_avg_sq) and its
+    quotient by the bias correction live together beside the previous tensor's `denom`, which the
+    loop's variable holds until the new one is assigned (a group's first has none: the previous
+    group's loop has returned); foreach (GPU) makes them for a whole group at once; the fused kernel
+    updates each element in place and makes none."""
+    if d.fused_adam:
+        return 0
+    groups = [[n for _, n in group] for group in adam_groups(d, tensors)]
+    if d.gpu:
+        return max(sum(sizes) for sizes in groups) * d.w
+    single = (max(2 * n + b for n, b in zip(s, [0] + s[:-1], strict=True)) for s in groups)
+    return max(single) * d.w
+
+
+def adam_groups(d: Dims, tensors: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
+    """`tensors` as AdamW steps them (tpbench.experiments.optim.param_groups): the decayed ones, then
+    those train.no_decay leaves undecayed, each in the given order; one group without such groups."""
+    if not d.no_decay:
+        return [tensors]
+    full = lambda name: name if name.endswith(".bias") else f"{name}.weight"  # noqa: E731
+    off = [t for t in tensors if kind_of(full(t[0])) in d.no_decay]
+    on = [t for t in tensors if kind_of(full(t[0])) not in d.no_decay]
+    return [group for group in (on, off) if group]
