@@ -29,6 +29,7 @@ from torchrun_checks import (
     same_on_every_rank,
 )
 
+from tpbench.experiments import memory as memory_module
 from tpbench.parallel import clip
 from tpbench.predict import theory
 from tpbench.predict.theory import sharding
@@ -212,6 +213,9 @@ def test_a_non_finite_norm_under_skip_skips_the_step_and_the_run_goes_on(memory)
     cfg = run_config([*SMALL, *FAILING["nonfinite_skip"]])
     ranks = memory["nonfinite_skip"]
     assert all(rank["peak"] < theory.predict(cfg).peak_bytes for rank in ranks)
+    steps = max(cfg.train.warmup, memory_module.steady_after(cfg)) + cfg.train.steps  # all skipped, said
+    assert [rank["skipped"] for rank in ranks] == [steps] * len(ranks)
+    assert all(rank["skipped"] == 0 for rank in memory["mem_tp2_dp2_sp_vp_mixed"])
 
 
 # --- one rank, in process ---------------------------------------------------------------------------

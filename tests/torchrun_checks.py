@@ -1054,6 +1054,7 @@ def suite_memory(checks: dict) -> dict:
             "comm": sorted([c.op, c.purpose, c.count, c.bytes] for c in r.comm),
             "peak_at": r.peak_at,
             "late_frees": next(m.value for m in r.measurements if m.name == "memory_late_frees"),
+            "skipped": next((m.value for m in r.measurements if m.name == "grad_clip_skipped_steps"), None),
             "storages": memory.last_peak_storages,  # the live storages at the peak (TPBENCH_PEAK_STORAGES)
         }
 

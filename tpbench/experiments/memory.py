@@ -296,6 +296,8 @@ def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace 
     for category, name in CATEGORIES.items():
         result.add(name, peak.get(category, 0), "B")
     result.add("peak_bytes", peak["Total"], "B")
+    if cfg.train.grad_clip:  # train.grad_clip_nonfinite=skip: the optimizer steps a non-finite norm skipped
+        result.add("grad_clip_skipped_steps", float(trainer.skipped_steps))
     result.peak_at = tracker.peak_at
     global last_peak_storages
     last_peak_storages = tracker.peak_storages

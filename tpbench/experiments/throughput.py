@@ -105,6 +105,8 @@ def run(cfg: RunConfig) -> RankResult:
     tokens = local_batch(cfg) * cfg.parallel.dp * k * cfg.train.seq_len
     result.add("tokens_per_step", tokens, "tokens")  # the batch policy's: equal across modes at fixed_global
     result.add("step_time_s", median, "s")
+    if cfg.train.grad_clip:  # train.grad_clip_nonfinite=skip: the optimizer steps a non-finite norm skipped
+        result.add("grad_clip_skipped_steps", float(trainer.skipped_steps))
     result.add("step_time_p10_s", _quantile(times, 0.1), "s")
     result.add("step_time_p90_s", _quantile(times, 0.9), "s")
     result.add("tokens_per_s", tokens / median, "tokens/s")
