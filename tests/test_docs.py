@@ -308,7 +308,7 @@ CLAIMS = [
         "parallel.dp_replicate=2 with dp_shard=optimizer",
     ),
     Claim(
-        "`optimizer` or `dp_replicate` on the DTensor engine",
+        "`optimizer` on the DTensor engine",
         "run mode=dtensor_tp dp=2 dp_shard=optimizer --cfg",
         "parallel.dp_shard=optimizer with parallel.engine=dtensor",
     ),
