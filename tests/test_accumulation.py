@@ -4,9 +4,10 @@ averaged as one batch K times as large, one DP gradient sync and one optimizer s
 The shared torchrun jobs (tests/torchrun_checks.py's WORLD2 and WORLD4) validate K = 2 against the
 dense model on the whole K x DP x micro-batch (forward, loss, gradients, AdamW steps) at every
 dp_shard level at DP 2 x TP 1 (mode=ddp: DDP's no_sync, ZeRO-1's one reduce-scatter, FSDP2's
-set_requires_gradient_sync), and under TP at DP 2 x TP 2; their counted collectives equal the byte
-model's (tpbench.predict.theory.accumulation). The same checks with 20 AdamW steps, as the results
-page ran them:
+reduce-scatter every micro-batch, torchtitan's choice), under TP at DP 2 x TP 2 and under HSDP (2
+replicas of a shard group of 2, its all-reduce every micro-batch too); their counted collectives
+equal the byte model's (tpbench.predict.theory.accumulation). The same checks with 20 AdamW steps, as
+the results page ran them:
 
     tpbench sweep kind=validate accumulation=2 dp=2 mode=ddp dp_shard=none,optimizer,grads,full
 """
@@ -35,6 +36,7 @@ DP2_TP2 = {
     "none_tp_vp": [*TINY, "parallel.tp=2", "parallel.dp=2", "parallel.vp=true"],
     "full_tp_sp_vp": [*TINY, "parallel.tp=2", "parallel.dp=2", "parallel.sp=true", "parallel.vp=true",
                       "parallel.dp_shard=full"],
+    "hsdp_full_ddp": [*TINY, *DDP[:2], "parallel.dp=4", "parallel.dp_replicate=2", "parallel.dp_shard=full"],
 }  # fmt: skip
 
 WORLD2.add("validate", "accumulation", DP2_TP1)
@@ -63,9 +65,10 @@ def test_k_micro_batches_match_dense_on_the_whole_batch(accumulated, name):
 
 @pytest.mark.parametrize("name", [*DP2_TP1, *DP2_TP2])
 def test_counted_collectives_equal_the_model(accumulated, name):
-    """DP's gradient sync and the TP gradient sums once a step, TP's collectives and FSDP2's
-    all-gathers once per micro-batch, as counted over the validation's first step (forward, backward
-    and the gradient sums: ZeRO-1's all-gather, in the optimizer step, is after it)."""
+    """DP's gradient sync (but FSDP2's) and the TP gradient sums once a step, TP's collectives and
+    FSDP2's all-gathers and gradient sync (reduce-scatters; HSDP's all-reduce) once per micro-batch,
+    as counted over the validation's first step (forward, backward and the gradient sums: ZeRO-1's
+    all-gather, in the optimizer step, is after it)."""
     cfg = run_config(DP2_TP1.get(name) or DP2_TP2[name])
     rows = [r for r in theory.predict(cfg).comm_rows() if not (name.startswith("optimizer") and
                                                                r.purpose == sharding.PARAMS)]  # fmt: skip

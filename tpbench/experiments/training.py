@@ -159,9 +159,9 @@ class Trainer:
 
 def set_gradient_sync(model, on: bool) -> None:
     """Whether the next micro-batch's backward syncs the DP gradients (off for all but a step's
-    last under train.accumulation): DDP's `no_sync` switch, FSDP2's set_requires_gradient_sync
-    (tpbench.parallel.fsdp). ZeRO-1's reduce-scatter and megatron's DP all-reduce run in
-    finish_grads, once a step, whatever this says."""
+    last under train.accumulation): DDP's `no_sync` switch. ZeRO-1's reduce-scatter and megatron's
+    DP all-reduce run in finish_grads, once a step, whatever this says; FSDP2 (tpbench.parallel.fsdp)
+    syncs every micro-batch, its gradients kept sharded."""
     if isinstance(model, DistributedDataParallel):
         model.require_backward_grad_sync = on  # what DDP's no_sync() sets
     elif hasattr(model, "set_gradient_sync"):

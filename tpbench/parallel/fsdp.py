@@ -152,11 +152,12 @@ class FSDPModel:
         return self.pm(input_ids, labels)
 
     def set_gradient_sync(self, on: bool) -> None:
-        """train.accumulation: off for all but a step's last micro-batch. FSDP2 then skips each
-        unit's reduce-scatter (and HSDP's all-reduce) and keeps its gradients unsharded, adding each
-        micro-batch's into them, until the last backward reduce-scatters their sum (the API that
-        replaced FSDP1's no_sync())."""
-        self.module.set_requires_gradient_sync(on)
+        """train.accumulation: FSDP2 syncs every micro-batch whatever `on` says (torchtitan's choice,
+        and FSDP2's default): each unit's gradients are reduce-scattered (and all-reduced between
+        HSDP's replicas) in every backward, so they stay sharded, each micro-batch's shard added into
+        the sharded `.grad`. Turning the sync off (set_requires_gradient_sync(False)) would hold every
+        unit's gradients unsharded, in the reduce dtype, from the first backward to the last."""
+        self.module.set_requires_gradient_sync(True)
 
     def finish_grads(self) -> None:
         """The TP gradient sums, on the local tensors of FSDP2's sharded (averaged) gradients; the

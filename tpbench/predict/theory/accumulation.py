@@ -7,9 +7,12 @@ Collectives (`accumulated`), from one micro-batch's step (tpbench.predict.theory
                              backward) and FSDP2's all-gathers of each unit's weights (dp_params
                              under dp_shard=grads or full: gathered again for every forward, and
                              under full for every backward)
-  once a step                the DP gradient sync (dp_grads: DDP's bucket all-reduces, megatron's
-                             DP sum, ZeRO-1's and FSDP2's reduce-scatters, HSDP's all-reduce), the
-                             TP gradient sums (grad_sum: in finish_grads, on the accumulated
+                             and under FSDP2 (dp_shard=grads or full) the DP gradient sync too
+                             (dp_grads: each unit's reduce-scatter, HSDP's all-reduce), torchtitan's
+                             choice: the gradients stay sharded, each micro-batch's added into them
+  once a step                the other levels' DP gradient sync (dp_grads: DDP's bucket
+                             all-reduces, megatron's DP sum, ZeRO-1's reduce-scatter), the TP
+                             gradient sums (grad_sum: in finish_grads, on the accumulated
                              gradients), the global norm's (grad_norm, train.grad_clip: after
                              them) and ZeRO-1's all-gather of the stepped shard (dp_params,
                              in the optimizer step)
@@ -30,13 +33,16 @@ from tpbench.results import CommRow
 
 # synced once a step, on the accumulated gradients: the DP sync, the TP sums, train.grad_clip's norm
 ONCE = (GRADS, "grad_sum", "grad_norm")
+FSDP2 = ("grads", "full")  # the levels whose gradient sync runs every micro-batch
 
 
 def once_a_step(cfg: RunConfig, row: CommRow) -> bool:
     """Whether a collective of one micro-batch's step runs once a step under accumulation (else once
     per micro-batch)."""
-    zero1_gather = row.purpose == PARAMS and sharding(cfg).level == "optimizer"
-    return row.purpose in ONCE or zero1_gather
+    level = sharding(cfg).level
+    if row.purpose == GRADS and level in FSDP2:  # reduce-scattered (HSDP: all-reduced) every backward
+        return False
+    return row.purpose in ONCE or (row.purpose == PARAMS and level == "optimizer")  # ZeRO-1's gather
 
 
 def accumulated(cfg: RunConfig, rows: list[CommRow]) -> list[CommRow]:
