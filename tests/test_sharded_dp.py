@@ -298,3 +298,31 @@ def test_a_memory_run_the_model_is_not_checked_for_is_refused(workdir):  # noqa:
     assert done.stderr.startswith("kind=memory: the memory model is not checked for train.accumulation=2")
     assert len(done.stderr.splitlines()) == 1
     assert nothing_written(workdir)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["pure", "mixed"])
+def test_zero1_keeps_one_copy_of_the_weights_in_pure_precision(mixed):
+    """Pure precision: AdamW's master shard is the parameter buffer's own slice (a view of it, no
+    second copy), stepped in place; mixed: its own fp32 copy. One process (no DP group: the shard is
+    the whole buffer), the step's new weights seen in the model's parameters either way."""
+    import torch
+    from torch import nn
+
+    from tpbench.parallel.zero import DistributedOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    params = dict(model.named_parameters())
+    master = torch.float32
+    param = torch.bfloat16 if mixed else torch.float32
+    zopt = DistributedOptimizer(params, None, lambda ps: torch.optim.AdamW(ps, lr=0.1), param, master)
+    shares = zopt.master.untyped_storage().data_ptr() == zopt.param_buffer.untyped_storage().data_ptr()
+    assert shares != mixed
+    before = {n: p.detach().float().clone() for n, p in params.items()}
+    model(torch.randn(5, 4, dtype=param)).float().square().sum().backward()
+    zopt.reduce_scatter()
+    zopt.step()
+    masters = zopt.full_masters()
+    for name, p in params.items():
+        assert not torch.equal(p.detach().float(), before[name])
+        assert torch.equal(p.detach(), masters[name].to(param))

@@ -7,9 +7,11 @@ up to P = ceil(N / DP) * DP so that every rank's shard is P / DP elements:
     grad buffer   [P]       the gradients, flat (reduce dtype: fp32 under mixed precision), the
                             parameters' `.grad` are views of it where the dtypes agree
     reduce-scatter          grad buffer [P] -> this rank's [P/DP], averaged over DP (one per step)
-    master shard  [P/DP]    fp32 under mixed, else the parameters' dtype; AdamW's m and v beside it
+    master shard  [P/DP]    fp32 under mixed, its own copy; in pure precision the param buffer's own
+                            [P/DP] view (one copy of the weights, stepped in place); AdamW's m and v
     all-gather              the stepped shard (in the parameters' dtype) [P/DP] -> param buffer [P]
-    param buffer  [P]       the model's parameters are views of it (bf16 under mixed precision)
+    param buffer  [P]       the model's parameters are views of it (bf16 under mixed precision);
+                            in pure precision the all-gather's input is its own shard (in place)
 
 AdamW is elementwise, so one AdamW over the flat shard takes the same steps as one per parameter
 (the same learning rate for all, and its schedule: tpbench.experiments.optim). The padding stays zero:
@@ -22,6 +24,10 @@ decayed part is decayed before it as AdamW decays a parameter (`p.mul_(1 - lr * 
 decoupled decay of torch's per-tensor and foreach AdamW): the same update, element by element, as
 the dense model's AdamW with the two groups, and not a byte more than one group (no second AdamW
 state, no step counter more, no padding).
+
+Main gradients: fp32 under mixed precision for every parameter (each bf16 gradient added into its
+fp32 slot, then freed); in pure precision the buffer is in the parameters' dtype, bf16 in pure bf16,
+as the dense model's own gradients are (validation compares like with like).
 
 The TP gradient sums (q/k norms, SP norms, KV replicas) run on the buffer's views before the
 reduce-scatter, as they ran on `.grad` before DDP's average: a sum over TP ranks and an average over
@@ -77,13 +83,18 @@ class DistributedOptimizer:
         for name, p in params.items():  # the views in the model's order, wherever they sit
             self.param_views[name] = self.param_buffer.narrow(0, offsets[name], p.numel()).view_as(p)
             self.grad_views[name] = self.grad_buffer.narrow(0, offsets[name], p.numel()).view_as(p)
-        with torch.no_grad():  # the master shard from the weights as they come (fp32 under mixed)
-            for name, p in params.items():
-                self.grad_views[name].copy_(p)  # the grad buffer lends its [P] for a moment
-            self.master = nn.Parameter(self._mine(self.grad_buffer).clone())  # [P/DP]
-            self.grad_buffer.zero_()
-            for name, p in params.items():
-                self.param_views[name].copy_(p)
+        with torch.no_grad():
+            if master_dtype == param_dtype:  # pure precision: AdamW steps the param buffer's own shard
+                for name, p in params.items():
+                    self.param_views[name].copy_(p)
+                self.master = nn.Parameter(self._mine(self.param_buffer))  # [P/DP], a view: one copy
+            else:  # the fp32 master shard from the weights as they come, then the bf16 param buffer
+                for name, p in params.items():
+                    self.grad_views[name].copy_(p)  # the grad buffer lends its [P] for a moment
+                self.master = nn.Parameter(self._mine(self.grad_buffer).clone())  # [P/DP]
+                self.grad_buffer.zero_()
+                for name, p in params.items():
+                    self.param_views[name].copy_(p)
         self.adamw = make_adamw([self.master])
         # decays given: this rank's part of [0, D), decayed here, and AdamW at weight decay 0
         self.weight_decay, self.decayed = 0.0, self.shard_numel

@@ -7,7 +7,8 @@ dp_replicate groups):
   none       DDP: every DP rank keeps the whole parameters, gradients and AdamW state of its TP shard.
   optimizer  ZeRO-1, Megatron's distributed optimizer (tpbench.parallel.zero): the parameters and the
              gradients live in one flat buffer each, padded to a multiple of D elements; AdamW steps
-             this rank's master shard (a 1/D copy, fp32 under mixed) and keeps its moments only. The
+             this rank's master shard (under mixed a 1/D fp32 copy; in pure precision the parameter
+             buffer's own 1/D, stepped in place: one copy of the weights) and keeps its moments only. The
              gradient buffer is reduce-scattered, the stepped shard all-gathered into the parameters.
   grads      FSDP2 with reshard_after_forward=False (ZeRO-2): parameters, gradients and AdamW state
              sharded on dim 0 per parameter (each padded to a multiple of D rows); each block's
@@ -95,9 +96,9 @@ def state(d: Dims, s: Sharding) -> State:
     whole = sum(n for _, n in params(d))
     if not s.sharded:
         return State(whole * w, whole * w, whole * w, 2 * whole * w, FP32 * len(params(d)) * counters)
-    if s.level == "optimizer":  # the param buffer (bf16 under mixed) and the master shard, its own copy
-        shard = flat_shard(d, s.D)
-        weights = shard * s.D * (d.p if d.mixed else w) + shard * w
+    if s.level == "optimizer":  # the param buffer (bf16 under mixed) and, under mixed only, the fp32
+        shard = flat_shard(d, s.D)  # master shard, its own copy (pure: the buffer's own shard)
+        weights = shard * s.D * d.p + shard * w if d.mixed else shard * s.D * w
         return State(weights, shard * w, shard * s.D * w, 2 * shard * w, FP32 * counters)
     shard = sum(unit_shards(d, s.D).values())
     return State(shard * w, shard * w, shard * w, 2 * shard * w, FP32 * len(params(d)) * counters)
