@@ -13,9 +13,10 @@ def unchecked(cfg: RunConfig) -> str | None:
     """Why the memory model is not checked against a measured peak for `cfg`, or None."""
     if (k := cfg.train.accumulation) > 1:
         return (
-            f"train.accumulation={k} (the gradients held from one micro-batch to the next at each moment "
-            "of a later one's step are not modelled: FSDP2's unsharded ones with its sync off, DDP's and "
-            "ZeRO-1's accumulating in place; the model is one micro-batch's step)"
+            f"train.accumulation={k} (the memory experiment cannot measure a step of {k} micro-batches: "
+            "its tracker, torch's MemTracker, refuses the model's second forward in one step; the model "
+            "of such a step, theory.accumulation.step_moments, is checked in-process by "
+            "tests/test_accumulation.py)"
         )
     return None
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from tpbench.config import RunConfig
 from tpbench.predict.allocator import CUBLAS_HANDLES, cublas_workspace_bytes
 from tpbench.predict.theory import sharding
-from tpbench.predict.theory.accumulation import accumulated
+from tpbench.predict.theory.accumulation import accumulated, step_moments
 from tpbench.predict.theory.activations import layer_activations, model_activations
 from tpbench.predict.theory.collectives import comm_rows
 from tpbench.predict.theory.dims import BYTES, FP32, INT64, Dims, dims
@@ -108,8 +108,12 @@ def predict(cfg: RunConfig) -> Prediction:
     """Per-rank peak memory and collective bytes of one training step under `cfg`."""
     s = sharding.sharding(cfg)
     rows = accumulated(cfg, comm_rows(cfg))  # a step of train.accumulation micro-batches
+    k = cfg.train.accumulation  # the moments of a step of k micro-batches (accumulation.step_moments)
     if s.sharded:  # ZeRO-1, ZeRO-2, FSDP: the unsharded step's moments, their weights and gradients sharded
         d, step = sharding.level_dims(cfg), sharding.compute_dims(cfg)
-        return Prediction(d, sharding.moments(d, s, moments(step)), rows, layer_activations(step))
+        base = moments(step)
+        later = sharding.moments(d, s, base, accumulating=True) if k > 1 and s.fsdp else None
+        out = step_moments(d, k, sharding.moments(d, s, base), later)
+        return Prediction(d, out, rows, layer_activations(step))
     d = dims(cfg)
-    return Prediction(d, moments(d), rows, layer_activations(d))
+    return Prediction(d, step_moments(d, k, moments(d)), rows, layer_activations(d))

@@ -28,12 +28,21 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tpbench.config import RunConfig
+from tpbench.predict.theory import weights
+from tpbench.predict.theory.dims import FP32, INT64, Dims
+from tpbench.predict.theory.moments import Moment
 from tpbench.predict.theory.sharding import GRADS, PARAMS, sharding
 from tpbench.results import CommRow
 
 # synced once a step, on the accumulated gradients: the DP sync, the TP sums, train.grad_clip's norm
 ONCE = (GRADS, "grad_sum", "grad_norm")
 FSDP2 = ("grads", "full")  # the levels whose gradient sync runs every micro-batch
+# the moments after the last backward: the gradient sums, clipping's norm, the optimizer step
+AFTER = ("gradient sums", "gradient clipping", "optimizer")
+# the moments of a micro-batch before its loss is divided by K (train.accumulation's loss / K, alive
+# through its backward): the forward's
+FORWARD = ("loss forward", "attention forward", "attention dropout", "top block all-gather",
+           "final norm forward", "head forward")  # fmt: skip
 
 
 def once_a_step(cfg: RunConfig, row: CommRow) -> bool:
@@ -51,3 +60,31 @@ def accumulated(cfg: RunConfig, rows: list[CommRow]) -> list[CommRow]:
     if k == 1:
         return rows
     return [r if once_a_step(cfg, r) else replace(r, count=r.count * k, bytes=r.bytes * k) for r in rows]
+
+
+def step_moments(d: Dims, k: int, out: list[Moment], later: list[Moment] | None = None) -> list[Moment]:
+    """The moments of a step of `k` micro-batches from one micro-batch's step's (`out`, in order,
+    ending with AFTER's). Every moment holds the whole local batch's ids and labels (the micro-batches
+    are views of it: K times one micro-batch's). A micro-batch's moments from its loss on hold
+    `loss / K` (fp32, what backward starts from); the last micro-batch's hold the gradients the
+    earlier ones left (`held`: the step's gradients at the first of AFTER's moments, and the earlier
+    losses, fp32 each), so that every moment of the first is at most its own in the last, which alone
+    is listed. After the last backward: the K losses the step averages. `later`: FSDP2's moments of
+    a later micro-batch (tpbench.predict.theory.sharding.moments, accumulating), whose gradients they
+    count (every unit's shard beside the whole ones being made)."""
+    if k == 1:
+        return out
+    end = next(i for i, m in enumerate(out) if m.name in AFTER)
+    batch = (k - 1) * 2 * INT64 * d.B * d.dp * d.S
+    held = out[end].grads
+    if d.dp_shard == "optimizer":  # ZeRO-1's grad buffer, the gradients accumulating in it
+        held = out[end - 1].grads
+    elif d.ddp and d.bucket_view:  # DDP's no_sync: autograd's own gradients beside the buckets, whose
+        held += weights.param_bytes(d)  # views they become at the last micro-batch's sync only
+    losses = (k - 1) * FP32
+    last = [
+        replace(m, grads=m.grads if later else max(m.grads, held), activations=m.activations + batch + losses
+                + (0 if m.name in FORWARD or (m.name == "loss" and d.vp and not d.logits_mean) else FP32))
+        for m in (later[: next(i for i, m in enumerate(later) if m.name in AFTER)] if later else out[:end])
+    ]  # fmt: skip
+    return last + [replace(m, activations=m.activations + batch + losses) for m in out[end:]]

@@ -118,11 +118,13 @@ ROOT_BACKWARD = ("head backward", "head weight cast's backward", "final norm bac
 AFTER_BLOCKS = ("backward end", "embedding backward")
 
 
-def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
+def moments(d: Dims, s: Sharding, base: list[Moment], accumulating: bool = False) -> list[Moment]:
     """The step's moments under a sharded level, from the unsharded model's (`base`, made without
     DDP's buckets or megatron's flat ones): their activations and temporaries as they are, the
     parameter, gradient and optimizer bytes the level's, the gathered weights (FSDP2) and the
-    gradients' reduce-scatter."""
+    gradients' reduce-scatter. `accumulating` (FSDP2, train.accumulation's later micro-batches,
+    tpbench.predict.theory.accumulation): every unit's sharded gradients are held from the start, each
+    reduce-scatter's output a temporary added into them (FSDP2's foreach_reduce), not the shard."""
     st, w = state(d, s), d.w
     if s.level == "optimizer":
         return _zero1(d, s, st, base)
@@ -168,21 +170,24 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
             temps += rs_in[done[0]]
         # the base counts the gradients made so far whole: the done blocks' are shards now
         made = m.grads - sum(whole[u] for u in done)
-        grads = made + sum(shard_g[u] for u in done)
+        grads = made + (st.grads if accumulating else sum(shard_g[u] for u in done))
         out.append(replace(m, params=weights, grads=grads, optimizer=st.optimizer, activations=acts,
                            temporaries=temps))  # fmt: skip
-    out.insert(0, _top_block_gather(c, s, st, gathered))
+    top = _top_block_gather(c, s, st, gathered)
+    out.insert(0, replace(top, grads=st.grads) if accumulating else top)
+    extra = []
     for i in sorted({L - 1, 0}) if s.fsdp else []:
-        out.append(_block_reduce_scatter(c, s, st, gathered, rs_in, shard_g, i))
+        extra.append(_block_reduce_scatter(c, s, st, gathered, rs_in, shard_g, i))
     if s.level == "full" and L > 1 and d.recompute != "full":
-        out.append(_next_block_gather(c, st, gathered, rs_in, shard_g))
-    out.append(_bottom_input_norm_backward(c, st, base[-1].activations, gathered, rs_in, shard_g, whole))
+        extra.append(_next_block_gather(c, st, gathered, rs_in, shard_g))
+    extra.append(_bottom_input_norm_backward(c, st, base[-1].activations, gathered, rs_in, shard_g, whole))
+    out += [_accumulating(c, st, shard_g, m) for m in extra] if accumulating else extra
     kept = base[-1].activations
     # the root's gradients reduce-scattered at backward's end: copied into a padded input (fp32 under
     # mixed precision), freed once copied (FSDP2's foreach_reduce), then the output made beside the
     # input
     root_in, rs_out = rs_in[ROOT], shard_g[ROOT]
-    sharded_blocks = sum(shard_g[b] for b in blocks)
+    sharded_blocks = st.grads if accumulating else sum(shard_g[b] for b in blocks)  # the root's too
     out.append(Moment("root reduce-scatter copy-in", st.params, sharded_blocks + whole[ROOT], st.optimizer,
                       kept, root_in))  # fmt: skip
     out.append(Moment("root reduce-scatter", st.params, sharded_blocks, st.optimizer, kept, root_in + rs_out))
@@ -190,6 +195,18 @@ def moments(d: Dims, s: Sharding, base: list[Moment]) -> list[Moment]:
     out += [Moment(m.name, st.params, st.grads, st.optimizer, kept, m.temporaries) for m in clipping]
     out.append(Moment("optimizer", st.params, st.grads, st.optimizer, kept, _adam_temporaries(d, s)))
     return out
+
+
+def _accumulating(d: Dims, st: State, shard_g: dict[str, int], m: Moment) -> Moment:
+    """A moment of `_block_reduce_scatter`, `_next_block_gather` or `_bottom_input_norm_backward`
+    in an accumulating micro-batch: every unit's shard held (st.grads) in place of the done blocks'
+    shards, beside the whole gradients made so far (the root's own, block 0's)."""
+    blocks = [f"layers.{i}" for i in range(d.L)]
+    if m.name.startswith("block reduce-scatter "):
+        done = blocks[int(m.name.rpartition(" ")[2]) + 1 :]
+    else:
+        done = blocks[-1:] if m.name == "next block all-gather" else blocks[1:]  # input norm backward 0
+    return replace(m, grads=m.grads - sum(shard_g[b] for b in done) + st.grads)
 
 
 def _forward_moments(d: Dims, base: list[Moment]) -> list[Moment]:
