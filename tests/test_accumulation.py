@@ -234,3 +234,26 @@ def test_a_step_of_two_micro_batches_peaks_as_the_model_says(alone, dp_shard, D,
     one = dataclasses.replace(predicted, train=dataclasses.replace(cfg.train, accumulation=1))
     assert peak == theory.predict(predicted).peak_bytes
     assert peak > theory.predict(one).peak_bytes
+
+
+@pytest.mark.parametrize("dp_shard", ["none", "optimizer", "full"])
+def test_fit_holds_a_row_of_k_micro_steps_to_the_model_of_its_whole_step(dp_shard):
+    """tpbench fit: a row with accumulation (global batch 16 over DP 8, micro-batch 1: 2 micro-steps)
+    peaks as `plan` predicts its run with train.accumulation=2, over its one micro-step's peak (but
+    under ZeRO-1, whose grad buffer holds the gradients in one micro-step's step too)."""
+    from tpbench.run import compose
+    from tpbench.sizing import fit as fitting
+
+    line = f"model=qwen3_0_6b seq=2048 gpu=H100 nodes=1 tp=1 dp_shard={dp_shard} global_batch=16"
+    request = fitting.parse(f"{line} micro_batch=1 recompute=full".split())
+    (base,) = compose.expand(request.overrides, single=True, launching=False)
+    rows = [r for r in fitting.solve(request, base).rows if not r.reason and r.dp == 8]
+    assert rows and all(r.accumulation == 2 for r in rows)
+    for row in rows:
+        cfg = fitting.solve(request, base).config(row)
+        cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, emulate="none"))
+        step = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, accumulation=2))
+        one = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, accumulation=1))
+        assert row.live_bytes == theory.predict(step).peak_bytes
+        if dp_shard != "optimizer":
+            assert row.live_bytes > theory.predict(one).peak_bytes

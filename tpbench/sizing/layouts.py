@@ -191,11 +191,11 @@ class Fit:
 
 ACCUMULATION = (
     "N micro-steps, then one DP gradient sync and the optimizer (DDP's all-reduce, ZeRO-1's "
-    "reduce-scatter and all-gather, once per step, as train.accumulation runs them); FSDP's levels "
-    "(grads, full) gather and reduce-scatter every micro-step, torchtitan's default, so their gradients "
-    "stay sharded (train.accumulation syncs them once instead, holding them unsharded between "
-    "micro-batches: not modelled). Memory: the one micro-step's peak at every level (DDP and ZeRO-1 "
-    "accumulate in the gradient buffer they hold anyway, FSDP in its sharded gradients)"
+    "reduce-scatter and all-gather, once per step); FSDP's levels (grads, full) gather and "
+    "reduce-scatter every micro-step (HSDP all-reduces too), torchtitan's choice, so their gradients "
+    "stay sharded: as train.accumulation runs them. Memory: the step's peak, its last micro-step's "
+    "beside what the earlier ones leave (every gradient: autograd's own, DDP's beside its buckets, "
+    "ZeRO-1's grad buffer, FSDP's shards)"
 )
 
 

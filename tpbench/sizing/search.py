@@ -351,12 +351,15 @@ def _with(row: Row, micro_batch: int, global_batch: int | None) -> Row:
 
 
 def _memory(base: RunConfig, cluster: Cluster, row: Row) -> Row:
-    """One row's memory: the per-rank peak of one micro-step and its headroom, on the GPU itself as
-    `plan` predicts it (launch.emulate=none: fit's base emulates a rank for --measure, and an emulated
-    rank runs torch's CPU-build loss, which copies the logits to fp32 where CUDA's fused one does not)."""
+    """One row's memory: the per-rank peak of its step of `row.accumulation` micro-steps (its last
+    micro-step's, beside what the earlier ones leave: theory.accumulation.step_moments) and its
+    headroom, on the GPU itself as `plan` predicts it (launch.emulate=none: fit's base emulates a rank
+    for --measure, and an emulated rank runs torch's CPU-build loss, which copies the logits to fp32
+    where CUDA's fused one does not). Its collective bytes are one micro-step's."""
     cfg = configure(base, row)
     on_the_gpu = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, emulate="none"))
-    prediction = theory.predict(on_the_gpu)
+    train = dataclasses.replace(on_the_gpu.train, accumulation=row.accumulation)
+    prediction = theory.predict(dataclasses.replace(on_the_gpu, train=train))
     allocated = prediction.max_memory_allocated_bytes(cluster.gpu.name)
     overhead = cluster.overheads.nccl_bytes_per_communicator * communicators(cfg)
     peak = allocated + overhead
@@ -369,7 +372,7 @@ def _memory(base: RunConfig, cluster: Cluster, row: Row) -> Row:
         overhead_bytes=overhead,
         headroom_bytes=cluster.memory.usable_bytes - peak,
         margin_bytes=cluster.memory.margin_bytes,
-        comm_bytes_per_step=prediction.comm_bytes_per_step,
+        comm_bytes_per_step=sum(r.bytes for r in theory.comm_rows(on_the_gpu)),
     )
 
 

@@ -1,6 +1,7 @@
 """Gradient accumulation (train.accumulation = K, tpbench.experiments.training): a step of K
 micro-batches per DP rank, each one's forward and backward as a step of one micro-batch, then one
-DP gradient sync and one optimizer step. What it changes in the model of a step:
+DP gradient sync (FSDP2: one every micro-batch) and one optimizer step. What it changes in the model
+of a step:
 
 Collectives (`accumulated`), from one micro-batch's step (tpbench.predict.theory.collectives):
   per micro-batch, K times   TP's own (activation, regather, recompute, loss: inside forward and
@@ -17,10 +18,10 @@ Collectives (`accumulated`), from one micro-batch's step (tpbench.predict.theory
                              them) and ZeRO-1's all-gather of the stepped shard (dp_params,
                              in the optimizer step)
 
-Memory: not modelled for K > 1 (tpbench.predict.checked refuses kind=memory there). What persists
-between micro-batches is named in docs/theory.md: DDP's buckets and ZeRO-1's grad buffer hold the
-accumulating gradients as they do in one micro-batch's step, while FSDP2 with its gradient sync off
-keeps every unit's gradients unsharded (in the reduce dtype) from the first backward to the last.
+Memory (`step_moments`): the last micro-batch's moments, with what the earlier ones leave: every
+gradient (autograd's own; DDP's beside its buckets under no_sync; ZeRO-1's grad buffer; FSDP2's
+shards of every unit, each reduce-scatter's output a temporary added into them) and their losses;
+the whole local batch's ids and labels at every moment. docs/theory.md, "Gradient accumulation".
 """
 
 from __future__ import annotations
