@@ -199,6 +199,11 @@ K2 = ["kind=memory", "model.hidden_size=64", "model.num_hidden_layers=2", "model
         ("grads", 2, []),  # every unit's shard held, each reduce-scatter's output added into it
         ("full", 2, []),
         ("full", 4, ["model.flash_attn=false", "train.seq_len=256"]),
+        # few tokens: a higher block's input norm backward, the lower blocks' saved tensors beside
+        # every shard (the top block's at L 2, block 1's at L 3, block 2's at L 4 under full recompute)
+        ("full", 2, ["train.seq_len=4"]),
+        ("full", 4, ["train.seq_len=4", "model.num_hidden_layers=3"]),
+        ("full", 2, ["train.seq_len=4", "model.num_hidden_layers=4", "train.recompute=full"]),
     ],
 )
 def test_a_step_of_two_micro_batches_peaks_as_the_model_says(alone, dp_shard, D, overrides):

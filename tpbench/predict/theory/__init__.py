@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from tpbench.config import RunConfig
 from tpbench.predict.allocator import CUBLAS_HANDLES, cublas_workspace_bytes
 from tpbench.predict.theory import sharding
-from tpbench.predict.theory.accumulation import accumulated, step_moments
+from tpbench.predict.theory.accumulation import accumulated, step_moments, top_input_norm_backward
 from tpbench.predict.theory.activations import layer_activations, model_activations
 from tpbench.predict.theory.collectives import comm_rows
 from tpbench.predict.theory.dims import BYTES, FP32, INT64, Dims, dims
@@ -113,6 +113,7 @@ def predict(cfg: RunConfig) -> Prediction:
         d, step = sharding.level_dims(cfg), sharding.compute_dims(cfg)
         base = moments(step)
         later = sharding.moments(d, s, base, accumulating=True) if k > 1 and s.fsdp else None
+        later = later and [*later, *top_input_norm_backward(d, s, later)]
         out = step_moments(d, k, sharding.moments(d, s, base), later)
         return Prediction(d, out, rows, layer_activations(step))
     d = dims(cfg)

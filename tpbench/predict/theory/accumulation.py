@@ -29,10 +29,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tpbench.config import RunConfig
+from tpbench.predict.theory import sharding as sharded
 from tpbench.predict.theory import weights
+from tpbench.predict.theory.activations import layer_activations, model_activations
 from tpbench.predict.theory.dims import FP32, INT64, Dims
 from tpbench.predict.theory.moments import Moment
-from tpbench.predict.theory.sharding import GRADS, PARAMS, sharding
+from tpbench.predict.theory.sharding import GRADS, PARAMS, Sharding, sharding
+from tpbench.predict.theory.shards import unit_shards
 from tpbench.results import CommRow
 
 # synced once a step, on the accumulated gradients: the DP sync, the TP sums, train.grad_clip's norm
@@ -86,6 +89,33 @@ def step_moments(d: Dims, k: int, out: list[Moment], later: list[Moment] | None 
     last = [
         replace(m, grads=m.grads if later else max(m.grads, held), activations=m.activations + batch + losses
                 + (0 if m.name in FORWARD or (m.name == "loss" and d.vp and not d.logits_mean) else FP32))
-        for m in (later[: next(i for i, m in enumerate(later) if m.name in AFTER)] if later else out[:end])
+        for m in ([m for m in later if m.name not in AFTER] if later else out[:end])
     ]  # fmt: skip
     return last + [replace(m, activations=m.activations + batch + losses) for m in out[end:]]
+
+
+def top_input_norm_backward(d: Dims, s: Sharding, later: list[Moment]) -> list[Moment]:
+    """FSDP2, a later micro-batch: the input RMSNorm backward of the top block and of the one below it,
+    the moment sharding.moments' "input norm backward 0" is for block 0, where every unit's shard is
+    held (so a higher block's moment holds what block 0's does and the blocks below's saved tensors
+    too). Their gradients as block 0's (the blocks are alike: the block's whole, the root's own, every
+    shard); their weights the block's (under grads every block's up to it, gathered since forward);
+    their temporaries the block above's reduce-scatter input (the top block's none, no reduce-scatter
+    having run yet) and under full the block below prefetched. None at L 1."""
+    c = sharded.computing(d, s)
+    bottom = next(m for m in later if m.name == "input norm backward 0")
+    n = unit_shards(d, s.D)
+    blocks = [f"layers.{i}" for i in range(d.L)]
+    gathered = {b: s.D * n[b] * c.w for b in blocks}
+    per_block = model_activations(c)["blocks"] // d.L
+    if d.recompute == "full":
+        per_block = sum(layer_activations(c).values())
+    out = []
+    for i in sorted({d.L - 1, d.L - 2} - {0, -1}):
+        params = bottom.params + (sum(gathered[b] for b in blocks[1 : i + 1]) if s.level == "grads" else 0)
+        temps = bottom.temporaries - (s.D * n[blocks[1]] * d.w if i == d.L - 1 else 0)
+        temps += gathered[blocks[i - 1]] if s.level == "full" else 0
+        activations = bottom.activations + per_block * i
+        out.append(replace(bottom, name=f"input norm backward {i}", params=params, activations=activations,
+                           temporaries=temps))  # fmt: skip
+    return out
