@@ -174,7 +174,8 @@ def test_the_path_is_not_part_of_the_config_hash(tmp_path):
     from tpbench.config import config_hash
 
     path = write(tmp_path, PUBLISHED["qwen2_5_7b"])
-    trained = ["seq=4096", "micro_batch=2", "dtype=bfloat16", "precision=mixed", "train.grad_clip=1.0"]  # as the preset trains it
+    # as the preset trains it
+    trained = ["seq=4096", "micro_batch=2", "dtype=bfloat16", "precision=mixed", "train.grad_clip=1.0"]
     (read,) = compose.expand([f"model.hf_config={path}", "kind=memory", *trained])
     (named,) = compose.expand(["model=qwen2_5_7b", "kind=memory"])
     named.model.name = read.model.name
