@@ -41,6 +41,27 @@ DP2_TP2 = {
 
 WORLD2.add("validate", "accumulation", DP2_TP1)
 WORLD4.add("validate", "accumulation", DP2_TP2)
+# the memory experiment at K 2, every rank's peak against the model (theory.accumulation.step_moments)
+SMALL = ["kind=memory", "model.hidden_size=64", "model.num_hidden_layers=2", "model.vocab_size=512",
+         "train.seq_len=64", "train.dtype=bfloat16", "train.steps=1", "train.warmup=1",
+         "train.accumulation=2"]  # fmt: skip
+MEMORY2 = {f"{lv}_tp1": [*SMALL, "parallel.tp=1", "parallel.dp=2", f"parallel.dp_shard={lv}"]
+           for lv in sharding.LEVELS}  # fmt: skip
+MEMORY2 |= {
+    "ddp_tp1": [*SMALL, *DDP],
+    "full_tp1_s4": [*MEMORY2["full_tp1"], "train.seq_len=4"],
+    "grads_tp1_mixed": [*MEMORY2["grads_tp1"], "train.precision=mixed"],
+}
+MEMORY4 = {
+    "none_tp2_vp": [*SMALL, "parallel.tp=2", "parallel.dp=2", "parallel.vp=true"],
+    "optimizer_tp2": [*SMALL, "parallel.tp=2", "parallel.dp=2", "parallel.dp_shard=optimizer"],
+    "full_tp2_sp_vp": [*SMALL, "parallel.tp=2", "parallel.dp=2", "parallel.dp_shard=full", "parallel.sp=true",
+                       "parallel.vp=true"],
+    "hsdp_full": [*SMALL, "parallel.tp=1", "parallel.dp=4", "parallel.dp_replicate=2",
+                  "parallel.dp_shard=full"],
+}  # fmt: skip
+WORLD2.add("memory", "accumulation", MEMORY2)
+WORLD4.add("memory", "accumulation", MEMORY4)
 
 
 def _rank0(ranks: list[dict]) -> dict:
@@ -55,6 +76,19 @@ def _rank0(ranks: list[dict]) -> dict:
 def accumulated(folder: Path) -> dict:
     two, four = (w.part(folder, "validate", "accumulation") for w in (WORLD2, WORLD4))
     return _rank0(two) | _rank0(four)
+
+
+@beside
+def measured(folder: Path) -> dict:
+    two, four = (w.part(folder, "memory", "accumulation") for w in (WORLD2, WORLD4))
+    return per_config(two) | per_config(four)
+
+
+@pytest.mark.parametrize("name", [*MEMORY2, *MEMORY4])
+def test_measured_peak_of_two_micro_batches_is_predicted_to_the_byte(measured, name):
+    predicted = theory.predict(run_config(MEMORY2.get(name) or MEMORY4[name]))
+    assert len(measured[name]) in (2, 4)
+    assert [rank["peak"] for rank in measured[name]] == [predicted.peak_bytes] * len(measured[name])
 
 
 @pytest.mark.parametrize("name", [*DP2_TP1, *DP2_TP2])
@@ -118,10 +152,6 @@ REFUSED = {  # before launch: one line, exit 2
     "zero micro-batches": (
         ["kind=validate", "accumulation=0"],
         "train.accumulation=0: accepted are integers >= 1",
-    ),
-    "memory": (
-        ["kind=memory", "dp=2", "accumulation=2"],
-        "kind=memory: the memory model is not checked for train.accumulation=2 (the memory experiment",
     ),
     "dropout": (
         ["kind=validate", "dp=2", "accumulation=2", "model.dropout=0.1", "model.flash_attn=false"],

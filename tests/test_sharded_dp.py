@@ -288,14 +288,18 @@ def test_a_level_that_cannot_run_is_refused_in_one_line(workdir, overrides, says
     assert nothing_written(workdir)
 
 
-def test_a_memory_run_the_model_is_not_checked_for_is_refused(workdir):  # noqa: F811
+def test_a_memory_run_the_model_is_not_checked_for_is_refused(workdir, monkeypatch):  # noqa: F811
+    """Every level is checked, mixed precision and accumulation too; a reason planted for one is a
+    refusal before anything is written."""
+    from tpbench.predict import checked
     from tpbench.run import compose
 
     overrides = ["kind=memory", "dp=2", "dp_shard=grads", "precision=mixed", "dtype=bfloat16"]
-    assert len(compose.expand(overrides, launching=False)) == 1  # every level is checked, mixed too
+    assert len(compose.expand([*overrides, "accumulation=2"], launching=False)) == 1
+    monkeypatch.setattr(checked, "unchecked", lambda cfg: "planted" if cfg.train.accumulation > 1 else None)
     done = CliRunner().invoke(app, ["run", *overrides, "accumulation=2"])
     assert done.exit_code == 2, done.output
-    assert done.stderr.startswith("kind=memory: the memory model is not checked for train.accumulation=2")
+    assert done.stderr.startswith("kind=memory: the memory model is not checked for planted")
     assert len(done.stderr.splitlines()) == 1
     assert nothing_written(workdir)
 

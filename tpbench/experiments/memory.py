@@ -154,6 +154,15 @@ class PeakTracker(MemTracker):
         innermost = sorted(m for m in running if not any(o.startswith(f"{m}.") for o in running))
         return f"{phase} {' '.join(innermost) or 'Global'}"
 
+    def _pre_fw_hook(self, module: torch.nn.Module, inputs: object) -> None:
+        """As MemTracker's; the root's forward again within a step (train.accumulation's next
+        micro-batch) starts its module statistics afresh, as a step does (tpbench reads none of them;
+        MemTracker would refuse the second call), and its phase is a forward again."""
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            if set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
+                self.reset_mod_stats()
+        super()._pre_fw_hook(module, inputs)
+
     def reset_mod_stats(self) -> None:
         """After each step: the next one starts with its forward."""
         super().reset_mod_stats()
