@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from beside import beside
 from test_cli import nothing_written, workdir  # noqa: F401 (a fixture)
-from torchrun_checks import WORLD2, WORLD4, per_config, run_config, same_on_every_rank
+from torchrun_checks import WORLD2, WORLD4, per_config, rank0_of_each, run_config
 from typer.testing import CliRunner
 
 from tpbench.cli import app
@@ -64,18 +64,10 @@ WORLD2.add("memory", "accumulation", MEMORY2)
 WORLD4.add("memory", "accumulation", MEMORY4)
 
 
-def _rank0(ranks: list[dict]) -> dict:
-    out = {}
-    for name, per_rank in per_config(ranks).items():
-        same_on_every_rank([{"metrics": r["metrics"], "comm": r["comm"]} for r in per_rank])
-        out[name] = per_rank[0]
-    return out
-
-
 @beside
 def accumulated(folder: Path) -> dict:
     two, four = (w.part(folder, "validate", "accumulation") for w in (WORLD2, WORLD4))
-    return _rank0(two) | _rank0(four)
+    return rank0_of_each(two) | rank0_of_each(four)
 
 
 @beside

@@ -25,8 +25,8 @@ from torchrun_checks import (
     CrashedConfig,
     peaks_told,
     per_config,
+    rank0_of_each,
     run_config,
-    same_on_every_rank,
 )
 
 from tpbench.experiments import memory as memory_module
@@ -109,27 +109,19 @@ WORLD8.add("validate", "grad_clip", {k: [*TINY, *v] for k, v in WORLD8_CASES.ite
 WORLD4.add("memory", "grad_clip", {k: [*SMALL, *v] for k, v in (MEMORY | FAILING).items()})
 
 
-def _rank0(ranks: list[dict]) -> dict:
-    out = {}
-    for name, per_rank in per_config(ranks).items():
-        same_on_every_rank([{"metrics": r["metrics"], "comm": r["comm"]} for r in per_rank])
-        out[name] = per_rank[0]
-    return out
-
-
 @beside
 def world4(folder: Path) -> dict:
-    return _rank0(WORLD4.part(folder, "validate", "grad_clip"))
+    return rank0_of_each(WORLD4.part(folder, "validate", "grad_clip"))
 
 
 @beside
 def world2(folder: Path) -> dict:
-    return _rank0(WORLD2.part(folder, "validate", "grad_clip"))
+    return rank0_of_each(WORLD2.part(folder, "validate", "grad_clip"))
 
 
 @beside
 def world8(folder: Path) -> dict:
-    return _rank0(WORLD8.part(folder, "validate", "grad_clip"))
+    return rank0_of_each(WORLD8.part(folder, "validate", "grad_clip"))
 
 
 @beside

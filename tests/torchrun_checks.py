@@ -410,6 +410,16 @@ def same_on_every_rank(ranks: list[dict]) -> dict:
     return ranks[0]
 
 
+def rank0_of_each(ranks: list[dict]) -> dict:
+    """A validate suite's results per config: rank 0's, once every rank reported the same metrics and
+    collectives (`same_on_every_rank`)."""
+    out = {}
+    for name, per_rank in per_config(ranks).items():
+        same_on_every_rank([{"metrics": r["metrics"], "comm": r["comm"]} for r in per_rank])
+        out[name] = per_rank[0]
+    return out
+
+
 @functools.cache
 def _schema() -> DictConfig:
     return OmegaConf.structured(RunConfig)  # 0.1 s each time: made once, merged into per config
