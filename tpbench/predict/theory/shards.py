@@ -4,6 +4,7 @@ Derived from the rank's tensors (tpbench.predict.theory.weights), nothing fitted
 
 from __future__ import annotations
 
+import functools
 import math
 
 from tpbench.predict.theory.dims import Dims
@@ -37,8 +38,10 @@ def unit_of(name: str) -> str:
     return ".".join(name.split(".")[1:3]) if name.startswith("model.layers.") else ROOT
 
 
+@functools.lru_cache(maxsize=64)
 def units(d: Dims) -> dict[str, list[tuple[str, int, int]]]:
-    """(name, rows, columns) of each unit's parameters on this rank, the root first, then the blocks."""
+    """(name, rows, columns) of each unit's parameters on this rank, the root first, then the blocks.
+    Cached (a Dims is frozen; `fit` asks for a deep model's hundreds of times): read it, never change it."""
     out: dict[str, list[tuple[str, int, int]]] = {ROOT: []}
     for name, n in params(d):
         r = rows(d, name)
@@ -57,7 +60,8 @@ def flat_shard(d: Dims, D: int) -> int:
     return math.ceil(sum(n for _, n in params(d)) / D)
 
 
+@functools.lru_cache(maxsize=64)
 def unit_shards(d: Dims, D: int) -> dict[str, int]:
     """Elements of each unit's shard on this rank; D times it are its gathered parameters, each
-    padded to D x its shard, as FSDP2 allocates them."""
+    padded to D x its shard, as FSDP2 allocates them. Cached as `units`: read it, never change it."""
     return {u: sum(dim0_shard(r, c, D) for _, r, c in ps) for u, ps in units(d).items()}

@@ -9,6 +9,8 @@ LM head [V / T, H] under VP, else [V, H].
 
 from __future__ import annotations
 
+import functools
+
 from tpbench.models.param_kinds import kind_of
 from tpbench.predict.theory.dims import FP32, Dims
 
@@ -34,15 +36,18 @@ def layer_params(d: Dims) -> list[tuple[str, int]]:
     ]
 
 
-def params(d: Dims) -> list[tuple[str, int]]:
-    """(name, elements on this rank) of every parameter, in module order; a tied head appears once."""
+@functools.lru_cache(maxsize=64)
+def params(d: Dims) -> tuple[tuple[str, int], ...]:
+    """(name, elements on this rank) of every parameter, in module order; a tied head appears once.
+    Cached (a Dims is frozen; `fit` asks for a deep model's thousands of times)."""
     out = [("model.embed_tokens", d.V_l * d.H)]
+    layer = layer_params(d)
     for i in range(d.L):
-        out += [(f"model.layers.{i}.{name}", n) for name, n in layer_params(d)]
+        out += [(f"model.layers.{i}.{name}", n) for name, n in layer]
     out.append(("model.norm", d.H))
     if not d.tied:
         out.append(("lm_head", d.V_l * d.H))
-    return out
+    return tuple(out)
 
 
 def grad_ready_order(d: Dims) -> list[tuple[str, int]]:
