@@ -24,6 +24,9 @@ SHAPES = {
     "tiny": "",  # H 64, L 2, heads 8/4, V 256, S 32
     "h256": "hidden=256 layers=4 seq=256 vocab=6400",
     "h768": "hidden=768 layers=4 seq=512 vocab=6400",
+    # held out (issue 60): a shape no constant of the CPU model was set on or checked against before
+    # 2026-12-07 (6/2 heads, head_dim 64, odd depth)
+    "h384": "hidden=384 layers=3 heads=6 kv_heads=2 seq=384 vocab=4096",
 }
 MODES = "ddp,tp,tp_sp,tp_vp,tp_sp_vp"
 COMMON = "kind=throughput dtype=float32 micro_batch=2"
