@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from beside import beside
 from test_cli import nothing_written, workdir  # noqa: F401 (a fixture)
-from torchrun_checks import WORLD2, WORLD4, per_config, rank0_of_each, run_config
+from torchrun_checks import BUCKETS, WORLD2, WORLD4, per_config, rank0_of_each, run_config
 from typer.testing import CliRunner
 
 from tpbench.cli import app
@@ -31,7 +31,7 @@ from tpbench.predict.theory import sharding
 
 TINY = ["model.flash_attn=false", "validate.steps=3", "validate.every=3", "train.accumulation=2"]
 DDP = ["parallel.engine=ddp", "parallel.tp=1", "parallel.dp=2"]
-DP2_TP1 = {f"{level}_ddp": [*TINY, *DDP, f"parallel.dp_shard={level}"] for level in sharding.LEVELS}
+DP2_TP1 = {f"{level}_ddp": [*TINY, *DDP, f"parallel.dp_shard={level}", BUCKETS] for level in sharding.LEVELS}
 DP2_TP2 = {
     "none_tp_vp": [*TINY, "parallel.tp=2", "parallel.dp=2", "parallel.vp=true"],
     "full_tp_sp_vp": [*TINY, "parallel.tp=2", "parallel.dp=2", "parallel.sp=true", "parallel.vp=true",
@@ -45,7 +45,7 @@ WORLD4.add("validate", "accumulation", DP2_TP2)
 SMALL = ["kind=memory", "model.hidden_size=64", "model.num_hidden_layers=2", "model.vocab_size=512",
          "train.seq_len=64", "train.dtype=bfloat16", "train.steps=1", "train.warmup=1",
          "train.accumulation=2"]  # fmt: skip
-MEMORY2 = {f"{lv}_tp1": [*SMALL, "parallel.tp=1", "parallel.dp=2", f"parallel.dp_shard={lv}"]
+MEMORY2 = {f"{lv}_tp1": [*SMALL, "parallel.tp=1", "parallel.dp=2", f"parallel.dp_shard={lv}", BUCKETS]
            for lv in sharding.LEVELS}  # fmt: skip
 MEMORY2 |= {
     "ddp_tp1": [*SMALL, *DDP],
@@ -54,7 +54,7 @@ MEMORY2 |= {
 }
 MEMORY4 = {
     "none_tp2_vp": [*SMALL, "parallel.tp=2", "parallel.dp=2", "parallel.vp=true"],
-    "optimizer_tp2": [*SMALL, "parallel.tp=2", "parallel.dp=2", "parallel.dp_shard=optimizer"],
+    "optimizer_tp2": [*SMALL, "parallel.tp=2", "parallel.dp=2", "parallel.dp_shard=optimizer", BUCKETS],
     "full_tp2_sp_vp": [*SMALL, "parallel.tp=2", "parallel.dp=2", "parallel.dp_shard=full", "parallel.sp=true",
                        "parallel.vp=true"],
     "hsdp_full": [*SMALL, "parallel.tp=1", "parallel.dp=4", "parallel.dp_replicate=2",

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from beside import beside
-from torchrun_checks import TINY, WORLD2, per_config, run_config
+from torchrun_checks import BUCKETS, TINY, WORLD2, per_config, run_config
 
 from tpbench.experiments import optim
 from tpbench.experiments.setup import build_dense
@@ -33,7 +33,7 @@ ON = [  # groups and schedule: 6 validate steps are 2 of warm-up, 1 stable, 3 of
     "train.lr_scheduler.min_lr_factor=0.1",
 ]
 DP2 = ["parallel.engine=ddp", "parallel.tp=1", "parallel.dp=2"]
-ZERO1 = [*DP2, "parallel.dp_shard=optimizer"]
+ZERO1 = [*DP2, "parallel.dp_shard=optimizer", BUCKETS]
 ENGINES = {  # every engine and DP level of a world of 2
     "ddp_dp2": DP2,
     "megatron_tp2_sp_vp": ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true"],
@@ -59,10 +59,13 @@ EAGER = ["train.compile=false"]
 WORLD2.add("validate", "optim_groups", {k: [*TINY, *ON, *EAGER, *v] for k, v in (ENGINES | PLANTED).items()})
 
 # Memory with the groups and schedule on, against the memory model (which knows neither): ZeRO-1 at
-# the default tiny shape in mixed precision peaks in its AdamW step (test_theory_sharded), beside DDP
+# the default tiny shape in mixed precision at S 8 peaks in its AdamW step (4 buckets of 40,000
+# elements: its pieces' temporaries over the forward's; at S 32 the loss's forward is the peak since
+# the reduce-scatters write the grad buffer in place, no [P/DP] output of their own), beside DDP
 SMALL = ["kind=memory", "train.steps=1", "train.warmup=1", "train.compile=false", *ON]
+ZERO1_S8 = [*DP2, "parallel.dp_shard=optimizer", "parallel.zero_bucket_elements=40000", "train.seq_len=8"]
 MEMORY = {
-    "zero1_dp2_mixed": [*SMALL, *ZERO1, "train.precision=mixed", "train.dtype=bfloat16"],
+    "zero1_dp2_mixed": [*SMALL, *ZERO1_S8, "train.precision=mixed", "train.dtype=bfloat16"],
     "zero1_dp2_fp32": [*SMALL, *ZERO1],
     "ddp_dp2": [*SMALL, *DP2],
 }
@@ -176,15 +179,24 @@ def test_the_schedule_steps_after_every_optimizer_step_in_training():
             dist.destroy_process_group()
 
 
-def test_a_zero1_shard_straddles_the_group_boundary():
-    """ZeRO-1's flat buffer holds the decayed parameters first: at DP 2 the validated config's rank 1
-    shard holds the end of them and the undecayed ones (zero.DistributedOptimizer.decayed)."""
+def test_a_zero1_piece_holds_decayed_and_undecayed_parts():
+    """ZeRO-1's buckets hold the parameters in reverse order, whatever their group: at DP 2 some
+    rank's piece of some bucket holds decayed and undecayed elements, which its decayed spans
+    (zero.DistributedOptimizer.decayed) tell apart."""
+    from tpbench.parallel.zero import plan_buckets
+
     cfg = run_config([*TINY, *ON, *ZERO1])
-    named = list(build_dense(cfg).named_parameters())
-    total = sum(p.numel() for _, p in named)
-    decayed = sum(p.numel() for n, p in named if optim.decays(n, cfg.train))
-    shard = -(-total // 2)
-    assert shard < decayed < total  # rank 1: [shard, 2 shard) holds decayed and undecayed elements
+    named = dict((n, p.numel()) for n, p in build_dense(cfg).named_parameters())
+    mixed = 0
+    for bucket in plan_buckets(named, {"model.embed_tokens.weight"}, 20000, 2):
+        half, offset, kinds = bucket.start + bucket.numel // 2, bucket.start, [set(), set()]
+        for name in bucket.names:
+            for rank, (lo, hi) in enumerate([(bucket.start, half), (half, bucket.start + bucket.numel)]):
+                if offset < hi and offset + named[name] > lo:
+                    kinds[rank].add(optim.decays(name, cfg.train))
+            offset += named[name]
+        mixed += sum(k == {True, False} for k in kinds)
+    assert mixed > 0
 
 
 def test_a_bad_group_or_schedule_is_refused_in_one_line():
@@ -294,7 +306,7 @@ def test_an_emulated_rank_decays_no_undecayed_parameter():
         trainer = Trainer(cfg)
         zero = trainer.optimizer
         before = {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
-        zero.grad_shard = torch.zeros_like(zero.master)
+        zero.grad_buffer.zero_()  # the gradient pieces AdamW steps: zeros
         lr = zero.adamw.param_groups[0]["lr"]
         zero.step()
         after = dict(trainer.module.named_parameters())

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from beside import beside
-from torchrun_checks import WORLD2, WORLD4, Crashed, per_config, same_on_every_rank
+from torchrun_checks import BUCKETS, WORLD2, WORLD4, Crashed, per_config, same_on_every_rank
 
 BASE = [
     "model.flash_attn=false",
@@ -33,7 +33,7 @@ DTENSOR = ["parallel.engine=dtensor", *TP_SP_VP]
 
 
 def level(name: str) -> list[str]:
-    return [f"parallel.dp_shard={name}"]
+    return [f"parallel.dp_shard={name}", *([BUCKETS] if name == "optimizer" else [])]
 
 
 DP2_TP1 = {  # mode=ddp: every level, each AdamW kind, each precision (a name ending _foreach: foreach)
@@ -161,17 +161,23 @@ def test_each_config_steps_the_adamw_kind_it_names(dp2_tp1, dp2_tp2, name):
 
 
 def test_zero1_without_decay_on_one_shard_fails_the_parameters_in_that_shard(dp2_tp1):
-    """DP rank 1's AdamW of ZeRO-1 with no weight decay: the parameters with any element in the
-    second half of the flat buffer (parameters in model order, padded to an even length) fail, and
-    only those: a parameter wholly in rank 0's half steps as dense."""
+    """DP rank 1's AdamW of ZeRO-1 with no weight decay: the parameters with any element in rank 1's
+    half of some bucket (the buckets of tpbench.parallel.zero: the parameters in reverse order, each
+    bucket padded to an even length, the tied embedding in the late one) fail, and only those: a
+    parameter wholly in rank 0's halves steps as dense."""
+    from tpbench.parallel.zero import plan_buckets
+
     r = dp2_tp1["optimizer_planted_no_decay_on_dp_rank1"]
-    total = sum(numel for _, numel in r["numels"])
-    half = -(-total // 2)
-    second, offset = set(), 0
-    for name, numel in r["numels"]:
-        if offset + numel > half:
-            second.add(name)
-        offset += numel
+    numels = dict(r["numels"])
+    buckets = plan_buckets(numels, {"model.embed_tokens.weight"}, 20000, 2)
+    assert len(buckets) > 2
+    second = set()
+    for bucket in buckets:
+        offset, half = bucket.start, bucket.start + bucket.numel // 2
+        for name in bucket.names:
+            if offset + numels[name] > half:
+                second.add(name)
+            offset += numels[name]
     failing = {n for n, (max_abs, *_) in r["rows"].items() if max_abs > 0}
     assert failing == second and 0 < len(second) < len(r["rows"])
     assert all(r["rows"][n][1] > K * r["rows"][n][2] for n in second)  # past the criterion's bound

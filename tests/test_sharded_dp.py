@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from beside import beside
 from test_cli import nothing_written, workdir  # noqa: F401 (a fixture)
-from torchrun_checks import WORLD2, WORLD4, Crashed, per_config, same_on_every_rank
+from torchrun_checks import BUCKETS, WORLD2, WORLD4, Crashed, per_config, run_config, same_on_every_rank
 from typer.testing import CliRunner
 
 from tpbench.cli import app
@@ -40,10 +40,11 @@ MODES = {  # conf/mode/, at T 2
     "dtensor_tp_sp_vp": ["parallel.engine=dtensor", "parallel.tp=2", "parallel.sp=true", "parallel.vp=true"],
 }
 DP2_TP2 = {  # each level under a TP mode, fp32 and mixed, with overlap and recompute, both engines
-    "optimizer_tp_sp_vp_mixed": [*MODES["tp_sp_vp"], "parallel.dp_shard=optimizer", *MIXED],
+    "optimizer_tp_sp_vp_mixed": [*MODES["tp_sp_vp"], "parallel.dp_shard=optimizer", BUCKETS, *MIXED],
     "optimizer_tp_vp_overlap_recompute": [
         *MODES["tp_vp"],
         "parallel.dp_shard=optimizer",
+        BUCKETS,
         "parallel.overlap=true",
         "train.recompute=selective",
     ],
@@ -54,6 +55,7 @@ DP2_TP2 = {  # each level under a TP mode, fp32 and mixed, with overlap and reco
     "broken_optimizer_all_gather": [
         *MODES["tp_sp"],
         "parallel.dp_shard=optimizer",
+        BUCKETS,
         "debug.shard_fault=no_all_gather",
     ],
 }
@@ -61,16 +63,20 @@ DDP = ["parallel.engine=ddp", "parallel.tp=1"]
 ONE_STEP = ["validate.steps=1", "validate.every=1"]
 NO_GATHER, NO_RS = "debug.shard_fault=no_all_gather", "debug.shard_fault=no_reduce_scatter"
 LOW = "debug.low_precision_reduce=true"
+EARLY = "debug.shard_fault=early_reduce_scatter"
 DP2_TP1 = {  # mode=ddp
-    "optimizer_ddp": [*DDP, "parallel.dp_shard=optimizer"],
+    "optimizer_ddp": [*DDP, "parallel.dp_shard=optimizer", BUCKETS],
     "grads_ddp_mixed": [*DDP, "parallel.dp_shard=grads", *MIXED],
     "full_ddp_recompute": [*DDP, "parallel.dp_shard=full", "train.recompute=full"],
     "broken_optimizer_reduce_scatter": [
         *DDP,
         "parallel.dp_shard=optimizer",
+        BUCKETS,
         "debug.shard_fault=no_reduce_scatter",
     ],
     "broken_grads_all_gather": [*DDP, "parallel.dp_shard=grads", "debug.shard_fault=no_all_gather"],
+    # ZeRO-1's buckets: each reduce-scattered at its first gradient, not its last
+    "broken_optimizer_early_reduce_scatter": [*DDP, "parallel.dp_shard=optimizer", BUCKETS, EARLY],
     "broken_full_reduce_scatter": [*DDP, "parallel.dp_shard=full", "debug.shard_fault=no_reduce_scatter"],
     # mixed precision (bf16 compute, fp32 masters and reduction), every level, the cheapest shape: DP
     # 2 x TP 1 (native bf16 GEMMs: launch.bf16_gemm=fp32_accumulate costs more than it saves at this
@@ -79,13 +85,13 @@ DP2_TP1 = {  # mode=ddp
     # by 2.3x its bound there: given TINY's 3 steps, as its stale weights feed the next ones)
     "full_ddp_mixed": [*DDP, "parallel.dp_shard=full", *MIXED],
     "broken_none_all_reduce_mixed": [*DDP, "debug.ddp_fault=no_divide", *MIXED, *ONE_STEP],
-    "broken_optimizer_all_gather_mixed": [*DDP, "parallel.dp_shard=optimizer", NO_GATHER, *MIXED],
+    "broken_optimizer_all_gather_mixed": [*DDP, "parallel.dp_shard=optimizer", BUCKETS, NO_GATHER, *MIXED],
     "broken_grads_reduce_scatter_mixed": [*DDP, "parallel.dp_shard=grads", NO_RS, *MIXED, *ONE_STEP],
     "broken_full_all_gather_mixed": [*DDP, "parallel.dp_shard=full", NO_GATHER, *MIXED, *ONE_STEP],
     # debug.low_precision_reduce: the DP gradient reduction in bf16 where mixed precision promises fp32
     # (DDP's comm hook, ZeRO-1's reduce-scatter, FSDP2 with no reduce_dtype), one AdamW step
     **{
-        f"low_reduce_{level}_mixed": [*DDP, f"parallel.dp_shard={level}", LOW, *MIXED, *ONE_STEP]
+        f"low_reduce_{level}_mixed": [*DDP, f"parallel.dp_shard={level}", BUCKETS, LOW, *MIXED, *ONE_STEP]
         for level in ("none", "optimizer", "full")
     },
 }
@@ -193,6 +199,26 @@ def test_a_planted_shard_fault_fails_exactly_the_checks_and_gradients_it_breaks(
     assert failing == (set(r["params"]) if every_gradient else set())
 
 
+def test_a_bucket_reduce_scattered_before_its_last_gradient_fails_all_but_its_first(dp2_tp1):
+    """debug.shard_fault=early_reduce_scatter: each of ZeRO-1's buckets reduce-scattered (and waited)
+    when its first gradient is in: that parameter is averaged, the bucket's later ones keep this
+    rank's own gradient. The gradients fail (every parameter but one a bucket: the first each bucket
+    got, and the late bucket's, the tied embedding, reduce-scattered after backward), so do the DP
+    reduction on identical inputs and the free-running steps; the first forward, before any step,
+    passes."""
+    from tpbench.predict.theory.sharding import level_dims
+    from tpbench.predict.theory.shards import zero_buckets
+
+    r = dp2_tp1["broken_optimizer_early_reduce_scatter"]
+    assert r["metrics"]["passed"] == 0.0
+    assert {line.split()[0] for line in r["failed"]} == GRADIENTS | REDUCE | FREE, r["failed"]
+    failing = {n for n, (error, reference) in r["params"].items() if error > K * reference + TOL_GRAD}
+    buckets = zero_buckets(level_dims(run_config(DP2_TP1["broken_optimizer_early_reduce_scatter"])), 2)
+    assert len(buckets) > 2 and buckets[-1][1]  # several, the late one last
+    assert len(set(r["params"]) - failing) == len(buckets)
+    assert "model.embed_tokens.weight" not in failing
+
+
 LOW_REDUCE = [  # each level's low-precision reduction, the same level reducing in fp32 (a fault
     # elsewhere in it leaves the DP gradients' collective as it is), the collective
     ("low_reduce_none_mixed", "broken_none_all_reduce_mixed", "all_reduce"),
@@ -243,12 +269,17 @@ def _comm(r: dict) -> dict[tuple[str, str], tuple[int, int]]:
 
 
 def test_the_dp_collectives_are_counted_by_purpose(dp2_tp1, dp2_tp2):
-    """ZeRO-1 reduce-scatters the gradients (its all-gather is in the optimizer step, after the
-    counted backward); FSDP2 all-gathers each unit's weights once (grads) or twice (full: again for
-    backward) and reduce-scatters its gradients, per unit: 2 blocks and the root; HSDP all-reduces
-    the reduce-scattered gradients across its replicas as well. None all-reduces like DDP."""
+    """ZeRO-1 reduce-scatters the gradients bucket by bucket (its all-gathers are in the optimizer
+    step, after the counted backward); FSDP2 all-gathers each unit's weights once (grads) or twice
+    (full: again for backward) and reduce-scatters its gradients, per unit: 2 blocks and the root;
+    HSDP all-reduces the reduce-scattered gradients across its replicas as well. None all-reduces
+    like DDP."""
+    from tpbench.predict.theory.sharding import level_dims
+    from tpbench.predict.theory.shards import zero_buckets
+
     zero1 = _comm(dp2_tp1["optimizer_ddp"])
-    assert zero1[("reduce_scatter", "dp_grads")][0] == 1 and ("all_reduce", "dp_grads") not in zero1
+    buckets = len(zero_buckets(level_dims(run_config(DP2_TP1["optimizer_ddp"])), 2))
+    assert zero1[("reduce_scatter", "dp_grads")][0] == buckets > 2 and ("all_reduce", "dp_grads") not in zero1
     grads = _comm(dp2_tp2["grads_tp_sp_linear"])
     assert grads[("all_gather", "dp_params")][0] == 3 and grads[("reduce_scatter", "dp_grads")][0] == 3
     full = _comm(dp2_tp2["full_tp_sp_vp"])
@@ -272,6 +303,14 @@ REFUSED = {  # before launch: one line, exit 2
         "debug.shard_fault=no_all_gather:",
     ),
     "an unknown fault": (["dp=2", "dp_shard=full", "debug.shard_fault=drop"], "debug.shard_fault='drop': "),
+    "a bucket fault without ZeRO-1": (
+        ["dp=2", "dp_shard=full", "debug.shard_fault=early_reduce_scatter"],
+        "debug.shard_fault=early_reduce_scatter with parallel.dp_shard=full: breaks ZeRO-1's buckets",
+    ),
+    "a bucket size below 0": (
+        ["dp=2", "dp_shard=optimizer", "parallel.zero_bucket_elements=-1"],
+        "parallel.zero_bucket_elements=-1: accepted are integers >= 0",
+    ),
     "a DDP fault with no DDP": (
         ["mode=ddp", "dp_shard=optimizer", "debug.ddp_fault=no_divide"],
         "parallel.dp_shard=optimizer with debug.ddp_fault=no_divide",
@@ -320,8 +359,9 @@ def test_zero1_keeps_one_copy_of_the_weights_in_pure_precision(mixed):
     master = torch.float32
     param = torch.bfloat16 if mixed else torch.float32
     zopt = DistributedOptimizer(params, None, lambda ps: torch.optim.AdamW(ps, lr=0.1), param, master)
-    shares = zopt.master.untyped_storage().data_ptr() == zopt.param_buffer.untyped_storage().data_ptr()
-    assert shares != mixed
+    for piece in zopt.masters:
+        shares = piece.untyped_storage().data_ptr() == zopt.param_buffer.untyped_storage().data_ptr()
+        assert shares != mixed
     before = {n: p.detach().float().clone() for n, p in params.items()}
     model(torch.randn(5, 4, dtype=param)).float().square().sum().backward()
     zopt.reduce_scatter()

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from beside import beside
-from torchrun_checks import WORLD2, WORLD4, per_config, run_config
+from torchrun_checks import BUCKETS, WORLD2, WORLD4, per_config, run_config
 from typer.testing import CliRunner
 
 from tpbench.experiments.setup import build_dense
@@ -243,7 +243,7 @@ def test_fsdp_step_peak_is_predicted_to_the_byte(dp_shard, D, overrides):
 @pytest.mark.parametrize(
     ("dp_shard", "overrides"),
     [
-        ("optimizer", ["parallel.tp=2"]),
+        ("optimizer", ["parallel.tp=2", BUCKETS]),
         ("grads", ["parallel.tp=1"]),
         ("full", ["parallel.tp=2"]),
         ("full", ["parallel.tp=1", "parallel.dp=4", "train.seq_len=4"]),  # the next block's all-gather
@@ -256,7 +256,7 @@ def test_fsdp_step_peak_is_predicted_to_the_byte(dp_shard, D, overrides):
         ("full", ["parallel.tp=1", "train.seq_len=4", "train.recompute=full"]),
         # the default V 256, S 32: ZeRO-1 peaks in its AdamW step, where the emulated rank kept the
         # embedding's bf16 gradient (a fake tensor's data_ptr, its offset 0, taken for the grad buffer's)
-        ("optimizer", ["parallel.tp=2", "model.vocab_size=256", "train.seq_len=32"]),
+        ("optimizer", ["parallel.tp=2", "model.vocab_size=256", "train.seq_len=32", BUCKETS]),
         # the odd shape, untied: the root's whole bf16 gradients freed once copied into its fp32
         # reduce-scatter input, before the output is made (the model held all three, 13,500 B over)
         ("full", ["parallel.tp=2", *ODD_SHAPE]),
@@ -363,7 +363,7 @@ def test_fsdp_bf16_vp_peak_with_torchs_norm_is_predicted_to_the_byte(seed_ops):
 # moments and gradient reduction), ZeRO-1 and ZeRO-2 at TP 1, ZeRO-1 and FSDP at TP 2.
 SHARDED = {
     f"dp2_tp{tp}_{lv}{suffix}": [*SMALL[:-1], "train.steps=1", "train.warmup=1", f"parallel.tp={tp}",
-                                 "parallel.dp=2", f"parallel.dp_shard={lv}", *extra]
+                                 "parallel.dp=2", f"parallel.dp_shard={lv}", BUCKETS, *extra]
     for tp, levels, suffix, extra in [
         (1, ("optimizer", "grads", "full"), "", []),
         (2, ("optimizer", "grads", "full"), "", []),

@@ -17,7 +17,7 @@ import pytest
 from tpbench.predict import hardware
 from tpbench.predict.steptime import Rates, gpu_rates, model, predict_time
 from tpbench.predict.theory import comm_rows, dims
-from tpbench.predict.theory.shards import ROOT, unit_shards
+from tpbench.predict.theory.shards import ROOT, unit_shards, zero_buckets
 from tpbench.run import compose
 from tpbench.sizing import fit as fitting
 from tpbench.sizing import search
@@ -103,6 +103,49 @@ def test_the_units_share_the_counted_bytes_by_their_shard_sizes():
     assert seconds - hidden == pytest.approx(beta * gathered * (share[ROOT] + share[first]))
     seconds, hidden = got["dp_grads"]
     assert seconds - hidden == pytest.approx(beta * reduced * (share[ROOT] + share[first]))
+
+
+ZERO1 = "mode=tp tp=1 dp=2 parallel.dp_shard=optimizer parallel.zero_bucket_elements=20000"
+
+
+def test_zero1_hides_its_buckets_behind_backward_and_the_next_forward():
+    """ZeRO-1's buckets (tpbench.parallel.zero) at negligible cost (one latency each, no bytes): of
+    the reduce-scatters, the bottom bucket's (backward's last) and the late one's (after the TP
+    sums) exposed; of the all-gathers, the first the forward needs; every other hidden. The old
+    charge, every collective exposed at the step's end, would be the total; without cores to spare
+    it is again."""
+    cfg = config(ZERO1)
+    buckets = zero_buckets(dims(cfg), 2)
+    assert len(buckets) >= 3 and buckets[-1][1]  # several, the tied embedding's late one last
+    alpha = 1e-9
+    got = predict_time(cfg, rates(True, alpha, 0.0))
+    assert got.comm_exposed["dp_grads"] == pytest.approx(2 * alpha)
+    assert got.comm_exposed["dp_params"] == pytest.approx(alpha)
+    exposed, total = dp_seconds(cfg, rates(True, alpha, 0.0))
+    assert total == pytest.approx(2 * alpha * len(buckets)) and exposed < total
+    assert dp_seconds(cfg, rates(False, alpha, 0.0)) == pytest.approx((total, total))
+
+
+def test_zero1_buckets_share_the_counted_bytes_and_outlast_their_compute():
+    """At beta only, the exposed reduce-scatters are the bottom and late buckets' shares of the counted
+    bytes, the exposed all-gather the first bucket's (the late one: it holds the tied embedding), with
+    the compute hiding the rest; collectives far longer than the compute are exposed but for it."""
+    cfg = config(ZERO1)
+    d = dims(cfg)
+    buckets = zero_buckets(d, 2)
+    whole = sum(n for n, _ in buckets)
+    colls = [c for c in model.step_collectives(d, comm_rows(cfg)) if c.purpose in model.FSDP_PURPOSES]
+    gathered = sum(c.bytes for c in colls if c.purpose == "dp_params")
+    reduced = sum(c.bytes for c in colls if c.purpose == "dp_grads")
+    beta = 1e-6
+    got = model.zero1_exposed(d, colls, rates(True, 0.0, beta), 1e9, 1e9)
+    seconds, hidden = got["dp_grads"]
+    assert seconds - hidden == pytest.approx(beta * reduced * (buckets[-2][0] + buckets[-1][0]) / whole)
+    seconds, hidden = got["dp_params"]
+    assert seconds - hidden == pytest.approx(beta * gathered * buckets[-1][0] / whole)
+    slow = model.zero1_exposed(d, colls, rates(True, 1.0, 0.0), 0.5, 0.25)
+    n = len(buckets)
+    assert slow["dp_grads"] == pytest.approx((n, 0.25)) and slow["dp_params"] == pytest.approx((n, 0.5))
 
 
 @functools.cache

@@ -106,6 +106,9 @@ class ParallelConfig:
     # fp32 master and AdamW moments split over DP) | grads (ZeRO-2, FSDP2 reshard_after_forward=False)
     # | full (ZeRO-3, FSDP2's default: weights gathered per block for forward and again for backward)
     dp_shard: str = "none"
+    # ZeRO-1's buckets (tpbench.parallel.zero), in elements: each bucket of the flat buffers is closed at
+    # a parameter boundary once it holds this many; 0: Megatron's default, max(40M, 1M x dp)
+    zero_bucket_elements: int = 0
     # HSDP: shard within groups of dp / dp_replicate ranks, replicate across the dp_replicate groups
     dp_replicate: int = 1
 
@@ -281,7 +284,8 @@ class DebugConfig:
     dropout_fault: str = ""
     # Break a sharded DP level (parallel.dp_shard), to prove validation catches it: no_reduce_scatter
     # (each rank keeps its own gradients, never averaged) | no_all_gather (ZeRO-1: the other ranks'
-    # stepped shards never arrive; FSDP2: the other ranks' shards of a block's weights are zeros)
+    # stepped shards never arrive; FSDP2: the other ranks' shards of a block's weights are zeros) |
+    # early_reduce_scatter (ZeRO-1 only: each bucket reduce-scattered at its first gradient, not its last)
     shard_fault: str = ""
     # Break train.grad_clip, to prove validation and the runs catch it (tpbench.parallel.clip):
     # double_count (every TP rank counts the replicated parameters in the global norm, not one) |

@@ -8,9 +8,9 @@ What each level steps, and how its shards are written here:
   the run's optimizer is built (tpbench.experiments.training.adamw);
 - DTensors (the DTensor engine's TP shards, FSDP2's DP shards of them, HSDP's 2-D mesh): the same
   TP-local whole redistributed to the parameter's placements (Replicate -> Shard is local);
-- ZeRO-1's flat shard (tpbench.parallel.zero): every parameter flattened into [P], this rank's
-  [P/DP] as the master shard, its moments and its gradient shard, then the optimizer's own step
-  (AdamW on the shard, then the all-gather of the parameters).
+- ZeRO-1's buckets (tpbench.parallel.zero): every parameter flattened into [P] as its buckets lay
+  them out, this rank's piece of each bucket as the master pieces, their moments and gradient pieces,
+  then the optimizer's own step (AdamW on the pieces, then the buckets' all-gathers of the weights).
 
 `updates` steps the sharded optimizer once on those inputs, reads the stepped weights back as the
 checks read them (full_parameters: TP-local wholes), and compares each parameter's update with the
@@ -21,7 +21,7 @@ elements gives the dense update to the bit (docs/results/sharded_dp.md says whic
 beside it is the dense update's own rounding, against a reference AdamW one precision up.
 With train.grad_clip both sides step the dense gradient scaled by the dense model's clip coefficient
 (`coef`): the dense side by torch's foreach multiply, the sharded one by its own clip.scale on its
-shards (ZeRO-1's flat shard included), so the clip's scaling is in the update compared to the bit.
+shards (ZeRO-1's pieces included), so the clip's scaling is in the update compared to the bit.
 """
 
 from __future__ import annotations
@@ -144,32 +144,39 @@ def _clipped(grads: dict[str, torch.Tensor], coef: torch.Tensor | None) -> dict[
 
 
 def _zero_step(pm, zopt: DistributedOptimizer, weights, grads, states, coef=None) -> tuple[dict, dict]:
-    """ZeRO-1: the master shard, its moments and its gradient shard from the dense inputs, the
-    optimizer's own step (AdamW, then the all-gather of the weights): the stepped masters (gathered
-    for the check) and the weights the all-gather left in the parameter buffer; then put back."""
+    """ZeRO-1: the master pieces, their moments and gradient pieces from the dense inputs, the
+    optimizer's own step (AdamW, then the buckets' all-gathers, waited here): the stepped masters
+    (gathered for the check) and the weights the all-gathers left in the parameter buffer; then put
+    back."""
 
-    def shard(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    def shard(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         return zopt.shard_of({n: pm.shard_like(n, tensors[n]) for n in zopt.params})
 
-    master = zopt.master
-    saved = master.detach().clone(), zopt.param_buffer.clone(), getattr(zopt, "grad_shard", None)
-    saved_state = _copy_state(zopt.adamw.state.get(master))
+    zopt.wait_params()
+    masters = zopt.masters
+    saved = [m.detach().clone() for m in masters], zopt.param_buffer.clone()
+    saved_grads = [g.clone() for g in zopt.grad_shards]
+    saved_state = [_copy_state(zopt.adamw.state.get(m)) for m in masters]
     step = next(iter(states.values()))["step"]
+    moments = {k: shard({n: s[k] for n, s in states.items()}) for k in MOMENTS}
     with torch.no_grad():
-        master.copy_(shard(weights))
-    zopt.adamw.state[master] = {"step": step.clone(), **{k: shard({n: s[k] for n, s in states.items()})
-                                                        for k in MOMENTS}}  # fmt: skip
-    zopt.grad_shard = shard(grads)
-    if coef is not None:  # train.grad_clip: its own scaling of its shard, by the dense coefficient
+        for i, (m, w, g) in enumerate(zip(masters, shard(weights), shard(grads), strict=True)):
+            m.copy_(w)
+            zopt.grad_shards[i].copy_(g)
+            zopt.adamw.state[m] = {"step": step.clone(), **{k: moments[k][i] for k in MOMENTS}}
+    if coef is not None:  # train.grad_clip: its own scaling of its pieces, by the dense coefficient
         clip.scale(pm, coef)
     zopt.step()
+    zopt.wait_params()
     stepped = {n: t.clone() for n, t in zopt.full_masters().items()}
     gathered = {n: view.clone() for n, view in zopt.param_views.items()}
     with torch.no_grad():
-        master.copy_(saved[0])
+        for m, w, g, grad in zip(masters, saved[0], zopt.grad_shards, saved_grads, strict=True):
+            m.copy_(w)
+            g.copy_(grad)
         zopt.param_buffer.copy_(saved[1])
-    zopt.grad_shard = saved[2]
-    _put_state(zopt.adamw, master, saved_state)
+    for m, state in zip(masters, saved_state, strict=True):
+        _put_state(zopt.adamw, m, state)
     return stepped, gathered
 
 

@@ -37,6 +37,7 @@ def plant_error(cfg: RunConfig, pm: ParallelModel | DDPModel) -> None:
     """debug.validate_fault=rank1_param: rank 1 adds 1 to its copy of model.norm.weight (replicated in
     every mode, so no other rank's figures hold it), to prove that its figures count."""
     if cfg.debug.validate_fault == "rank1_param" and dist.get_rank() == 1:
+        getattr(pm, "wait_params", lambda: None)()  # ZeRO-1: no all-gather still writing the weights
         with torch.no_grad():
             dict(pm.module.named_parameters())["model.norm.weight"].view(-1)[0].add_(1.0)
 

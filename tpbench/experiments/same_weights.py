@@ -60,6 +60,7 @@ def _forward_weights(pm) -> dict[str, torch.Tensor]:
         for unit in pm.units:  # the sharded parameters are the ones the next forward gathers
             unit.reshard()
         return {n: p.to_local() for n, p in nn.Module.named_parameters(pm.module)}
+    getattr(pm, "wait_params", lambda: None)()  # ZeRO-1: no all-gather still writing the weights
     return {n: p.detach() for n, p in pm.module.named_parameters()}
 
 

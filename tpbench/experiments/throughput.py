@@ -154,7 +154,11 @@ def timed_steps(
     `clock.steps` times them; with `counter`, every collective of them counted and timed into it (its
     rows(steps) then the average step's). `after_each` runs after each step, outside its time."""
     with instrumentation.counting(counter) if counter is not None else contextlib.nullcontext():
-        return clock.steps(trainer.step, trainer.sync, steps, after_each)
+        times = clock.steps(trainer.step, trainer.sync, steps, after_each)
+        # ZeRO-1: the last step's all-gathers, which the next forward would wait for, waited here so
+        # that their times are reported with the window's (outside every step's time)
+        getattr(trainer.model, "wait_params", lambda: None)()
+        return times
 
 
 def _slowest(clock: timing.StepClock, times: list[float]) -> list[float]:

@@ -75,10 +75,10 @@ class Trainer:
 
     def tracked(self) -> list:
         """What a memory tracker must see beside the module's tensors: the optimizer (ZeRO-1's own
-        AdamW, the master shard it steps, which no module holds, and its grad buffer, which under
+        AdamW, the master pieces it steps, which no module holds, and its grad buffer, which under
         mixed precision no `.grad` is a view of) and DDP's buckets."""
         if isinstance(self.model, ZeroModel):
-            return [self.optimizer.adamw, self.optimizer.master, self.optimizer.grad_buffer]
+            return [self.optimizer.adamw, *self.optimizer.masters, self.optimizer.grad_buffer]
         return [self.optimizer, *self.ddp_buckets()]
 
     def ddp_buckets(self) -> list[torch.Tensor]:
@@ -159,9 +159,10 @@ class Trainer:
 
 def set_gradient_sync(model, on: bool) -> None:
     """Whether the next micro-batch's backward syncs the DP gradients (off for all but a step's
-    last under train.accumulation): DDP's `no_sync` switch. ZeRO-1's reduce-scatter and megatron's
-    DP all-reduce run in finish_grads, once a step, whatever this says; FSDP2 (tpbench.parallel.fsdp)
-    syncs every micro-batch, its gradients kept sharded."""
+    last under train.accumulation): DDP's `no_sync` switch, and ZeRO-1's: its buckets' reduce-scatters
+    launch in the last micro-batch's backward (tpbench.parallel.zero). Megatron's DP all-reduce runs
+    in finish_grads, once a step, whatever this says; FSDP2 (tpbench.parallel.fsdp) syncs every
+    micro-batch, its gradients kept sharded."""
     if isinstance(model, DistributedDataParallel):
         model.require_backward_grad_sync = on  # what DDP's no_sync() sets
     elif hasattr(model, "set_gradient_sync"):
@@ -216,7 +217,10 @@ def shard_data_parallel(cfg: RunConfig, pm: ParallelModel, lr: float):
         master = torch.float32 if mixed else weights
         make = lambda params: adamw(cfg, params, lr)  # noqa: E731
         decays = optim.decay_rule(cfg)  # the weight-decay groups, if any: decayed parameters first
-        return ZeroModel(pm, make, weights, master, cfg.debug.shard_fault, weights if low else None, decays)
+        return ZeroModel(
+            pm, make, weights, master, cfg.debug.shard_fault, weights if low else None, decays,
+            cfg.parallel.zero_bucket_elements,
+        )  # fmt: skip
     from tpbench.parallel.fsdp import FSDPModel
 
     return FSDPModel(pm, cfg.parallel, cfg.train, cfg.debug.shard_fault, low)

@@ -181,6 +181,7 @@ def check_dtensor_shardable(model: ModelConfig | MiniMindConfig, pcfg: ParallelC
 
 
 SHARD_FAULTS = ("no_reduce_scatter", "no_all_gather")  # debug.shard_fault, for every sharded level
+ZERO1_FAULTS = ("early_reduce_scatter",)  # debug.shard_fault, ZeRO-1's buckets only
 
 
 def check_accumulation(cfg: RunConfig) -> None:
@@ -239,13 +240,18 @@ def check_dp_shard(cfg: RunConfig) -> None:
     cannot run as asked; callable before launch."""
     p, d = cfg.parallel, cfg.debug
     level = p.dp_shard
-    if d.shard_fault not in ("", *SHARD_FAULTS):
-        accepted = ", ".join(map(repr, ("", *SHARD_FAULTS)))
+    if d.shard_fault not in ("", *SHARD_FAULTS, *ZERO1_FAULTS):
+        accepted = ", ".join(map(repr, ("", *SHARD_FAULTS, *ZERO1_FAULTS)))
         raise ConfigError(f"debug.shard_fault={d.shard_fault!r}: accepted are {accepted}")
     if d.shard_fault and level == "none":
         raise ConfigError(
             f"debug.shard_fault={d.shard_fault}: breaks a sharded DP level, accepted with "
             "parallel.dp_shard=optimizer, grads or full"
+        )
+    if d.shard_fault in ZERO1_FAULTS and level != "optimizer":
+        raise ConfigError(
+            f"debug.shard_fault={d.shard_fault} with parallel.dp_shard={level}: breaks ZeRO-1's buckets, "
+            "accepted with parallel.dp_shard=optimizer"
         )
     if p.dp_replicate < 1 or p.dp % p.dp_replicate:
         raise ConfigError(

@@ -6,7 +6,7 @@
 Each rank sums the squares of what it holds and counts: a TP-sharded gradient (column, row, vocab)
 its shard; a replicated one (norm weights, an embedding or head without VP) on TP rank 0 only; a KV
 head replicated over T / N_kv ranks (N_kv < T) on the first rank of its replicas; under a sharded DP
-level the DP shard of each (ZeRO-1's flat gradient shard after its reduce-scatter, FSDP2's sharded
+level the DP shard of each (ZeRO-1's gradient pieces after their reduce-scatters, FSDP2's sharded
 DTensor gradients, HSDP's shard group: its replicas hold the same shard). Then one fp32 scalar is
 all-reduced over TP, and over the DP shard group where DP shards the gradients (`grad_norm`, counted
 by tpbench.parallel.collectives): DDP's and the all-reduce's gradients are the same on every DP rank.
@@ -18,7 +18,7 @@ over thousands of squares). The dense side validation compares against (`dense_n
 clip_grad_norm_'s own arithmetic on fp32 copies where the gradients are bf16, itself where not.
 
 Then every gradient is scaled by min(1, max_norm / (norm + 1e-6)), torch's clamped coefficient, in
-place (`scale`): this rank's local gradients, or ZeRO-1's gradient shard, the tensor its AdamW steps.
+place (`scale`): this rank's local gradients, or ZeRO-1's gradient pieces, the tensors its AdamW steps.
 A non-finite norm (`finite`) is the caller's to act on: tpbench.experiments.training fails the run
 or skips the step (train.grad_clip_nonfinite).
 
@@ -147,15 +147,10 @@ def _counted(model, double_count: bool) -> tuple[list[torch.Tensor], list[collec
 
 
 def _zero_pieces(opt, counts: list[bool]) -> list[torch.Tensor]:
-    """Each parameter's part of ZeRO-1's gradient shard [P/DP], a view (empty where it has none in
-    this rank's shard, or where this rank does not count it)."""
-    base, first, shard = opt.grad_buffer.storage_offset(), opt.dp_rank * opt.shard_numel, opt.grad_shard
-    pieces = []
-    for view, counted in zip(opt.grad_views.values(), counts, strict=True):
-        start = view.storage_offset() - base
-        lo, hi = max(start, first), min(start + view.numel(), first + opt.shard_numel)
-        pieces.append(shard.narrow(0, lo - first, hi - lo) if counted and lo < hi else shard[:0])
-    return pieces
+    """Each parameter's part of ZeRO-1's gradient pieces (this rank's [B_b/DP] of each bucket), a
+    view (empty where it has none in this rank's pieces, or where this rank does not count it)."""
+    parts = opt.pieces_of(opt.grad_shards)
+    return [p if counted else p[:0] for p, counted in zip(parts.values(), counts, strict=True)]
 
 
 def _dp_shard_groups(grad: DTensor) -> list[dist.ProcessGroup]:
@@ -184,7 +179,7 @@ def _squares(pieces: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 def _stepped(model) -> list[torch.Tensor]:
     """The local gradients the optimizer steps: ZeRO-1's shard, else each parameter's (once)."""
     if isinstance(model, ZeroModel):
-        return [model.optimizer.grad_shard]
+        return list(model.optimizer.grad_shards)
     grads = [p.grad for p in nn.Module.parameters(model.module) if p.grad is not None]
     return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
 

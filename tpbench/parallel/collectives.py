@@ -204,6 +204,25 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, group: Group, purpose: s
     return _launch("all_gather", purpose, x, out.numel() * out.element_size(), group, fn, out, True).wait()
 
 
+def all_gather_into_async(out: torch.Tensor, x: torch.Tensor, group: Group, purpose: str) -> Pending:
+    """all_gather_into without waiting (ZeRO-1's bucket of the parameter buffer, `x` this rank's
+    slice of `out`: in place, as Megatron's distributed optimizer gathers): `.wait()` before reading out."""
+    if group_size(group) == 1:
+        return Pending(out.copy_(x.reshape(out.shape)))
+    fn = lambda a, o: all_gather_single(o, a, group, async_op=True)  # noqa: E731
+    return _launch("all_gather", purpose, x, out.numel() * out.element_size(), group, fn, out, False)
+
+
+def reduce_scatter_into_async(out: torch.Tensor, x: torch.Tensor, group: Group, purpose: str) -> Pending:
+    """reduce_scatter of a flat `x` into a given `out` (ZeRO-1's bucket of the gradient buffer, `out`
+    this rank's slice of it: in place, as Megatron's distributed optimizer reduce-scatters), without
+    waiting: `.wait()` before reading out."""
+    if group_size(group) == 1:
+        return Pending(out.copy_(x.reshape(out.shape)))
+    fn = lambda a, o: reduce_scatter_single(o, a, group=group, async_op=True)  # noqa: E731
+    return _launch("reduce_scatter", purpose, x, x.numel() * x.element_size(), group, fn, out, False)
+
+
 def reduce_scatter(x: torch.Tensor, group: Group, purpose: str) -> torch.Tensor:
     """Sum over ranks and keep this rank's shard of dim 0."""
     if group_size(group) > 1 and torch.compiler.is_compiling():

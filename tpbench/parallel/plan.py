@@ -225,10 +225,7 @@ class ParallelModel:
         if dp is None:
             return None
         params = dict(self.module.named_parameters())
-        late = {n for n in params if self.layouts[n].grad_sum}
-        model = self.module
-        if model.lm_head.weight is model.model.embed_tokens.weight:
-            late.add(next(n for n, p in params.items() if p is model.lm_head.weight))
+        late = self.late_params()
         buckets = DPGradBuckets(
             params, late, dp.group, self.config.ddp_bucket_mb * 2**20, self.fault == "early_bucket"
         )
@@ -238,6 +235,17 @@ class ParallelModel:
         for deferred in self.deferred:
             deferred.on_ready = lambda p: buckets.ready(names[id(p)])
         return buckets
+
+    def late_params(self) -> set[str]:
+        """The parameters whose DP reduction must wait for the step's end: those with a TP gradient sum
+        (q/k norms, SP norms, KV replicas), which must see it first, and a weight that gets gradients
+        from two places (the LM head tied to the embedding). DPGradBuckets' and ZeRO-1's last bucket."""
+        params = dict(self.module.named_parameters())
+        late = {n for n in params if self.layouts[n].grad_sum}
+        model = self.module
+        if model.lm_head.weight is model.model.embed_tokens.weight:
+            late.add(next(n for n, p in params.items() if p is model.lm_head.weight))
+        return late
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Each parameter's gradient on this rank (TP-local: a sharded DP level gathers its DP shards)."""

@@ -102,6 +102,7 @@ AT_LEAST_ONE = (
     "model.rope_original_max_position_embeddings",
 )
 AT_LEAST_ZERO = (
+    "parallel.zero_bucket_elements",
     "train.warmup",
     "train.seed",
     "launch.node_rank",

@@ -10,7 +10,9 @@ which tpbench's CommCounter checks), at the rates of the machine (`Rates`).
               and every op's fixed cost with the dispatch mode's (`Rates.widen`)
   collective  count x alpha + ring bytes x beta, of its kind and group size
   overlap     a collective that the implementation runs beside compute (DDP's buckets and
-              parallel.overlap's flat buckets behind backward; parallel.overlap's backward entry
+              parallel.overlap's flat buckets behind backward; ZeRO-1's buckets' reduce-scatters
+              behind backward and their all-gathers behind the next forward (`zero1_exposed`);
+              FSDP2's units (`fsdp_exposed`); parallel.overlap's backward entry
               all-reduce / reduce-scatter behind the region's column weight gradients, SP's re-gather
               behind the row-parallel layer's and the core's backward) costs only what outlasts the
               work it hides behind, and only where it has cores of its own (`Rates.overlap`); every
@@ -33,7 +35,8 @@ from tpbench.parallel.instrumentation import ring_bytes
 from tpbench.predict.steptime import ops as O
 from tpbench.predict.steptime.rates import Rates
 from tpbench.predict.theory.dims import Dims
-from tpbench.predict.theory.shards import ROOT, unit_shards
+from tpbench.predict.theory.shards import ROOT, unit_shards, zero_buckets
+from tpbench.predict.theory.weights import late_params
 from tpbench.results import CommRow
 
 
@@ -271,6 +274,50 @@ def fsdp_exposed(
     return {p: (total[p], max(0.0, total[p] - exposed[p])) for p in FSDP_PURPOSES}
 
 
+def zero1_buckets(d: Dims) -> bool:
+    """Whether ZeRO-1 shards the step's optimizer over more than one rank (its buckets overlapped)."""
+    return d.dp_shard == "optimizer" and d.dp_shards > 1
+
+
+def zero1_exposed(
+    d: Dims, colls: list[Collective], rates: Rates, forward_s: float, backward_s: float
+) -> dict[str, tuple[float, float]]:
+    """purpose -> (seconds, hidden seconds) of ZeRO-1's bucketed collectives as tpbench.parallel.zero
+    (Megatron's distributed optimizer) runs them: each bucket's reduce-scatter launched in backward
+    once its gradients are in, running beside the backward that follows (`backward_s`: the backward's
+    and recompute's compute); the bucket of the model's first parameters (the embedding's), made last,
+    and the late bucket (after the TP gradient sums) exposed. After the step each bucket's all-gather
+    is launched in the forward's order and waited by the first forward use of its parameters: the
+    first bucket's exposed, the others beside the forward (`forward_s`). Exposed too: what the others
+    take beyond the compute they hide behind. The collectives' totals are `colls`' (the memory model's
+    counted rows), shared among the buckets by their sizes; where the collectives have no cores of
+    their own (`Rates.overlap`) nothing is hidden."""
+    buckets = zero_buckets(d, d.dp_shards)
+    whole = sum(n for n, _ in buckets)
+
+    def times(purpose: str) -> list[float]:
+        out = [0.0] * len(buckets)
+        for c in colls:
+            if c.purpose == purpose:
+                for i, (n, _) in enumerate(buckets):
+                    out[i] += rates.collective_s(c.op, c.count / len(buckets), c.bytes * n / whole)
+        return out
+
+    reduce, gather = times("dp_grads"), times("dp_params")
+    total = {"dp_params": sum(gather), "dp_grads": sum(reduce)}
+    if not rates.overlap:
+        return {p: (s, 0.0) for p, s in total.items()}
+    regular = [i for i, (_, late) in enumerate(buckets) if not late]
+    late = [i for i, (_, is_late) in enumerate(buckets) if is_late]
+    last = regular[-1:]  # the bottom of the model: its gradients are backward's last
+    behind = sum(reduce[i] for i in regular[:-1])
+    exposed_rs = sum(reduce[i] for i in late + last) + max(0.0, behind - backward_s)
+    first = late[0] if late and "model.embed_tokens" in late_params(d) else (last or late)[0]
+    exposed_ag = gather[first] + max(0.0, total["dp_params"] - gather[first] - forward_s)
+    exposed = {"dp_params": exposed_ag, "dp_grads": exposed_rs}
+    return {p: (total[p], max(0.0, total[p] - exposed[p])) for p in total}
+
+
 def predict_ops(
     d: Dims,
     rows: list[CommRow],
@@ -322,6 +369,15 @@ def predict_ops(
             total += seconds
             exposed[purpose] += seconds - hidden
             by_phase["grads"] += seconds - hidden
+    if zero1_buckets(d) and not layer_only:  # ZeRO-1's buckets, beside backward and the next forward
+        sharded = [c for c in colls if c.purpose in FSDP_PURPOSES]
+        colls = [c for c in colls if c.purpose not in FSDP_PURPOSES]
+        forward_s = sum(s for (phase, _), s in by_name.items() if phase == O.FORWARD)
+        backward_s = sum(s for (phase, _), s in by_name.items() if phase in (O.BACKWARD, O.RECOMPUTE))
+        for purpose, (seconds, hidden) in zero1_exposed(d, sharded, rates, forward_s, backward_s).items():
+            total += seconds
+            exposed[purpose] += seconds - hidden
+            by_phase[O.FORWARD if purpose == "dp_params" else "grads"] += seconds - hidden
     for c in colls:
         seconds = rates.collective_s(c.op, c.count, c.bytes)
         total += seconds

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, replace
 
 from tpbench.predict.theory.dims import FP32, Dims
-from tpbench.predict.theory.shards import flat_shard
+from tpbench.predict.theory.shards import flat_shard, zero_buckets
 from tpbench.predict.theory.weights import params
 
 GEMM, ATTENTION, ELEMENTWISE, OPTIMIZER = "gemm", "attention", "elementwise", "optimizer"
@@ -273,8 +273,8 @@ def optimizer(d: Dims) -> Op:
     writing them once)."""
     tensors = params(d)
     n = sum(count for _, count in tensors)
-    if d.dp_shard == "optimizer":  # ZeRO-1's one flat master shard
-        n, tensors = flat_shard(d, d.dp_shards), tensors[:1]
+    if d.dp_shard == "optimizer":  # ZeRO-1's master pieces, one per bucket
+        n, tensors = flat_shard(d, d.dp_shards), zero_buckets(d, d.dp_shards)
     elif d.dp_shard != "none":  # FSDP2's shard of each parameter
         n = math.ceil(n / d.dp_shards)
     if d.fused_adam:
@@ -283,7 +283,7 @@ def optimizer(d: Dims) -> Op:
     # Its passes run a parameter at a time, each over that parameter's four tensors, which the cache
     # holds between them where it can: from memory, what the fused kernel moves (each read once, the
     # parameter and the moments written once); the rest of its passes at the cache's rate
-    # (ZeRO-1's one flat shard has no parameter-sized tensors to reuse: every pass from memory)
+    # (ZeRO-1's pieces are buckets, larger than a cache: every pass from memory)
     kernels = 12 if d.gpu else 13 * len(tensors)
     adamw = Op("adamw", OPTIMIZER, 12.0 * n, 24 * d.w * n, kernels, phase=STEP, layer=False)
     return adamw if d.dp_shard == "optimizer" else replace(adamw, memory_bytes=7 * d.w * n)
@@ -300,11 +300,12 @@ def grad_clip(d: Dims) -> list[Op]:
         return []
     tensors = len(params(d))
     n = sum(count for _, count in params(d))
-    if d.dp_shard == "optimizer":  # ZeRO-1's one flat shard
-        n, tensors = flat_shard(d, d.dp_shards), 1
+    per_tensor = 2 * tensors  # a norm and a multiply per tensor
+    if d.dp_shard == "optimizer":  # ZeRO-1's pieces: a norm per parameter's part, a multiply per bucket
+        n, per_tensor = flat_shard(d, d.dp_shards), tensors + len(zero_buckets(d, d.dp_shards))
     elif d.dp_shard != "none":
         n = math.ceil(n / d.dp_shards)
-    kernels = (2 if d.gpu else 2 * tensors) + 10
+    kernels = (2 if d.gpu else per_tensor) + 10
     return [Op("grad clip", OPTIMIZER, 3.0 * n, 3 * d.w * n, kernels, phase=STEP, layer=False)]
 
 
@@ -316,8 +317,8 @@ def dp_copies(d: Dims) -> list[Op]:
           place: 4 w n; a copy per parameter, a division per bucket
       the blocking average (collectives.all_reduce_coalesced)   concatenated, averaged, copied
           back: 6 w n
-      ZeRO-1 (tpbench.parallel.zero)   the grad buffer zeroed, each gradient added in, the shard
-          averaged: 4 w n + 2 w n / D
+      ZeRO-1 (tpbench.parallel.zero)   the grad buffer zeroed, each gradient added in, each bucket's
+          piece averaged: 4 w n + 2 w n / D
       FSDP2 (grads, full; a unit per block and the root)   each unit's gradients copied into its
           reduce-scatter input (2 w n), the shard averaged (2 w n / D); per gather (one a step, two
           with full: backward gathers again) the shard cast in (w + p per shard element) and the
@@ -326,8 +327,8 @@ def dp_copies(d: Dims) -> list[Op]:
     n, w, D = sum(count for _, count in tensors), d.w, d.dp_shards  # noqa: N806
     if d.ddp or d.flat_dp:
         size, kernels = 4 * w * n, len(tensors) + 1
-    elif d.dp_shard == "optimizer":
-        size, kernels = 4 * w * n + 2 * w * n / D, len(tensors) + 2
+    elif d.dp_shard == "optimizer":  # an average per bucket's piece
+        size, kernels = 4 * w * n + 2 * w * n / D, len(tensors) + 1 + len(zero_buckets(d, D))
     elif d.dp_shard in ("grads", "full"):
         gathers = 2 if d.dp_shard == "full" else 1
         size = 2 * w * n + 2 * w * n / D + gathers * ((w + d.p) * n / D + 2 * d.p * n)

@@ -69,6 +69,8 @@ class Dims:
     # or FSDP2's (grads, full) own the DP gradients and AdamW steps this rank's shard of dp_shards
     dp_shard: str = "none"
     dp_shards: int = 1
+    # ZeRO-1's bucket size in elements (parallel.zero_bucket_elements, 0 resolved to Megatron's)
+    zero_bucket: int = 40_000_000
     grad_clip: bool = False  # train.grad_clip > 0: the global norm and the scaling before AdamW
     # train.no_decay where AdamW has weight decay to group by (weights.adam_groups), else empty
     no_decay: tuple[str, ...] = ()
@@ -197,6 +199,7 @@ def dims(cfg: RunConfig) -> Dims:
         # theory.sharding's Sharding.sharded and D, which cannot be imported here (it builds on Dims)
         dp_shard=par.dp_shard if par.dp // par.dp_replicate > 1 else "none",
         dp_shards=par.dp // par.dp_replicate if par.dp_shard != "none" else 1,
+        zero_bucket=par.zero_bucket_elements or max(40_000_000, 1_000_000 * par.dp),  # zero.bucket_cap
         fused_ops=m.fused_ops,
         fused_loss=m.fused_ops and cfg.launch.device == "cuda" and cfg.launch.emulate != "fake",
         grad_clip=t.grad_clip > 0,

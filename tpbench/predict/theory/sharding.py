@@ -6,10 +6,11 @@ Levels, over the D = dp / dp_replicate ranks of a shard group (HSDP: replicated 
 dp_replicate groups):
   none       DDP: every DP rank keeps the whole parameters, gradients and AdamW state of its TP shard.
   optimizer  ZeRO-1, Megatron's distributed optimizer (tpbench.parallel.zero): the parameters and the
-             gradients live in one flat buffer each, padded to a multiple of D elements; AdamW steps
-             this rank's master shard (under mixed a 1/D fp32 copy; in pure precision the parameter
-             buffer's own 1/D, stepped in place: one copy of the weights) and keeps its moments only. The
-             gradient buffer is reduce-scattered, the stepped shard all-gathered into the parameters.
+             gradients live in one flat buffer each, in buckets (`zero_buckets`) each padded to a
+             multiple of D elements; AdamW steps this rank's 1/D piece of every bucket (under mixed
+             fp32 copies; in pure precision the parameter buffer's own pieces, stepped in place: one
+             copy of the weights) and keeps their moments only. Each bucket is reduce-scattered in
+             place during backward and all-gathered in place beside the next forward.
   grads      FSDP2 with reshard_after_forward=False (ZeRO-2): parameters, gradients and AdamW state
              sharded on dim 0 per parameter (each padded to a multiple of D rows); each block's
              weights are gathered once in forward and kept through its backward.
@@ -37,7 +38,15 @@ from tpbench.predict.theory import blocks
 from tpbench.predict.theory.activations import after_head, layer_activations, model_activations
 from tpbench.predict.theory.dims import FP32, LOSS_AND_GRAD, Dims, dims
 from tpbench.predict.theory.moments import Moment, loss_forward
-from tpbench.predict.theory.shards import ROOT, dim0_shard, flat_shard, unit_of, unit_shards, units
+from tpbench.predict.theory.shards import (
+    ROOT,
+    dim0_shard,
+    flat_shard,
+    unit_of,
+    unit_shards,
+    units,
+    zero_buckets,
+)
 from tpbench.predict.theory.weights import adam_temporaries, optimizer_bytes, param_bytes, params
 
 LEVELS = ("none", "optimizer", "grads", "full")
@@ -97,9 +106,10 @@ def state(d: Dims, s: Sharding) -> State:
     if not s.sharded:
         return State(whole * w, whole * w, whole * w, 2 * whole * w, FP32 * len(params(d)) * counters)
     if s.level == "optimizer":  # the param buffer (bf16 under mixed) and, under mixed only, the fp32
-        shard = flat_shard(d, s.D)  # master shard, its own copy (pure: the buffer's own shard)
+        shard = flat_shard(d, s.D)  # master pieces, their own copies (pure: the buffer's own pieces)
         weights = shard * s.D * d.p + shard * w if d.mixed else shard * s.D * w
-        return State(weights, shard * w, shard * s.D * w, 2 * shard * w, FP32 * counters)
+        pieces = len(zero_buckets(d, s.D))  # AdamW's step counter: one per bucket's piece
+        return State(weights, shard * w, shard * s.D * w, 2 * shard * w, FP32 * pieces * counters)
     shard = sum(unit_shards(d, s.D).values())
     return State(shard * w, shard * w, shard * w, 2 * shard * w, FP32 * len(params(d)) * counters)
 
@@ -397,29 +407,28 @@ def _bottom_input_norm_backward(
 
 def _zero1(d: Dims, s: Sharding, st: State, base: list[Moment]) -> list[Moment]:
     """ZeRO-1 (tpbench.parallel.zero): the parameter and gradient buffers persist (`.grad` the grad
-    buffer's views where the dtypes agree), so backward's gradients are not its own; the
-    reduce-scatter's output becomes the master shard's gradient for AdamW's step, and the all-gather
-    writes the parameter buffer in place."""
+    buffer's views where the dtypes agree), so backward's gradients are not its own. Every bucket's
+    collective is in place, as Megatron's: a reduce-scatter in flight during backward writes this
+    rank's piece of the grad buffer, the pieces are the masters' `.grad` at AdamW's step, an
+    all-gather in flight beside the next forward writes the param buffer (mixed: each fp32 master
+    piece copied into its bf16 piece first, in place). So buckets in flight hold nothing beside the
+    buffers, and every moment holds the state as it is between steps."""
     out = []
     for m in base:
         if m.name == "gradient sums":
             continue
-        if m.name == "optimizer":  # the reduce-scatter's output, the master's .grad, beside the buffer
-            grads, temps = st.grads + st.master, _adam_temporaries(d, s)
-        elif m.name == "gradient clipping":  # train.grad_clip: on the reduce-scatter's output
-            grads, temps = st.grads + st.master, m.temporaries
-        else:
-            grads, temps = st.grads, m.temporaries
-        out.append(replace(m, params=st.params, grads=grads, optimizer=st.optimizer, temporaries=temps))
+        temps = _adam_temporaries(d, s) if m.name == "optimizer" else m.temporaries
+        out.append(replace(m, params=st.params, grads=st.grads, optimizer=st.optimizer, temporaries=temps))
     return out
 
 
 def _adam_temporaries(d: Dims, s: Sharding) -> int:
     """AdamW's temporaries on the shards (tpbench.predict.theory.weights.adam_temporaries, group by
-    group): ZeRO-1's one flat shard (its groups are a mask over it: tpbench.parallel.zero), FSDP2's
-    shard of each parameter, unit by unit."""
+    group): ZeRO-1's pieces, one per bucket in bucket order, in one group (its decay groups are spans
+    of them: tpbench.parallel.zero), FSDP2's shard of each parameter, unit by unit."""
     if s.level == "optimizer":
-        return adam_temporaries(d, [("flat", flat_shard(d, s.D))])
+        pieces = [(f"bucket {i}", n // s.D) for i, (n, _) in enumerate(zero_buckets(d, s.D))]
+        return adam_temporaries(replace(d, no_decay=()), pieces)
     return adam_temporaries(d, [(n, dim0_shard(r, c, s.D)) for u in units(d).values() for n, r, c in u])
 
 
@@ -428,7 +437,8 @@ def _adam_temporaries(d: Dims, s: Sharding) -> int:
 
 def dp_rows(cfg: RunConfig, d: Dims) -> list[tuple[str, str, int, int, int]]:
     """(op, purpose, full bytes, world, count) of each DP collective of a step under a sharded level:
-    ZeRO-1 reduce-scatters its gradient buffer and all-gathers its parameter buffer once; FSDP2
+    ZeRO-1 reduce-scatters each bucket of its gradient buffer and all-gathers each of its parameter
+    buffer once; FSDP2
     reduce-scatters each unit's gradients once and all-gathers each unit's parameters once a step
     (ZeRO-2) or twice (ZeRO-3: forward and backward, as counted at DP 2). Under
     HSDP each reduce-scatter's output is all-reduced across the R replicas."""
@@ -436,10 +446,9 @@ def dp_rows(cfg: RunConfig, d: Dims) -> list[tuple[str, str, int, int, int]]:
     w, D, R = d.w, s.D, s.replicate
     pw = d.p if d.mixed else w  # the weights gathered in the compute dtype, the gradients reduced in w's
     out = []
-    if s.level == "optimizer":
-        flat = flat_shard(d, D) * D
-        out += [("reduce_scatter", GRADS, flat * w, D, 1), ("all_gather", PARAMS, flat * pw, D, 1)]
-        out.append(("all_reduce", GRADS, flat // D * w, R, 1))
+    if s.level == "optimizer":  # one of each per bucket (HSDP's replicas are refused for ZeRO-1)
+        for n, _ in zero_buckets(d, D):
+            out += [("reduce_scatter", GRADS, n * w, D, 1), ("all_gather", PARAMS, n * pw, D, 1)]
         return out
     for n in unit_shards(d, D).values():
         again = 2 if s.level == "full" else 1  # the root too: gathered again at backward's start

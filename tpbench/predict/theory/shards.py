@@ -8,7 +8,7 @@ import functools
 import math
 
 from tpbench.predict.theory.dims import Dims
-from tpbench.predict.theory.weights import params
+from tpbench.predict.theory.weights import late_params, params
 
 ROOT = "root"  # FSDP2's root unit: the embedding, the final norm and the LM head
 
@@ -55,9 +55,32 @@ def dim0_shard(r: int, cols: int, D: int) -> int:
     return math.ceil(r / D) * cols
 
 
+@functools.lru_cache(maxsize=64)
+def zero_buckets(d: Dims, D: int) -> tuple[tuple[int, bool], ...]:
+    """(elements padded to a multiple of D, late) of each of ZeRO-1's buckets (tpbench.parallel.zero),
+    in bucket order: the parameters in reverse module order, a bucket closed once it holds
+    `Dims.zero_bucket` elements, then the late ones (`late_params`: a TP gradient sum to see first,
+    the tied embedding) in one. Cached: `fit` asks for a deep model's many times."""
+    late = late_params(d)
+    out, size = [], 0
+    for name, n in reversed(params(d)):
+        if name in late:
+            continue
+        size += n
+        if size >= d.zero_bucket:
+            out.append((math.ceil(size / D) * D, False))
+            size = 0
+    if size:
+        out.append((math.ceil(size / D) * D, False))
+    tail = sum(n for name, n in params(d) if name in late)
+    if tail:
+        out.append((math.ceil(tail / D) * D, True))
+    return tuple(out)
+
+
 def flat_shard(d: Dims, D: int) -> int:
-    """Elements of ZeRO-1's slice: the flat buffer of every parameter, padded to a multiple of D."""
-    return math.ceil(sum(n for _, n in params(d)) / D)
+    """Elements of this rank's pieces of ZeRO-1's buckets, all of them: 1/D of each padded bucket."""
+    return sum(n for n, _ in zero_buckets(d, D)) // D
 
 
 @functools.lru_cache(maxsize=64)
