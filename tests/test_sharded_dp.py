@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from beside import beside
 from test_cli import nothing_written, workdir  # noqa: F401 (a fixture)
 from torchrun_checks import BUCKETS, WORLD2, WORLD4, Crashed, per_config, run_config, same_on_every_rank
@@ -370,3 +371,49 @@ def test_zero1_keeps_one_copy_of_the_weights_in_pure_precision(mixed):
     for name, p in params.items():
         assert not torch.equal(p.detach().float(), before[name])
         assert torch.equal(p.detach(), masters[name].to(param))
+
+
+def test_zero1_waits_each_buckets_gather_where_the_next_forward_first_needs_it():
+    """After AdamW every bucket's all-gather is in flight; the next forward waits for each one just
+    before the first module that uses it (the embedding's bucket before the embedding, a block's
+    when the block starts), not all at the forward's start: Megatron's overlap_param_gather. One
+    emulated rank of DP 2 (torch's fake backend), each bucket waited once."""
+    import torch.distributed as dist
+
+    from tpbench.experiments.training import Trainer
+    from tpbench.parallel import emulation
+
+    cfg = run_config(
+        ["parallel.tp=1", "parallel.dp=2", "parallel.dp_shard=optimizer", BUCKETS, "train.compile=false"]
+    )
+    emulation.init_process_group(cfg)
+    try:
+        trainer = Trainer(cfg)
+        opt, model = trainer.optimizer, trainer.module
+        trainer.step()
+        assert len(opt.buckets) > 2 and all(p is not None for p in opt.gather_pending)
+        seen, wait = [], opt.wait_gather
+
+        def recorded(i: int) -> None:
+            if opt.gather_pending[i] is not None:
+                seen.append(("wait", i))
+            wait(i)
+
+        opt.wait_gather = recorded
+        units = {"model.embed_tokens": model.model.embed_tokens}
+        units |= {f"model.layers.{i}": block for i, block in enumerate(model.model.layers)}
+        for name, unit in units.items():
+            unit.register_forward_pre_hook(lambda m, a, name=name: seen.append(("enter", name)))
+        ids, labels = trainer.batches.next_local()
+        with torch.no_grad():
+            trainer.model(ids, labels)
+        assert sorted(i for kind, i in seen if kind == "wait") == list(range(len(opt.buckets)))
+        assert all(p is None for p in opt.gather_pending)
+        for name in units:  # each unit's buckets waited by the time it starts, after the unit before
+            at = seen.index(("enter", name))
+            mine = {opt.bucket_of[n] for n in opt.params if n.startswith(name + ".")}
+            assert mine <= {i for kind, i in seen[:at] if kind == "wait"}, (name, seen)
+        first_block = seen.index(("enter", "model.layers.0"))
+        assert any(kind == "wait" for kind, _ in seen[first_block:])  # not all waited up front
+    finally:
+        dist.destroy_process_group()
