@@ -417,3 +417,37 @@ def test_zero1_waits_each_buckets_gather_where_the_next_forward_first_needs_it()
         assert any(kind == "wait" for kind, _ in seen[first_block:])  # not all waited up front
     finally:
         dist.destroy_process_group()
+
+
+def test_zero1_launches_each_buckets_reduce_scatter_in_backward_the_late_one_after():
+    """Once backward returns every bucket but the late one has its reduce-scatter launched (from the
+    gradients' hooks, each as its last gradient came), the late one (the tied embedding: after the TP
+    sums) only at finish_grads, which waits for all; a backward that does not sync (accumulation's
+    earlier micro-batches) launches none. One emulated rank of DP 2 (fake backend)."""
+    import torch.distributed as dist
+
+    from tpbench.experiments.setup import precision
+    from tpbench.experiments.training import Trainer
+    from tpbench.parallel import emulation
+
+    cfg = run_config(
+        ["parallel.tp=1", "parallel.dp=2", "parallel.dp_shard=optimizer", BUCKETS, "train.compile=false"]
+    )
+    emulation.init_process_group(cfg)
+    try:
+        trainer = Trainer(cfg)
+        opt, zero = trainer.optimizer, trainer.model
+        ids, labels = trainer.batches.next_local()
+        for sync in (False, True):
+            opt.zero_grad()
+            zero.set_gradient_sync(sync)
+            with precision(cfg, trainer.ctx.device):
+                loss = zero(ids, labels)[1]
+            loss.backward()
+            launched = [p is not None for p in opt.reduce_pending]
+            assert launched == [sync and not b.late for b in opt.buckets], (sync, launched)
+        assert len(opt.buckets) > 2 and opt.buckets[-1].late
+        zero.finish_grads()
+        assert all(p is None for p in opt.reduce_pending)
+    finally:
+        dist.destroy_process_group()
