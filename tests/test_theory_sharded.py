@@ -387,6 +387,9 @@ SHARDED["dp2_tp1_full_s4"] = [*SHARDED["dp2_tp1_full"], "train.seq_len=4"]
 for tp in (1, 2):
     zero2 = [f"parallel.tp={tp}", "parallel.dp=2", "parallel.dp_shard=grads"]
     SHARDED[f"dp2_tp{tp}_grads_default"] = [*DEFAULT_SHAPE, "train.steps=1", "train.warmup=1", *zero2]
+# ZeRO-1's buckets in fp32 too (pure bf16 and mixed above), TP 1 and TP 2
+SHARDED["dp2_tp1_optimizer_fp32"] = [*SHARDED["dp2_tp1_optimizer"], "train.dtype=float32"]
+SHARDED["dp2_tp2_optimizer_fp32"] = [*SHARDED["dp2_tp2_optimizer"], "train.dtype=float32"]
 # HSDP: DP 4 x TP 1, two replicas of two shards each (the all-reduce across them counted)
 SHARDED["dp4_tp1_full_hsdp"] = [*SHARDED["dp2_tp1_full"], "parallel.dp=4", "parallel.dp_replicate=2"]
 WORLD2.add("memory", "sharded", {k: v for k, v in SHARDED.items() if k.startswith("dp2_tp1_")})
