@@ -47,8 +47,8 @@ def split_table(cfg: RunConfig, prediction) -> None:
         out.print(f"not yet checked against a measured peak: {why}")
     out.print(
         "weights: the parameters on this rank (whole, or its shard with FSDP's gathered blocks); master: "
-        "of them, what AdamW steps on this rank (ZeRO-1: its slice of the flat buffer, a view), so not in "
-        "the sum; moments: "
+        "of them, what AdamW steps on this rank (ZeRO-1: its pieces of the buckets, views in pure "
+        "precision), so not in the sum; moments: "
         "AdamW's exp_avg, exp_avg_sq and step counters"
     )
 

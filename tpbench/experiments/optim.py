@@ -57,7 +57,8 @@ def decays(name: str, train: TrainConfig, fault: str = "") -> bool:
 
 def decay_rule(cfg: RunConfig) -> Callable[[str], bool] | None:
     """Which parameters of the sharded side decay (`decays`, debug.optim_fault included), for ZeRO-1's
-    flat shard; None where the groups change nothing: every parameter decays, or none does."""
+    pieces (their decayed spans); None where the groups change nothing: every parameter decays, or none
+    does."""
     fault = cfg.debug.optim_fault
     if not cfg.train.weight_decay or not (cfg.train.no_decay or fault == "decay_norm"):
         return None

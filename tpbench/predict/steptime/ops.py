@@ -292,7 +292,7 @@ def optimizer(d: Dims) -> Op:
 def grad_clip(d: Dims) -> list[Op]:
     """train.grad_clip (tpbench.parallel.clip), before AdamW: the global norm reads every gradient this
     rank steps once (a square and an add an element, summed in fp32), the scaling reads and writes them
-    once: 3 w n bytes, 3 n FLOPs over n, this rank's gradients (ZeRO-1's flat shard, FSDP2's shard of
+    once: 3 w n bytes, 3 n FLOPs over n, this rank's gradients (ZeRO-1's pieces, FSDP2's shard of
     each). Kernels: a norm and a multiply per tensor (a CPU's foreach runs per tensor; a GPU's one
     each), and the scalar's ten (stack, norm, square, sqrt, the coefficient's add, reciprocal, multiply
     and clamp, isfinite, the host read). Its all-reduces are the memory model's (`grad_norm`)."""
