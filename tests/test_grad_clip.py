@@ -1,5 +1,5 @@
 """Gradient clipping (train.grad_clip, tpbench.parallel.clip) over TP, SP and DP: the sharded model's
-global norm against the dense model's clip_grad_norm_ at every validation step, in each engine, mode
+global norm against its own gradients' and the dense model's clip_grad_norm_ at every validation step, in each engine, mode
 and DP level; a planted double count of the replicated parameters failing it; the norm's collectives
 counted as the memory model predicts them, and the peaks with clipping on predicted to the byte; a
 non-finite norm failing the run or skipping the step.
@@ -60,6 +60,10 @@ WORLD4_CASES = {
     "hsdp_dp4": ["parallel.tp=1", "parallel.dp=4", "parallel.dp_shard=full", "parallel.dp_replicate=2"],
     "ddp_dp4": DDP4,
     "zero1_ddp_dp4": [*DDP4, "parallel.dp_shard=optimizer", BUCKETS],
+    # flash attention (SDPA) in mixed precision: its bf16 gradients ~1e-2 off the dense ones within the
+    # gradient check's bound move the norm by ~1e-4, which a bound of the dense norm's own rounding
+    # failed (correct: 0.000179 > 8.43e-05 at step 1); the norm is now checked against its own gradients
+    "tp2_dp2_sp_vp_mixed_flash": [*TP2_DP2, SP, VP, *MIXED, "model.flash_attn=true"],
     "planted_double_count_tp4_kv2": [*TP4_KV2, SP, DOUBLE],
     "planted_double_count_zero1_tp2": [*TP2_DP2, "parallel.dp_shard=optimizer", BUCKETS, DOUBLE],
 }
@@ -107,9 +111,17 @@ FAILING = {  # a non-finite norm: the run fails with one line, or its steps are 
     "nonfinite_skip": [*NONFINITE, "train.grad_clip_nonfinite=skip"],
 }
 
-WORLD4.add("validate", "grad_clip", {k: [*TINY, *v] for k, v in WORLD4_CASES.items()})
-WORLD2.add("validate", "grad_clip", {k: [*TINY, *v] for k, v in WORLD2_CASES.items()})
-WORLD8.add("validate", "grad_clip", {k: [*TINY, *v] for k, v in WORLD8_CASES.items()})
+
+
+def tiny(overrides: list[str]) -> list[str]:
+    """TINY, then `overrides`, a key of both taking the case's value."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    return [o for o in TINY if o.split("=", 1)[0] not in keys] + overrides
+
+
+WORLD4.add("validate", "grad_clip", {k: tiny(v) for k, v in WORLD4_CASES.items()})
+WORLD2.add("validate", "grad_clip", {k: tiny(v) for k, v in WORLD2_CASES.items()})
+WORLD8.add("validate", "grad_clip", {k: tiny(v) for k, v in WORLD8_CASES.items()})
 WORLD4.add("memory", "grad_clip", {k: [*SMALL, *v] for k, v in (MEMORY | FAILING).items()})
 
 
@@ -140,12 +152,14 @@ CASES = {**WORLD4_CASES, **WORLD2_CASES, **WORLD8_CASES}
 def test_the_global_norm_is_the_dense_clip_grad_norm_in_every_engine_mode_and_level(
     world4, world2, world8, name
 ):
-    """The sharded global norm within the criterion's bound of the dense clip_grad_norm_'s at every
-    step (grad_norm), and every other check passing with both sides clipped."""
+    """The sharded global norm at every step the norm of its own gradients, each element once, within
+    k x the dense norm's own rounding (grad_norm), and within the two gradients' distance of the dense
+    clip_grad_norm_'s (grad_norm_dense); every other check passing with both sides clipped."""
     r = (world4 | world2 | world8)[name]
     assert r["failed"] == [], r["failed"]
     assert r["metrics"]["passed"] == 1.0
     assert 0 <= r["metrics"]["grad_norm_of_bound"] <= 1
+    assert 0 <= r["metrics"]["grad_norm_dense_of_bound"] <= 1
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n.startswith("planted")])

@@ -448,7 +448,7 @@ def _adamw(
             with precision(cfg, device) if model is dense else contextlib.nullcontext():
                 loss = model(ids, labels)[1]
             loss.backward()
-        side = dense_side(cfg, dense, reference, at_dense)  # train.grad_clip: the dense norms
+        side = dense_side(cfg, dense, reference)  # train.grad_clip: the dense norms
         for c in checked:
             with c.own():
                 planted.start_step(c.cfg, c.pm, step)
@@ -456,7 +456,7 @@ def _adamw(
                     _accumulated(c.cfg, c.pm, batches, ids, labels)
                     planted.scale_grad(c.cfg, c.pm, dense, step)
                     c.grads.add(step, grad_check.step_errors(c.pm, dense, at_dense, head_dim))
-                    c.norms.add(step, c.cfg, c.pm, side)
+                    c.norms.add(step, c.cfg, c.pm, dense, side)
                     if c.reduce is not None:  # the DP reduction on identical inputs
                         run = functools.partial(_accumulated, c.cfg, c.pm, batches, ids, labels)
                         cuda = batches.device.type == "cuda"
