@@ -1,8 +1,8 @@
 """Gradient clipping (train.grad_clip, tpbench.parallel.clip) over TP, SP and DP: the sharded model's
-global norm against its own gradients' and the dense model's clip_grad_norm_ at every validation step, in each engine, mode
-and DP level; a planted double count of the replicated parameters failing it; the norm's collectives
-counted as the memory model predicts them, and the peaks with clipping on predicted to the byte; a
-non-finite norm failing the run or skipping the step.
+global norm against its own gradients' and the dense model's clip_grad_norm_ at every validation
+step, in each engine, mode and DP level; a planted double count of the replicated parameters failing
+it; the norm's collectives counted as the memory model predicts them, and the peaks with clipping on
+predicted to the byte; a non-finite norm failing the run or skipping the step.
 
 The torchrun cases ride the shared jobs (tests/torchrun_checks.py's WORLD4 and WORLD2): validate's
 suite for the norm, the memory suite for the peaks and the non-finite runs. max norm 0.05 clips every
@@ -110,7 +110,6 @@ FAILING = {  # a non-finite norm: the run fails with one line, or its steps are 
     "nonfinite_error": NONFINITE,
     "nonfinite_skip": [*NONFINITE, "train.grad_clip_nonfinite=skip"],
 }
-
 
 
 def tiny(overrides: list[str]) -> list[str]:

@@ -183,7 +183,7 @@ def test_a_zero1_piece_holds_decayed_and_undecayed_parts():
     """ZeRO-1's buckets hold the parameters in reverse order, whatever their group: at DP 2 some
     rank's piece of some bucket holds decayed and undecayed elements, which its decayed spans
     (zero.DistributedOptimizer.decayed) tell apart."""
-    from tpbench.parallel.zero import plan_buckets
+    from tpbench.parallel.zero_buckets import plan_buckets
 
     cfg = run_config([*TINY, *ON, *ZERO1])
     named = dict((n, p.numel()) for n, p in build_dense(cfg).named_parameters())

@@ -165,7 +165,7 @@ def test_zero1_without_decay_on_one_shard_fails_the_parameters_in_that_shard(dp2
     half of some bucket (the buckets of tpbench.parallel.zero: the parameters in reverse order, each
     bucket padded to an even length, the tied embedding in the late one) fail, and only those: a
     parameter wholly in rank 0's halves steps as dense."""
-    from tpbench.parallel.zero import plan_buckets
+    from tpbench.parallel.zero_buckets import plan_buckets
 
     r = dp2_tp1["optimizer_planted_no_decay_on_dp_rank1"]
     numels = dict(r["numels"])

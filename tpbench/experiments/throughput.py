@@ -157,7 +157,9 @@ def timed_steps(
         times = clock.steps(trainer.step, trainer.sync, steps, after_each)
         # ZeRO-1: the last step's all-gathers, which the next forward would wait for, waited here so
         # that their times are reported with the window's (outside every step's time)
-        getattr(trainer.model, "wait_params", lambda: None)()
+        wait = getattr(getattr(trainer, "model", None), "wait_params", None)
+        if wait is not None:
+            wait()
         return times
 
 

@@ -199,7 +199,7 @@ def dims(cfg: RunConfig) -> Dims:
         # theory.sharding's Sharding.sharded and D, which cannot be imported here (it builds on Dims)
         dp_shard=par.dp_shard if par.dp // par.dp_replicate > 1 else "none",
         dp_shards=par.dp // par.dp_replicate if par.dp_shard != "none" else 1,
-        zero_bucket=par.zero_bucket_elements or max(40_000_000, 1_000_000 * par.dp),  # zero.bucket_cap
+        zero_bucket=par.zero_bucket_elements or max(40_000_000, 1_000_000 * par.dp),  # bucket_cap
         fused_ops=m.fused_ops,
         fused_loss=m.fused_ops and cfg.launch.device == "cuda" and cfg.launch.emulate != "fake",
         grad_clip=t.grad_clip > 0,

@@ -432,31 +432,6 @@ def _adam_temporaries(d: Dims, s: Sharding) -> int:
     return adam_temporaries(d, [(n, dim0_shard(r, c, s.D)) for u in units(d).values() for n, r, c in u])
 
 
-# --- the DP collectives ---------------------------------------------------------------------------
-
-
-def dp_rows(cfg: RunConfig, d: Dims) -> list[tuple[str, str, int, int, int]]:
-    """(op, purpose, full bytes, world, count) of each DP collective of a step under a sharded level:
-    ZeRO-1 reduce-scatters each bucket of its gradient buffer and all-gathers each of its parameter
-    buffer once; FSDP2
-    reduce-scatters each unit's gradients once and all-gathers each unit's parameters once a step
-    (ZeRO-2) or twice (ZeRO-3: forward and backward, as counted at DP 2). Under
-    HSDP each reduce-scatter's output is all-reduced across the R replicas."""
-    s = sharding(cfg)
-    w, D, R = d.w, s.D, s.replicate
-    pw = d.p if d.mixed else w  # the weights gathered in the compute dtype, the gradients reduced in w's
-    out = []
-    if s.level == "optimizer":  # one of each per bucket (HSDP's replicas are refused for ZeRO-1)
-        for n, _ in zero_buckets(d, D):
-            out += [("reduce_scatter", GRADS, n * w, D, 1), ("all_gather", PARAMS, n * pw, D, 1)]
-        return out
-    for n in unit_shards(d, D).values():
-        again = 2 if s.level == "full" else 1  # the root too: gathered again at backward's start
-        out += [("all_gather", PARAMS, D * n * pw, D, again), ("reduce_scatter", GRADS, D * n * w, D, 1)]
-        out.append(("all_reduce", GRADS, n * w, R, 1))
-    return out
-
-
 def crossing(cfg: RunConfig) -> dict[str, bool]:
     """Which DP groups of rank 0 span nodes ("shard", "replicate"): the ranks are tp-major within a
     DP index, the shard group the inner DP dimension (FSDP2's (replicate, shard) mesh)."""
