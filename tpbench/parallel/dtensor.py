@@ -29,7 +29,7 @@ Replicate (an all-reduce each). Left Partial, DTensor's optimizer would reduce t
 that reads them, and the local gradients would not be the dense ones.
 
 DTensor's collectives are torch's functional collectives, not tpbench.parallel.comm's: `counting`
-counts them (through torch's CommDebugMode) into the same CommCounter, with the same ring bytes.
+counts them (a dispatch mode below DTensor's, `_CommBytes`) into the same CommCounter, with the same ring bytes.
 
 What DTensor cannot express here, refused up front by `check_dtensor_shardable`: GQA with fewer KV
 heads than ranks (ours replicates KV heads; ColwiseParallel would cut a head in half), and, under VP,
@@ -46,8 +46,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -160,7 +160,7 @@ class _LossParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets):
         # logits DTensor [S, B, V] Shard(2), local [S, B, V/T]; targets [S, B] global ids
-        with torch.enable_grad(), loss_parallel():
+        with torch.enable_grad(), loss_parallel(), _purpose("loss"):
             ctx.leaf = logits.detach().requires_grad_()
             ctx.loss = F.cross_entropy(
                 ctx.leaf.float().flatten(0, 1), targets.reshape(-1), ignore_index=IGNORE_INDEX
@@ -169,7 +169,7 @@ class _LossParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        with loss_parallel():
+        with loss_parallel(), _purpose("loss"):
             (dlogits,) = torch.autograd.grad(ctx.loss, ctx.leaf, grad)
         del ctx.loss, ctx.leaf
         return dlogits, None
@@ -300,17 +300,29 @@ def _purpose(name: str) -> Iterator[None]:
         _current_purpose = previous
 
 
-class _CommBytes(CommDebugMode):
-    """CommDebugMode that also hands each functional collective's size to a instrumentation.CommCounter, with
-    the ring-bytes convention of CommCounter.record. Not timed: DTensor's collectives are async."""
+class _CommBytes(TorchDispatchMode):
+    """Hands each functional collective DTensor issues (its ops desugar below this mode) to an
+    instrumentation.CommCounter, with the ring-bytes convention of CommCounter.record. Not timed:
+    DTensor's collectives are async.
+
+    Not torch's CommDebugMode: its module tracker registers a forward hook on a module at each of the
+    module's forwards without removing the last, so a module run twice inside one context pops its
+    parent list twice and raises IndexError at the second forward (train.accumulation > 1; torch
+    2.13's torch/distributed/tensor/debug/_comm_mode.py, `_fw_pre_hook`), and its global full backward
+    pre-hook wraps every module's inputs in BackwardHookFunction, whose outputs MemTracker counts: the
+    counted step of a memory run held two tensors more than any other (the RoPE tables, 2,048 B on
+    the tiny model). The loss's collectives are told apart by `_purpose("loss")`, set around the
+    vocab-parallel loss's forward and backward (_LossParallel)."""
 
     def __init__(self, counter: instrumentation.CommCounter):
         super().__init__()
         self.counter = counter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if out is NotImplemented or isinstance(func, torch._ops.HigherOrderOperator):
+        if any(t is DTensor for t in types):
+            return NotImplemented  # DTensor desugars it into local ops and collectives, seen here next
+        out = func(*args, **(kwargs or {}))
+        if isinstance(func, torch._ops.HigherOrderOperator):
             return out
         packet = func._overloadpacket
         if packet == _FUNCOL.all_reduce:  # (input, op, group_name)
@@ -325,8 +337,7 @@ class _CommBytes(CommDebugMode):
         return out
 
     def _record(self, op: str, full_bytes: int, world: int) -> None:
-        purpose = "loss" if "loss_fn" in self.advanced_module_tracker.name else _current_purpose
-        self.counter.record(op, purpose, full_bytes, world, 0.0)
+        self.counter.record(op, _current_purpose, full_bytes, world, 0.0)
 
 
 def _group_size(group_name: str) -> int:
@@ -337,8 +348,7 @@ def _group_size(group_name: str) -> int:
 
 @contextlib.contextmanager
 def counting(counter: instrumentation.CommCounter) -> Iterator[instrumentation.CommCounter]:
-    """instrumentation.counting for the DTensor engine: counts DTensor's collectives (through
-    CommDebugMode) and tpbench's own (the DP gradient average) into one CommCounter. Use instead of
+    """instrumentation.counting for the DTensor engine: counts DTensor's collectives (`_CommBytes`) and tpbench's own (the DP gradient average) into one CommCounter. Use instead of
     instrumentation.counting when parallel.engine == "dtensor"."""
     with instrumentation.counting(counter), _CommBytes(counter):
         yield counter

@@ -74,6 +74,10 @@ class Dims:
     grad_clip: bool = False  # train.grad_clip > 0: the global norm and the scaling before AdamW
     # train.no_decay where AdamW has weight decay to group by (weights.adam_groups), else empty
     no_decay: tuple[str, ...] = ()
+    # parallel.engine=dtensor (torch's DTensor TP, tpbench.parallel.dtensor): its SP keeps each region's
+    # gathered input (no re-gather: `regather` is off), each column linear casts its own input under
+    # mixed precision, and loss_parallel's cross entropy holds its own tensors (moments.dtensor_loss_*)
+    dtensor: bool = False
 
     @property
     def flat_dp(self) -> bool:
@@ -152,8 +156,9 @@ class Dims:
     @property
     def cast_once(self) -> bool:
         """Mixed precision with T > 1: each region entry casts its input to the autocast dtype once,
-        so the region's linears share one tensor (the dense model's linears each cast their own)."""
-        return self.mixed and self.T > 1
+        so the region's linears share one tensor (the dense model's linears each cast their own, and so
+        do DTensor's: its region entry hands them a Replicate DTensor, which autocast casts per op)."""
+        return self.mixed and self.T > 1 and not self.dtensor
 
 
 def dims(cfg: RunConfig) -> Dims:
@@ -175,7 +180,7 @@ def dims(cfg: RunConfig) -> Dims:
         dp=par.dp,
         sp=par.sp and T > 1,
         vp=vp,
-        regather=par.sp_regather,
+        regather=par.sp_regather and par.engine != "dtensor",  # DTensor's SP keeps the gathered input
         flash=m.flash_attn,
         fused_swiglu=m.fused_swiglu,
         lean_rmsnorm=lean_rmsnorm(m.lean_rmsnorm, t.recompute),  # fit keeps auto: per row
@@ -204,4 +209,5 @@ def dims(cfg: RunConfig) -> Dims:
         fused_loss=m.fused_ops and cfg.launch.device == "cuda" and cfg.launch.emulate != "fake",
         grad_clip=t.grad_clip > 0,
         no_decay=tuple(t.no_decay) if t.weight_decay else (),
+        dtensor=par.engine == "dtensor" and T > 1,
     )
