@@ -156,7 +156,9 @@ def model_activations(d: Dims) -> dict[str, int]:
     head_input = p * (Ns if d.sp and d.vp and d.regather else N) * H
     return {
         "blocks": d.L * sum(layer_activations(d).values()),
-        "embedding": (INT64 + 1) * d.N if d.vp else 0,  # VP: masked local ids (int64), out-of-range mask
+        # VP: masked local ids (int64), out-of-range mask; DTensor's embedding saves its DTensor input,
+        # the ids themselves (a view of the batch), and masks them again in backward
+        "embedding": (INT64 + 1) * d.N if d.vp and not d.dtensor else 0,
         "embedding dropout": stream_mask(d),
         # cos, sin [S, D] fp32, built once and kept by the model. Where FSDP2 casts them at each block's
         # entry no op of the step takes them or a view of them, so MemTracker does not count them.

@@ -82,3 +82,21 @@ def loss_backward(d: Dims) -> tuple[int, int]:
     rows = math.ceil(d.N / LOSS_CHUNKS)
     act = d.p * d.N * d.V_l + (INT64 + 3 * FP32 + 2) * d.N + INT64 + LOSS_AND_GRAD
     return act, loss_slice(d) + 2 * FP32 * rows
+
+
+def dtensor_loss_backward(d: Dims) -> tuple[int, int]:
+    """(activation, temporary) bytes of DTensor's vocab-parallel loss (torch's loss_parallel under
+    tpbench.parallel.dtensor's _LossParallel) at its peak, beyond the saved activations: the last op of
+    torch's fused nll_loss / log_softmax backward (torch/distributed/tensor/parallel/loss.py,
+    `_nll_loss_and_log_softmax_backward`: `(grad_input + exp(x)) * grad_output`).
+
+    Held from the forward: the logits [N, V/T] in p (_LossParallel keeps them as its leaf), the fp32
+    log_softmax output [N, V/T] that nll saves (the logits' fp32 copy, made under bf16, is gone), the
+    targets [N] int64, and three fp32 scalars: the loss, nll's total weight and the gradient backward
+    starts from. Made there: the one-hot grad_input (zeros_like), its sum with exp(x) and their product
+    with the gradient, three fp32 [N, V/T] (exp(x) itself is freed by then); the target where it is
+    valid ([N, 1] int64), _MaskPartial's mask (bool) and masked ids (int64), the -1 update (fp32), the
+    row index (arange, int64) and the gradient per row ([N, 1] fp32)."""
+    nv = d.N * d.V_l
+    act = d.p * nv + FP32 * nv + INT64 * d.N + 3 * FP32
+    return act, 3 * FP32 * nv + (2 * FP32 + 3 * INT64 + 1) * d.N

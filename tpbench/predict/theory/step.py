@@ -10,7 +10,13 @@ from dataclasses import replace
 from tpbench.predict.theory import blocks, entries, weights
 from tpbench.predict.theory.activations import bias_casts, forward_only_casts, model_activations
 from tpbench.predict.theory.dims import FP32, LOSS_AND_GRAD, Dims
-from tpbench.predict.theory.moments import Moment, loss_backward, loss_extra, loss_forward
+from tpbench.predict.theory.moments import (
+    Moment,
+    dtensor_loss_backward,
+    loss_backward,
+    loss_extra,
+    loss_forward,
+)
 
 
 def moments(d: Dims) -> list[Moment]:
@@ -24,7 +30,11 @@ def moments(d: Dims) -> list[Moment]:
 
     loss_act, loss_temp = loss_extra(d)
     casts = forward_only_casts(d) + bias_casts(d)  # autocast's cache holds them to the forward's end
-    if d.vp and not d.logits_mean:  # the vocab-parallel loss: its forward (casts held), its backward
+    if d.vp and d.dtensor and not d.logits_mean:  # loss_parallel peaks in its backward, the casts gone
+        # (its forward holds less: the logits' fp32 copy, shifted and exp(shifted) or the result)
+        back_act, back_temp = dtensor_loss_backward(d)
+        out = [Moment("loss backward", P, buckets, O, A + back_act, back_temp)]
+    elif d.vp and not d.logits_mean:  # the vocab-parallel loss: its forward (casts held), its backward
         back_act, back_temp = loss_backward(d)
         out = [
             Moment("loss", P, buckets, O, A + casts + loss_act, loss_temp),
@@ -91,6 +101,11 @@ def moments(d: Dims) -> list[Moment]:
     # under SP); the vocab-parallel one's masked ids ([S, B] int64, strided as the transposed batch)
     # are copied contiguous there
     embedding_temps = d.V_l * d.H * d.w + d.s * d.N * d.H + (8 * d.N if d.vp else 0)
+    # DTensor's vocab-parallel embedding takes its gradient Replicate: the whole vocab's [V, H] on every
+    # rank (its input and its output's gradient are whole), sliced to Shard(0) by finish_grads
+    full_vocab = d.V * d.H * d.w if d.dtensor and d.vp else 0
+    if full_vocab:
+        embedding_temps += full_vocab - d.V_l * d.H * d.w - 8 * d.N
     if d.tied and d.overlap and d.vp:  # the head's weight gradient, deferred to its entry's backward
         # (tpbench.parallel.overlap), is .grad before the embedding's backward, which adds its own
         # into it in place: every gradient held, the embedding's being made (as untied). Under the
@@ -103,22 +118,30 @@ def moments(d: Dims) -> list[Moment]:
     elif d.tied:  # the LM head's gradient waits for the embedding's; the two are summed into a third
         E = d.V_l * d.H * d.w
         own = G - E if G else weights.late_grad_bytes(d)
-        out.append(Moment("backward end", P, buckets + own, O, kept + LOSS_AND_GRAD - FP32, 3 * E))
+        out.append(Moment("backward end", P, buckets + own, O, kept + LOSS_AND_GRAD - FP32, 3 * E + full_vocab))
     else:  # the embedding's backward, every other gradient made; the fused AdamW's moment is below it
         E = d.V_l * d.H * d.w
         own = G - E if G else weights.late_grad_bytes(d)
         out.append(
             Moment("embedding backward", P, buckets + own, O, kept + LOSS_AND_GRAD - FP32, embedding_temps)
         )
+    # DTensor's finish_grads redistributes the Partial gradients (q/k norms; the norms under SP) to
+    # Replicate and, under VP, the embedding's whole-vocab one to Shard(0): new tensors, made after
+    # backward, which MemTracker counts as activations from then on
+    moved = weights.redistributed_grad_bytes(d) if G else 0
+    if full_vocab and G:  # the embedding's first (module order): its [V, H] and the slice it keeps
+        E = d.V_l * d.H * d.w
+        out.append(Moment("embedding gradient slice", P, buckets + G - E + full_vocab, O, kept + E, 0))
     if d.dp > 1 and not d.ddp and not d.flat_dp:  # megatron's blocking DP sum: one flat copy of all
-        out.append(Moment("gradient sums", P, buckets + G, O, kept, P))
+        out.append(Moment("gradient sums", P, buckets + G - moved, O, kept + moved, P))
     if d.grad_clip:  # tpbench.parallel.clip's global norm: one fp32 norm per gradient on every rank
         # (an empty one where it counts none) and their stack, every gradient and moment held
-        out.append(Moment("gradient clipping", P, buckets + G, O, kept, 2 * FP32 * len(weights.params(d))))
+        clip = 2 * FP32 * len(weights.params(d))
+        out.append(Moment("gradient clipping", P, buckets + G - moved, O, kept + moved, clip))
     # AdamW's temporaries count as optimizer bytes, as MemTracker counts every tensor made inside
     # optimizer.step (its Optstate), so that the split agrees with the measurement's, not the total alone
     adam_temp = weights.optimizer_temporaries(d)
-    out.append(Moment("optimizer", P, buckets + G, O + adam_temp, kept, 0))
+    out.append(Moment("optimizer", P, buckets + G - moved, O + adam_temp, kept + moved, 0))
     return kept_output(d, acts, out) if d.keep_output else out
 
 

@@ -173,6 +173,19 @@ def late_grad_bytes(d: Dims) -> int:
     return sum(n for name, n in params(d) if name in late) * d.w
 
 
+def redistributed_grad_bytes(d: Dims) -> int:
+    """The dtensor engine's gradients that finish_grads replaces with DTensor.redistribute's output
+    (tpbench.parallel.dtensor): the Partial ones of replicated weights that see a shard of their
+    input (q/k norms; the block and final norms under SP), and under VP the embedding's, which
+    DTensor makes Replicate over the whole vocab and finish_grads slices to this rank's rows."""
+    if not d.dtensor:
+        return 0
+    norms = [n for name, n in params(d) if name.endswith(("q_norm", "k_norm"))]
+    if d.sp:
+        norms += [n for name, n in params(d) if name.endswith("layernorm") or name == "model.norm"]
+    return (sum(norms) + (d.V_l * d.H if d.vp else 0)) * d.w
+
+
 def optimizer_temporaries(d: Dims) -> int:
     """AdamW's temporaries at its step, over this rank's parameters (`params`): `adam_temporaries`."""
     return adam_temporaries(d, params(d))
@@ -198,8 +211,19 @@ def adam_groups(d: Dims, tensors: list[tuple[str, int]]) -> list[list[tuple[str,
     """`tensors` as AdamW steps them (tpbench.experiments.optim.param_groups): the decayed ones, then
     those train.no_decay leaves undecayed, each in the given order; one group without such groups."""
     if not d.no_decay:
-        return [tensors]
+        return dtensor_split(d, tensors)
     full = lambda name: name if name.endswith(".bias") else f"{name}.weight"  # noqa: E731
     off = [t for t in tensors if kind_of(full(t[0])) in d.no_decay]
     on = [t for t in tensors if kind_of(full(t[0])) not in d.no_decay]
-    return [group for group in (on, off) if group]
+    return [g for group in (on, off) if group for g in dtensor_split(d, group)]
+
+
+def dtensor_split(d: Dims, group: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
+    """A group as AdamW steps it (tpbench.experiments.optim.by_kind): under the dtensor engine its plain
+    tensors, then its DTensors, each in order; else as it is. Plain are the parameters no ParallelStyle
+    takes: the block and final norms without SP, the embedding and LM head without VP."""
+    if not d.dtensor:
+        return [group]
+    norm = lambda name: name.endswith("layernorm") or name == "model.norm"  # noqa: E731
+    plain = [t for t in group if not d.sp and norm(t[0]) or not d.vp and t[0] in ("model.embed_tokens", "lm_head")]
+    return [g for g in (plain, [t for t in group if t not in plain]) if g]
