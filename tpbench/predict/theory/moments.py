@@ -84,6 +84,18 @@ def loss_backward(d: Dims) -> tuple[int, int]:
     return act, loss_slice(d) + 2 * FP32 * rows
 
 
+def dtensor_loss_forward(d: Dims) -> int:
+    """Bytes of DTensor's vocab-parallel loss at the peak of its forward, beyond the saved activations
+    (all activations to MemTracker, in forward): torch's `_log_softmax` under loss_parallel holds the
+    logits [N, V/T] in p, their fp32 copy (unless fp32), shifted = x - max and exp(shifted) (or the
+    result, once exp is summed), fp32 [N, V/T] each, and five fp32 [N, 1]: the row max and the sum of
+    exp, each before and after its all-reduce (a functional collective returns a new tensor), and the
+    log of the sum. Less than its backward's (`dtensor_loss_backward`) in the unsharded step; under
+    FSDP2 the top block's gathered weights are alive beside it."""
+    nv = d.N * d.V_l
+    return d.p * nv + (FP32 * nv if d.p != FP32 else 0) + 2 * FP32 * nv + 5 * FP32 * d.N
+
+
 def dtensor_loss_backward(d: Dims) -> tuple[int, int]:
     """(activation, temporary) bytes of DTensor's vocab-parallel loss (torch's loss_parallel under
     tpbench.parallel.dtensor's _LossParallel) at its peak, beyond the saved activations: the last op of

@@ -13,6 +13,7 @@ from tpbench.predict.theory.dims import FP32, LOSS_AND_GRAD, Dims
 from tpbench.predict.theory.moments import (
     Moment,
     dtensor_loss_backward,
+    dtensor_loss_forward,
     loss_backward,
     loss_extra,
     loss_forward,
@@ -30,10 +31,12 @@ def moments(d: Dims) -> list[Moment]:
 
     loss_act, loss_temp = loss_extra(d)
     casts = forward_only_casts(d) + bias_casts(d)  # autocast's cache holds them to the forward's end
-    if d.vp and d.dtensor and not d.logits_mean:  # loss_parallel peaks in its backward, the casts gone
-        # (its forward holds less: the logits' fp32 copy, shifted and exp(shifted) or the result)
+    if d.vp and d.dtensor and not d.logits_mean:  # loss_parallel: its forward (casts held), its backward
         back_act, back_temp = dtensor_loss_backward(d)
-        out = [Moment("loss backward", P, buckets, O, A + back_act, back_temp)]
+        out = [
+            Moment("loss", P, buckets, O, A + casts + dtensor_loss_forward(d), 0),
+            Moment("loss backward", P, buckets, O, A + back_act, back_temp),
+        ]
     elif d.vp and not d.logits_mean:  # the vocab-parallel loss: its forward (casts held), its backward
         back_act, back_temp = loss_backward(d)
         out = [
