@@ -38,6 +38,15 @@ DP2_TP2 = {
                       "parallel.dp_shard=full"],
     "hsdp_full_ddp": [*TINY, *DDP[:2], "parallel.dp=4", "parallel.dp_replicate=2", "parallel.dp_shard=full"],
 }  # fmt: skip
+# the DTensor engine: its second micro-batch's forward raised IndexError at da73337 (torch's
+# CommDebugMode, which counted its collectives, registered a module's forward hook again at each forward)
+DTENSOR = {
+    "none_dtensor_tp_sp_vp": [*TINY, "parallel.engine=dtensor", "parallel.tp=2", "parallel.dp=2",
+                              "parallel.sp=true", "parallel.vp=true"],
+    "full_dtensor_tp": [*TINY, "parallel.engine=dtensor", "parallel.tp=2", "parallel.dp=2",
+                        "parallel.dp_shard=full"],
+}  # fmt: skip
+DP2_TP2 |= DTENSOR
 
 WORLD2.add("validate", "accumulation", DP2_TP1)
 WORLD4.add("validate", "accumulation", DP2_TP2)
@@ -89,12 +98,13 @@ def test_k_micro_batches_match_dense_on_the_whole_batch(accumulated, name):
     assert r["failed"] == [] and r["metrics"]["passed"] == 1.0
 
 
-@pytest.mark.parametrize("name", [*DP2_TP1, *DP2_TP2])
+@pytest.mark.parametrize("name", [*DP2_TP1, *(n for n in DP2_TP2 if n not in DTENSOR)])
 def test_counted_collectives_equal_the_model(accumulated, name):
     """DP's gradient sync (but FSDP2's) and the TP gradient sums once a step, TP's collectives and
     FSDP2's all-gathers and gradient sync (reduce-scatters; HSDP's all-reduce) once per micro-batch,
     as counted over the validation's first step (forward, backward and the gradient sums: ZeRO-1's
-    all-gather, in the optimizer step, is after it)."""
+    all-gather, in the optimizer step, is after it). (The byte model counts tpbench's engine:
+    DTensor's sums each norm's gradient on its own, and under FSDP2 in backward.)"""
     cfg = run_config(DP2_TP1.get(name) or DP2_TP2[name])
     rows = [r for r in theory.predict(cfg).comm_rows() if not (name.startswith("optimizer") and
                                                                r.purpose == sharding.PARAMS)]  # fmt: skip

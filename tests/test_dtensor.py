@@ -19,17 +19,22 @@ from torchrun_checks import (
     TOL_GRAD,
     TOL_PARAM,
     WORLD2,
+    WORLD4,
     WORLD8,
     B,
     H,
     L,
     S,
+    peaks_told,
+    per_config,
+    run_config,
     same_on_every_rank,
 )
 from torchrun_checks import FAMILIES as PARALLEL_FAMILIES
 
 from tpbench.experiments.criterion import CHECKS as VALIDATE_CHECKS
 from tpbench.experiments.criterion import K
+from tpbench.predict import theory
 
 F32 = 4  # bytes
 
@@ -92,6 +97,86 @@ HSDP = {
 WORLD8.add(
     "validate", "dtensor", {k: [*TINY, "validate.steps=2", "validate.every=1", *o] for k, o in HSDP.items()}
 )
+
+
+# DTensor's own memory (tpbench.predict.theory: Dims.dtensor), every rank's peak against the model in
+# test_parallel's world-4 job (test_theory's SMALL: H 64, L 2, V 512, S 64, bf16). Each config peaks at
+# a term of DTensor's own: SP's gathered inputs kept, each column linear's own cast (mixed), loss_parallel's
+# forward and backward, its whole-vocab embedding gradient (S 4) and finish_grads' slice of it, AdamW's
+# plain tensors grouped apart, FSDP2 (+2,048 B at da73337: CommDebugMode's backward hooks held the RoPE
+# tables twice in the counted step)
+MEMORY_SMALL = ["kind=memory", "model.hidden_size=64", "model.num_hidden_layers=2", "model.vocab_size=512",
+                "train.seq_len=64", "train.dtype=bfloat16", "train.steps=1", "train.warmup=1",
+                "parallel.engine=dtensor"]  # fmt: skip
+DP2 = ["parallel.tp=2", "parallel.dp=2"]
+SP, VP, MIXED = "parallel.sp=true", "parallel.vp=true", "train.precision=mixed"
+UNTIED_S4 = ["train.seq_len=4", "model.tie_word_embeddings=false"]
+MEMORY = {
+    "dp2_dtensor_tp_sp": [*DP2, SP],
+    "t4_dtensor_tp_mixed": ["parallel.tp=4", MIXED],
+    "dp2_dtensor_tp_vp_fp32": [*DP2, VP, "train.dtype=float32"],
+    "t4_dtensor_tp_sp_vp_mixed": ["parallel.tp=4", SP, VP, MIXED],
+    "t4_dtensor_tp_vp_s4": ["parallel.tp=4", VP, "train.seq_len=4"],
+    "t4_dtensor_tp_sp_vp_untied_s4": ["parallel.tp=4", SP, VP, *UNTIED_S4],
+    "dp2_dtensor_tp_untied_s4": [*DP2, *UNTIED_S4],
+    "dp2_full_dtensor_tp": [*DP2, "parallel.dp_shard=full"],
+    "dp2_grads_dtensor_tp_sp_vp_fp32": [
+        *DP2,
+        SP,
+        VP,
+        "parallel.dp_shard=grads",
+        "train.dtype=float32",
+        "model.vocab_size=256",
+        "train.seq_len=32",
+    ],  # its loss forward
+}
+# T 2 alone (test_parallel's world-2 job): AdamW's plain tensors (the norms) a group after the
+# DTensors, its loop's previous tensor a down_proj shard where ours has a norm weight: the optimizer
+MEMORY2 = {"t2_dtensor_tp_vp_untied_s4_fp32": ["parallel.tp=2", VP, *UNTIED_S4, "train.dtype=float32"]}
+WORLD4.add("memory", "dtensor", {name: [*MEMORY_SMALL, *o] for name, o in MEMORY.items()})
+WORLD2.add("memory", "dtensor", {name: [*MEMORY_SMALL, *o] for name, o in MEMORY2.items()})
+MEMORY |= MEMORY2
+
+
+@beside
+def memory(folder: Path) -> dict:
+    """Per config, every rank's measured peak (test_parallel's world-4 and world-2 jobs)."""
+    four, two = (w.part(folder, "memory", "dtensor") for w in (WORLD4, WORLD2))
+    return per_config(four) | per_config(two)
+
+
+@pytest.mark.parametrize("name", MEMORY)
+def test_dtensor_peak_memory_is_predicted_to_the_byte(memory, name):
+    """Every rank's peak and its split by MemTracker's categories, to the byte, with DTensor's own
+    terms (tpbench.predict.theory, Dims.dtensor)."""
+    predicted = theory.predict(run_config([*MEMORY_SMALL, *MEMORY[name]]))
+    ranks = memory[name]
+    assert [rank["late_frees"] for rank in ranks] == [0] * len(ranks), peaks_told(ranks)
+    assert [rank["peak"] for rank in ranks] == [predicted.peak_bytes] * len(ranks), peaks_told(ranks)
+    for rank in ranks:
+        assert {
+            k: v for k, v in rank["breakdown"].items() if k in predicted.breakdown()
+        } == predicted.breakdown()
+
+
+@pytest.mark.parametrize("name", [n for n in MEMORY if n != "dp2_full_dtensor_tp"])
+def test_dtensor_memory_is_not_ours(memory, name):
+    """Each config but FSDP2's (whose +2,048 B was the measurement's, not DTensor's) holds what
+    tpbench's engine would not, in its peak or its split: the model without DTensor's terms, as it
+    predicted before them (the same config on tpbench's engine), fails the test above."""
+    ours = theory.predict(run_config([o for o in [*MEMORY_SMALL, *MEMORY[name]] if "engine" not in o]))
+    rank = memory[name][0]
+    split = {k: v for k, v in rank["breakdown"].items() if k in ours.breakdown()}
+    assert (rank["peak"], split) != (ours.peak_bytes, ours.breakdown())
+
+
+def test_the_dtensor_peaks_fall_at_its_own_moments():
+    """As test_theory's: the configs above peak at each of DTensor's own moments (its loss's forward
+    under ZeRO-2, its backward; the whole-vocab embedding gradient under VP, tied and untied; its DP
+    sum's flat copy made after backward; AdamW with the norms grouped apart)."""
+    names = {theory.predict(run_config([*MEMORY_SMALL, *o])).peak.name for o in MEMORY.values()}
+    assert names == {"loss", "loss backward", "backward end", "embedding gradient slice", "gradient sums",
+                     "optimizer"}  # fmt: skip
 
 
 @beside

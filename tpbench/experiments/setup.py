@@ -120,7 +120,7 @@ def build_parallel(
 
 def counting(cfg: RunConfig, counter: instrumentation.CommCounter) -> AbstractContextManager:
     """Count the collectives of a training step: ours go through tpbench.parallel.collectives; DTensor's
-    own are seen through torch's CommDebugMode, a dispatch mode no compiled graph runs under: that step
+    own are seen through a dispatch mode (dtensor._CommBytes), which no compiled graph runs under: that step
     runs eager under train.compile (its collectives are the compiled ones', which DTensor plans alike)."""
     if cfg.parallel.engine == "dtensor":
         from tpbench.parallel import dtensor

@@ -29,7 +29,8 @@ Replicate (an all-reduce each). Left Partial, DTensor's optimizer would reduce t
 that reads them, and the local gradients would not be the dense ones.
 
 DTensor's collectives are torch's functional collectives, not tpbench.parallel.comm's: `counting`
-counts them (a dispatch mode below DTensor's, `_CommBytes`) into the same CommCounter, with the same ring bytes.
+counts them (`_CommBytes`, a dispatch mode below DTensor) into the same CommCounter, with the same
+ring bytes.
 
 What DTensor cannot express here, refused up front by `check_dtensor_shardable`: GQA with fewer KV
 heads than ranks (ours replicates KV heads; ColwiseParallel would cut a head in half), and, under VP,
@@ -46,7 +47,6 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -57,6 +57,7 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tpbench.config import ParallelConfig
 from tpbench.models.minimind import IGNORE_INDEX, MiniMindForCausalLM
@@ -348,7 +349,8 @@ def _group_size(group_name: str) -> int:
 
 @contextlib.contextmanager
 def counting(counter: instrumentation.CommCounter) -> Iterator[instrumentation.CommCounter]:
-    """instrumentation.counting for the DTensor engine: counts DTensor's collectives (`_CommBytes`) and tpbench's own (the DP gradient average) into one CommCounter. Use instead of
+    """instrumentation.counting for the DTensor engine: counts DTensor's collectives (`_CommBytes`) and
+    tpbench's own (the DP gradient average) into one CommCounter. Use instead of
     instrumentation.counting when parallel.engine == "dtensor"."""
     with instrumentation.counting(counter), _CommBytes(counter):
         yield counter

@@ -121,7 +121,8 @@ def moments(d: Dims) -> list[Moment]:
     elif d.tied:  # the LM head's gradient waits for the embedding's; the two are summed into a third
         E = d.V_l * d.H * d.w
         own = G - E if G else weights.late_grad_bytes(d)
-        out.append(Moment("backward end", P, buckets + own, O, kept + LOSS_AND_GRAD - FP32, 3 * E + full_vocab))
+        temps = 3 * E + full_vocab
+        out.append(Moment("backward end", P, buckets + own, O, kept + LOSS_AND_GRAD - FP32, temps))
     else:  # the embedding's backward, every other gradient made; the fused AdamW's moment is below it
         E = d.V_l * d.H * d.w
         own = G - E if G else weights.late_grad_bytes(d)
@@ -136,7 +137,9 @@ def moments(d: Dims) -> list[Moment]:
         E = d.V_l * d.H * d.w
         out.append(Moment("embedding gradient slice", P, buckets + G - E + full_vocab, O, kept + E, 0))
     if d.dp > 1 and not d.ddp and not d.flat_dp:  # megatron's blocking DP sum: one flat copy of all
-        out.append(Moment("gradient sums", P, buckets + G - moved, O, kept + moved, P))
+        # (DTensor's finish_grads runs after backward: MemTracker counts its flat copy an activation)
+        flat, temp = (P, 0) if d.dtensor else (0, P)
+        out.append(Moment("gradient sums", P, buckets + G - moved, O, kept + moved + flat, temp))
     if d.grad_clip:  # tpbench.parallel.clip's global norm: one fp32 norm per gradient on every rank
         # (an empty one where it counts none) and their stack, every gradient and moment held
         clip = 2 * FP32 * len(weights.params(d))
@@ -151,7 +154,8 @@ def moments(d: Dims) -> list[Moment]:
 def kept_output(d: Dims, acts: dict[str, int], out: list[Moment]) -> list[Moment]:
     """train.keep_output: the step holds the model's output to its end, as the seed's and
     minimind-tron's benchmarks hold `output`: the logits [S, B, V/T] (p) and the final hidden states
-    (the decoder's output: whole, or this rank's shard under SP with VP, whose head gathers itself; in
+    (the decoder's output: whole, or this rank's shard under SP with VP or DTensor's, whose head gathers
+    it; in
     the stream's dtype, fp32 under mixed precision). Where the LM head saves that very tensor (pure
     precision; under SP with VP, with the re-gather) it is held from the head's backward on, which would
     free it; otherwise (the head saves its own cast, or its own gathered copy) from the forward on.
@@ -160,8 +164,11 @@ def kept_output(d: Dims, acts: dict[str, int], out: list[Moment]) -> list[Moment
     cast (logits_mean): held beside them. (The vocab-parallel cross entropy turns the logits into their
     gradient in place: compose refuses keep_output with it.)"""
     logits = d.p * d.N * d.V_l
-    hidden = d.s * (d.Ns if d.sp and d.vp else d.N) * d.H
-    early = hidden if d.mixed or (d.sp and d.vp and not d.regather) else 0
+    # the decoder's output is this rank's shard under SP where the head gathers it itself: with VP, or
+    # always under DTensor, whose LM head's PrepareModuleInput gathers it (its own copy, saved)
+    shard = d.sp and (d.vp or d.dtensor)
+    hidden = d.s * (d.Ns if shard else d.N) * d.H
+    early = hidden if d.mixed or (shard and not d.regather) else 0
     held = {"attention forward": 0, "attention dropout": 0}
     held |= {"loss": logits + early, "head backward": logits + early}
     return [replace(m, activations=m.activations + held.get(m.name, logits + hidden)) for m in out]

@@ -225,5 +225,6 @@ def dtensor_split(d: Dims, group: list[tuple[str, int]]) -> list[list[tuple[str,
     if not d.dtensor:
         return [group]
     norm = lambda name: name.endswith("layernorm") or name == "model.norm"  # noqa: E731
-    plain = [t for t in group if not d.sp and norm(t[0]) or not d.vp and t[0] in ("model.embed_tokens", "lm_head")]
+    ends = ("model.embed_tokens", "lm_head")
+    plain = [t for t in group if not d.sp and norm(t[0]) or not d.vp and t[0] in ends]
     return [g for g in (plain, [t for t in group if t not in plain]) if g]
