@@ -290,3 +290,33 @@ def test_full_recomputes_norm_and_swiglu_moments_are_measured_at_the_tiny_shape(
     predicted = theory.predict(run_config(overrides))
     assert predicted.peak.name == moment
     assert [rank["peak"] for rank in recomputed_job[name]] == [predicted.peak_bytes] * 2
+
+
+def test_an_emulated_rank_of_the_dtensor_engine_traces_its_parameters_local_shards():
+    """The allocation trace takes a DTensor parameter by its local shard: the wrapper's own storage,
+    which holds nothing, reports the whole tensor's bytes, and the replay of a DTensor step held every
+    parameter at its global size (108 to 135 MiB over the H200's allocator at the seed's L 8 shape,
+    docs/results/gpu-check.md)."""
+    from torch.distributed.tensor import DTensor
+
+    from tpbench.experiments.setup import context
+    from tpbench.experiments.training import Trainer
+
+    dtensor = ["parallel.tp=4", "parallel.engine=dtensor", "parallel.sp=true", "parallel.vp=true"]
+    cfg = gpu_config([*dtensor, "model.vocab_size=512"])
+    emulation.init_process_group(cfg)
+    try:
+        trace, adopted = emulation.AllocationTrace(), []
+
+        def on_device(module: torch.nn.Module) -> None:  # as memory.run adopts them
+            adopted.extend(module.parameters())
+            trace.adopt(adopted)
+
+        with emulation.tensor_mode(cfg):
+            Trainer(cfg, context(cfg), on_device)
+        local = {id(s): s.nbytes() for s in (p.to_local().untyped_storage() for p in adopted)}
+        assert any(isinstance(p, DTensor) for p in adopted)
+        assert sum(e[2] for e in trace.events if e[0] == "alloc") == sum(local.values())
+        assert sum(local.values()) < sum(p.untyped_storage().nbytes() for p in adopted)  # the global bytes
+    finally:
+        torch.distributed.destroy_process_group()
