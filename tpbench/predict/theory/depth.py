@@ -142,8 +142,8 @@ def mode_configs(cfg: RunConfig) -> dict[str, RunConfig]:
     ddp = dataclasses.replace(p, engine="ddp", tp=1, dp=W, sp=False, vp=False, overlap=False)
     out = {"ddp": dataclasses.replace(ddp, sp_gather="region")}  # where SP gathers: no SP, no choice
     if T > 1:
-        for name, (sp, vp) in MODES.items():
-            out[name] = dataclasses.replace(
+        for name, (sp, vp) in MODES.items():  # on cfg's engine: DTensor's modes are its own
+            out[f"dtensor_{name}" if engine == "dtensor" else name] = dataclasses.replace(
                 p, engine=engine, tp=T, dp=W // T, sp=sp, vp=vp, sp_gather="region"
             )
     configs = {name: dataclasses.replace(cfg, parallel=par) for name, par in out.items()}
