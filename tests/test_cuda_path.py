@@ -63,14 +63,13 @@ def test_every_mode_and_switch_ran(fake_cuda):
 def predicted_comm(case: str) -> list[list]:
     """The model's collectives for the case's config as [op, purpose, bytes] (the bytes of a step: how
     many calls carry them aside: the dtensor engine sums each replicated gradient on its own, overlap
-    splits DP's). The model counts tpbench's megatron engine; the dtensor engine keeps SP's gathered
-    input (no re-gather, as sp_regather=false) and re-issues none under full recompute (its
-    collectives are not counted again: CommDebugMode), and under mixed precision it sends some
-    activations in fp32: there its [op, purpose] only."""
+    splits DP's). The model knows the dtensor engine's SP keeps its gathered input (no re-gather:
+    theory's Dims.dtensor) and counts no collective under the purpose "recompute" (the model's rows
+    of that purpose are tpbench's engine's); under mixed precision it sends some activations in fp32:
+    there its [op, purpose] only."""
     mode = case.split("/")[0].split("+")[0]
     dtensor, mixed = mode.startswith("dtensor"), case.endswith("mixed")
-    regather = ["parallel.sp_regather=false"] if dtensor and "_sp" in mode else []
-    rows = theory.predict(run_config([*TINY, *CASES[case], *regather])).comm_rows()
+    rows = theory.predict(run_config([*TINY, *CASES[case]])).comm_rows()
     rows = [r for r in rows if not (dtensor and r.purpose == "recompute")]
     return sorted([r.op, r.purpose] + ([] if dtensor and mixed else [r.bytes]) for r in rows)
 
