@@ -320,3 +320,14 @@ def test_an_emulated_rank_of_the_dtensor_engine_traces_its_parameters_local_shar
         assert sum(local.values()) < sum(p.untyped_storage().nbytes() for p in adopted)  # the global bytes
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_dtensors_shape_inference_is_no_rank_memory_on_fake_tensors():
+    """DTensor's loss_parallel infers its backward's output shape by running the op at the global
+    shape (ShardingPropagator._propagate_tensor_meta_non_cached): beside real tensors in a fresh
+    FakeTensorMode, which no tracker sees; under a FakeRank it ran in the FakeRank, and the tracker
+    counted two fp32 [N, V] (127,880 B over the model here). A fake rank's peak is the model's now."""
+    cfg = run_config([*SMALL, "model.vocab_size=512", "parallel.tp=2", "parallel.vp=true",
+                      "parallel.engine=dtensor", "train.dtype=float32", "launch.emulate=fake"])  # fmt: skip
+    peak = next(m.value for m in memory.measure_in_process(cfg).measurements if m.name == "peak_bytes")
+    assert peak == theory.predict(cfg).peak_bytes

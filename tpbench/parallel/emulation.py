@@ -136,6 +136,14 @@ class FakeRank(FakeTensorMode):
         """No Dynamo guard around every op: nothing here is compiled (torch's documented opt-out)."""
         return False
 
+    def __enter__(self) -> FakeRank:
+        _hide_dtensor_shape_inference(+1)
+        return super().__enter__()
+
+    def __exit__(self, *args) -> None:
+        super().__exit__(*args)
+        _hide_dtensor_shape_inference(-1)
+
     @contextlib.contextmanager
     def observed_by(self, observer: Observer) -> Iterator[None]:
         self._observers.append(observer)
@@ -319,6 +327,34 @@ class FakeRank(FakeTensorMode):
             else:
                 return False
         return True
+
+
+_shape_inference: list = [0, None]  # FakeRanks entered; ShardingPropagator's own method while patched
+
+
+def _hide_dtensor_shape_inference(entered: int) -> None:
+    """While a FakeRank is entered, DTensor's shape inference (ShardingPropagator's
+    `_propagate_tensor_meta_non_cached`, which runs an op at its global shape to learn its output's)
+    runs with no dispatch mode on: in a fresh FakeTensorMode, as it does beside real tensors. Under a
+    FakeRank it found the FakeRank and ran there, where the memory tracker counted what it made: on a
+    device, at the global shape, though no rank allocates it (loss_parallel's backward infers its
+    output's shape so: two fp32 [N, V], 6.2 MiB over real tensors on the CPU preset's TP+SP+VP,
+    docs/results/dtensor.md)."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    count, original = _shape_inference
+    if entered > 0 and count == 0:
+        original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def unseen(self, op_schema):
+            with torch.utils._python_dispatch._disable_current_modes():
+                return original(self, op_schema)
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = unseen
+    elif entered < 0 and count == 1:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
+        original = None
+    _shape_inference[:] = [count + entered, original]
 
 
 def tensor_mode(cfg: RunConfig) -> FakeRank | contextlib.AbstractContextManager:
