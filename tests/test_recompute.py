@@ -23,7 +23,7 @@ MODES = {
     # Qwen2.5: q, k, v biases, head_dim 16 (q and o Nq D = 2 H wide), no q/k norms
     "qwen25_tp_sp_vp": ["parallel.tp=2", "parallel.sp=true", "parallel.vp=true", *FAMILIES["qwen25"]],
 }
-SETTINGS = ("none", "selective", "full")
+SETTINGS = ("none", "selective", "full", "op")
 BASE = [*TINY, "validate.steps=2", "validate.every=1", "train.warmup=0"]
 
 
@@ -69,7 +69,7 @@ def test_recompute_adds_the_predicted_flops(checked, name):
     mode = name.split("/")[0]
     extra = checked[name]["flops"] - checked[f"{mode}/none"]["flops"]
     assert extra == theory.recompute_flops_per_step(run_config(overrides(name)))
-    assert (extra > 0) == name.endswith("/full")
+    assert (extra > 0) == name.endswith(("/full", "/op"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

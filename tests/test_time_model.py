@@ -218,18 +218,19 @@ def matmul_flops(cfg, mode: str) -> int:
     return counter.get_total_flops()
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "op"])
 def test_recomputes_extra_compute_is_the_matmuls_a_recomputing_step_runs_again(mode):
     """At a rate of 1 FLOP/s for every matmul and attention and no cost for anything else, the time
     model's extra compute under recompute is the extra FLOPs it predicts: those a real step runs again,
     counted by torch (full: each block's forward up to down_proj's input; selective: the SwiGLU,
-    elementwise, none). A model that forgot the recomputed forward, or recomputed down_proj, fails."""
+    elementwise, none; op: k_proj, o_proj and up_proj, the even matmuls of its policy, its batched
+    attention matmuls kept). A model that forgot the recomputed forward, or recomputed down_proj, fails."""
     unit = rates(gemm={"large": 1.0, "small": 1.0}, attention=1.0, bandwidth=1e300, op_s=0.0)
     base = "mode=ddp parallel.dp=1 model.flash_attn=false train.compile=false"
     plain, again = config(base), config(f"{base} recompute={mode}")
     extra = predict_time(again, unit).compute_s - predict_time(plain, unit).compute_s
     assert extra == matmul_flops(again, mode) - matmul_flops(plain, "none")
-    assert (extra > 0) == (mode == "full")
+    assert (extra > 0) == (mode in ("full", "op"))
 
 
 def test_overlap_hides_only_what_outlasts_the_work_behind_it():

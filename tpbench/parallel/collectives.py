@@ -148,12 +148,37 @@ def _copy_back(
 # --- the collectives ----------------------------------------------------------------------------
 
 
+_as_ops = False
+
+
+@contextlib.contextmanager
+def as_custom_ops():
+    """Inside, the blocking collectives go through the registered custom ops below, as while
+    torch.compile traces: each is one op that a dispatch mode sees, none of its internals. Per-op
+    recompute (tpbench.parallel.recompute, train.recompute=op) runs a block's forward in it, so that
+    its policy saves each collective's output and the recomputation in backward communicates nothing."""
+    global _as_ops
+    previous, _as_ops = _as_ops, True
+    try:
+        yield
+    finally:
+        _as_ops = previous
+
+
+def _through_ops() -> bool:
+    return _as_ops or torch.compiler.is_compiling()
+
+
 def all_reduce(x: torch.Tensor, group: Group, purpose: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In place (out of place while torch.compile traces: use the result)."""
+    """In place (out of place while torch.compile traces, or `as_custom_ops`: use the result)."""
     if group_size(group) == 1:
         return x
-    if torch.compiler.is_compiling() and op == dist.ReduceOp.SUM:
+    if _through_ops() and op == dist.ReduceOp.SUM:
         return torch.ops.tpbench.all_reduce(x, group.group_name, purpose)
+    return _all_reduce(x, group, purpose, op)
+
+
+def _all_reduce(x: torch.Tensor, group: Group, purpose: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
     fn = _all_reduce_fn(x, op, group)
     return _launch("all_reduce", purpose, x, x.numel() * x.element_size(), group, fn, None, True).wait()
 
@@ -174,7 +199,7 @@ def all_gather(x: torch.Tensor, group: Group, purpose: str, site: str = "") -> t
     """Concatenate the ranks' shards along dim 0. `site` (compiled only) names the caller: inductor
     merges identical ops, so the column linears' gathers of one shard (sp_gather=linear) would become
     one without it."""
-    if group_size(group) > 1 and torch.compiler.is_compiling():
+    if group_size(group) > 1 and _through_ops():
         return torch.ops.tpbench.all_gather(x, group.group_name, purpose, site)
     return _all_gather(x, group, purpose, blocking=True).wait()
 
@@ -225,7 +250,7 @@ def reduce_scatter_into_async(out: torch.Tensor, x: torch.Tensor, group: Group, 
 
 def reduce_scatter(x: torch.Tensor, group: Group, purpose: str) -> torch.Tensor:
     """Sum over ranks and keep this rank's shard of dim 0."""
-    if group_size(group) > 1 and torch.compiler.is_compiling():
+    if group_size(group) > 1 and _through_ops():
         return torch.ops.tpbench.reduce_scatter(x, group.group_name, purpose)
     return _reduce_scatter(x, group, purpose, blocking=True).wait()
 
@@ -253,7 +278,7 @@ def _reduce_scatter(x: torch.Tensor, group: Group, purpose: str, blocking: bool)
 
 @torch.library.custom_op("tpbench::all_reduce", mutates_args=())
 def _all_reduce_op(x: torch.Tensor, group_name: str, purpose: str) -> torch.Tensor:
-    return all_reduce(x.clone(), _group(group_name), purpose)
+    return _all_reduce(x.clone(), _group(group_name), purpose)
 
 
 @_all_reduce_op.register_fake
@@ -263,7 +288,7 @@ def _(x: torch.Tensor, group_name: str, purpose: str) -> torch.Tensor:
 
 @torch.library.custom_op("tpbench::all_gather", mutates_args=())
 def _all_gather_op(x: torch.Tensor, group_name: str, purpose: str, site: str) -> torch.Tensor:
-    return all_gather(x, _group(group_name), purpose)
+    return _all_gather(x, _group(group_name), purpose, blocking=True).wait()
 
 
 @_all_gather_op.register_fake
@@ -273,7 +298,7 @@ def _(x: torch.Tensor, group_name: str, purpose: str, site: str) -> torch.Tensor
 
 @torch.library.custom_op("tpbench::reduce_scatter", mutates_args=())
 def _reduce_scatter_op(x: torch.Tensor, group_name: str, purpose: str) -> torch.Tensor:
-    return reduce_scatter(x, _group(group_name), purpose)
+    return _reduce_scatter(x, _group(group_name), purpose, blocking=True).wait()
 
 
 @_reduce_scatter_op.register_fake

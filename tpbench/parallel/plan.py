@@ -296,7 +296,8 @@ def parallelize(
     that each one is needed;
     overlap_fault (debug.overlap_fault) breaks parallel.overlap for the same reason, and
     dropout_fault (debug.dropout_fault) the dropouts' offsets (tpbench.parallel.rng).
-    recompute (train.recompute) is applied first; under `full` the blocks keep no gathered input, so
+    recompute (train.recompute) is applied first; under `full` the blocks keep no gathered input and
+    under `op` the gathered input itself, so
     SP's re-gather applies to the LM head only.
     """
     cfg = model.config
@@ -349,8 +350,9 @@ def apply_styles(
             else:
                 model.lm_head = _column(dense, layouts[path + ".weight"], ctx)
             model.loss_fn = VocabParallelCrossEntropy(model.config.vocab_size, ctx.tp_rank, ctx.tp_group)
-    # under full recompute the blocks keep no gathered input: SP's re-gather for the LM head only
-    block_entry = entry.but(regather=entry.regather and recompute != "full")
+    # under full recompute the blocks keep no gathered input, under op the gathered input itself (the
+    # all-gather's output, kept by its policy): SP's re-gather for the LM head only
+    block_entry = entry.but(regather=entry.regather and recompute not in ("full", "op"))
     for path, style in styles.items():
         module = model.get_submodule(path)
         if style == "entry" and per_linear:

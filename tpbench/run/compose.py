@@ -65,7 +65,7 @@ CHOICES = {
     "train.precision": ("pure", "mixed"),
     "parallel.dp_shard": ("none", "optimizer", "grads", "full"),
     "train.loss": ("cross_entropy", "logits_mean"),
-    "train.recompute": ("none", "selective", "full"),
+    "train.recompute": ("none", "selective", "full", "op"),
     "launch.device": ("auto", "cpu", "cuda"),
     "launch.backend": ("auto", "gloo", "nccl"),
     "launch.rdzv_backend": ("c10d", "static"),

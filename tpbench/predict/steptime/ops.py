@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, replace
 
 from tpbench.predict.theory.dims import FP32, Dims
+from tpbench.predict.theory.flops import op_kept_linears
 from tpbench.predict.theory.shards import flat_shard, zero_buckets
 from tpbench.predict.theory.weights import params
 
@@ -256,12 +257,17 @@ def backward_of(op: Op) -> Op:
 
 def recomputed(d: Dims, impl: Implementation = TPBENCH) -> list[Op]:
     """What recompute runs again in each block's backward: full, the forward up to down_proj's input
-    (to the MLP dropout's mask with dropout, down_proj included); selective, the ops it names."""
+    (to the MLP dropout's mask with dropout, down_proj included); op, the same stretch but for what
+    its policy kept (the linears of `op_kept_linears`, the attention kernel or manual attention's two
+    batched matmuls); selective, the ops it names."""
     forward = layer_forward(d, impl)
+    down = [op.name for op in forward].index("down_proj")
+    cut = down + 2 if d.dropout else down  # to down_proj's input (with dropout: its mask made)
     if d.recompute == "full":
-        down = [op.name for op in forward].index("down_proj")
-        cut = down + 2 if d.dropout else down  # to down_proj's input (with dropout: its mask made)
         return [replace(op, phase=RECOMPUTE) for op in forward[:cut]]
+    if d.recompute == "op":
+        kept = {*op_kept_linears(d), "attention", "qk^T", "pv"}
+        return [replace(op, phase=RECOMPUTE) for op in forward[:cut] if op.name not in kept]
     if d.recompute == "selective":
         return [replace(op, phase=RECOMPUTE) for op in forward if op.name in impl.selective]
     return []

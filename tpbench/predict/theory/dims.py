@@ -50,7 +50,7 @@ class Dims:
     bucket_view: bool
     gpu: bool
     logits_mean: bool  # the seed's benchmark loss, logits.float().mean(), instead of cross entropy
-    recompute: str = "none"  # none | selective | full (train.recompute)
+    recompute: str = "none"  # none | selective | full | op (train.recompute)
     per_linear: bool = False  # SP's all-gather in each column linear (parallel.sp_gather=linear)
     fused_adam: bool = False  # train.fused_optimizer: AdamW's fused kernel
     keep_output: bool = False  # the logits and the final hidden states live to the step's end
@@ -144,8 +144,9 @@ class Dims:
     @property
     def block_regather(self) -> bool:
         """SP's re-gather inside the blocks: not under full recompute, where a block keeps only its
-        input and its recomputed forward gathers again (the LM head still re-gathers)."""
-        return self.regather and self.recompute != "full"
+        input and its recomputed forward gathers again, nor under op, whose policy keeps the gathered
+        input (the LM head still re-gathers)."""
+        return self.regather and self.recompute not in ("full", "op")
 
     @property
     def entries(self) -> int:

@@ -1,11 +1,11 @@
-"""FLOPs of one training step: the model's (forward + backward of every matmul) and what full
-activation recompute adds.
+"""FLOPs of one training step: the model's (forward + backward of every matmul) and what full or
+per-op activation recompute adds.
 """
 
 from __future__ import annotations
 
 from tpbench.config import RunConfig
-from tpbench.predict.theory.dims import dims
+from tpbench.predict.theory.dims import Dims, dims
 
 
 def model_flops_per_step(cfg: RunConfig) -> float:
@@ -25,12 +25,46 @@ def recompute_flops_per_step(cfg: RunConfig) -> float:
     flops_per_step counts them; model FLOPs leave them out). Selective remakes elementwise results
     only: no matmul. Full runs each block's forward again up to down_proj's input: every matmul of
     the block but down_proj's, attention counted as the full S x S products; with dropout, up to the
-    MLP dropout's mask, down_proj's matmul included."""
+    MLP dropout's mask, down_proj's matmul included. Op remakes every second aten.mm of a block's
+    forward (`op_recomputed_linears`); manual attention's matmuls (aten.bmm) it keeps."""
     d = dims(cfg)
+    N, H = d.N, d.H
+    if d.recompute == "op":
+        widths = dict(op_linears(d))
+        weights = sum(2 * N * widths[name] for name in op_recomputed_linears(d))
+        return float(d.L * weights * d.T * d.dp)
     if d.recompute != "full":
         return 0.0
-    N, H = d.N, d.H
     mlp = 3 if d.dropout else 2  # gate, up (and down)
     weights = 2 * N * H * (2 * d.Hq + 2 * d.Hkv + mlp * d.I_l)  # q, o; k, v; the MLP's
     attention = 2 * 2 * d.B * d.Nq_l * d.S * d.S * d.D  # Q K^T and P V
     return float(d.L * (weights + attention) * d.T * d.dp)
+
+
+def op_linears(d: Dims) -> list[tuple[str, int]]:
+    """A block's linears in the order its forward runs them, each with its weight's elements on this
+    rank (in x out)."""
+    return [
+        ("q_proj", d.H * d.Hq),
+        ("k_proj", d.H * d.Hkv),
+        ("v_proj", d.H * d.Hkv),
+        ("o_proj", d.Hq * d.H),
+        ("gate_proj", d.H * d.I_l),
+        ("up_proj", d.H * d.I_l),
+        ("down_proj", d.I_l * d.H),
+    ]
+
+
+def op_recomputed_linears(d: Dims) -> list[str]:
+    """The linears whose matmul recompute=op runs again in a block's backward: of the aten.mm ops of
+    its forward (q, k, v with biases are aten.addmm, which the policy keeps, uncounted), every second
+    one, but for down_proj's: the recomputation stops when down_proj's matmul saves its input, before
+    it runs (tpbench.parallel.recompute), unless a dropout after it saves its mask."""
+    counted = [name for name, _ in op_linears(d) if not (d.bias and name in ("q_proj", "k_proj", "v_proj"))]
+    return [name for i, name in enumerate(counted) if i % 2 == 1 and (name != "down_proj" or d.dropout)]
+
+
+def op_kept_linears(d: Dims) -> list[str]:
+    """The linears whose output recompute=op keeps: the rest of `op_linears`."""
+    again = op_recomputed_linears(d)
+    return [name for name, _ in op_linears(d) if name not in again]
