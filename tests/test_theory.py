@@ -41,6 +41,7 @@ FP32_MANUAL_UNTIED = [
 ]
 # One launch of world 4: T = 2 as dp 2 x tp 2, T = 4, DDP and megatron with DP over T = 1.
 DP2 = ["parallel.tp=2", "parallel.dp=2"]
+OP, MANUAL_S = "train.recompute=op", "train.seq_len=128"
 CHECKS = {
     "dp2_tp": DP2,
     "dp2_tp_sp": [*DP2, SP],
@@ -90,6 +91,15 @@ CHECKS = {
     "dp2_tp_sp_vp_mixed_selective": [*DP2, SP, VP, "train.precision=mixed", "train.recompute=selective"],
     "dp2_tp_sp_vp_mixed_full": [*DP2, SP, VP, "train.precision=mixed", "train.recompute=full"],
     "t4_tp_full": ["parallel.tp=4", "train.recompute=full"],
+    # per-op recompute (torchtitan's): at the top block's recomputed SwiGLU, down_proj's kept output and
+    # the MLP exit's reduce-scatter still in the checkpoint's storage; a wide MLP: the block's backward
+    # once that storage is let go; q, k, v biases (addmm, kept) shift which matmuls are kept; manual
+    # attention: the forward's softmax, Q K^T's output kept beside it; DDP: the recomputed attention
+    "dp2_tp_sp_vp_op": [*DP2, SP, VP, "train.recompute=op"],
+    "dp2_tp_vp_op_wide": [*DP2, VP, "train.recompute=op", "model.intermediate_size=1024"],
+    "dp2_tp_sp_vp_op_qwen25": [*DP2, SP, VP, "train.recompute=op", *FAMILIES["qwen25"]],
+    "dp2_tp_sp_op_fp32_manual": [*DP2, SP, OP, *FP32_MANUAL_UNTIED[:2], "train.seq_len=256"],
+    "ddp_dp4_op_manual": [*DDP, "parallel.dp=4", "train.recompute=op", "model.flash_attn=false", MANUAL_S],
     # manual attention at S 256, mixed: the bottom block's softmax backward, fp32 gradients beside it
     "dp2_tp_sp_vp_mixed_manual_full": [
         *DP2,
@@ -423,10 +433,15 @@ def test_plan_prints_the_prediction_of_a_config_too_large_to_run():
 
 
 def test_plan_notes_what_the_memory_model_does_not_check_and_a_memory_run_refuses_it(monkeypatch):
-    """No config is unchecked now (train.accumulation was the last, measured since); the mechanism,
+    """One config is unchecked (train.recompute=op with dropout), refused in one line; the mechanism,
     with a reason planted for accumulation: plan notes it, a memory run is refused in one line."""
     from tpbench.cli import app
     from tpbench.predict import checked
+
+    unchecked = ["run", "kind=memory", "tp=2", "recompute=op", "model.dropout=0.1", "model.flash_attn=false"]
+    result = CliRunner().invoke(app, unchecked)
+    assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1
+    assert "not checked for train.recompute=op with model.dropout > 0" in result.stderr
 
     assert (
         CliRunner().invoke(app, ["run", "kind=memory", "tp=2", "dp=2", "accumulation=2", "--cfg"]).exit_code

@@ -378,6 +378,9 @@ SHARDED["dp2_tp1_full_recompute_s4"] = [*SHARDED["dp2_tp1_full"], "train.seq_len
 SHARDED["dp2_tp2_full_recompute_sp_vp_l3"] = [*SHARDED["dp2_tp2_full"], "parallel.sp=true",
                                               "parallel.vp=true", "train.recompute=full",
                                               "train.seq_len=256", "model.num_hidden_layers=3"]  # fmt: skip
+# FSDP under per-op recompute, L 3: the top block's recomputed SwiGLU, its policy's outputs held
+SHARDED["dp2_tp2_full_op_sp_vp_l3"] = [*SHARDED["dp2_tp2_full"], "parallel.sp=true", "parallel.vp=true",
+                                       "train.recompute=op", "model.num_hidden_layers=3"]  # fmt: skip
 # few tokens: each block's reduce-scatter, gloo's clone of its input beside it (ZeRO-2 in mixed
 # precision, ZeRO-3 in pure)
 SHARDED["dp2_tp1_grads_mixed_s4"] = [*SHARDED["dp2_tp1_grads_mixed"], "train.seq_len=4"]

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tpbench.predict.theory.dims import FP32, INT32, INT64, Dims
+from tpbench.predict.theory.flops import op_kept_linears
 from tpbench.predict.theory.weights import block_linears, layer_params
 
 
@@ -44,6 +45,8 @@ def layer_activations(d: Dims) -> dict[str, int]:
     made inside, is remade too); full keeps the block's input only (under mixed precision the casts
     it remakes are still held, by autocast's cache, until the forward ends: `forward_only_casts`)."""
     N, Ns, S, B, H, p = d.N, d.Ns, d.S, d.B, d.H, d.p
+    if d.recompute == "op":
+        return op_kept(d)
     if d.recompute == "full":  # the stream entering the block, [S(/T), B, H] (and FSDP2's cast cos, sin)
         rope = 2 * S * d.D * p if d.rope_cast_once and not d.fused_ops else 0
         return {"block input": d.s * Ns * H, "weight casts": 0, "rope tables": rope}
@@ -85,6 +88,36 @@ def layer_activations(d: Dims) -> dict[str, int]:
     return terms
 
 
+def op_kept(d: Dims) -> dict[str, int]:
+    """What a block keeps under recompute=op (tpbench.parallel.recompute): the outputs its policy
+    saves, beside its input, which the checkpoint holds for the recomputation. Of the linears, those
+    of `op_kept_linears` (q, v, gate and down in a Llama block; addmm's q, k, v with biases, then o
+    and up); the attention kernel's output and logsumexp (manual attention: the two batched matmuls'
+    outputs, the scores [B Nq/T, S, S] and P V); every collective's output: SP's all-gathered region
+    inputs [N, H] (one per column linear under sp_gather=linear), the exits' reduce-scatter [Ns, H]
+    or all-reduce [N, H] (out of place: beside the row linear's partial sum where that is kept).
+    Nothing elementwise, no weight cast (autocast's cache holds those to the forward's end:
+    `forward_only_casts`), no dropout mask."""
+    N, H, p = d.N, d.H, d.p
+    widths = {"q_proj": d.Hq, "k_proj": d.Hkv, "v_proj": d.Hkv, "o_proj": H, "gate_proj": d.I_l,
+              "up_proj": d.I_l, "down_proj": H}  # fmt: skip
+    gathers = (3, 2) if d.per_linear else (1, 1) if d.sp else (0, 0)
+    exit_tokens = d.Ns if d.sp else N if d.T > 1 else 0
+    if d.flash:
+        core = p * N * d.Hq + FP32 * d.B * d.Nq_l * d.S
+    else:
+        core = p * d.B * d.Nq_l * d.S * d.S + p * N * d.Hq
+    rope = 2 * d.S * d.D * p if d.rope_cast_once and not d.fused_ops else 0
+    return {
+        "block input": d.s * d.Ns * H,
+        "gathered inputs": p * N * H * sum(gathers),
+        "linears": sum(p * N * widths[name] for name in op_kept_linears(d)),
+        "attention core": core,
+        "exits": 2 * p * exit_tokens * H,
+        "rope tables": rope,
+    }
+
+
 def rope_casts(d: Dims) -> int:
     """cos and sin cast to p in a block and saved by RoPE's muls: for q and for k, or once for both
     (FSDP2's input cast); none in fp32 (the cast is the table) or with model.fused_ops (the tables
@@ -120,7 +153,7 @@ def forward_only_casts(d: Dims) -> int:
     down_proj's under selective (made inside its checkpointed SwiGLU)."""
     if not d.mixed or d.recompute == "none":
         return 0
-    per_layer = block_linears(d) if d.recompute == "full" else d.H * d.I_l
+    per_layer = block_linears(d) if d.recompute in ("full", "op") else d.H * d.I_l
     if d.recompute == "full" and d.deferred:  # the column linears cast outside autocast's cache:
         # only o_proj's and down_proj's are held
         per_layer = sum(n for name, n in layer_params(d) if name.endswith(("o_proj", "down_proj")))
@@ -184,6 +217,23 @@ def recomputed(d: Dims) -> dict[str, int]:
     if d.rope_cast_once:
         terms["rope tables"] = 0
     return terms
+
+
+def recomputing_own(d: Dims, recomputing: bool = False) -> int:
+    """What a block whose backward recomputes holds of its own forward's keeps beyond what full
+    recompute's moments count (its input, FSDP2's cast cos and sin): 0 under full. Under op, what its
+    policy saved, less what the recomputation takes back into the block's graph (counted in
+    `recomputed`) and, once the recomputation is over, nothing: while it runs (`recomputing`) the
+    outputs after its early stop are still in the checkpoint's storage (down_proj's kept output, the
+    MLP exit's collective), which the end of the recomputation lets go of (measured)."""
+    if d.recompute != "op":
+        return 0
+    kept = op_kept(d)
+    left = 0
+    if recomputing:
+        exit_tokens = d.Ns if d.sp else d.N if d.T > 1 else 0
+        left = d.p * exit_tokens * d.H + (d.p * d.N * d.H if "down_proj" in op_kept_linears(d) else 0)
+    return left - (sum(kept.values()) - kept["block input"] - kept["rope tables"])
 
 
 def after_head(acts: dict[str, int]) -> int:

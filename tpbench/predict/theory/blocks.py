@@ -19,8 +19,11 @@ from tpbench.predict.theory.activations import (
     kv_widths,
     layer_activations,
     mask_bits,
+    model_activations,
+    op_kept,
     probs_saved,
     recomputed,
+    recomputing_own,
     stream_mask,
 )
 from tpbench.predict.theory.dims import FP32, LOSS_AND_GRAD, Dims
@@ -46,6 +49,20 @@ def attention_forward(d: Dims, acts: dict[str, int], P: int, optim: int, buckets
     temps = d.p * scores + FP32 * scores + FP32 * d.S * d.S + gathered + unsaved_norm_output(d)
     activations = after_head(acts) - later + FP32 * scores + bias_casts(d)
     return Moment("attention forward", P, buckets, optim, activations + temps, 0)
+
+
+def op_attention_forward(d: Dims, P: int, optim: int, buckets: int) -> Moment:
+    """Recompute op: the top block's manual-attention forward at its softmax, as without recompute
+    (`attention_forward`, the re-gather off as under op) but for what the blocks below keep (their
+    policy's outputs, `op_kept`, for everything `none` saves) and Q K^T's output, which the policy keeps
+    beside the scaled scores made from it (without recompute it is freed once they are made). Under
+    mixed precision the blocks below hold their weight casts still, in autocast's cache."""
+    plain = replace(d, recompute="none", regather=False)
+    moment = attention_forward(plain, model_activations(plain), P, optim, buckets)
+    held = sum(op_kept(d).values()) + forward_only_casts(d) // d.L  # mixed: autocast's cached casts
+    below = (d.L - 1) * (held - sum(layer_activations(plain).values()))
+    scores = d.p * d.B * d.Nq_l * d.S * d.S
+    return replace(moment, activations=moment.activations + below + scores)
 
 
 def unsaved_norm_output(d: Dims) -> int:
@@ -253,6 +270,7 @@ def recomputed_post_attention_norm(
         freed += d.p * sum(n for name, n in layer_params(d) if name.startswith("mlp."))
     above, residual = d.L - 1 - layer, d.s * d.Ns * d.H  # the norm's input: a temporary (`recomputed_swiglu`)
     activations = after_head(acts) - above * (acts["blocks"] // d.L) + sum(saved.values()) - freed - residual
+    activations += recomputing_own(d)
     temps = (6 if d.s != FP32 else 5) * FP32 * d.Ns * d.H + residual + (d.V_l * d.H * d.w if d.tied else 0)
     done: tuple[str, ...] = ("mlp.", "post_attention_layernorm")
     if d.s == FP32:  # an fp32 stream (mixed precision): at the peak the mean's [S, B, 1] fp32
@@ -321,7 +339,7 @@ def attention_backward(
     recomputed ones, and, as for `recomputed_block`, the blocks above have finished (their inputs
     freed, their gradients made): the top block holds the most activations, the bottom one the most
     gradients (mixed precision: fp32 gradients beside bf16 activations)."""
-    full = d.recompute == "full"
+    full = d.recompute in ("full", "op")
     saved = recomputed(d) if full else layer_activations(d)
     scores = d.B * d.Nq_l * d.S * d.S
     v_width = kv_widths(d)[1]
@@ -338,7 +356,7 @@ def attention_backward(
     flowing = d.s * d.Ns * d.H + d.p * d.N * v_width + prefetched_input(d, 3)
     grads = buckets + (grads * d.w if own_grads else late_grads(d, layer, done))
     activations = after_head(acts) - above * (acts["blocks"] // d.L) - freed + LOSS_AND_GRAD
-    activations += sum(saved.values()) if full else 0
+    activations += sum(saved.values()) + recomputing_own(d) if full else 0
     name = f"recomputed attention {layer}" if full else "attention"
     return Moment(name, P, grads, optim, activations, 2 * FP32 * scores + tied_head + flowing)
 
@@ -361,6 +379,7 @@ def recomputed_attention_dropout(
     if d.mixed:  # o_proj's and the MLP's weight casts are not made again yet
         later += d.p * sum(n for name, n in layer_params(d) if name.startswith(("mlp.", "self_attn.o_proj")))
     activations = after_head(acts) - above * (acts["blocks"] // d.L) + sum(saved.values()) - later
+    activations += recomputing_own(d, recomputing=True)
     activations += FP32 * scores + LOSS_AND_GRAD
     grads = d.H + above * sum(n for _, n in layer_params(d)) + (0 if d.tied else d.V_l * d.H)
     grads = buckets + (grads * d.w if own_grads else late_grads(d, layer, ()))
@@ -388,12 +407,16 @@ def recomputed_block(
     block_input = acts["blocks"] // d.L
     activations = after_head(acts) - above * block_input
     activations += sum(recomputed(d).values()) - ffn - (d.p * d.H * d.I_l if d.mixed else 0)
+    activations += recomputing_own(d)
     activations -= stream_mask(d)  # the MLP dropout's, whose backward ran first
     activations += LOSS_AND_GRAD
     block = sum(n for _, n in layer_params(d))
     grads = d.H + above * block + d.H * d.I_l + (0 if d.tied else d.V_l * d.H)
     tied_head = d.V_l * d.H * d.w if d.tied else 0
     temps = 3 * ffn + d.s * d.Ns * d.H + tied_head
+    if d.recompute == "op":  # the residual sum the post-attention norm keeps: made between modules
+        residual = d.s * d.Ns * d.H
+        activations, temps = activations - residual, temps + residual
     grads = buckets + (grads * d.w if own_grads else late_grads(d, layer, ("mlp.down_proj",)))
     return Moment(f"recomputed block {layer}", P, grads, optim, activations, temps)
 
@@ -439,6 +462,7 @@ def recomputed_swiglu(
     saved = sum(recomputed(d).values()) - stream_mask(d) - (d.p * d.H * d.I_l if d.mixed else 0)
     residual = d.s * d.Ns * d.H
     activations = after_head(acts) - above * (acts["blocks"] // d.L) + saved + LOSS_AND_GRAD
+    activations += recomputing_own(d, recomputing=True)
     activations += ffn + unsaved_norm_output(d) - residual
     if d.dropout:
         flowing = d.s * d.Ns * d.H + (d.p * d.Ns * d.H if d.mixed else 0)
@@ -462,6 +486,7 @@ def recomputed_down_backward(
     held without saving (`unsaved_norm_output`) freed with its end."""
     swiglu = recomputed_swiglu(d, acts, P, optim, buckets, own_grads, layer)
     freed = d.p * d.N * d.I_l - (d.p * d.H * d.I_l if d.mixed else 0) + unsaved_norm_output(d)
+    freed += recomputing_own(d, recomputing=True) - recomputing_own(d)  # op: the storage let go
     made = d.p * d.N * d.I_l + d.p * d.I_l * d.H
     return replace(
         swiglu,

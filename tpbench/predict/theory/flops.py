@@ -55,16 +55,17 @@ def op_linears(d: Dims) -> list[tuple[str, int]]:
     ]
 
 
-def op_recomputed_linears(d: Dims) -> list[str]:
-    """The linears whose matmul recompute=op runs again in a block's backward: of the aten.mm ops of
-    its forward (q, k, v with biases are aten.addmm, which the policy keeps, uncounted), every second
-    one, but for down_proj's: the recomputation stops when down_proj's matmul saves its input, before
-    it runs (tpbench.parallel.recompute), unless a dropout after it saves its mask."""
-    counted = [name for name, _ in op_linears(d) if not (d.bias and name in ("q_proj", "k_proj", "v_proj"))]
-    return [name for i, name in enumerate(counted) if i % 2 == 1 and (name != "down_proj" or d.dropout)]
-
-
 def op_kept_linears(d: Dims) -> list[str]:
-    """The linears whose output recompute=op keeps: the rest of `op_linears`."""
-    again = op_recomputed_linears(d)
-    return [name for name, _ in op_linears(d) if name not in again]
+    """The linears whose output recompute=op keeps (tpbench.parallel.recompute): q, k and v with
+    biases (aten.addmm, kept and not counted), then every odd one of the block's aten.mm ops."""
+    addmm = ("q_proj", "k_proj", "v_proj") if d.bias else ()
+    counted = [name for name, _ in op_linears(d) if name not in addmm]
+    return [*addmm, *counted[::2]]
+
+
+def op_recomputed_linears(d: Dims) -> list[str]:
+    """The linears whose matmul recompute=op runs again in a block's backward: those it does not keep,
+    but for down_proj's: the recomputation stops when down_proj's matmul saves its input, before it
+    runs, unless a dropout after it saves its mask."""
+    kept = op_kept_linears(d)
+    return [name for name, _ in op_linears(d) if name not in kept and (name != "down_proj" or d.dropout)]

@@ -188,7 +188,7 @@ def moments(d: Dims, s: Sharding, base: list[Moment], accumulating: bool = False
     extra = []
     for i in sorted({L - 1, 0}) if s.fsdp else []:
         extra.append(_block_reduce_scatter(c, s, st, gathered, rs_in, shard_g, i))
-    if s.level == "full" and L > 1 and d.recompute != "full":
+    if s.level == "full" and L > 1 and d.recompute not in ("full", "op"):
         extra.append(_next_block_gather(c, st, gathered, rs_in, shard_g))
     extra.append(_bottom_input_norm_backward(c, st, base[-1].activations, gathered, rs_in, shard_g, whole))
     out += [_accumulating(c, st, shard_g, m) for m in extra] if accumulating else extra
@@ -267,7 +267,7 @@ def _lower_blocks(d: Dims, s: Sharding, base: list[Moment], whole: dict[str, int
     prefetched beside the reduce-scatter input): the rest of each moment is affine in the layer, so
     these and the top block are the candidates. Few tokens beside the reduce-scatter input make the
     bottom block's the peak (ZeRO-2 under mixed precision with VP at the default tiny shape)."""
-    if d.recompute == "full" or d.L < 2:
+    if d.recompute in ("full", "op") or d.L < 2:
         return []
     per_block = model_activations(d)["blocks"] // d.L
     out = []
@@ -288,7 +288,7 @@ def _middle_blocks(d: Dims, s: Sharding) -> list[Moment]:
     block alone has both FSDP2's buffers at its backward: the block below prefetched, the block
     above's reduce-scatter input kept; both are the same for every middle block, and the rest of each
     moment is affine in the layer, so the lowest and the highest middle block are the candidates."""
-    if d.recompute != "full" or not s.fsdp or d.L < 3:
+    if d.recompute not in ("full", "op") or not s.fsdp or d.L < 3:
         return []
     acts, P, O = model_activations(d), param_bytes(d), optimizer_bytes(d)  # noqa: E741
     out = []
@@ -398,6 +398,9 @@ def _bottom_input_norm_backward(
     saved = (d.s if d.lean_rmsnorm else FP32) * d.Ns * d.H
     if d.recompute == "full":  # what the checkpoint saved: the block's input, FSDP2's cast cos and sin
         saved = sum(layer_activations(d).values())
+    elif d.recompute == "op":  # the same; what its policy kept is let go once the block is recomputed
+        own = layer_activations(d)
+        saved = own["block input"] + own["rope tables"]
     norm = (6 if d.lean_rmsnorm and d.s != FP32 else 5) * FP32 * d.Ns * d.H
     temps = (rs_in[blocks[1]] if d.L > 1 else 0) + norm + d.s * d.Ns * d.H
     temps += d.V_l * d.H * d.w if d.tied else 0

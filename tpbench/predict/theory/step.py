@@ -70,7 +70,7 @@ def moments(d: Dims) -> list[Moment]:
         cast = d.V_l * d.H * (d.p + d.w) + d.s * d.N * d.H
         out.append(Moment("head weight cast's backward", P, buckets, O, after, cast))
     out.append(blocks.final_norm_backward(d, acts, P, O, buckets, G > 0))
-    if d.recompute == "full":
+    if d.recompute in ("full", "op"):
         for i in sorted({d.L - 1, 0}):
             out.append(blocks.recomputed_swiglu(d, acts, P, O, buckets, G > 0, i))
             out.append(blocks.recomputed_down_backward(d, acts, P, O, buckets, G > 0, i))
@@ -89,12 +89,14 @@ def moments(d: Dims) -> list[Moment]:
         out.append(blocks.mlp_backward(d, acts, P, O, buckets, G > 0))
         if d.deferred:
             out.append(entries.mlp_entry_backward(d, acts, P, O, buckets, G > 0))
-    if not d.flash and d.recompute != "full":
+    if not d.flash and d.recompute not in ("full", "op"):
         out.append(blocks.attention_forward(d, acts, P, O, buckets))
         if d.dropout:
             out.append(blocks.attention_dropout(d, acts, P, O, buckets))
         out.append(blocks.attention_backward(d, acts, P, O, buckets, G > 0, d.L - 1))
     elif not d.flash:
+        if d.recompute == "op":
+            out.append(blocks.op_attention_forward(d, P, O, buckets))
         out += [blocks.attention_backward(d, acts, P, O, buckets, G > 0, i) for i in sorted({d.L - 1, 0})]
         if d.dropout:
             layers = sorted({d.L - 1, 0})
