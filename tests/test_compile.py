@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 from beside import beside
-from torchrun_checks import TINY, WORLD2, WORLD4, per_config, same_on_every_rank
+from torchrun_checks import TINY, WORLD2, WORLD4, per_config, run_config, same_on_every_rank
 
 from tpbench.config import ConfigError, config_hash
+from tpbench.predict import theory
 from tpbench.run.compose import expand
 
 # The hashes of these configs as commit b01d731 (train.compile and fused_optimizer plain bools, false)
@@ -154,6 +155,10 @@ COMPILED_T2 = {
     "zero1_full": ["parallel.tp=1", "parallel.dp=2", "parallel.dp_shard=optimizer", "train.recompute=full"],
     "fsdp": ["parallel.tp=1", "parallel.dp=2", "parallel.dp_shard=full"],
 }
+# per-op recompute compiled: the policy marks the graph's ops, tpbench's collectives (custom ops there)
+# kept: the counted collectives are eager's, none again in backward
+OP = "train.recompute=op"
+COMPILED_T2["tp_sp_op"] = ["parallel.tp=2", "parallel.sp=true", "parallel.sp_regather=false", OP]
 COMPILED_T4 = {
     "hsdp_zero2": ["parallel.tp=1", "parallel.dp=4", "parallel.dp_shard=grads", "parallel.dp_replicate=2"],
 }
@@ -202,6 +207,14 @@ def test_compiled_blocks_validate_on_every_engine_dp_level_and_recompute(compile
     assert r["failed"] == [] and r["metrics"]["passed"] == 1.0
     assert r["metrics"]["compile_graph_breaks"] == 0
     assert min(r["graphs"]) >= 1
+
+
+def test_compiled_op_recompute_communicates_no_more_than_the_model(compiled):
+    """Compiled, the policy keeps tpbench's collectives (custom ops in the graph): the counted ones are
+    the analytic model's, with none run again in backward (counted under their forward purpose there)."""
+    cfg = run_config([*TINY, *COMPILED_T2["tp_sp_op"], "train.compile=true"])
+    predicted = sorted([r.op, r.purpose, r.count, r.bytes] for r in theory.predict(cfg).rows)
+    assert sorted(compiled["tp_sp_op"]["comm"]) == predicted
 
 
 @pytest.mark.parametrize("name, eager", [("dtensor_tp", "dtensor_tp_eager")])

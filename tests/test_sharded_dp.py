@@ -53,6 +53,9 @@ DP2_TP2 = {  # each level under a TP mode, fp32 and mixed, with overlap and reco
     "full_tp_sp_vp": [*MODES["tp_sp_vp"], "parallel.dp_shard=full"],
     "full_dtensor_tp_sp_vp": [*MODES["dtensor_tp_sp_vp"], "parallel.dp_shard=full"],
     "hsdp_full_dp4": ["parallel.tp=1", "parallel.dp_shard=full", "parallel.dp_replicate=2"],
+    # per-op recompute (torchtitan's) under ZeRO-1 and under FSDP2 in mixed precision
+    "optimizer_tp_sp_op": [*MODES["tp_sp"], "parallel.dp_shard=optimizer", "train.recompute=op"],
+    "full_tp_sp_vp_mixed_op": [*MODES["tp_sp_vp"], "parallel.dp_shard=full", *MIXED, "train.recompute=op"],
     "broken_optimizer_all_gather": [
         *MODES["tp_sp"],
         "parallel.dp_shard=optimizer",
