@@ -144,7 +144,7 @@ class TrainConfig:
     # keep the model's output (the logits, the final hidden states) alive through backward and the
     # optimizer step, as the seed's and minimind-tron's steps (`output = model(...)`); false: dropped
     keep_output: bool = False
-    recompute: str = "none"  # none | selective | full: activation recompute (tpbench.parallel.recompute)
+    recompute: str = "none"  # none | selective | op | full: activation recompute (tpbench.parallel.recompute)
     lr: float = 1e-3
     weight_decay: float = 0.0  # AdamW's decoupled weight decay of the decayed group
     # left undecayed (tpbench.experiments.optim): any of norms, biases, embeddings; Megatron's [norms, biases]

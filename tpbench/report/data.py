@@ -21,7 +21,7 @@ from tpbench.report.labels import MODE_ORDER as MODE_ORDER  # re-exported: what 
 from tpbench.report.labels import mode_rank as mode_rank
 from tpbench.report.labels import model_label, optimizer_setting, setting_label, switches, with_dp_level
 
-RECOMPUTE_ORDER = ("none", "selective", "full")
+RECOMPUTE_ORDER = ("none", "selective", "op", "full")
 # MemTracker's split of the peak, bottom to top of the stacked bars; the last two are often zero.
 MEMORY_PARTS = {
     "mem_params_bytes": "parameters",

@@ -7,7 +7,7 @@ peak and step from both (tests/test_fit.py); each output says what it assumed (`
                CPU torch's default, unfused; false: unfused (for-each on CUDA), as the seed's presets
   precision    the model preset's: bf16 mixed (fp32 master weights and AdamW moments) for every published
                model of conf/model/; the config's fp32 pure for the others; precision= and dtype= set it
-  recompute    none (train.recompute=); fit searches none, selective and full unless it is given
+  recompute    none (train.recompute=); fit searches none, selective, op and full unless it is given
   micro-batch  the model preset's, else 2 (train.micro_batch=); fit searches it unless it is given
   sequence     the model preset's (seq= sets it); fit refuses a model whose preset has none
   decay, lr    train.no_decay and train.lr_scheduler, said where set (`optimizer_label`): they change no

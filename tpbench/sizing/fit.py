@@ -4,7 +4,8 @@ predicted speed.
 For a model, a sequence length and a GPU of tpbench.predict.hardware, on `nodes` nodes of
 `gpus_per_node` GPUs: every T within a node that divides the heads, DP the rest of the GPUs, crossed with
 DP's sharding (none, optimizer, grads, full; for grads and full also HSDP's replicas across nodes), SP,
-VP and recompute (none, selective, full), each at the largest micro-batch that fits (tpbench.sizing.search).
+VP and recompute (none, selective, op, full), each at the largest micro-batch that fits
+(tpbench.sizing.search).
 With global_batch=B sequences (or tokens_per_step=, B x seq), the micro-batch b divides B / DP and the
 rest is gradient accumulation, B / (DP x b) micro-steps. The sequence, the precision and the optimizer
 are the config's, as `tpbench plan` reads them (tpbench.sizing.defaults): a published model's preset

@@ -17,7 +17,7 @@ NCCL_BUFFSIZE, NCCL_CHANNELS = 4 * MiB, 16
 NCCL_BYTES_PER_COMMUNICATOR = 2 * NCCL_CHANNELS * NCCL_BUFFSIZE
 CUDA_CONTEXT_BYTES = RUNTIME_RESERVE_BYTES
 MARGIN = 0.05  # of the usable memory: a row with less headroom is "tight", not "fits"
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "op", "full")  # by what a block keeps, most first
 LEVELS = ("none", "optimizer", "grads", "full")
 
 

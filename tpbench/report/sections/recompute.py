@@ -12,7 +12,8 @@ def section(data: ReportData) -> Section:
     section = Section(
         "recompute",
         "Activation recompute",
-        intro="train.recompute = none, selective (the SwiGLU's product made again in backward), full "
+        intro="train.recompute = none, selective (the SwiGLU's product made again in backward), op "
+        "(torchtitan's per-op policy: every second matmul and the elementwise ops made again), full "
         "(each block run again from its input): per-rank peak (memory runs) and "
         "median step time (throughput runs) of each setting, against the same mode without recompute.",
     )
