@@ -257,9 +257,14 @@ CLAIMS = [
     Claim("Hydra's `-m`/`--multirun`", "run -m tp=2 --cfg", "tpbench run: No such option: -m; Hydra's"),
     Claim("`layer=4` says `did you mean layers?`", "run layer=4 --cfg", "layer=4: layer is not a tpbench"),
     Claim(
-        "`recompute=none|selective|full` (engines megatron and ddp; `engine=dtensor` refuses it)",
-        "run mode=dtensor_tp recompute=selective --cfg",
-        "train.recompute=selective with parallel.engine=dtensor",
+        "`recompute=none|selective|op|full` (engines megatron and ddp; `engine=dtensor` refuses it)",
+        "run mode=dtensor_tp recompute=op --cfg",
+        "train.recompute=op with parallel.engine=dtensor",
+    ),
+    Claim(
+        "with `model.dropout > 0`, which `kind=memory` refuses",
+        "run kind=memory tp=2 recompute=op model.dropout=0.1 model.flash_attn=false --cfg",
+        "kind=memory: the memory model is not checked for train.recompute=op with model.dropout > 0",
     ),
     Claim(
         "Pure fp16 is refused before launch",

@@ -133,14 +133,16 @@ def search(
             ):
                 continue
             for level, replicas in shardings(base, dp, cluster.nodes, given):
-                leanest = None  # pruned: less recompute holds more, so nothing fits once full does not
+                # pruned: less recompute holds more, so nothing fits once full does not (op is no
+                # bound on selective: under SP it keeps the gathered inputs whole, selective their shard)
+                leanest = None
                 for recompute in [t.recompute] if "train.recompute" in given else RECOMPUTE[::-1]:
                     row = Row(T, sp, vp, recompute, batches[0], dp, level, replicas)
                     if leanest is not None:
                         rows.append(dataclasses.replace(row, reason=f"pruned: {leanest} does not fit"))
                         continue
                     rows.append(_largest(base, cluster, row, batches, global_batch, timing))
-                    if not rows[-1].reason and not rows[-1].fits:
+                    if not rows[-1].reason and not rows[-1].fits and recompute != "op":
                         leanest = f"recompute {recompute} at micro-batch {batches[0]}"
     if not rows:
         raise FitError(no_layout(base, cluster, given, global_batch))
