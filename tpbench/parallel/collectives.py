@@ -3,8 +3,9 @@
 `all_reduce`, `all_gather` and `reduce_scatter`, and their `*_async` twins, which return a `Pending`
 to wait on; every one is the identity for a group of one (`group_size` 1). Each goes through
 `_launch`, which reports it to the active counter of `tpbench.parallel.instrumentation` (counted,
-timed, settled: see there). While torch.compile traces, the blocking ones go through the registered
-custom ops below, which run the same eager collectives. Built on them: `all_reduce_coalesced`, DDP's
+timed, settled: see there). While torch.compile traces, and inside `as_custom_ops` (per-op
+recompute), the blocking ones go through the registered custom ops below, which run the same eager
+collectives. Built on them: `all_reduce_coalesced`, DDP's
 `all_reduce_bucket`, and the whole job's `reduce_over_world` / `reduce_floats` for headline figures
 (not counted). The conjugate autograd pairs that use them are in `tpbench.parallel.regions`.
 """
