@@ -209,12 +209,13 @@ def test_compiled_blocks_validate_on_every_engine_dp_level_and_recompute(compile
     assert min(r["graphs"]) >= 1
 
 
-def test_compiled_op_recompute_communicates_no_more_than_the_model(compiled):
+@pytest.mark.parametrize("name", ["tp_sp_op"])  # names its config: -k runs that one alone
+def test_compiled_op_recompute_communicates_no_more_than_the_model(compiled, name):
     """Compiled, the policy keeps tpbench's collectives (custom ops in the graph): the counted ones are
     the analytic model's, with none run again in backward (counted under their forward purpose there)."""
-    cfg = run_config([*TINY, *COMPILED_T2["tp_sp_op"], "train.compile=true"])
+    cfg = run_config([*TINY, *COMPILED_T2[name], "train.compile=true"])
     predicted = sorted([r.op, r.purpose, r.count, r.bytes] for r in theory.predict(cfg).rows)
-    assert sorted(compiled["tp_sp_op"]["comm"]) == predicted
+    assert sorted(compiled[name]["comm"]) == predicted
 
 
 @pytest.mark.parametrize("name, eager", [("dtensor_tp", "dtensor_tp_eager")])
