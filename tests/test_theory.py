@@ -333,7 +333,9 @@ def test_the_peak_moments_are_the_ones_measured(measured):
     no temporaries: the embedding's backward; few tokens: AdamW's loop, down_proj's backward and, mixed,
     its weight gradient's or the head's cast to fp32; mixed with recompute, a dense loss's forward
     beside the forward-only weight casts; Qwen3's head_dim 16: q_norm's backward; dropout: the top
-    block's attention-dropout hash, or the bottom block's drawn again under full recompute), so the
+    block's attention-dropout hash, or the bottom block's drawn again under full recompute; per-op
+    recompute (op), which keeps every block's kept outputs: the top block's recomputation, its SwiGLU's
+    under SP, its attention's with manual attention), so the
     test above checks each moment, not only the loss. (The vocab-parallel loss's backward and the top MLP's at
     gate_proj are derived the same way; no config here peaks there, nor at down_proj's moments under
     TP.)"""
@@ -359,6 +361,9 @@ def test_the_peak_moments_are_the_ones_measured(measured):
         "loss forward",
         "attention dropout",
         "recomputed attention dropout 0",
+        "recomputed block 1",
+        "recomputed attention 1",
+        "recomputed swiglu 1",
     }
 
 
