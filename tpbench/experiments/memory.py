@@ -216,6 +216,7 @@ def run(cfg: RunConfig) -> RankResult:
             if trace is not None:
                 trace.adopt(module.parameters())
                 stack.enter_context(mode.observed_by(trace.observe))
+                stack.enter_context(trace.resizes())  # FSDP2's frees of gathered weights
 
         trainer = Trainer(cfg, ctx, on_device)
         if trace is not None:

@@ -368,16 +368,33 @@ def gpu_emulated(cfg: RunConfig) -> bool:
 
 
 class AllocationTrace:
-    """Every tensor storage made while it observes a FakeRank, in order, and when it is freed: the
-    trace the allocator model replays. Events: ("alloc", token, bytes), ("free", token), and the
-    markers `mark` adds."""
+    """Every tensor storage made while it observes a FakeRank, in order, the stream it was made on, and
+    when it is freed: the trace the allocator model replays. Events: ("alloc", token, bytes, stream),
+    ("free", token), and the markers `mark` adds.
+
+    A storage is freed when its Python object dies, or when it is resized to 0 bytes: FSDP2 frees a
+    gathered weight so (`free_storage`: `untyped_storage().resize_(0)`) and gathers the next into the
+    same storage resized back up (`alloc_storage`), a new allocation. A storage's `resize_` is not an
+    op: in eager it calls the device's resize directly (CUDA: `resize_bytes_cuda`, which allocates the
+    new size, copies, frees the old), so no dispatch mode sees it (torch.compile traces it as
+    `inductor.resize_storage_bytes_`); `resizes()` notes it while it lasts.
+
+    Streams: the CUDA caching allocator keeps a block in the pool of the stream it was allocated on
+    and hands it only to allocations on that stream. The stream is the device handle's current stream
+    when the storage is made: on fake CPU tensors FSDP2's handle is torch.cpu, whose `stream(s)`
+    context sets the `current_stream()` it returns, so its all-gather copy-in and reduce-scatter
+    streams are told apart from the default stream as on CUDA (0: the default; 1, 2, ...: others, in
+    the order first seen). FSDP2 orders reuse across streams by events, not `record_stream`, so a
+    block freed from another stream goes straight back to its own stream's pool, as the replay does."""
 
     def __init__(self) -> None:
         self.events: list[tuple] = []
-        # id(storage) -> (token, weak reference whose callback records the free), while it lives: a
-        # storage's Python object is one for its life, and its id is released only after the callback
-        self._live: dict[int, tuple[int, weakref.ref]] = {}
+        # id(storage) -> [token (None while resized to 0 bytes), weak reference whose callback records
+        # the free], while it lives: a storage's Python object is one for its life, and its id is
+        # released only after the callback
+        self._live: dict[int, list] = {}
         self._excluded: set[int] = set()
+        self._streams: dict[int, tuple[int, object]] = {}  # id(stream) -> (its number, the stream)
 
     def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
         """Tensors made before the trace (parameters moved to the device), allocated in this order; a
@@ -392,7 +409,7 @@ class AllocationTrace:
         """Tensors that live elsewhere on the emulated device (AdamW's step counters: on the host)."""
         for t in tensors:
             live = self._live.get(id(t.untyped_storage()))
-            if live is not None:
+            if live is not None and live[0] is not None:
                 self._excluded.add(live[0])
 
     def mark(self, name: str) -> None:
@@ -406,18 +423,69 @@ class AllocationTrace:
             if isinstance(t, torch.Tensor):
                 self._note(t)
 
+    @contextlib.contextmanager
+    def resizes(self) -> Iterator[None]:
+        """While it lasts, every storage's `resize_` is noted: to 0 bytes a free, back up a new
+        allocation (after the old is freed: as CUDA's resize allocates first, the old block's bytes
+        are freed only once the new one is made)."""
+        storage_class = torch.UntypedStorage
+        own = "resize_" in vars(storage_class)
+        original = storage_class.resize_
+
+        def resize_(storage, size):
+            before = storage.nbytes()
+            out = original(storage, size)
+            self._resized(storage, before)
+            return out
+
+        storage_class.resize_ = resize_
+        try:
+            yield
+        finally:
+            if own:
+                storage_class.resize_ = original
+            else:
+                del storage_class.resize_
+
+    def _stream(self) -> int:
+        stream = torch.cpu.current_stream()
+        if stream is torch.cpu._default_cpu_stream:
+            return 0
+        found = self._streams.get(id(stream))
+        if found is None:
+            found = self._streams[id(stream)] = (len(self._streams) + 1, stream)
+        return found[0]
+
+    def _alloc(self, size: int) -> int:
+        token = len(self.events)
+        self.events.append(("alloc", token, size, self._stream()))
+        return token
+
     def _note(self, t: torch.Tensor) -> None:
         if isinstance(t, DTensor):  # its wrapper's storage has the global shape's bytes: none on a rank
             t = t.to_local()
         storage = t.untyped_storage()
-        key = id(storage)
-        if key in self._live or (size := storage.nbytes()) == 0:
+        if id(storage) in self._live or storage.nbytes() == 0:
             return
-        token = len(self.events)
-        self.events.append(("alloc", token, size))
+        self._track(storage, self._alloc(storage.nbytes()))
+
+    def _track(self, storage, token: int) -> None:
+        key = id(storage)
 
         def freed(_: weakref.ref) -> None:
-            self.events.append(("free", token))
-            del self._live[key]
+            if (held := self._live.pop(key)[0]) is not None:
+                self.events.append(("free", held))
 
-        self._live[key] = (token, weakref.ref(storage, freed))
+        self._live[key] = [token, weakref.ref(storage, freed)]
+
+    def _resized(self, storage, before: int) -> None:
+        after, entry = storage.nbytes(), self._live.get(id(storage))
+        if entry is None:  # made empty before the trace saw it: its first bytes are an allocation
+            if after:
+                self._track(storage, self._alloc(after))
+            return
+        if after == before:
+            return
+        token, entry[0] = entry[0], self._alloc(after) if after else None
+        if token is not None:
+            self.events.append(("free", token))

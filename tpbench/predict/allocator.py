@@ -4,10 +4,13 @@ reserved bytes, without a GPU.
 `torch.cuda.max_memory_allocated` counts allocator blocks, not tensors: every allocation is rounded up,
 and a cached block is split only when enough of it would remain, the whole block counting as allocated
 otherwise. The rules below are those of c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.x, default
-settings: no max_split_size, no expandable segments), one stream:
+settings: no max_split_size, no expandable segments), per stream:
 
   round_size        sizes round up to a multiple of 512 B (kMinBlockSize)
-  pools             <= 1 MiB (kSmallSize) from the small pool, larger ones from the large pool
+  pools             <= 1 MiB (kSmallSize) from the small pool, larger ones from the large pool; a
+                    block serves only allocations on the stream it was allocated on (the pools'
+                    order is (stream, size, address)), so each stream has its own two pools and
+                    its own segments
   new segments      small: 2 MiB (kSmallBuffer); large under 10 MiB (kMinLargeAlloc): 20 MiB
                     (kLargeBuffer); larger: the size rounded up to 2 MiB (kRoundLarge)
   best fit          the smallest cached block of the pool that is large enough (then the lowest address)
@@ -70,6 +73,7 @@ class Block:
     offset: int
     size: int
     small: bool
+    stream: int = 0
     free: bool = True
     prev: Block | None = None
     next: Block | None = None
@@ -84,27 +88,26 @@ class Block:
 class CachingAllocator:
     """Replays allocations and frees; tracks allocated and reserved bytes and their peaks."""
 
-    pools: dict[bool, list[tuple[tuple[int, int, int], Block]]] = field(
-        default_factory=lambda: {True: [], False: []}
-    )
+    # (stream, small) -> the free blocks of that pool, in order
+    pools: dict[tuple[int, bool], list[tuple[tuple[int, int, int], Block]]] = field(default_factory=dict)
     segments: int = 0
     allocated: int = 0
     reserved: int = 0
     peak_allocated: int = 0
     peak_reserved: int = 0
 
-    def malloc(self, nbytes: int) -> Block:
+    def malloc(self, nbytes: int, stream: int = 0) -> Block:
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
-        block = self._take(small, size)
+        block = self._take((stream, small), size)
         if block is None:  # cudaMalloc a new segment
             seg = segment_size(size)
-            block = Block(self.segments, 0, seg, small)
+            block = Block(self.segments, 0, seg, small, stream)
             self.segments += 1
             self.reserved += seg
         remaining = block.size - size
         if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
-            rest = Block(block.segment, block.offset + size, remaining, small, True, block, block.next)
+            rest = Block(block.segment, block.offset + size, remaining, small, stream, True, block, block.next)
             if block.next is not None:
                 block.next.prev = rest
             block.next, block.size = rest, size
@@ -138,18 +141,19 @@ class CachingAllocator:
         """As torch.cuda.reset_peak_memory_stats: the peaks restart from what is held now."""
         self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
 
-    def _take(self, small: bool, size: int) -> Block | None:
-        pool = self.pools[small]
+    def _take(self, pool_key: tuple[int, bool], size: int) -> Block | None:
+        pool = self.pools.setdefault(pool_key, [])
         i = bisect.bisect_left(pool, (size, -1, -1), key=lambda entry: entry[0])
         if i == len(pool):
             return None
         return pool.pop(i)[1]
 
     def _put(self, block: Block) -> None:
-        bisect.insort(self.pools[block.small], (block.key, block), key=lambda entry: entry[0])
+        pool = self.pools.setdefault((block.stream, block.small), [])
+        bisect.insort(pool, (block.key, block), key=lambda entry: entry[0])
 
     def _remove(self, block: Block) -> None:
-        pool = self.pools[block.small]
+        pool = self.pools[(block.stream, block.small)]
         i = bisect.bisect_left(pool, block.key, key=lambda entry: entry[0])
         assert pool[i][1] is block
         pool.pop(i)
@@ -163,13 +167,14 @@ class AllocatorPeaks:
 
 def replay(events: list[tuple], gpu: str) -> AllocatorPeaks:
     """Peaks of the measured window of an allocation trace (tpbench.parallel.emulation.AllocationTrace):
-    events are ("alloc", token, bytes), ("free", token) and one ("window",) where the measured steps begin.
-    The cuBLAS workspaces are allocated at the first GEMM, during warm-up, and held."""
+    events are ("alloc", token, bytes[, stream]) (stream 0, the default, when absent), ("free", token)
+    and one ("window",) where the measured steps begin. The cuBLAS workspaces are allocated at the
+    first GEMM, during warm-up, and held (on the default stream: FSDP2 runs no GEMM on its own)."""
     allocator = CachingAllocator()
     live: dict[int, Block] = {}
     for event in events:
         if event[0] == "alloc":
-            live[event[1]] = allocator.malloc(event[2])
+            live[event[1]] = allocator.malloc(event[2], event[3] if len(event) > 3 else 0)
         elif event[0] == "free":
             block = live.pop(event[1], None)
             if block is not None:
