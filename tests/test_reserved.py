@@ -58,6 +58,7 @@ def traced(cfg) -> tuple[dict[str, float], list[tuple]]:
 def test_a_storage_resized_to_nothing_is_a_free_and_back_up_an_allocation():
     trace = emulation.AllocationTrace()
     mode = emulation.FakeRank()
+    before = vars(torch.UntypedStorage).get("resize_")  # a MemTracker before may have left its own
     with mode, mode.observed_by(trace.observe), trace.resizes():
         gathered = torch.empty(3 << 20, dtype=torch.bfloat16)  # 6 MiB, as FSDP2's all-gather output
         storage = gathered.untyped_storage()
@@ -68,7 +69,7 @@ def test_a_storage_resized_to_nothing_is_a_free_and_back_up_an_allocation():
         empty = torch.empty(0)
         empty.untyped_storage().resize_(1024)  # made empty before: its first bytes are an allocation
     assert [e[0] for e in trace.events] == ["alloc"] + ["free", "alloc"] * 4
-    assert "resize_" not in vars(torch.UntypedStorage)  # the class as it was
+    assert vars(torch.UntypedStorage).get("resize_") is before  # the class as it was
     peaks = replay(trace.events, "H100")
     # one 6 MiB block at a time, in the one 20 MiB segment (four, were the resizes not seen), and the
     # 1 KiB tensor's 2 MiB one
@@ -121,3 +122,73 @@ def test_fsdp2s_streams_are_told_apart_in_the_trace():
     assert set(by_stream[1]) == {2 * n for n in units} | {2 * n // 2 for n in units}  # gathered, shard
     assert set(by_stream[2]) == {4 * n // 2 for n in units}  # the fp32 gradient shards
     assert len(by_stream[2]) == 2 * (len(dense.model.layers) + 1)  # a unit's a step (warm-up, measured)
+
+
+def fsdp_mem_tracker_peak(cfg) -> tuple[dict[str, int], int]:
+    """torch's FSDPMemTracker's peak by its categories over one step of the emulated rank (fake
+    tensors on the CPU, the fake process group: fake CUDA tensors run no backward on a CPU-only
+    torch, tpbench.parallel.emulation), after a warm-up step; and AdamW's step counters' bytes (on the
+    host on a GPU: the model leaves them out, FSDPMemTracker counts them as OptState here)."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from tpbench.experiments.training import Trainer
+
+    emulation.init_process_group(cfg)
+    try:
+        ctx = memory.context(cfg)
+        with emulation.tensor_mode(cfg):
+            trainer = Trainer(cfg, ctx)
+            trainer.step()
+            adamw = getattr(trainer.optimizer, "adamw", trainer.optimizer)
+            tracker = FSDPMemTracker(trainer.module, adamw)
+            gc.collect()
+            with tracker:
+                trainer.step()
+            counters = sum(s["step"].untyped_storage().nbytes() for s in adamw.state.values())
+            (peak,) = tracker.get_tracker_snapshot("peak").values()
+    finally:
+        dist.destroy_process_group()
+    return {str(k).removeprefix("_FSDPRefType."): v for k, v in peak.items()}, counters
+
+
+@pytest.mark.parametrize("level", ["full", "grads"])
+def test_fsdp_mem_trackers_categories_are_the_models_terms(level):
+    """Each of FSDPMemTracker's categories at its peak against the model's terms at its peak moment
+    (tpbench.predict.theory.sharding.split), FSDP 2 on the tiny model, bf16 mixed:
+      weights       Sharded Param + Unsharded Param (FSDP2's fp32 shards, the gathered bf16 weights)
+      master        Sharded Param
+      moments       OptState less AdamW's step counters (on the host on a GPU)
+      activations   Activation + Inputs; at ZeRO-2's loss forward also All Gather (the last block's
+                    flat all-gather output, which FSDP2 keeps until the next gather's copy-out)
+      gradients     Sharded Grad + Unsharded Grad; under full, at its peak in backward, also the
+                    root's bf16 final-norm gradient, which FSDPMemTracker counts as Temp until the
+                    root's post-backward tags it
+      temporaries   the rest of Temp, All Gather (a block's flat gather) and Reduce Scatter (a block's
+                    fp32 reduce-scatter input)
+    and the totals equal to the byte."""
+    from tpbench.predict import theory
+    from tpbench.predict.theory import sharding
+
+    cfg = gpu_config([f"parallel.dp_shard={level}"])
+    peak, counters = fsdp_mem_tracker_peak(cfg)
+    predicted = theory.predict(cfg)
+    terms = sharding.split(predicted.dims, sharding.sharding(cfg), predicted.peak)
+    assert peak["Total"] - counters == predicted.peak_bytes
+    assert terms["weights"] == peak["SHARDED_PARAM"] + peak["UNSHARDED_PARAM"]
+    assert terms["master"] == peak["SHARDED_PARAM"]
+    assert terms["moments"] == peak["OPT"] - counters
+    norm_grad = cfg.model.hidden_size * 2  # bf16
+    if level == "full":
+        assert predicted.peak.name == "next block all-gather"
+        assert terms["activations"] == peak["ACT"] + peak["INP"]
+        assert terms["gradients"] == peak["SHARDED_GRAD"] + peak["UNSHARDED_GRAD"] + norm_grad
+        assert terms["temporaries"] == peak["TEMP"] - norm_grad + peak["ALL_GATHER"] + peak["REDUCE_SCATTER"]
+        assert peak["ALL_GATHER"] > 0 and peak["REDUCE_SCATTER"] == 2 * peak["ALL_GATHER"]  # fp32, bf16
+    else:
+        assert predicted.peak.name == "loss forward"
+        assert terms["activations"] == peak["ACT"] + peak["INP"] + peak["ALL_GATHER"]
+        assert terms["gradients"] == peak["SHARDED_GRAD"] + peak["UNSHARDED_GRAD"] == 0
+        assert terms["temporaries"] == peak["TEMP"] + peak["REDUCE_SCATTER"] == 0
