@@ -49,10 +49,12 @@ def test_torchtitan_llama3_8b_fsdp_8_local_batch_2_fits_at_full_recompute():
     full = row_of(fit, recompute="full")
     assert full.fits and (full.gpus, full.dp, full.micro_batch, full.accumulation) == (8, 8, 2, 1)
     assert fit.base.train.precision == "mixed" and full.dp_shard == "full"
-    # tpbench's selective fits too since model.fused_ops (f09ed63: SDPA saves k and v at their 8 KV
-    # heads, no repeat_kv copy; no per-block RoPE casts): 94.25 GB with 7.8 GB headroom over the 5.1 GB
-    # margin; with MiniMind's ops it keeps too much (105.03 GB), as it did before
-    assert row_of(fit, recompute="selective").fits
+    # tpbench's selective runs but is tight by the predicted reserve: 87.47 GiB live, 93.79 GiB with
+    # the cuBLAS workspaces, FSDP2's stream pools (2.61 GiB copy-in, 3.80 reduce-scatter) and NCCL,
+    # 1.29 GiB of headroom under the 4.75 GiB margin (it fit by the allocated bytes alone, 7.8 GB over
+    # the margin, since model.fused_ops, f09ed63); with MiniMind's ops it keeps too much, as before
+    selective = row_of(fit, recompute="selective")
+    assert selective.tight and not selective.fits
     unfused = search(f"{line} model.fused_ops=false", reported_bytes=int(H100_96GB_GIB * GiB))
     assert not row_of(unfused, recompute="selective").runs
 

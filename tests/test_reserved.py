@@ -43,9 +43,9 @@ def traced(cfg) -> tuple[dict[str, float], list[tuple]]:
     seen: list[list[tuple]] = []
     original = memory.allocator.replay
 
-    def keep(events, gpu):
+    def keep(events, gpu, expandable=False):
         seen.append(events)
-        return original(events, gpu)
+        return original(events, gpu, expandable)
 
     memory.allocator.replay = keep
     try:
@@ -192,3 +192,52 @@ def test_fsdp_mem_trackers_categories_are_the_models_terms(level):
         assert terms["activations"] == peak["ACT"] + peak["INP"] + peak["ALL_GATHER"]
         assert terms["gradients"] == peak["SHARDED_GRAD"] + peak["UNSHARDED_GRAD"] == 0
         assert terms["temporaries"] == peak["TEMP"] + peak["REDUCE_SCATTER"] == 0
+
+
+@pytest.mark.parametrize("level", ["full", "grads"])
+def test_fsdp2s_stream_pools_are_predicted_as_the_trace_replays_them(level):
+    """tpbench.predict.theory.reserved derives FSDP2's copy-in and reduce-scatter streams' reserves from
+    FSDP2's schedule through the allocator model; the replay of the emulated step's own allocations
+    on those streams reserves the same bytes (the 8B row at FSDP 8: 2,676 and 3,894 MiB both ways)."""
+    from tpbench.predict import allocator, theory
+    from tpbench.predict.theory import reserved
+
+    # H 512, V 8192: each unit's gather (5-8 MiB) in the large pool, where the schedule shows
+    wider = ["model.hidden_size=512", "model.vocab_size=8192"]
+    cfg = gpu_config([f"parallel.dp_shard={level}", *wider])
+    result, events = traced(cfg)
+    model = allocator.CachingAllocator()
+    live = {}
+    for e in events:
+        if e[0] == "alloc":
+            live[e[1]] = model.malloc(e[2], e[3])
+        elif e[0] == "free" and e[1] in live:
+            model.free(live.pop(e[1]))
+    traced_pools = (model.stream_reserved[1], model.stream_reserved[2])
+    assert reserved.fsdp_stream_pools(cfg) == traced_pools
+    predicted = reserved.reserved(cfg, theory.predict(cfg), "H100")
+    assert predicted.total == result["predicted_max_memory_reserved_bytes"]
+    assert predicted.total == predicted.default + WORKSPACES + sum(traced_pools)
+
+
+def test_expandable_segments_map_pages_at_the_segments_end():
+    """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torchtitan's launch): one segment a pool,
+    grown by 20 MiB pages at its end, joined to a free last block; the default allocator makes a
+    segment per request that no cached block fits."""
+    from tpbench.predict.allocator import CachingAllocator
+
+    MiB = 1 << 20
+    for expandable, reserved in ((True, [40, 60, 100, 100]), (False, [30, 56, 92, 182])):
+        a = CachingAllocator(expandable=expandable)
+        x = a.malloc(30 * MiB)  # expandable: 2 pages, a 10 MiB free end
+        seen = [a.reserved]
+        y = a.malloc(25 * MiB)  # the free end and 1 page more
+        seen.append(a.reserved)
+        a.free(x)  # a 30 MiB hole: too small for the next
+        z = a.malloc(35 * MiB)  # the 5 MiB free end and 2 pages
+        seen.append(a.reserved)
+        a.free(y)
+        a.free(z)  # expandable: one free block of 100 MiB, which the next fits in
+        a.malloc(90 * MiB)
+        seen.append(a.reserved)
+        assert seen == [r * MiB for r in reserved], expandable

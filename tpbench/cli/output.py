@@ -241,10 +241,21 @@ def plan(cfg: RunConfig, prediction: Prediction, flops: float) -> None:
     out.print(comm)
     out.print(f"model FLOPs per step (global batch): {flops:.4g}")
     if cfg.launch.device == "cuda":
+        from tpbench.predict.theory import reserved
+
         gpu = cfg.launch.emulate_gpu
+        r = reserved.reserved(cfg, prediction, gpu)
+        pools = (
+            f", FSDP2's all-gather and reduce-scatter streams' pools {r.all_gather / 2**20:,.1f} + "
+            f"{r.reduce_scatter / 2**20:,.1f}"
+            if r.all_gather or r.reduce_scatter
+            else ""
+        )
         out.print(
             f"predicted max_memory_allocated on an {gpu} (the peak and 2 cuBLAS workspaces): "
-            f"{prediction.max_memory_allocated_bytes(gpu) / 2**20:,.1f} MiB"
+            f"{prediction.max_memory_allocated_bytes(gpu) / 2**20:,.1f} MiB; max_memory_reserved "
+            f"(those{pools}; not the allocator's fragmentation, --measure replays it): "
+            f"{r.total / 2**20:,.1f} MiB"
         )
 
 
@@ -370,7 +381,13 @@ def plan_dict(
     }
     if cfg.launch.device == "cuda":
         gpu = cfg.launch.emulate_gpu
-        out |= {"gpu": gpu, "max_memory_allocated_bytes": prediction.max_memory_allocated_bytes(gpu)}
+        from tpbench.predict.theory import reserved
+
+        out |= {
+            "gpu": gpu,
+            "max_memory_allocated_bytes": prediction.max_memory_allocated_bytes(gpu),
+            "max_memory_reserved_bytes": reserved.reserved(cfg, prediction, gpu).total,
+        }
     if measured is not None:
         from tpbench.parallel.emulation import emulated_rank
 
@@ -399,7 +416,9 @@ def measured(
             f"caching allocator model ({cfg.launch.emulate_gpu}, with cuBLAS workspaces): max allocated "
             f"{allocated / 2**20:,.1f} MiB, predicted {predicted / 2**20:,.1f} "
             f"({(predicted - allocated) / allocated:+.2%}); max reserved "
-            f"{result['modelled_max_memory_reserved_bytes'] / 2**20:,.1f} MiB"
+            f"{result['modelled_max_memory_reserved_bytes'] / 2**20:,.1f} MiB (expandable segments "
+            f"{result['modelled_max_memory_reserved_expandable_bytes'] / 2**20:,.1f}), predicted "
+            f"{result['predicted_max_memory_reserved_bytes'] / 2**20:,.1f}"
         )
 
 

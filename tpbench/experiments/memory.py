@@ -29,6 +29,7 @@ from tpbench.experiments.setup import context, counting
 from tpbench.experiments.training import Trainer
 from tpbench.parallel import collectives, emulation, instrumentation
 from tpbench.predict import allocator, theory
+from tpbench.predict.theory import reserved
 from tpbench.results import RankResult
 
 # MemTracker's categories -> tpbench's measurement names
@@ -315,9 +316,13 @@ def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace 
         result.add("max_memory_allocated_bytes", torch.cuda.max_memory_allocated(), "B")
         result.add("max_memory_reserved_bytes", torch.cuda.max_memory_reserved(), "B")
     if trace is not None:
-        peaks = allocator.replay(trace.replayable(), cfg.launch.emulate_gpu)
+        events = trace.replayable()
+        peaks = allocator.replay(events, cfg.launch.emulate_gpu)
         result.add("modelled_max_memory_allocated_bytes", peaks.allocated, "B")
         result.add("modelled_max_memory_reserved_bytes", peaks.reserved, "B")
+        # the same step under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (torchtitan's launch)
+        expandable = allocator.replay(events, cfg.launch.emulate_gpu, expandable=True)
+        result.add("modelled_max_memory_reserved_expandable_bytes", expandable.reserved, "B")
 
     predicted = theory.predict(cfg)
     result.add("predicted_peak_bytes", predicted.peak_bytes, "B")
@@ -327,6 +332,8 @@ def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace 
     gpu = cfg.launch.emulate_gpu if trace is not None else allocator.gpu_of(_device_name(trainer))
     if gpu is not None:  # an emulated GPU, or a real one the allocator model knows
         result.add("predicted_max_memory_allocated_bytes", predicted.max_memory_allocated_bytes(gpu), "B")
+        reserve = reserved.reserved(cfg, predicted, gpu).total
+        result.add("predicted_max_memory_reserved_bytes", reserve, "B")
     return result
 
 

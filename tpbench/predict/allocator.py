@@ -18,6 +18,14 @@ settings: no max_split_size, no expandable segments), per stream:
   free              the block returns to its pool, merged with free neighbours of its segment; segments
                     are never given back (no empty_cache)
 
+With `expandable` (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which torchtitan's launch script
+sets: run_llama_train.sh since a5e57e4, 2024-10-22; run_train.sh) each pool of each stream is one
+segment of reserved address space, mapped in pages (2 MiB in the small pool, 20 MiB in the large) as
+it grows: when no cached block fits, the pages the request needs are mapped at the segment's end,
+joined to its last block if that one is free (try_allocate_expandable_block); reserved bytes are the
+mapped pages. Blocks split and merge as above; a free block inside the segment still serves only
+requests it fits.
+
 cuBLAS keeps one workspace per (handle, stream), allocated through the same allocator on the first GEMM
 and kept: a training step runs GEMMs on two threads (the forward on the caller's, backward on
 autograd's device thread), so two handles and two workspaces (PyTorch's CUBLAS_WORKSPACE_CONFIG
@@ -91,8 +99,11 @@ class CachingAllocator:
     # (stream, small) -> the free blocks of that pool, in order
     pools: dict[tuple[int, bool], list[tuple[tuple[int, int, int], Block]]] = field(default_factory=dict)
     segments: int = 0
+    expandable: bool = False
+    tails: dict[tuple[int, bool], Block] = field(default_factory=dict)  # expandable: each pool's last block
     allocated: int = 0
     reserved: int = 0
+    stream_reserved: dict[int, int] = field(default_factory=dict)  # of `reserved`, each stream's
     peak_allocated: int = 0
     peak_reserved: int = 0
 
@@ -100,18 +111,25 @@ class CachingAllocator:
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
         block = self._take((stream, small), size)
-        if block is None:  # cudaMalloc a new segment
+        if block is None and self.expandable:
+            block = self._grow((stream, small), size)
+        elif block is None:  # cudaMalloc a new segment
             seg = segment_size(size)
             block = Block(self.segments, 0, seg, small, stream)
             self.segments += 1
             self.reserved += seg
+            self.stream_reserved[stream] = self.stream_reserved.get(stream, 0) + seg
         remaining = block.size - size
         if remaining >= MIN_BLOCK if small else remaining > SMALL_SIZE:
-            rest = Block(block.segment, block.offset + size, remaining, small, stream, True, block, block.next)
+            rest = Block(
+                block.segment, block.offset + size, remaining, small, stream, True, block, block.next
+            )
             if block.next is not None:
                 block.next.prev = rest
             block.next, block.size = rest, size
             self._put(rest)
+            if self.tails.get((stream, small)) is block:
+                self.tails[(stream, small)] = rest
         block.free = False
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
@@ -135,7 +153,34 @@ class CachingAllocator:
                     block.next = neighbour.next
                     if neighbour.next is not None:
                         neighbour.next.prev = block
+        if self.expandable and block.next is None:  # the one segment's end
+            self.tails[(block.stream, block.small)] = block
         self._put(block)
+
+    def _grow(self, pool_key: tuple[int, bool], size: int) -> Block:
+        """Expandable segments: map the pages `size` needs at the end of the pool's segment, joined
+        to its last block when that one is free."""
+        stream, small = pool_key
+        page = SMALL_BUFFER if small else LARGE_BUFFER
+        tail = self.tails.get(pool_key)
+        if tail is None:
+            self.segments += 1
+        if tail is not None and tail.free:
+            self._remove(tail)
+            mapped = page * math.ceil((size - tail.size) / page)
+            tail.size += mapped
+            block = tail
+        else:
+            mapped = page * math.ceil(size / page)
+            segment = self.segments - 1 if tail is None else tail.segment
+            offset = 0 if tail is None else tail.offset + tail.size
+            block = Block(segment, offset, mapped, small, stream, True, tail, None)
+            if tail is not None:
+                tail.next = block
+            self.tails[pool_key] = block
+        self.reserved += mapped
+        self.stream_reserved[stream] = self.stream_reserved.get(stream, 0) + mapped
+        return block
 
     def reset_peaks(self) -> None:
         """As torch.cuda.reset_peak_memory_stats: the peaks restart from what is held now."""
@@ -165,12 +210,12 @@ class AllocatorPeaks:
     reserved: int
 
 
-def replay(events: list[tuple], gpu: str) -> AllocatorPeaks:
+def replay(events: list[tuple], gpu: str, expandable: bool = False) -> AllocatorPeaks:
     """Peaks of the measured window of an allocation trace (tpbench.parallel.emulation.AllocationTrace):
     events are ("alloc", token, bytes[, stream]) (stream 0, the default, when absent), ("free", token)
     and one ("window",) where the measured steps begin. The cuBLAS workspaces are allocated at the
     first GEMM, during warm-up, and held (on the default stream: FSDP2 runs no GEMM on its own)."""
-    allocator = CachingAllocator()
+    allocator = CachingAllocator(expandable=expandable)
     live: dict[int, Block] = {}
     for event in events:
         if event[0] == "alloc":

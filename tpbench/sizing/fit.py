@@ -17,8 +17,9 @@ nothing-fits line names, keep it.
 Nothing runs: each row is the analytic models' (tpbench.predict.theory, tpbench.predict.steptime), as
 `tpbench plan` prints them, on that GPU:
 
-  per-rank peak  theory's live-tensor peak + 2 cuBLAS workspaces (Prediction.max_memory_allocated_bytes)
-                 + NCCL's buffers, one set per process group the rank talks in (the world's, TP's, DP's,
+  per-rank peak  the predicted max reserved (tpbench.predict.theory.reserved: theory's live-tensor peak,
+                 2 cuBLAS workspaces and, under FSDP2, its streams' pools, which the default stream
+                 cannot reuse) + NCCL's buffers, one set per process group the rank talks in (the world's, TP's, DP's,
                  HSDP's replicas', the KV replicas')
   usable         what the driver reports (the hardware table's, or --gpu-memory-gib) less the runtime
                  reserve (the CUDA context); the reserve and NCCL's buffers are constants stated in
@@ -29,9 +30,8 @@ Nothing runs: each row is the analytic models' (tpbench.predict.theory, tpbench.
                  optimizer (layouts.ACCUMULATION says how), at the GPU's rates, DP's collectives between
                  nodes at the network's (search.NETWORK_GBPS); tokens/s per GPU and MFU from it
 
-Not counted: the caching allocator's rounding and fragmentation (max_memory_reserved over allocated),
-which `--measure` replays from an emulated step of the chosen rows (tpbench.parallel.emulation, fake
-tensors). Ranked: predicted tokens/s per GPU among the rows that fit, headroom breaking ties. Where
+Not counted: the default stream's rounding and fragmentation, which `--measure` replays from an
+emulated step of the chosen rows (tpbench.parallel.emulation, fake tensors) with its verdict. Ranked: predicted tokens/s per GPU among the rows that fit, headroom breaking ties. Where
 none fits, the answer is one line (search.NothingFits; the command exits 1, not bad input's 2).
 """
 

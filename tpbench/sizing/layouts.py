@@ -70,12 +70,13 @@ class Row:
     dp_shard: str = "none"
     dp_replicate: int = 1
     accumulation: int = 1  # micro-steps per optimizer step (global batch / (DP x micro-batch))
-    peak_bytes: int = 0  # per rank: allocated + NCCL buffers (the CUDA context is the reserve)
+    peak_bytes: int = 0  # per rank: predicted max reserved + NCCL buffers (the CUDA context is the reserve)
     live_bytes: int = 0  # theory's live-tensor peak
     moment: str = ""  # where that peak is
     allocated_bytes: int = 0  # live + cuBLAS workspaces: max_memory_allocated
+    reserved_bytes: int = 0  # allocated + FSDP2's stream pools: max_memory_reserved (theory.reserved)
     overhead_bytes: int = 0  # NCCL buffers
-    headroom_bytes: int = 0  # usable memory less the peak
+    headroom_bytes: int = 0  # usable memory less the peak: what fit decides by
     margin_bytes: int = 0
     comm_bytes_per_step: int = 0  # per rank, one micro-step's
     step_s: float = 0.0  # the whole optimizer step: every micro-step, the DP sync, the optimizer

@@ -10,7 +10,7 @@ from tpbench.config import ConfigError, RunConfig
 from tpbench.models.shapes import model_name, shape_label
 from tpbench.predict import steptime, theory
 from tpbench.predict.hardware import GPU
-from tpbench.predict.theory import sharding
+from tpbench.predict.theory import reserved, sharding
 from tpbench.run import compose
 from tpbench.sizing import defaults
 from tpbench.sizing.layouts import (
@@ -354,8 +354,9 @@ def _with(row: Row, micro_batch: int, global_batch: int | None) -> Row:
 
 def _memory(base: RunConfig, cluster: Cluster, row: Row) -> Row:
     """One row's memory: the per-rank peak of its step of `row.accumulation` micro-steps (its last
-    micro-step's, beside what the earlier ones leave: theory.accumulation.step_moments) and its
-    headroom, on the GPU itself as `plan` predicts it (launch.emulate=none: fit's base emulates a rank
+    micro-step's, beside what the earlier ones leave: theory.accumulation.step_moments), the predicted
+    max reserved it needs (tpbench.predict.theory.reserved: with FSDP2's stream pools) and its
+    headroom by that, on the GPU itself as `plan` predicts it (launch.emulate=none: fit's base emulates a rank
     for --measure, and an emulated rank runs torch's CPU-build loss, which copies the logits to fp32
     where CUDA's fused one does not). Its collective bytes are one micro-step's."""
     cfg = configure(base, row)
@@ -363,14 +364,16 @@ def _memory(base: RunConfig, cluster: Cluster, row: Row) -> Row:
     train = dataclasses.replace(on_the_gpu.train, accumulation=row.accumulation)
     prediction = theory.predict(dataclasses.replace(on_the_gpu, train=train))
     allocated = prediction.max_memory_allocated_bytes(cluster.gpu.name)
+    reserve = reserved.reserved(on_the_gpu, prediction, cluster.gpu.name).total
     overhead = cluster.overheads.nccl_bytes_per_communicator * communicators(cfg)
-    peak = allocated + overhead
+    peak = reserve + overhead
     return dataclasses.replace(
         row,
         peak_bytes=peak,
         live_bytes=prediction.peak_bytes,
         moment=prediction.peak.name,
         allocated_bytes=allocated,
+        reserved_bytes=reserve,
         overhead_bytes=overhead,
         headroom_bytes=cluster.memory.usable_bytes - peak,
         margin_bytes=cluster.memory.margin_bytes,

@@ -22,6 +22,10 @@ class Moment:
     optimizer: int
     activations: int
     temporaries: int
+    # of the above, the bytes FSDP2 holds on its own streams: its reduce-scatter stream's gradient
+    # shards and outputs, its copy-in stream's flat all-gather outputs; in pools the default stream
+    # cannot reuse (tpbench.predict.theory.reserved). 0 without FSDP2
+    streams: int = 0
 
     @property
     def total(self) -> int:

@@ -175,14 +175,16 @@ def moments(d: Dims, s: Sharding, base: list[Moment], accumulating: bool = False
         temps = m.temporaries + sum(gathered[u] for u in fetched)
         # FSDP2 keeps the last forward all-gather's flat output, the top block's, until the root's
         # post-forward (its all_gather_state): alive in the top block's forward and the loss's
-        acts = m.activations + (gathered[blocks[-1]] if in_forward else 0)
+        flat = gathered[blocks[-1]] if in_forward else 0
+        acts = m.activations + flat
         if done:  # FSDP2 keeps the last reduce-scatter's input until the next one (its reduce_scatter_state)
             temps += rs_in[done[0]]
         # the base counts the gradients made so far whole: the done blocks' are shards now
         made = m.grads - sum(whole[u] for u in done)
         grads = made + (st.grads if accumulating else sum(shard_g[u] for u in done))
         out.append(replace(m, params=weights, grads=grads, optimizer=st.optimizer, activations=acts,
-                           temporaries=temps))  # fmt: skip
+                           temporaries=temps,
+                           streams=grads - made + flat + sum(gathered[u] for u in fetched)))  # fmt: skip
     top = _top_block_gather(c, s, st, gathered)
     out.insert(0, replace(top, grads=st.grads) if accumulating else top)
     extra = []
@@ -199,11 +201,16 @@ def moments(d: Dims, s: Sharding, base: list[Moment], accumulating: bool = False
     root_in, rs_out = rs_in[ROOT], shard_g[ROOT]
     sharded_blocks = st.grads if accumulating else sum(shard_g[b] for b in blocks)  # the root's too
     out.append(Moment("root reduce-scatter copy-in", st.params, sharded_blocks + whole[ROOT], st.optimizer,
-                      kept, root_in))  # fmt: skip
-    out.append(Moment("root reduce-scatter", st.params, sharded_blocks, st.optimizer, kept, root_in + rs_out))
+                      kept, root_in, sharded_blocks))  # fmt: skip
+    out.append(Moment("root reduce-scatter", st.params, sharded_blocks, st.optimizer, kept, root_in + rs_out,
+                      sharded_blocks + rs_out))  # fmt: skip
     clipping = [m for m in base if m.name == "gradient clipping"]  # train.grad_clip: the sharded gradients
-    out += [Moment(m.name, st.params, st.grads, st.optimizer, kept, m.temporaries) for m in clipping]
-    out.append(Moment("optimizer", st.params, st.grads, st.optimizer, kept, _adam_temporaries(d, s)))
+    out += [
+        Moment(m.name, st.params, st.grads, st.optimizer, kept, m.temporaries, st.grads) for m in clipping
+    ]
+    out.append(
+        Moment("optimizer", st.params, st.grads, st.optimizer, kept, _adam_temporaries(d, s), st.grads)
+    )
     return out
 
 
@@ -216,7 +223,8 @@ def _accumulating(d: Dims, st: State, shard_g: dict[str, int], m: Moment) -> Mom
         done = blocks[int(m.name.rpartition(" ")[2]) + 1 :]
     else:
         done = blocks[-1:] if m.name == "next block all-gather" else blocks[1:]  # input norm backward 0
-    return replace(m, grads=m.grads - sum(shard_g[b] for b in done) + st.grads)
+    shards = sum(shard_g[b] for b in done)
+    return replace(m, grads=m.grads - shards + st.grads, streams=m.streams - shards + st.grads)
 
 
 def _forward_moments(d: Dims, base: list[Moment]) -> list[Moment]:
@@ -317,7 +325,8 @@ def _top_block_gather(d: Dims, s: Sharding, st: State, gathered: dict[str, int])
     if s.level == "grads":
         params += sum(gathered[f"layers.{i}"] for i in range(d.L - 1))
     buffers = gathered[previous] + 2 * gathered[top]
-    return Moment("top block all-gather", params, 0, st.optimizer, below + buffers, 0)
+    flats = gathered[previous] + gathered[top]  # on FSDP2's copy-in stream (`Moment.streams`)
+    return Moment("top block all-gather", params, 0, st.optimizer, below + buffers, 0, flats)
 
 
 def _next_block_gather(
@@ -335,7 +344,8 @@ def _next_block_gather(
     root_grads = _root_grads(d)
     params = st.params + gathered[ROOT] + gathered[below]
     grads = shard_g[top] + root_grads
-    return Moment("next block all-gather", params, grads, st.optimizer, activations, temps)
+    streams = shard_g[top] + gathered[below]
+    return Moment("next block all-gather", params, grads, st.optimizer, activations, temps, streams)
 
 
 def _root_grads(d: Dims) -> int:
@@ -359,17 +369,21 @@ def _block_reduce_scatter(
     unit = blocks[layer]
     params = st.params + gathered[ROOT]
     temps = rs_in[unit] + shard_g[unit] + d.s * d.Ns * d.H
+    prefetched = 0
     if s.level == "grads":
         params += sum(gathered[b] for b in blocks[:layer])
     elif layer > 0:
-        temps += gathered[blocks[layer - 1]]
+        prefetched = gathered[blocks[layer - 1]]
+        temps += prefetched
     temps += d.V_l * d.H * d.w if d.tied else 0
     root_grads = _root_grads(d)
     # the block's input norm's weight gradient is made after the hook runs, still autograd's own
-    grads = sum(shard_g[b] for b in blocks[layer + 1 :]) + root_grads + d.H * d.w
+    done = sum(shard_g[b] for b in blocks[layer + 1 :])
+    grads = done + root_grads + d.H * d.w
     acts = model_activations(d)
     activations = after_head(acts) - acts["blocks"] // d.L * (d.L - layer) + LOSS_AND_GRAD
-    return Moment(f"block reduce-scatter {layer}", params, grads, st.optimizer, activations, temps)
+    streams = done + shard_g[unit] + prefetched  # the output is made on the reduce-scatter stream too
+    return Moment(f"block reduce-scatter {layer}", params, grads, st.optimizer, activations, temps, streams)
 
 
 def _bottom_input_norm_backward(
@@ -394,7 +408,8 @@ def _bottom_input_norm_backward(
     blocks = [f"layers.{i}" for i in range(d.L)]
     params = st.params + gathered[ROOT] + gathered[blocks[0]]
     root_grads = _root_grads(d)
-    grads = sum(shard_g[b] for b in blocks[1:]) + whole[blocks[0]] + root_grads
+    done = sum(shard_g[b] for b in blocks[1:])
+    grads = done + whole[blocks[0]] + root_grads
     saved = (d.s if d.lean_rmsnorm else FP32) * d.Ns * d.H
     if d.recompute == "full":  # what the checkpoint saved: the block's input, FSDP2's cast cos and sin
         saved = sum(layer_activations(d).values())
@@ -405,7 +420,7 @@ def _bottom_input_norm_backward(
     temps = (rs_in[blocks[1]] if d.L > 1 else 0) + norm + d.s * d.Ns * d.H
     temps += d.V_l * d.H * d.w if d.tied else 0
     activations = kept + LOSS_AND_GRAD - FP32 + saved  # the loss's gradient too
-    return Moment("input norm backward 0", params, grads, st.optimizer, activations, temps)
+    return Moment("input norm backward 0", params, grads, st.optimizer, activations, temps, done)
 
 
 def _zero1(d: Dims, s: Sharding, st: State, base: list[Moment]) -> list[Moment]:
