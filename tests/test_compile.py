@@ -176,13 +176,25 @@ MISPLACED = {"misplaced_dropout": ["parallel.tp=2", *DROPOUT, NO_HEAD_OFFSET, *O
 # DTensor's eager twin: its first step (the one that counts collectives) runs eager, so only the AdamW
 # steps after it show that its blocks were compiled: their logits drift otherwise than eager's
 EAGER_TWIN = {"dtensor_tp_eager": COMPILED_T2["dtensor_tp"]}
+# Inductor compiles where its code is what is checked: DTensor's functional collectives lowered (its
+# AdamW steps drift otherwise than eager's) and the dropout masks' random bits in generated code (and
+# its planted twin). The DP levels, DDP and per-op recompute change what the graph holds, not
+# inductor's code: aot_eager compiles them (Dynamo's graph, AOTAutograd's split and recompute policy,
+# eager kernels), at about a quarter of a cold inductor cache's cost, which CI pays on every run.
+INDUCTOR = ("dtensor_tp", "dropout_tp_sp_full", "misplaced_dropout")
+
+
+def compiled_by(name: str) -> list[str]:
+    return ["train.compile=true", *([] if name in INDUCTOR else ["train.compile_backend=aot_eager"])]
+
+
 WORLD2.add(
     "validate",
     "compiled",
-    {k: [*TINY, *v, "train.compile=true"] for k, v in (COMPILED_T2 | MISPLACED).items()}
+    {k: [*TINY, *v, *compiled_by(k)] for k, v in (COMPILED_T2 | MISPLACED).items()}
     | {k: [*TINY, *v, "train.compile=false"] for k, v in EAGER_TWIN.items()},
 )
-WORLD4.add("validate", "compiled", {k: [*TINY, *v, "train.compile=true"] for k, v in COMPILED_T4.items()})
+WORLD4.add("validate", "compiled", {k: [*TINY, *v, *compiled_by(k)] for k, v in COMPILED_T4.items()})
 
 
 @beside
@@ -213,7 +225,7 @@ def test_compiled_blocks_validate_on_every_engine_dp_level_and_recompute(compile
 def test_compiled_op_recompute_communicates_no_more_than_the_model(compiled, name):
     """Compiled, the policy keeps tpbench's collectives (custom ops in the graph): the counted ones are
     the analytic model's, with none run again in backward (counted under their forward purpose there)."""
-    cfg = run_config([*TINY, *COMPILED_T2[name], "train.compile=true"])
+    cfg = run_config([*TINY, *COMPILED_T2[name], *compiled_by(name)])
     predicted = sorted([r.op, r.purpose, r.count, r.bytes] for r in theory.predict(cfg).rows)
     assert sorted(compiled[name]["comm"]) == predicted
 
@@ -263,3 +275,39 @@ def test_compiled_dropout_draws_eagers_masks_and_never_recompiles():
     assert graphs == [1, 1, 1] and sum(counters["graph_break"].values()) == 0
     assert model.compile_graphs.count == 1  # validate's compile_graphs, counted to this model
     assert len(set(losses)) == 3  # each step its own masks
+
+
+def test_aot_eager_compiles_the_blocks_without_inductor(monkeypatch):
+    """train.compile_backend=aot_eager: each block is Dynamo's graph (fullgraph, counted as inductor's)
+    split by AOTAutograd, with no code generated: inductor is never called, and the compiled model's
+    loss and gradients are eager's within rounding."""
+    import copy
+
+    import torch
+    import torch._inductor.compile_fx
+
+    from tpbench.models.minimind import MiniMindConfig, build_model
+    from tpbench.parallel.compiled import apply_compile
+
+    def refused(*args, **kwargs):
+        raise AssertionError("inductor called under aot_eager")
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", refused)
+    cfg = MiniMindConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=64, vocab_size=64, flash_attn=False)  # fmt: skip
+    model = build_model(cfg, seed=1)
+    eager = copy.deepcopy(model)
+    apply_compile(model, backend="aot_eager")
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    (_, loss), (_, want) = model(ids, ids), eager(ids, ids)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert model.compile_graphs.count == 1  # one graph, shared by the blocks
+
+
+def test_an_unknown_compile_backend_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"^train.compile_backend='tvm': accepted are inductor, aot_eager$"):
+        expand(["train.compile_backend=tvm"], single=True, launching=False)

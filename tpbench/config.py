@@ -156,6 +156,10 @@ class TrainConfig:
     # torch.compile of each transformer block (inductor, fullgraph), as torchtitan (parallel.compiled);
     # auto: on for CUDA throughput and validate runs; kind=memory runs eager (the memory model's tensors)
     compile: Any = "auto"
+    # what each compiled block goes to (torchtitan's compile.backend): inductor (generated kernels) |
+    # aot_eager (Dynamo's graph split by AOTAutograd into forward and backward, run by eager kernels:
+    # no code generated, to tell a tracing bug from a code-generation one; the tests' variations use it)
+    compile_backend: str = "inductor"
     steps: int = 5  # measured steps (memory, throughput)
     warmup: int = 2  # steps before measuring; memory takes at least the steady state (1, DDP 2)
     seed: int = 0

@@ -105,7 +105,7 @@ def build_parallel(
         pm = parallelize_dtensor(model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum))
         place(pm.module, ctx.device, param_dtype(cfg))
         if cfg.train.compile is True:  # an unresolved "auto" (a RunConfig built directly) runs eager
-            apply_compile(pm.module)
+            apply_compile(pm.module, backend=cfg.train.compile_backend)
         return pm
     debug = cfg.debug
     skip = tuple(debug.skip_grad_sum)
@@ -114,7 +114,7 @@ def build_parallel(
     )
     place(pm.module, ctx.device, param_dtype(cfg))
     if cfg.train.compile is True:
-        apply_compile(pm.module, between_linears=cfg.parallel.overlap)
+        apply_compile(pm.module, between_linears=cfg.parallel.overlap, backend=cfg.train.compile_backend)
     return pm
 
 

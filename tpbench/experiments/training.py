@@ -184,7 +184,7 @@ def build_ddp(
     # each DP rank draws its slice of the global batch's masks
     place_dropouts(dense, 0, 1, ctx.dp_rank, ctx.dp, False, cfg.debug.dropout_fault)
     if cfg.train.compile is True:  # after recompute, before DDP wraps it (torchtitan's order)
-        apply_compile(dense)
+        apply_compile(dense, backend=cfg.train.compile_backend)
     on_device(dense)
     fake = collectives.fake_backend(ctx.dp_group)
     ddp = DistributedDataParallel(

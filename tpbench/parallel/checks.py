@@ -286,6 +286,7 @@ def check_dp_shard(cfg: RunConfig) -> None:
 
 
 AUTO_SWITCHES = ("train.compile", "train.fused_optimizer", "model.lean_rmsnorm")  # auto | true | false
+COMPILE_BACKENDS = ("inductor", "aot_eager")  # train.compile_backend (tpbench.parallel.compiled)
 COMPILED_KINDS = ("throughput", "validate")  # kind=memory runs eager: the memory model counts eager tensors
 
 
@@ -297,6 +298,9 @@ def check_compile(cfg: RunConfig) -> None:
         value = getattr(getattr(cfg, group), name)
         if not (value is True or value is False or value == "auto"):
             raise ConfigError(f"{key}={value}: accepted are auto, true, false")
+    if cfg.train.compile_backend not in COMPILE_BACKENDS:
+        accepted = ", ".join(COMPILE_BACKENDS)
+        raise ConfigError(f"train.compile_backend={cfg.train.compile_backend!r}: accepted are {accepted}")
     refused = compile_refusal(cfg)
     if cfg.train.compile is True and refused is not None:
         what, accepted = refused

@@ -1,8 +1,9 @@
-"""train.compile: each transformer block compiled on its own by inductor, as torchtitan's regional
-compile (`apply_compile`: per block, fullgraph, after TP and recompute, before DP wraps the model), so
-the repeated structure compiles once and the embedding and head stay eager. Every engine and DP level
-compiles the same way: tpbench's own engine and DTensor's blocks once sharded, DDP's dense blocks
-before DDP wraps them, ZeRO-1 and FSDP2 over the compiled blocks.
+"""train.compile: each transformer block compiled on its own (by inductor, or the backend
+train.compile_backend names), as torchtitan's regional compile (`apply_compile`: per block,
+fullgraph, after TP and recompute, before DP wraps the model), so the repeated structure compiles
+once and the embedding and head stay eager. Every engine and DP level compiles the same way:
+tpbench's own engine and DTensor's blocks once sharded, DDP's dense blocks before DDP wraps them,
+ZeRO-1 and FSDP2 over the compiled blocks.
 
 Inductor's on-disk caches (its FX graph cache and AOTAutograd's) live in one folder kept across runs,
 `inductor_cache()`: $TPBENCH_CACHE_DIR/inductor (default ~/.cache/tpbench/inductor), unless
@@ -22,7 +23,9 @@ from tpbench.models.minimind import MiniMindForCausalLM
 from tpbench.results import Measurement, RankResult
 
 
-def apply_compile(model: MiniMindForCausalLM, between_linears: bool = False) -> None:
+def apply_compile(
+    model: MiniMindForCausalLM, between_linears: bool = False, backend: str = "inductor"
+) -> None:
     """train.compile: each block compiled on its own, in place, as torchtitan does (the names of the
     parameters stay). fullgraph: a graph break is an error, not a silent fallback to eager. The blocks'
     collectives go into the graph as tpbench's registered custom ops (tpbench.parallel.comm), so they
@@ -48,15 +51,16 @@ def apply_compile(model: MiniMindForCausalLM, between_linears: bool = False) -> 
     if not isinstance(getattr(model, "compile_graphs", None), Graphs):
         model.compile_graphs = Graphs()
         model.register_forward_pre_hook(model.compile_graphs.enter)
+    compiler = BACKENDS[backend]
     for block in model.model.layers:
         if not between_linears:
-            block.compile(fullgraph=True, backend=_inductor)
+            block.compile(fullgraph=True, backend=compiler)
             continue
         attn, mlp = block.self_attn, block.mlp
         head_norms = (attn.q_norm, attn.k_norm) if attn.qk_norm else ()
         for norm in (block.input_layernorm, block.post_attention_layernorm, *head_norms):
-            norm.compile(fullgraph=True, backend=_inductor)
-        mlp.act = torch.compile(mlp.act, fullgraph=True, backend=_inductor)
+            norm.compile(fullgraph=True, backend=compiler)
+        mlp.act = torch.compile(mlp.act, fullgraph=True, backend=compiler)
 
 
 class Graphs:
@@ -93,6 +97,18 @@ def _inductor(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
     if Graphs.running is not None:
         Graphs.running.made()
     return compile_fx(gm, example_inputs)
+
+
+def _aot_eager(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """torch's aot_eager backend, each graph counted as `_inductor` counts it."""
+    from torch._dynamo import lookup_backend
+
+    if Graphs.running is not None:
+        Graphs.running.made()
+    return lookup_backend("aot_eager")(gm, example_inputs)
+
+
+BACKENDS = {"inductor": _inductor, "aot_eager": _aot_eager}  # train.compile_backend
 
 
 def record_graphs(model: MiniMindForCausalLM, result: RankResult) -> None:

@@ -19,8 +19,8 @@ Nothing runs: each row is the analytic models' (tpbench.predict.theory, tpbench.
 
   per-rank peak  the predicted max reserved (tpbench.predict.theory.reserved: theory's live-tensor peak,
                  2 cuBLAS workspaces and, under FSDP2, its streams' pools, which the default stream
-                 cannot reuse) + NCCL's buffers, one set per process group the rank talks in (the world's, TP's, DP's,
-                 HSDP's replicas', the KV replicas')
+                 cannot reuse) + NCCL's buffers, one set per process group the rank talks in (the
+                 world's, TP's, DP's, HSDP's replicas', the KV replicas')
   usable         what the driver reports (the hardware table's, or --gpu-memory-gib) less the runtime
                  reserve (the CUDA context); the reserve and NCCL's buffers are constants stated in
                  tpbench.sizing.layouts, settable, never fitted to anything
@@ -31,8 +31,9 @@ Nothing runs: each row is the analytic models' (tpbench.predict.theory, tpbench.
                  nodes at the network's (search.NETWORK_GBPS); tokens/s per GPU and MFU from it
 
 Not counted: the default stream's rounding and fragmentation, which `--measure` replays from an
-emulated step of the chosen rows (tpbench.parallel.emulation, fake tensors) with its verdict. Ranked: predicted tokens/s per GPU among the rows that fit, headroom breaking ties. Where
-none fits, the answer is one line (search.NothingFits; the command exits 1, not bad input's 2).
+emulated step of the chosen rows (tpbench.parallel.emulation, fake tensors) with its verdict.
+Ranked: predicted tokens/s per GPU among the rows that fit, headroom breaking ties. Where none
+fits, the answer is one line (search.NothingFits; the command exits 1, not bad input's 2).
 """
 
 from __future__ import annotations
