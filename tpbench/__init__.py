@@ -14,7 +14,7 @@ run/ (how a run happens); sizing/ uses both, above them.
     predict                               a step modelled without running it: theory/, the GPU table
                                           (hardware), the allocator's model, the matmul rate probe
     experiments                           what each rank runs (validate, memory, throughput)
-    run.faults                            injected failures
+    run.faults, run.collector             injected failures; the cycle collector paused for imports
     run.compose                           configs from conf/: composed, expanded, checked
     run.launch, run.worker, run.batch,    one run: a torchrun job and its workers; consecutive runs in
     db                                    one job on warm workers; the results database
@@ -36,7 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("parallel",),
     ("predict",),
     ("experiments",),
-    ("run.faults",),
+    ("run.faults", "run.collector"),
     ("run.compose",),
     ("run.launch", "run.worker", "run.batch", "db"),
     ("run.sweep", "run.slurm", "run"),

@@ -359,25 +359,20 @@ def _as_string(o: Override) -> str:
     return f"{o.get_key_element()}={o.get_value_element_as_str()}"
 
 
-# conf/'s config groups, as Hydra names them in an override (a nested one as a/b)
-CONFIG_GROUPS = frozenset(str(d.relative_to(CONF_DIR)) for d in CONF_DIR.rglob("*") if d.is_dir())
-# Hydra's composition of the defaults a set of group overrides selects (the hydra node kept), per process
-_COMPOSED: dict[tuple[str, ...], DictConfig] = {}
+CONFIG_GROUPS = frozenset(str(d.relative_to(CONF_DIR)) for d in CONF_DIR.rglob("*") if d.is_dir())  # a/b
+_COMPOSED: dict[tuple[str, ...], DictConfig] = {}  # group overrides -> their composition, hydra node kept
 
 
 def _compose(overrides: list[str], typed: dict[str, str], hydra: bool = False) -> DictConfig:
-    """Hydra's compose of conf/config.yaml with `overrides`. As Hydra's own compose does, in two parts:
-    the defaults list the group overrides select (model=, mode=, +preset=, ...), composed once per
-    process for each selection (about 0.2 s, most of a compose), then the value overrides applied by
-    Hydra's own `_apply_overrides_to_config` to a copy: a sweep of N configs of one selection composes
-    once, not N times (tests/test_compose_cache.py holds it to Hydra's whole compose). An override of
-    Hydra's own node (hydra.*: its search path changes which groups exist) composes whole."""
+    """Hydra's compose of conf/config.yaml, in its own two parts: what the group overrides select
+    (model=, +preset=, ...) composed once a process (0.1-0.2 s), then the value overrides applied to a
+    copy by Hydra's `_apply_overrides_to_config` (tests/test_compose_cache.py: as a whole compose).
+    hydra.* (its search path decides which groups exist) composes whole."""
     parsed = OverridesParser.create().parse_overrides(overrides)
     if hydra or any(o.key_or_group.split(".")[0].split("/")[0] == "hydra" for o in parsed):
         return _compose_whole(overrides, typed, hydra)
     groups = tuple(o.input_line for o in parsed if o.key_or_group.split("@")[0] in CONFIG_GROUPS)
-    base = _COMPOSED.get(groups)
-    if base is None:
+    if (base := _COMPOSED.get(groups)) is None:
         base = _COMPOSED[groups] = _compose_whole(list(groups), typed, hydra=True)
     cfg = copy.deepcopy(base)
     values = [o for o in parsed if o.key_or_group.split("@")[0] not in CONFIG_GROUPS]

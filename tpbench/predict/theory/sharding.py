@@ -175,8 +175,7 @@ def moments(d: Dims, s: Sharding, base: list[Moment], accumulating: bool = False
         temps = m.temporaries + sum(gathered[u] for u in fetched)
         # FSDP2 keeps the last forward all-gather's flat output, the top block's, until the root's
         # post-forward (its all_gather_state): alive in the top block's forward and the loss's
-        flat = gathered[blocks[-1]] if in_forward else 0
-        acts = m.activations + flat
+        acts = m.activations + (flat := gathered[blocks[-1]] if in_forward else 0)
         if done:  # FSDP2 keeps the last reduce-scatter's input until the next one (its reduce_scatter_state)
             temps += rs_in[done[0]]
         # the base counts the gradients made so far whole: the done blocks' are shards now
