@@ -33,27 +33,30 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
-from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode
+from tpbench.run import collector
 
-from tpbench.config import ParallelConfig, RunConfig
-from tpbench.experiments import memory, planted, validate
-from tpbench.experiments.throughput import LocalFlopCounter
-from tpbench.experiments.training import Trainer
-from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, build_model
-from tpbench.parallel import collectives, instrumentation, regions, timing
-from tpbench.parallel.checks import resolve_switches
-from tpbench.parallel.context import ParallelContext, exit_now, leave_world
-from tpbench.parallel.cross_entropy import VocabParallelCrossEntropy
-from tpbench.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from tpbench.parallel.plan import parallelize, plan_layouts, shard_state_dict
-from tpbench.parallel.recompute import apply_recompute
+with collector.paused():  # each rank imports torch a third quicker (tpbench.run.collector)
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from omegaconf import DictConfig, OmegaConf
+    from torch import nn
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tpbench.config import ParallelConfig, RunConfig
+    from tpbench.experiments import memory, planted, validate
+    from tpbench.experiments.throughput import LocalFlopCounter
+    from tpbench.experiments.training import Trainer
+    from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, build_model
+    from tpbench.parallel import collectives, instrumentation, regions, timing
+    from tpbench.parallel.checks import resolve_switches
+    from tpbench.parallel.context import ParallelContext, exit_now, leave_world
+    from tpbench.parallel.cross_entropy import VocabParallelCrossEntropy
+    from tpbench.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from tpbench.parallel.plan import parallelize, plan_layouts, shard_state_dict
+    from tpbench.parallel.recompute import apply_recompute
 
 # The tiny model of the tests (H 64, L 2, heads 8/4, V 256, S 32): manual attention, short AdamW runs
 TINY = ["model.flash_attn=false", "validate.steps=6", "validate.every=3"]
