@@ -42,7 +42,8 @@ SP, VP = "parallel.sp=true", "parallel.vp=true"
 TP4_KV2 = ["parallel.tp=4", "model.num_key_value_heads=2"]  # N_kv < T: each KV head on 2 ranks
 TP2_DP2 = ["parallel.tp=2", "parallel.dp=2"]
 DDP4 = ["parallel.engine=ddp", "parallel.tp=1", "parallel.dp=4"]
-DOUBLE = "debug.clip_fault=double_count"
+# a plant fails the norm's check at its first step: one step is all a planted case runs
+DOUBLE = ["debug.clip_fault=double_count", "validate.steps=1", "validate.every=1"]
 HSDP_DTENSOR = ["parallel.engine=dtensor", "parallel.tp=2", "parallel.dp=4", "parallel.dp_shard=full",
                 "parallel.dp_replicate=2", SP, VP]  # fmt: skip
 WORLD4_CASES = {
@@ -64,18 +65,18 @@ WORLD4_CASES = {
     # gradient check's bound move the norm by ~1e-4, which a bound of the dense norm's own rounding
     # failed (correct: 0.000179 > 8.43e-05 at step 1); the norm is now checked against its own gradients
     "tp2_dp2_sp_vp_mixed_flash": [*TP2_DP2, SP, VP, *MIXED, "model.flash_attn=true"],
-    "planted_double_count_tp4_kv2": [*TP4_KV2, SP, DOUBLE],
-    "planted_double_count_zero1_tp2": [*TP2_DP2, "parallel.dp_shard=optimizer", BUCKETS, DOUBLE],
+    "planted_double_count_tp4_kv2": [*TP4_KV2, SP, *DOUBLE],
+    "planted_double_count_zero1_tp2": [*TP2_DP2, "parallel.dp_shard=optimizer", BUCKETS, *DOUBLE],
 }
 WORLD8_CASES = {  # the DTensor engine under HSDP (replicate 2 x shard 2 x TP 2): the replicas not summed
     "hsdp_dtensor_tp2_sp_vp": HSDP_DTENSOR,
-    "planted_double_count_hsdp_dtensor_tp2_sp_vp": [*HSDP_DTENSOR, DOUBLE],
+    "planted_double_count_hsdp_dtensor_tp2_sp_vp": [*HSDP_DTENSOR, *DOUBLE],
 }
 WORLD2_CASES = {
     "dtensor_tp": ["parallel.engine=dtensor", "parallel.tp=2"],  # its replicated embedding a plain tensor
     "dtensor_tp_sp_vp": ["parallel.engine=dtensor", "parallel.tp=2", SP, VP],
     "tp_vp_compiled": ["parallel.tp=2", VP, "train.compile=true", "train.compile_backend=aot_eager"],
-    "planted_double_count_dtensor_tp_sp": ["parallel.engine=dtensor", "parallel.tp=2", SP, DOUBLE],
+    "planted_double_count_dtensor_tp_sp": ["parallel.engine=dtensor", "parallel.tp=2", SP, *DOUBLE],
 }
 # the memory model with clipping on: H 64, L 2, V 512, S 64, bf16 (test_theory's SMALL)
 SMALL = ["kind=memory", "model.hidden_size=64", "model.num_hidden_layers=2", "model.vocab_size=512",
