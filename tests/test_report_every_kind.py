@@ -1,6 +1,8 @@
 """`tpbench report` renders every kind of run a database can hold: every mode (both engines of TP and
-torch's DDP) x every DP level (DDP's replicas, ZeRO-1, ZeRO-2, FSDP, HSDP) x precision x recompute, each
-kind, in one database, as html and md; each run's DP level in its rows and in the charts' labels.
+torch's DDP) x every DP level (DDP's replicas, ZeRO-1, ZeRO-2, FSDP, HSDP) x each kind, in one
+database, as html and md; each run's DP level in its rows and in the charts' labels. Precision and
+recompute are rotated over those rows (`SETTINGS`), not multiplied in: each mode holds every precision
+and recompute, and each setting every DP level of every kind, in 138 runs rather than 636.
 
 The runs are recorded through tpbench's own database layer (ResultsDB.record) with what real ranks
 measured: tests/data/report_rank_results.json holds the rank results of a real tiny run of each kind
@@ -26,6 +28,7 @@ from tpbench.db import ResultsDB
 from tpbench.parallel.checks import resolve_switches
 from tpbench.report import charts, html, markdown, sections, write
 from tpbench.report.data import Selection, load
+from tpbench.report.sections import communication, memory, throughput
 from tpbench.report.sections.diagrams import DRAWN_MODES
 from tpbench.results import CommRow, Environment, Measurement, Outcome, ParamRow, RankResult, Status
 from tpbench.run import compose
@@ -37,7 +40,8 @@ LEVELS = (("none", 1), ("optimizer", 1), ("grads", 1), ("full", 1), ("full", 2))
 PRECISIONS = (("pure", "float32"), ("mixed", "bfloat16"))
 RECOMPUTES = ("none", "selective", "full")
 KINDS = ("validate", "memory", "throughput")
-pytestmark = pytest.mark.not_quick  # 600 runs' report: its charts take 30 s and more
+SETTINGS = [(pr, rc) for pr in PRECISIONS for rc in RECOMPUTES]  # rotated over the rows (configs)
+pytestmark = pytest.mark.not_quick  # 138 runs' report: its charts take seconds
 
 WORLD = 8  # TP 2 x DP 4 (HSDP: 2 replicas of 2 shards), DDP over 8
 CPU = "Intel(R) Xeon(R) Processor"
@@ -45,28 +49,33 @@ LOADED = 3.8  # the load average of a loaded run, on 2 cores
 
 
 def configs() -> list[RunConfig]:
-    """Every config of the axes that tpbench would launch (compose.check refuses the rest, e.g.
-    ZeRO-1 or HSDP on the dtensor engine), in an order that ends each drawn TP mode on its own DP level."""
+    """Every mode x DP level x kind that tpbench would launch (compose.check refuses the rest, e.g.
+    ZeRO-1 or HSDP on the dtensor engine), each at one setting (precision, recompute): the row's own
+    in the rotation `SETTINGS[(mode + level) % 6]`, or the next one check accepts (the dtensor engine
+    refuses recompute). Over its 5 levels a mode meets 5 of the 6 settings (every precision and
+    recompute); over the 6 modes of the manual engine a level meets all 6. In an order that ends each
+    drawn TP mode on its own DP level."""
     bases = {mode: compose.expand([f"mode={mode}", "kind=memory"], launching=False)[0] for mode in MODES}
     out = []
-    for base in bases.values():
-        for (shard, replicas), (precision, dtype), recompute, kind in (
-            (lv, pr, rc, k) for lv in LEVELS for pr in PRECISIONS for rc in RECOMPUTES for k in KINDS
-        ):
-            cfg = copy.deepcopy(base)
-            p, t = cfg.parallel, cfg.train
-            p.dp, p.dp_shard, p.dp_replicate = WORLD // p.tp, shard, replicas
-            t.precision, t.dtype, t.recompute = precision, dtype, recompute
-            cfg.kind = kind
-            # The base's auto switches were resolved for its own kind and recompute none (lean_rmsnorm
-            # false, which check refuses with recompute): back to auto, resolved after check as expand does.
-            cfg.model.lean_rmsnorm = t.compile = t.fused_optimizer = "auto"
-            try:
-                compose.check(cfg)
-            except ConfigError:
-                continue
-            resolve_switches(cfg)
-            out.append(cfg)
+    for m, base in enumerate(bases.values()):
+        for (l, (shard, replicas)), kind in ((lk, k) for lk in enumerate(LEVELS) for k in KINDS):
+            for s in range(len(SETTINGS)):
+                (precision, dtype), recompute = SETTINGS[(m + l + s) % len(SETTINGS)]
+                cfg = copy.deepcopy(base)
+                p, t = cfg.parallel, cfg.train
+                p.dp, p.dp_shard, p.dp_replicate = WORLD // p.tp, shard, replicas
+                t.precision, t.dtype, t.recompute = precision, dtype, recompute
+                cfg.kind = kind
+                # The base's auto switches were resolved for its own kind and recompute none (lean_rmsnorm
+                # false, which check refuses with recompute): back to auto, resolved after check as expand does.
+                cfg.model.lean_rmsnorm = t.compile = t.fused_optimizer = "auto"
+                try:
+                    compose.check(cfg)
+                except ConfigError:
+                    continue
+                resolve_switches(cfg)
+                out.append(cfg)
+                break
     return sorted(out, key=last_level_first)
 
 
@@ -227,7 +236,8 @@ def test_every_chart_names_each_runs_dp_level(every_kind, monkeypatch):
     data = load(db, Selection.parse(where=["train.recompute=none", "train.precision=pure"]))
     drawn = []
     monkeypatch.setattr(charts, "_png", lambda fig: drawn.append(fig) or b"")
-    sections.build(data)
+    for part in (memory, throughput, communication):  # the sections of those charts, not the diagrams
+        part.section(data)
     labels = {kind: set(data.ok.loc[data.ok["kind"] == kind, "label"]) for kind in KINDS}
     assert len(labels["memory"]) == len(data.ok[data.ok["kind"] == "memory"])  # one label a run
     found = {}
