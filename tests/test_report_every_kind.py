@@ -58,16 +58,17 @@ def configs() -> list[RunConfig]:
     bases = {mode: compose.expand([f"mode={mode}", "kind=memory"], launching=False)[0] for mode in MODES}
     out = []
     for m, base in enumerate(bases.values()):
-        for (l, (shard, replicas)), kind in ((lk, k) for lk in enumerate(LEVELS) for k in KINDS):
+        for (level, (shard, replicas)), kind in ((lk, k) for lk in enumerate(LEVELS) for k in KINDS):
             for s in range(len(SETTINGS)):
-                (precision, dtype), recompute = SETTINGS[(m + l + s) % len(SETTINGS)]
+                (precision, dtype), recompute = SETTINGS[(m + level + s) % len(SETTINGS)]
                 cfg = copy.deepcopy(base)
                 p, t = cfg.parallel, cfg.train
                 p.dp, p.dp_shard, p.dp_replicate = WORLD // p.tp, shard, replicas
                 t.precision, t.dtype, t.recompute = precision, dtype, recompute
                 cfg.kind = kind
-                # The base's auto switches were resolved for its own kind and recompute none (lean_rmsnorm
-                # false, which check refuses with recompute): back to auto, resolved after check as expand does.
+                # The base's auto switches were resolved for its own kind and recompute none
+                # (lean_rmsnorm false, which check refuses with recompute): back to auto, resolved
+                # after check as expand does.
                 cfg.model.lean_rmsnorm = t.compile = t.fused_optimizer = "auto"
                 try:
                     compose.check(cfg)
@@ -140,6 +141,9 @@ def test_the_database_holds_every_kind(every_kind):
     recomputes = [1 if m.startswith("dtensor_") else len(RECOMPUTES) for m in per_mode.index]  # refused there
     assert per_mode["recompute"].tolist() == recomputes
     assert (per_mode[["precision", "kind"]] == [len(PRECISIONS), len(KINDS)]).all().all()
+    levels = data.runs.assign(level=data.runs["dp_shard"] + data.runs["dp_replicate"].astype(str))
+    per_setting = levels.groupby(["kind", "precision", "recompute"])["level"].nunique()  # the rotation's
+    assert len(per_setting) == len(KINDS) * len(SETTINGS) and (per_setting == len(LEVELS)).all()
 
 
 def md_tables(text: str) -> dict[str, pd.DataFrame]:
