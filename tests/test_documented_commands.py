@@ -155,24 +155,6 @@ class Launched(Exception):
     """Raised where a run would start torchrun or submit to Slurm."""
 
 
-COMPOSED: dict[tuple[tuple[str, ...], bool], object] = {}  # what Hydra composed, by overrides
-
-
-def composed_once(compose):
-    """tpbench.run.compose._compose, each list of overrides composed once in this module: a combo
-    that two documented commands share (`sweep layers=8,16,32,64 mode=ddp,tp,tp_sp_vp` and the same
-    with 5 modes) reads the composed config again (Hydra's compose is 0.1 s; nothing writes to what
-    it returns: to_object makes the run). A refusal is not kept: it is composed, and refused, again."""
-
-    def once(overrides: list[str], typed: dict[str, str], hydra: bool = False):
-        key = (tuple(overrides), hydra)
-        if key not in COMPOSED:
-            COMPOSED[key] = compose(overrides, typed, hydra)
-        return COMPOSED[key]
-
-    return once
-
-
 COMMANDS = documented()
 
 
@@ -272,10 +254,9 @@ def test_documented_command(doc: Documented, folder: Path, monkeypatch):
     import torch
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
-    from tpbench.run import compose, slurm, sweep
+    from tpbench.run import slurm, sweep
 
     monkeypatch.chdir(folder)
-    monkeypatch.setattr(compose, "_compose", composed_once(compose._compose))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # launch.device=cuda: as on a GPU node
     split = BasicSweeper.split_arguments
     monkeypatch.setattr(
