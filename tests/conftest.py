@@ -131,6 +131,9 @@ SLOW_TESTS = {  # a few seconds or more each (`--durations` on the files), cover
     "test_report.py::test_markdown_has_the_tables_and_png_charts_beside_it",
     "test_report.py::test_filters_select_runs",
     "test_compile.py::test_compiled_dropout_draws_eagers_masks_and_never_recompiles",  # 17 s warm, 22 cold
+    "test_compile.py::test_aot_eager_compiles_the_blocks_without_inductor",  # 1.9 s
+    "test_compose_cache.py::test_the_cached_compose_is_hydras_whole_compose",  # 14 cases, 2.4 s
+    "test_fit.py::test_json_has_every_row_and_the_assumptions",  # 3.4 s
 }
 
 

@@ -12,8 +12,6 @@ import pytest
 from tpbench.config import ConfigError
 from tpbench.run import compose
 
-pytestmark = pytest.mark.quick
-
 CASES = [
     ["kind=validate", "tp=2", "sp=true", "vp=true", "layers=4"],
     ["mode=tp_sp_vp", "model=qwen3_8b", "layers=2", "seq=64"],
