@@ -134,6 +134,7 @@ SLOW_TESTS = {  # a few seconds or more each (`--durations` on the files), cover
     "test_compile.py::test_aot_eager_compiles_the_blocks_without_inductor",  # 1.9 s
     "test_compose_cache.py::test_the_cached_compose_is_hydras_whole_compose",  # 14 cases, 2.4 s
     "test_fit.py::test_json_has_every_row_and_the_assumptions",  # 3.4 s
+    "test_compile.py::test_a_runs_workers_inherit_tpbenchs_inductor_cache",  # a process importing torch, 12 s
 }
 
 

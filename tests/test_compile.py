@@ -4,6 +4,7 @@ level (in the shared world-2 and world-4 torchrun jobs)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -311,3 +312,26 @@ def test_aot_eager_compiles_the_blocks_without_inductor(monkeypatch):
 def test_an_unknown_compile_backend_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^train.compile_backend='tvm': accepted are inductor, aot_eager$"):
         expand(["train.compile_backend=tvm"], single=True, launching=False)
+
+
+def test_a_runs_workers_inherit_tpbenchs_inductor_cache(tmp_path):
+    """The CLI's estimate imports torch._dynamo, which sets TORCHINDUCTOR_CACHE_DIR to torch's default
+    (/tmp/torchinductor_$USER) where it is unset, and a run's workers inherit the CLI's environment: the
+    CLI names tpbench's folder first, so the workers compile into it (seen: every compiled run's kernels
+    in /tmp while $TPBENCH_CACHE_DIR/inductor stayed empty)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["TPBENCH_CACHE_DIR"] = str(tmp_path)
+    code = (
+        "import os\n"
+        "import tpbench.cli\n"
+        "from tpbench.cli.progress import say_estimates\n"
+        "from tpbench.run.compose import expand\n"
+        "say_estimates(expand(['kind=validate', 'compile=true', 'model.flash_attn=false']), sweep=False)\n"
+        "import torch._dynamo\n"
+        "print(os.environ['TORCHINDUCTOR_CACHE_DIR'])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == str(tmp_path / "inductor")

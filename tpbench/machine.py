@@ -28,6 +28,20 @@ MMAP_THRESHOLD = 32 * 2**20  # the largest glibc takes (HEAP_MAX_SIZE / 2 on 64-
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int
 
 
+def cache_dir() -> Path:
+    """tpbench's caches on this machine (the probed rates, inductor's kernels): $TPBENCH_CACHE_DIR,
+    default ~/.cache/tpbench."""
+    return Path(os.environ.get("TPBENCH_CACHE_DIR") or Path.home() / ".cache" / "tpbench")
+
+
+def use_inductor_cache() -> None:
+    """Inductor's on-disk caches in $TPBENCH_CACHE_DIR/inductor unless TORCHINDUCTOR_CACHE_DIR names
+    another; called before torch loads. Importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to torch's
+    default (/tmp/torchinductor_$USER) where it is unset, so a later setdefault does nothing: the CLI's
+    estimate imports it, and a run's workers inherited that default from it, compiling into /tmp."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+
+
 def keep_freed_memory() -> bool:
     """Have glibc's malloc keep what a CPU step frees for the next one, as a GPU's caching allocator
     does; True where it took (glibc), False elsewhere (another libc: left as it is).

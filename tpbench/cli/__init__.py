@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
+from tpbench import machine
 from tpbench.cli import fit as fit_command
 from tpbench.cli import output
 from tpbench.cli.arguments import (
@@ -34,6 +35,8 @@ from tpbench.cli.output import err, out
 from tpbench.cli.progress import RunsProgress, command_started, say_estimates
 from tpbench.config import DbConfig, RunConfig
 from tpbench.results import Status
+
+machine.use_inductor_cache()  # before torch loads, so that a run's workers compile into tpbench's cache
 
 if TYPE_CHECKING:  # pandas and the database (sqlalchemy) are imported where a command needs them:
     from tpbench.db import ResultsDB  # `tpbench plan` starts without them

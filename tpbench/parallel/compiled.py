@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from tpbench import machine
 from tpbench.models.dropout import PositionalDropout
 from tpbench.models.minimind import MiniMindForCausalLM
 from tpbench.results import Measurement, RankResult
@@ -134,4 +135,4 @@ def place_dropout_keys(model: MiniMindForCausalLM) -> None:
 
 def inductor_cache() -> Path:
     """The folder of inductor's on-disk caches, beside tpbench's other caches (rates.json)."""
-    return Path(os.environ.get("TPBENCH_CACHE_DIR") or Path.home() / ".cache" / "tpbench") / "inductor"
+    return machine.cache_dir() / "inductor"
