@@ -17,12 +17,14 @@ of another database.
     .venv/bin/python benchmarks/validation_grid.py --dense-cost
     .venv/bin/python benchmarks/validation_grid.py --planted --db sqlite:///runs/planted_bugs.db
     .venv/bin/python benchmarks/validation_grid.py --planted --bugs scale --scales 1.03,1.04 --db ...
+    .venv/bin/python benchmarks/validation_grid.py --planted --ladder --db sqlite:///runs/ladders.db
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -72,6 +74,23 @@ PLANTED = {
     "dp": ["dp=2", "debug.skip_grad_sum=[dp]"],
     "fault": ["debug.validate_fault=rope_offset,no_backward_sum"],
     "scale": ["debug.grad_scale=1.02,1.05,1.1"],
+    # issue 56 item 6's classes: a bug that starts at step 5, the DP reduction in bf16 where mixed
+    # promises fp32 (a no-op in fp32 and pure bf16, whose reduction is in the compute dtype by design),
+    # one vocabulary row's and one head's gradient off, the sharded AdamW's own faults
+    "late": ["debug.skip_grad_sum=[sp_norms]", "debug.from_step=5"],
+    "lowp": ["dp=2", "debug.low_precision_reduce=true"],
+    "row": ["debug.row_grad_scale=1.05"],
+    "head": ["debug.head_grad_scale=1.05"],
+    "optim": ["debug.optim_fault=decay_norm,lr_ahead"],
+}
+ONLY_IN = {"lowp": ("dtypebfloat16precisionmixed",)}  # a class planted in these precisions only
+# The magnitude classes' factor ladders (--ladder), per precision: the smallest factor that fails is the
+# smallest error the checks detect in that class (issue 56 item 7)
+SCALED = {"scale": "grad_scale", "row": "row_grad_scale", "head": "head_grad_scale"}
+LADDERS = {
+    "dtypefloat32": "1.000005,1.00001,1.00002,1.00005,1.0001",
+    "dtypebfloat16": "1.01,1.02,1.03,1.04,1.05,1.06,1.08,1.1,1.15,1.2",
+    "dtypebfloat16precisionmixed": "1.01,1.02,1.03,1.04,1.05,1.06,1.08,1.1,1.15,1.2",
 }
 PRECISIONS = {
     "dtypefloat32": ["dtype=float32"],
@@ -120,6 +139,12 @@ def main() -> None:
         "--scales", default="", help="with --planted: the scale bug's debug.grad_scale list, e.g. 1.03,1.04"
     )
     parser.add_argument(
+        "--ladder",
+        action="store_true",
+        help="with --planted: each magnitude class of --bugs (scale, row, head) over its precision's factor "
+        "ladder (LADDERS), labelled bug_<name>ladder_<precision>",
+    )
+    parser.add_argument(
         "--bf16-gemm",
         choices=("fp32_accumulate", "native"),
         default="fp32_accumulate",
@@ -151,18 +176,24 @@ def main() -> None:
         sys.exit(f"--bugs {sorted(unknown)}: accepted are {', '.join(PLANTED)}")
     if args.planted and not args.report:
         for name in args.bugs:
-            overrides = (
-                [f"debug.grad_scale={args.scales}"] if name == "scale" and args.scales else PLANTED[name]
-            )
             for tag in args.precisions:
+                if tag not in ONLY_IN.get(name, PRECISIONS):
+                    continue
                 precision = PRECISIONS[tag]
+                overrides, label = PLANTED[name], name
+                if name == "scale" and args.scales:
+                    overrides = [f"debug.grad_scale={args.scales}"]
+                if args.ladder:
+                    if name not in SCALED:
+                        continue
+                    overrides, label = [f"debug.{SCALED[name]}={LADDERS[tag]}"], f"{name}ladder"
                 sweep = [
                     "kind=validate",
                     "tp=2",
                     "mode=tp_sp",
                     *precision,
                     *overrides,
-                    f"sweep=bug_{name}_{tag}",
+                    f"sweep=bug_{label}_{tag}",
                 ]
                 tpbench = str(Path(sys.executable).parent / "tpbench")
                 subprocess.run(
@@ -292,9 +323,23 @@ def compare(url: str, other: str) -> str:
     return "\n".join(lines)
 
 
+FAILURE = re.compile(r"(\w+) (\S+) at step (\d+) (\S+) > bound (\S+)")
+
+
+def failures(error: str) -> list[tuple[str, str, int, float]]:
+    """A FAILED run's error line as (check, parameter, step, value / bound) per failed check."""
+    found = []
+    for check, name, step, value, bound in FAILURE.findall(error or ""):
+        ratio = float(value) / float(bound) if float(bound) > 0 else float("inf")
+        found.append((check, name.removeprefix("model."), int(step), ratio))
+    return found
+
+
 def planted(url: str) -> str:
-    """A markdown table of the planted bugs: each run's status and the checks it failed, the worst
-    parameter's gradient error against the dense model's own, and the scaled parameter's."""
+    """Two markdown tables of the planted bugs. Per run: its status, each check it failed with the
+    parameter and its worst step named and how far past its bound (value / bound, from the error line's
+    rounded figures), the worst of them, and the scaled q_proj's gradient against its bound. Per
+    magnitude class and precision (the ladders): the largest factor that passed, the smallest that failed."""
     from tpbench.db import ResultsDB
 
     db = ResultsDB(url)
@@ -305,29 +350,46 @@ def planted(url: str) -> str:
     scaled = params[(params["rank"] == 0) & (params["name"] == "model.layers.0.self_attn.q_proj.weight")]
     scaled = scaled.set_index("run_id")
     lines = [
-        "| bug | precision | status | failed checks | max grad rel L2 (dense's own) | scaled grad / bound |",
-        "|---" * 6 + "|",
+        "| bug | precision | status | failed checks: parameter, worst step (x its bound) | worst x bound | "
+        "max grad rel L2 (dense's own) | scaled grad / bound |",
+        "|---" * 7 + "|",
     ]
+    ladders: dict[tuple[str, str], list[tuple[float, str]]] = {}
     for _, run in runs.iterrows():
         _, name, tag = run["sweep"].split("_", 2)
         debug = db.run_record(int(run["id"]))["config"]["debug"]
-        name = {"fault": debug["validate_fault"], "scale": f"grad x {debug['grad_scale']:g}"}.get(name, name)
+        if name.endswith("ladder"):
+            factor = debug[SCALED[name.removesuffix("ladder")]]
+            ladders.setdefault((name.removesuffix("ladder"), tag), []).append((factor, run["status"]))
+            name = f"{name.removesuffix('ladder')} x {factor!r}"
+        else:
+            name = {"fault": debug["validate_fault"], "optim": debug["optim_fault"]}.get(name, name)
+            if debug["grad_scale"] != 1:
+                name = f"grad x {debug['grad_scale']:g}"
         m = metrics.loc[run["id"]] if run["id"] in metrics.index else {}
-        failed = sorted(
-            {
-                part.split()[0]
-                for part in (run["error"] or "").removeprefix("validate out of bounds: ").split("; ")
-                if part  # a run that passed has no error
-            }
-        )
+        first: dict[str, tuple[str, int, float]] = {}
+        for check, parameter, step, ratio in failures(run["error"]):
+            first.setdefault(check, (parameter, step, ratio))
+        cells = "; ".join(f"{c}: {p}, step {s} (x{r:.3g})" for c, (p, s, r) in first.items())
+        worst = max((r for *_, r in failures(run["error"])), default=float("nan"))
         q = scaled.loc[run["id"]] if run["id"] in scaled.index else None
         bound = 4 * q["grad_ref_rel_l2"] + FLOORS["grad_rel_l2"] if q is not None else float("nan")
         q_cell = f"{q['grad_rel_l2']:.3g} / {bound:.3g}" if q is not None else "-"
         grad, own = m.get("grad_max_rel_l2", float("nan")), m.get("dense_grad_max_rel_l2", float("nan"))
         lines.append(
-            f"| {name} | {tag.removeprefix('dtype')} | {run['status']} | {', '.join(failed)} | "
+            f"| {name} | {tag.removeprefix('dtype')} | {run['status']} | {cells} | {worst:.3g} | "
             f"{grad:.3g} ({own:.3g}) | {q_cell} |"
         )
+    if ladders:
+        head = "| class | precision | largest factor passed | smallest factor failed | runs |"
+        lines += ["", head, "|---" * 5 + "|"]
+        for (name, tag), tried in sorted(ladders.items()):
+            passed = [f for f, status in tried if status == "OK"]
+            failed = [f for f, status in tried if status == "FAILED"]
+            lines.append(
+                f"| {name} | {tag.removeprefix('dtype')} | {max(passed, default=float('nan'))!r} | "
+                f"{min(failed, default=float('nan'))!r} | {len(tried)} |"
+            )
     return "\n".join(lines)
 
 
