@@ -158,10 +158,11 @@ def published():
 
 
 def test_torchtitans_in_scope_published_runs_are_within_20_percent():
-    """Issue 60's goal on the rows tpbench models (bf16, eager, AC none, full or per-layer): all five
-    FSDP 64 rows on A100s. Seen failing with FSDP2's collectives all exposed (-30% to -35%)."""
+    """Issue 60's goal on the rows tpbench models (bf16, eager; AC none, full, per-layer, and per-op as
+    tpbench's recompute=op): the ten FSDP rows on A100s and H100s. Seen failing with FSDP2's collectives
+    all exposed (-30% to -35%)."""
     script, results = published()
-    assert sum(row.in_scope for row, _ in results) == 5
+    assert sum(row.in_scope for row, _ in results) == 10
     assert script.missed(results) == [], script.table(results)
 
 
@@ -177,11 +178,31 @@ def test_the_goal_bites_and_the_directions_hold():
     none, layer = by[("Llama 2 13B, FSDP 64", "none")], by[("Llama 2 13B, FSDP 64", "selective layer")]
     assert none[0].tokens_per_s > layer[0].tokens_per_s and none[1]["tokens_per_s"] > layer[1]["tokens_per_s"]
     h100, a100 = by[("Llama 3.1 8B, FSDP 8", "selective op")], by[("Llama 3 8B, FSDP 64", "selective op")]
-    for level in ("selective", "full"):
-        assert h100[1]["levels"][level]["tokens_per_s"] > a100[1]["levels"][level]["tokens_per_s"]
+    assert h100[0].tokens_per_s > a100[0].tokens_per_s and h100[1]["tokens_per_s"] > a100[1]["tokens_per_s"]
     eight, many = by[("Llama 3.1 8B, FSDP 8", "selective op")], by[("Llama 3.1 8B, FSDP 128", "selective op")]
     assert eight[0].tokens_per_s > many[0].tokens_per_s
-    assert eight[1]["levels"]["full"]["tokens_per_s"] > many[1]["levels"]["full"]["tokens_per_s"]
+    assert eight[1]["tokens_per_s"] > many[1]["tokens_per_s"]
+    # per-op AC between AC none and full (Llama 2 13B: published and predicted)
+    op = by[("Llama 2 13B, FSDP 64", "selective op")]
+    assert none[0].tokens_per_s > op[0].tokens_per_s and none[1]["tokens_per_s"] > op[1]["tokens_per_s"]
+
+
+def test_torchtitans_published_max_reserved_is_reported_against_its_5_percent_goal():
+    """Issue 59 item 5: each eager H100 row's max reserved and the FSDP 8 -> 128 change against the
+    published figures, at 5%: not met today (-9.5%, -10.0%, the change -7.3% of the published), and the
+    script names each miss, so that meeting it, or a figure moving, shows here."""
+    script, results = published()
+    change = script.memory_change(results)
+    assert change is not None and change[0] == pytest.approx(67.0 - 82.4)
+    missed = script.memory_missed(results)
+    assert [line.split(":")[0] for line in missed] == [
+        "Llama 3.1 8B, FSDP 8",
+        "Llama 3.1 8B, FSDP 128",
+        "FSDP 8 -> 128",
+    ], missed
+    by = {row.name: p for row, p in results}
+    assert by["Llama 3.1 8B, FSDP 8"]["reserved_gib"] == pytest.approx(74.58, abs=0.01)
+    assert by["Llama 3.1 8B, FSDP 128"]["reserved_gib"] == pytest.approx(60.30, abs=0.01)
 
 
 def test_flash_attention_on_hopper_is_charged_at_flashattention_2s_published_share():
