@@ -32,7 +32,7 @@ fi
 $py -m pip install -q -e ".[test]"
 
 # The project's bytecode, once: an editable install compiles none of it, and where
-# PYTHONDONTWRITEBYTECODE is set (this machine's and CI's environment) no process writes it either, so
+# PYTHONDONTWRITEBYTECODE is set (as on this machine) no process writes it either, so
 # every process (each rank of every run) compiled tpbench's modules again: 0.15-0.2 CPU s each.
 # A module edited since is compiled afresh (its .pyc is stale), as without this.
 $py -m compileall -q -j 0 tpbench tests benchmarks scripts >/dev/null
