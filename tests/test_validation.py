@@ -16,8 +16,8 @@ from torchrun_checks import TINY, WORLD2, per_config, run_config
 
 from tpbench.config import RunConfig
 from tpbench.experiments.criterion import CHECKS, Verdict, verdicts
+from tpbench.experiments.dense_side import count_beside
 from tpbench.experiments.planted import HEAD, ROW, SCALED
-from tpbench.experiments.validate import count_beside
 from tpbench.results import ParamRow
 from tpbench.run import compose
 
@@ -282,7 +282,7 @@ def test_the_planted_bugs_are_accepted_where_they_act(overrides):
 
 
 def test_runs_beside_one_dense_model_are_consecutive_ones_of_one_dense_side_up_to_the_cap():
-    """validate.count_beside: the configs a warm worker validates as one (tpbench.run.worker): consecutive,
+    """dense_side.count_beside: the configs a warm worker validates as one (tpbench.run.worker): consecutive,
     the same dense side (the parallel model's settings may differ, the seed may not), at most
     launch.share_dense of them; another kind, or share_dense 1, alone."""
 

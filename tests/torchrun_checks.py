@@ -46,7 +46,7 @@ with collector.paused():  # each rank imports torch a third quicker (tpbench.run
     from torch.utils.flop_counter import FlopCounterMode
 
     from tpbench.config import ParallelConfig, RunConfig
-    from tpbench.experiments import memory, planted, validate
+    from tpbench.experiments import dense_side, memory, planted, validate
     from tpbench.experiments.throughput import LocalFlopCounter
     from tpbench.experiments.training import Trainer
     from tpbench.models.minimind import IGNORE_INDEX, MiniMindConfig, build_model
@@ -1025,7 +1025,7 @@ ALONE = "TPBENCH_TEST_ALONE"  # set: each validate config alone (a job started a
 def isolated_beside(suite: str, checks: dict, check: Callable[[list[str], list[RunConfig]], dict]) -> dict:
     """`isolated` for validate configs, in groups validated beside one dense model and its reference
     (validate.run_beside: each model's figures are those of a run of its own, to the bit,
-    tests/test_warm.py): the configs that share a dense side (validate.dense_key) run one after
+    tests/test_warm.py): the configs that share a dense side (dense_side.dense_key) run one after
     another, up to SHARE_DENSE of them beside one. A group is one unit: every config of it is in
     flight while it runs (`in_flight`), and one that raises leaves {CRASHED: why} on each of its
     configs; a job started again after a crash (`Shared._run`) runs each config alone, so that the
@@ -1033,10 +1033,10 @@ def isolated_beside(suite: str, checks: dict, check: Callable[[list[str], list[R
     of the wall."""
     share = 1 if os.environ.get(ALONE) else SHARE_DENSE  # 1: no dense key, every config alone
     cfgs = {name: run_config([*o, f"launch.share_dense={share}"]) for name, o in checks.items()}
-    keys = list(dict.fromkeys(validate.dense_key(c) for c in cfgs.values()))  # first seen, first run
-    order = sorted(cfgs, key=lambda name: keys.index(validate.dense_key(cfgs[name])))
+    keys = list(dict.fromkeys(dense_side.dense_key(c) for c in cfgs.values()))  # first seen, first run
+    order = sorted(cfgs, key=lambda name: keys.index(dense_side.dense_key(cfgs[name])))
     results, mine = {}, CPU.setdefault(suite, {})
-    for first, count in validate.groups_beside([cfgs[name] for name in order]):
+    for first, count in dense_side.groups_beside([cfgs[name] for name in order]):
         names = order[first : first + count]
         for name in names:
             _progress("start", suite, name)

@@ -61,7 +61,7 @@ SAME_EVERY_S = 60.0  # a step that lasts: its line again, so that a log is never
 
 def _beside_the_one_before(group: list[RunConfig]) -> list[bool]:
     """Per run of a batch: whether it is validated beside the run before it (launch.share_dense)."""
-    from tpbench.experiments.validate import groups_beside
+    from tpbench.experiments.dense_side import groups_beside
 
     return [i > 0 for _, count in groups_beside(group) for i in range(count)]
 

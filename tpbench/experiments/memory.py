@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from tpbench.config import RunConfig
+from tpbench.experiments import steady_after
 from tpbench.experiments.progress import StepProgress
 from tpbench.experiments.setup import context, counting
 from tpbench.experiments.training import Trainer
@@ -335,13 +336,6 @@ def _measure(cfg: RunConfig, trainer: Trainer, trace: emulation.AllocationTrace 
         reserve = reserved.reserved(cfg, predicted, gpu).total
         result.add("predicted_max_memory_reserved_bytes", reserve, "B")
     return result
-
-
-def steady_after(cfg: RunConfig) -> int:
-    """Steps after which every step allocates alike: one (AdamW's state exists), two under DDP, whose
-    second forward rebuilds its gradient buckets in the order gradients arrived (old and new buckets
-    live at once: 312 KB more than a steady step on the tiny model)."""
-    return 2 if cfg.parallel.engine == "ddp" else 1
 
 
 def _device_name(trainer: Trainer) -> str:

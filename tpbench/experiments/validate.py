@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -50,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tpbench.config import RunConfig, public_config
+from tpbench.config import RunConfig
 from tpbench.experiments import criterion, grad_check, optimizer_check, planted, reduce_check, same_weights
 from tpbench.experiments.clip_check import NormSteps, clip_dense, clip_sharded, count_norm, dense_side
 from tpbench.experiments.optim import dense_adamw, scheduler
@@ -89,40 +88,6 @@ def reference_dtype(cfg: RunConfig) -> torch.dtype:
 def run(cfg: RunConfig) -> RankResult:
     """The three levels of checks for one parallel model (`run_beside` with one config)."""
     return run_beside([cfg])[0]
-
-
-def dense_key(cfg: RunConfig) -> str | None:
-    """What a validation's dense side (the dense model, its reference, the batches, the AdamW steps)
-    depends on: the config but the parallel model's own settings (parallel.* but tp and dp, debug.*).
-    Consecutive runs of a batch with the same key are validated beside one dense side
-    (tpbench.run.worker), up to launch.share_dense of them; None (another kind, launch.share_dense=1,
-    an emulated rank): the run is validated alone."""
-    if cfg.kind != "validate" or cfg.launch.share_dense < 2 or cfg.launch.emulate != "none":
-        return None
-    data = public_config(cfg)
-    data["parallel"] = {"tp": cfg.parallel.tp, "dp": cfg.parallel.dp}
-    del data["debug"]
-    return json.dumps(data, sort_keys=True)
-
-
-def count_beside(configs: Sequence[RunConfig], index: int) -> int:
-    """How many configs from `index` on are validated as one (at least 1): consecutive ones with the
-    same dense key, up to launch.share_dense of them."""
-    key, count = dense_key(configs[index]), 1
-    most = min(len(configs) - index, configs[index].launch.share_dense)
-    while key is not None and count < most and dense_key(configs[index + count]) == key:
-        count += 1
-    return count
-
-
-def groups_beside(configs: Sequence[RunConfig]) -> Iterator[tuple[int, int]]:
-    """(first index, count) of each group of `configs` validated as one (`count_beside`), in order;
-    every run that is not a validate run sharing a dense side is a group of one."""
-    index = 0
-    while index < len(configs):
-        count = count_beside(configs, index)
-        yield index, count
-        index += count
 
 
 def run_beside(cfgs: Sequence[RunConfig]) -> list[RankResult]:

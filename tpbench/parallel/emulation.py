@@ -28,13 +28,13 @@ with the CPU's).
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils._pytree import tree_leaves
 
@@ -55,6 +55,13 @@ try:  # FakeTensorMode's private cache and device internals (torch 2.13), behind
     QUICK = True
 except ImportError:  # another torch: FakeRank takes FakeTensorMode's own path, slower, same tensors
     QUICK = False
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """A DTensor: none exists before torch.distributed.tensor is imported, so a run without the dtensor
+    engine never imports it for this check (DTensor's op registrations: about 0.4 s of each process)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def emulated(cfg: RunConfig) -> bool:
@@ -462,7 +469,7 @@ class AllocationTrace:
         return token
 
     def _note(self, t: torch.Tensor) -> None:
-        if isinstance(t, DTensor):  # its wrapper's storage has the global shape's bytes: none on a rank
+        if _is_dtensor(t):  # its wrapper's storage has the global shape's bytes: none on a rank
             t = t.to_local()
         storage = t.untyped_storage()
         if id(storage) in self._live or storage.nbytes() == 0:

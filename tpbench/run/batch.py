@@ -111,7 +111,7 @@ def _alone(rest: list[RunConfig]) -> bool:
     runs beside one dense model (tpbench.run.worker), which the workers ran as one, so that the
     failure may be any one's. If so, the group's runs are set to run each alone
     (launch.share_dense=1), and the failure is then its own run's."""
-    from tpbench.experiments.validate import count_beside
+    from tpbench.experiments.dense_side import count_beside
 
     count = count_beside(rest, 0)
     if count == 1:

@@ -72,13 +72,13 @@ def main(job_dir: Path) -> None:
 def main_batch(batch_dir: Path) -> None:
     """Each job folder listed in BATCH_DIR/jobs, in order: runs the launcher found compatible
     (tpbench.run.batch.batch_key), so that one process setup fits them all. Consecutive validate runs
-    with one dense side run as one, beside it (tpbench.experiments.validate.groups_beside)."""
+    with one dense side run as one, beside it (tpbench.experiments.dense_side.groups_beside)."""
     jobs = [Path(line) for line in (batch_dir / "jobs").read_text().splitlines()]
     configs = [load_run_config(str(job_dir / "config.yaml")) for job_dir in jobs]
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     fresh_rng = torch.get_rng_state()
     device = None
-    from tpbench.experiments.validate import groups_beside
+    from tpbench.experiments.dense_side import groups_beside
 
     for index, count in groups_beside(configs):
         cfgs, job_dirs = configs[index : index + count], jobs[index : index + count]

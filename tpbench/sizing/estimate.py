@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from tpbench.config import RunConfig, local_batch, local_world_size, run_label
-from tpbench.experiments.memory import steady_after
+from tpbench.experiments import steady_after
 from tpbench.parallel import emulation
 from tpbench.predict import steptime, theory
 from tpbench.predict.rate_probe import rate
