@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -207,6 +208,28 @@ def test_a_bad_group_or_schedule_is_refused_in_one_line():
                 "train.lr_scheduler.decay_ratio=1.5", "debug.optim_fault=nope"):  # fmt: skip
         with pytest.raises(ConfigError, match=bad.split("=")[0].split(".")[-1]):
             check_optimizer(run_config([bad]))
+
+
+@pytest.mark.parametrize(
+    "overrides, accepted",
+    [
+        (["debug.optim_fault=decay_norm"], "train.weight_decay > 0 and norms in train.no_decay"),
+        (["debug.optim_fault=decay_norm", "train.weight_decay=0.1"], "norms in train.no_decay"),
+        (["debug.optim_fault=lr_ahead"], "warmup_steps > 0 or decay_ratio != 0"),
+    ],
+)
+def test_an_optimizer_fault_that_would_change_nothing_is_refused_in_one_line(overrides, accepted):
+    """decay_norm without weight decay or with the norms decayed anyway, lr_ahead with a constant lr:
+    the sharded side's AdamW would be the dense side's, a planted bug that plants nothing (the
+    validation grid's optimizer faults passed so until 2026-12-07). Refused before launch; with ON's
+    groups and schedule each is accepted."""
+    from tpbench.config import ConfigError
+    from tpbench.parallel.checks import check_optimizer
+
+    with pytest.raises(ConfigError, match=re.escape(accepted)) as e:
+        check_optimizer(run_config(overrides))
+    assert "\n" not in str(e.value) and str(e.value).startswith(overrides[0])
+    check_optimizer(run_config([*ON, overrides[0]]))
 
 
 def test_fit_and_the_report_say_the_groups_and_schedule():

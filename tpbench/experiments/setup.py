@@ -99,10 +99,12 @@ def build_parallel(
     """The parallel model of `parallel.engine`, sharded from the dense model of the same seed (so it is
     the same model for every tp)."""
     model = copy.deepcopy(dense) if dense is not None else build_dense(cfg)
+    low = cfg.debug.low_precision_reduce and cfg.train.precision == "mixed"
     if cfg.parallel.engine == "dtensor":
         from tpbench.parallel.dtensor import parallelize_dtensor
 
         pm = parallelize_dtensor(model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum))
+        pm.dp_reduce_dtype = DTYPES[cfg.train.dtype] if low else None
         place(pm.module, ctx.device, param_dtype(cfg))
         if cfg.train.compile is True:  # an unresolved "auto" (a RunConfig built directly) runs eager
             apply_compile(pm.module, backend=cfg.train.compile_backend)
@@ -112,6 +114,7 @@ def build_parallel(
     pm = parallelize(
         model, ctx, cfg.parallel, skip, cfg.train.recompute, debug.overlap_fault, debug.dropout_fault
     )
+    pm.dp_reduce_dtype = DTYPES[cfg.train.dtype] if low else None  # the engine's own DP sum
     place(pm.module, ctx.device, param_dtype(cfg))
     if cfg.train.compile is True:
         apply_compile(pm.module, between_linears=cfg.parallel.overlap, backend=cfg.train.compile_backend)

@@ -158,9 +158,23 @@ def check_optimizer(cfg: RunConfig) -> None:
         raise ConfigError(f"train.lr_scheduler.decay_ratio={s.decay_ratio}: accepted are null or [0, 1]")
     if not 0.0 <= s.min_lr_factor <= 1.0:
         raise ConfigError(f"train.lr_scheduler.min_lr_factor={s.min_lr_factor}: accepted are [0, 1]")
-    if cfg.debug.optim_fault not in ("", *OPTIM_FAULTS):
+    fault = cfg.debug.optim_fault
+    if fault not in ("", *OPTIM_FAULTS):
         accepted = ", ".join(map(repr, ("", *OPTIM_FAULTS)))
-        raise ConfigError(f"debug.optim_fault={cfg.debug.optim_fault!r}: accepted are {accepted}")
+        raise ConfigError(f"debug.optim_fault={fault!r}: accepted are {accepted}")
+    # a fault where it changes nothing would be a planted bug that plants none
+    if fault == "decay_norm" and not (t.weight_decay and "norms" in t.no_decay):
+        raise ConfigError(
+            f"debug.optim_fault=decay_norm with train.weight_decay={t.weight_decay:g} and train.no_decay="
+            f"{list(t.no_decay)}: decays model.norm.weight where no_decay exempts it, accepted with "
+            "train.weight_decay > 0 and norms in train.no_decay"
+        )
+    if fault == "lr_ahead" and s.constant():
+        raise ConfigError(
+            "debug.optim_fault=lr_ahead with a constant lr (train.lr_scheduler.warmup_steps=0, "
+            "decay_ratio=0): runs the lr schedule a step ahead, accepted with warmup_steps > 0 or "
+            "decay_ratio != 0"
+        )
 
 
 def check_dtensor_shardable(model: ModelConfig | MiniMindConfig, pcfg: ParallelConfig) -> None:

@@ -315,13 +315,19 @@ def _group(name: str) -> dist.ProcessGroup:
 
 
 def all_reduce_coalesced(
-    tensors: list[torch.Tensor], group: Group, purpose: str, average: bool = False
+    tensors: list[torch.Tensor],
+    group: Group,
+    purpose: str,
+    average: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> None:
-    """Sum (or average) many tensors over the group in one all-reduce of their concatenation, in place."""
+    """Sum (or average) many tensors over the group in one all-reduce of their concatenation, in place.
+    dtype: the all-reduce's, the tensors' own if None (debug.low_precision_reduce: the compute dtype)."""
     if not tensors or group_size(group) == 1:
         return
     # 1-D tensors (the norms' gradients) as they are: one op fewer each on an emulated rank
-    flat = all_reduce(torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in tensors]), group, purpose)
+    flat = torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in tensors])
+    flat = all_reduce(flat if dtype is None else flat.to(dtype), group, purpose)
     if average:
         flat /= group_size(group)
     pieces = flat.split([t.numel() for t in tensors])  # views of flat, one per tensor

@@ -194,6 +194,8 @@ class DTensorParallelModel:
     config: ParallelConfig
     layouts: dict[str, Layout]
     skip_grad_sum: tuple[str, ...] = ()
+    # debug.low_precision_reduce under mixed precision: the DP sum's dtype (bf16), not its fp32 grads'
+    dp_reduce_dtype: torch.dtype | None = None
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
         """-> (logits [B, S, V] or this rank's [B, S, V/T] under VP, loss)."""
@@ -213,7 +215,7 @@ class DTensorParallelModel:
         if self.ctx.dp > 1 and "dp" not in self.skip_grad_sum:
             grads = [_local(p.grad) for p in params.values() if p.grad is not None]
             collectives.all_reduce_coalesced(
-                grads, self.ctx.dp_group, "dp_grads", average=True
+                grads, self.ctx.dp_group, "dp_grads", average=True, dtype=self.dp_reduce_dtype
             )  # local tensors, in place
 
     def full_gradients(self) -> dict[str, torch.Tensor]:

@@ -153,9 +153,11 @@ class DPGradBuckets:
         group: collectives.Group,
         bucket_bytes: float,
         early_launch: bool = False,
+        reduce_dtype: torch.dtype | None = None,
     ):
         self.params, self.group, self.dp = params, group, collectives.group_size(group)
         self.early_launch = early_launch  # only to prove validation catches a bucket sent too soon
+        self.reduce_dtype = reduce_dtype  # debug.low_precision_reduce: each bucket sent in this dtype
         self.buckets: list[list[str]] = []
         size = bucket_bytes + 1  # the first parameter opens a bucket
         for name in reversed([n for n in params if n not in late]):
@@ -216,13 +218,18 @@ class DPGradBuckets:
             return
         for name in self.buckets[i]:  # the late ones, and any whose gradient never came
             self._into_slot(name)
-        self.pending[i] = collectives.all_reduce_async(self.flat[i], self.group, "dp_grads")
+        sent = self.flat[i] if self.reduce_dtype is None else self.flat[i].to(self.reduce_dtype)
+        self.pending[i] = collectives.all_reduce_async(sent, self.group, "dp_grads")
 
     def finish(self) -> None:
         """Launch what is not launched yet (the late buckets), wait for all, average in place (the
         parameters' `.grad` are the buffers' views)."""
         for i in range(len(self.buckets)):
             self._launch(i)
-        for pending in filter(None, self.pending):
-            pending.wait().div_(self.dp)
+        for flat, pending in zip(self.flat, self.pending, strict=True):
+            if pending is not None:
+                summed = pending.wait()
+                if summed is not flat:  # sent in debug.low_precision_reduce's dtype: back into fp32
+                    flat.copy_(summed)
+                flat.div_(self.dp)
         self._reset()

@@ -200,6 +200,8 @@ class ParallelModel:
     grad_sums: list[GradSum] = field(default_factory=list)
     deferred: list[DeferredWeightGrads] = field(default_factory=list)  # overlap: one per region
     dp_buckets: DPGradBuckets | None = None  # overlap with dp > 1: made at the first call
+    # debug.low_precision_reduce under mixed precision: the DP sum's dtype (bf16), not its fp32 grads'
+    dp_reduce_dtype: torch.dtype | None = None
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
         if self.config.overlap and self.dp_buckets is None:
@@ -214,9 +216,9 @@ class ParallelModel:
                 self.dp_buckets.finish()  # after the TP sums, which its last bucket must see
                 continue
             grads = [params[name].grad for name in gs.params if params[name].grad is not None]
-            collectives.all_reduce_coalesced(
-                grads, gs.group, "dp_grads" if gs.name == "dp" else "grad_sum", gs.average
-            )
+            dp = gs.name == "dp"
+            purpose, dtype = ("dp_grads", self.dp_reduce_dtype) if dp else ("grad_sum", None)
+            collectives.all_reduce_coalesced(grads, gs.group, purpose, gs.average, dtype)
 
     def _dp_buckets(self) -> DPGradBuckets | None:
         """Made once the parameters are final (placed on their device and dtype): its hooks sit on them.
@@ -227,8 +229,9 @@ class ParallelModel:
         params = dict(self.module.named_parameters())
         late = self.late_params()
         buckets = DPGradBuckets(
-            params, late, dp.group, self.config.ddp_bucket_mb * 2**20, self.fault == "early_bucket"
-        )
+            params, late, dp.group, self.config.ddp_bucket_mb * 2**20, self.fault == "early_bucket",
+            self.dp_reduce_dtype,
+        )  # fmt: skip
         names = {id(p): n for n, p in params.items()}
         for name, p in params.items():  # a deferred weight is not in autograd's graph: its hook stays quiet
             p.register_post_accumulate_grad_hook(lambda p, name=name: buckets.ready(name))
