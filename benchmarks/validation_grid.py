@@ -81,7 +81,13 @@ PLANTED = {
     "lowp": ["dp=2", "debug.low_precision_reduce=true"],
     "row": ["debug.row_grad_scale=1.05"],
     "head": ["debug.head_grad_scale=1.05"],
-    "optim": ["debug.optim_fault=decay_norm,lr_ahead"],
+    # with weight decay on all but the norms and a warm-up, where either fault changes the update
+    "optim": [
+        "debug.optim_fault=decay_norm,lr_ahead",
+        "train.weight_decay=0.1",
+        "train.no_decay=[norms]",
+        "train.lr_scheduler.warmup_steps=2",
+    ],
 }
 ONLY_IN = {"lowp": ("dtypebfloat16precisionmixed",)}  # a class planted in these precisions only
 # The magnitude classes' factor ladders (--ladder), per precision: the smallest factor that fails is the
