@@ -329,15 +329,17 @@ def compare(url: str, other: str) -> str:
     return "\n".join(lines)
 
 
-FAILURE = re.compile(r"(\w+) (\S+) at step (\d+) (\S+) > bound (\S+)")
+# criterion.Verdict.failure: the check, its worst parameter (none for a whole-model figure), the step
+# of a per-step check's worst figure, the figure and its bound
+FAILURE = re.compile(r"(\w+)(?: (model\.\S+))?(?: at step (\d+))? (\S+) > bound (\S+)")
 
 
-def failures(error: str) -> list[tuple[str, str, int, float]]:
-    """A FAILED run's error line as (check, parameter, step, value / bound) per failed check."""
+def failures(error: str) -> list[tuple[str, str, int | None, float]]:
+    """A FAILED run's error line as (check, parameter or "", step or None, value / bound) per check."""
     found = []
     for check, name, step, value, bound in FAILURE.findall(error or ""):
         ratio = float(value) / float(bound) if float(bound) > 0 else float("inf")
-        found.append((check, name.removeprefix("model."), int(step), ratio))
+        found.append((check, name.removeprefix("model."), int(step) if step else None, ratio))
     return found
 
 
@@ -376,7 +378,8 @@ def planted(url: str) -> str:
         first: dict[str, tuple[str, int, float]] = {}
         for check, parameter, step, ratio in failures(run["error"]):
             first.setdefault(check, (parameter, step, ratio))
-        cells = "; ".join(f"{c}: {p}, step {s} (x{r:.3g})" for c, (p, s, r) in first.items())
+        where = {c: ", ".join(x for x in (p, s and f"step {s}") if x) for c, (p, s, _) in first.items()}
+        cells = "; ".join(f"{c}: {where[c] or 'the model'} (x{r:.3g})" for c, (_, _, r) in first.items())
         worst = max((r for *_, r in failures(run["error"])), default=float("nan"))
         q = scaled.loc[run["id"]] if run["id"] in scaled.index else None
         bound = 4 * q["grad_ref_rel_l2"] + FLOORS["grad_rel_l2"] if q is not None else float("nan")

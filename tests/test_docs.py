@@ -248,6 +248,16 @@ BF16_GEMM = "kind=validate dtype=bfloat16 launch.bf16_gemm=fp32_accumulate"
 CLAIMS = [
     Claim("Nothing refuses to run", "run kind=memory dtype=bfloat16 --cfg", None),
     Claim(
+        "lr_ahead with a constant lr",
+        "run kind=validate debug.optim_fault=lr_ahead --cfg",
+        "debug.optim_fault=lr_ahead with a constant lr",
+    ),
+    Claim(
+        "decay_norm without `train.weight_decay` > 0",
+        "run kind=validate debug.optim_fault=decay_norm --cfg",
+        "debug.optim_fault=decay_norm with train.weight_decay=0",
+    ),
+    Claim(
         "a mode with a switch it sets otherwise (`mode=tp_sp_vp sp=false`",
         "run mode=tp_sp_vp sp=false --cfg",
         "mode=tp_sp_vp with parallel.sp=false: mode=tp_sp_vp sets parallel.sp=true",
