@@ -277,8 +277,9 @@ def _accumulated(
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The parallel model's forward and backward over this rank's slice of the global batch (ids,
     labels [K x DP x b, S]) as a training step takes it: train.accumulation = K micro-batches of b,
-    each loss divided by K, the DP gradient sync at the last only (training.set_gradient_sync), then
-    the gradient sums. Returns each micro-batch's logits (copies: the vocab-parallel loss's backward
+    each loss divided by K, the DP gradient sync as training.set_gradient_sync has it (DDP's and
+    ZeRO-1's at the last micro-batch only, FSDP2's every one, Megatron's in finish_grads), then the
+    gradient sums. Returns each micro-batch's logits (copies: the vocab-parallel loss's backward
     writes over them) and the mean loss. scale (the reduction check's identical inputs only): every
     rank takes DP rank 0's slice, its loss times `scale`."""
     k = cfg.train.accumulation
