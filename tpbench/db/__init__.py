@@ -38,10 +38,11 @@ JSON-ready dict.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -95,6 +96,19 @@ BUSY_TIMEOUT_S = 60
 SQLITE_HEADER = b"SQLite format 3\x00"
 # Serializes the schema check and creation of sweeps starting at once on one PostgreSQL database.
 PG_SCHEMA_LOCK = 0x7470626E  # "tpbn"
+
+
+def headline_metrics(rows: Iterable[tuple[str, float | None]]) -> dict[str, float]:
+    """One run's headline metrics from its (name, value) measurements of no step, every rank's: per
+    name the max over ranks, or the aggregation tpbench.results.RANK_AGGREGATION names (min), missing
+    values left out, by name; what `metrics` gives for one run, without loading pandas (`tpbench run`
+    prints one run: pandas costs its CLI about 0.3 s)."""
+    values: dict[str, list[float]] = {}
+    for name, value in rows:
+        if value is not None and not math.isnan(value):
+            values.setdefault(name, []).append(value)
+    aggregate = {"max": max, "min": min}
+    return {name: aggregate[RANK_AGGREGATION.get(name, "max")](values[name]) for name in sorted(values)}
 
 
 class DatabaseRefused(Exception):
@@ -397,8 +411,10 @@ class ResultsDB:
             if run is None:
                 raise KeyError(run_id)
             fields = {c.name: getattr(run, c.name) for c in Run.__table__.columns if c.name != "text"}
-        metrics = self.metrics([run_id])
-        fields["metrics"] = metrics.loc[run_id].dropna().to_dict() if run_id in metrics.index else {}
+            headline = select(MeasurementRow.name, MeasurementRow.value).where(
+                MeasurementRow.run_id == run_id, MeasurementRow.step.is_(None)
+            )
+            fields["metrics"] = headline_metrics(session.execute(headline).all())
         fields |= {name: fields[name].isoformat() for name in ("started_at", "ended_at")}
         return fields
 
