@@ -60,6 +60,8 @@ def test_auto_keeps_the_recorded_identities(overrides, expected):
         # SP's re-gather breaks the graph: auto stays eager there, compile=true is refused
         (["kind=throughput", "launch.device=cuda", "mode=tp_sp"], (False, True)),
         (["kind=throughput", "launch.device=cuda", "mode=tp_sp", "parallel.sp_regather=false"], (True, True)),
+        # torch 2.13's DTensor under VP fails in a compiled backward: auto stays eager there
+        (["kind=throughput", "launch.device=cuda", "mode=dtensor_tp_vp"], (False, True)),
         # dropout compiles (its masks' key a tensor: tests below)
         (
             ["kind=validate", "launch.device=cuda", "model.dropout=0.1", "model.flash_attn=false"],
@@ -109,6 +111,11 @@ def test_an_unresolved_lean_rmsnorm_auto_is_never_read_as_true():
         ("compile=1", "train.compile=1: accepted are auto, true, false"),
         ("train.fused_optimizer=yes", "train.fused_optimizer=yes: accepted are auto, true, false"),
         ("compile=true mode=tp_sp", "train.compile=true with parallel.sp_regather=true"),
+        ("compile=true mode=dtensor_tp_vp", "train.compile=true with parallel.engine=dtensor and"),
+        (
+            "compile=true mode=dtensor_tp recompute=full",
+            "train.compile=true with parallel.engine=dtensor and train.recompute=full",
+        ),
     ],
 )
 def test_a_bad_switch_is_one_line(override, said):
@@ -160,6 +167,10 @@ COMPILED_T2 = {
 # kept: the counted collectives are eager's, none again in backward
 OP = "train.recompute=op"
 COMPILED_T2["tp_sp_op"] = ["parallel.tp=2", "parallel.sp=true", "parallel.sp_regather=false", OP]
+# and on DTensor's engine, whose functional all-gathers the policy recomputes (full is refused there)
+COMPILED_T2["dtensor_tp_sp_op"] = [
+    "parallel.engine=dtensor", "parallel.tp=2", "parallel.sp=true", "parallel.sp_regather=false", OP
+]  # fmt: skip
 COMPILED_T4 = {
     "hsdp_zero2": ["parallel.tp=1", "parallel.dp=4", "parallel.dp_shard=grads", "parallel.dp_replicate=2"],
 }

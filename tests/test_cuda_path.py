@@ -64,13 +64,11 @@ def predicted_comm(case: str) -> list[list]:
     """The model's collectives for the case's config as [op, purpose, bytes] (the bytes of a step: how
     many calls carry them aside: the dtensor engine sums each replicated gradient on its own, overlap
     splits DP's). The model knows the dtensor engine's SP keeps its gathered input (no re-gather:
-    theory's Dims.dtensor) and counts no collective under the purpose "recompute" (the model's rows
-    of that purpose are tpbench's engine's); under mixed precision it sends some activations in fp32:
-    there its [op, purpose] only."""
+    theory's Dims.dtensor) and what its recomputation issues again; under mixed precision it sends
+    some activations in fp32: there its [op, purpose] only."""
     mode = case.split("/")[0].split("+")[0]
     dtensor, mixed = mode.startswith("dtensor"), case.endswith("mixed")
     rows = theory.predict(run_config([*TINY, *CASES[case]])).comm_rows()
-    rows = [r for r in rows if not (dtensor and r.purpose == "recompute")]
     return sorted([r.op, r.purpose] + ([] if dtensor and mixed else [r.bytes]) for r in rows)
 
 

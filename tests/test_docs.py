@@ -267,9 +267,9 @@ CLAIMS = [
     Claim("Hydra's `-m`/`--multirun`", "run -m tp=2 --cfg", "tpbench run: No such option: -m; Hydra's"),
     Claim("`layer=4` says `did you mean layers?`", "run layer=4 --cfg", "layer=4: layer is not a tpbench"),
     Claim(
-        "`recompute=none|selective|op|full` (engines megatron and ddp; `engine=dtensor` refuses it)",
+        "`recompute=none|selective|op|full` (every engine: megatron, ddp and dtensor)",
         "run mode=dtensor_tp recompute=op --cfg",
-        "train.recompute=op with parallel.engine=dtensor",
+        None,
     ),
     Claim(
         "with `model.dropout > 0`, which `kind=memory` refuses",

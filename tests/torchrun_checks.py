@@ -1100,6 +1100,10 @@ def suite_recompute(checks: dict) -> dict:
     """Per config: validation, two training steps with their collectives and FLOPs counted, and the
     largest difference of the losses and parameters against the same mode with train.recompute=none
     (the config named MODE/none, which comes first)."""
+    from torch.distributed.tensor import DTensor
+
+    from tpbench.experiments.setup import counting
+
     reference = {}
 
     def check(name: str, overrides: list[str]) -> dict:
@@ -1108,9 +1112,10 @@ def suite_recompute(checks: dict) -> dict:
         trainer = Trainer(cfg)
         loss = trainer.step().item()  # the counted step's loss is compared through the parameters
         counter, flops = instrumentation.CommCounter(), LocalFlopCounter()
-        with instrumentation.counting(counter), flops:
+        with counting(cfg, counter), flops:  # the engine's: DTensor's functional collectives too
             trainer.step()
-        params = torch.cat([p.detach().float().reshape(-1) for p in trainer.module.parameters()])
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in trainer.module.parameters()]
+        params = torch.cat([p.detach().float().reshape(-1) for p in local])
         mode, recompute = name.rsplit("/", 1)
         if recompute == "none":
             reference[mode] = (loss, params)

@@ -103,7 +103,9 @@ def build_parallel(
     if cfg.parallel.engine == "dtensor":
         from tpbench.parallel.dtensor import parallelize_dtensor
 
-        pm = parallelize_dtensor(model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum))
+        pm = parallelize_dtensor(
+            model, ctx, cfg.parallel, tuple(cfg.debug.skip_grad_sum), cfg.train.recompute
+        )
         pm.dp_reduce_dtype = DTYPES[cfg.train.dtype] if low else None
         place(pm.module, ctx.device, param_dtype(cfg))
         if cfg.train.compile is True:  # an unresolved "auto" (a RunConfig built directly) runs eager

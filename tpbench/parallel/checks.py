@@ -89,11 +89,6 @@ def check_shardable(cfg: RunConfig) -> None:
             f"parallel.sp_gather=linear with engine={p.engine} sp={str(p.sp).lower()}: it says where SP "
             f"all-gathers a column linear's input; accepted only with engine=megatron and sp=true"
         )
-    if p.engine == "dtensor" and t.recompute != "none":
-        raise ConfigError(
-            f"train.recompute={t.recompute} with parallel.engine=dtensor: accepted there is none "
-            f"(recompute is built for the megatron and ddp engines)"
-        )
     if t.batch == "fixed_global" and t.global_batch % p.dp:
         raise ConfigError(
             f"train.global_batch={t.global_batch} is not divisible by parallel.dp={p.dp} under fixed_global"
@@ -332,6 +327,18 @@ def compile_refusal(cfg: RunConfig) -> tuple[str, str] | None:
         )
     if cfg.launch.emulate != "none":
         return f"launch.emulate={cfg.launch.emulate}", "launch.emulate=none"
+    if p.engine == "dtensor" and p.vp and p.tp > 1:  # torch 2.13, on a CPU with aot_eager (measured)
+        return (
+            "parallel.engine=dtensor and parallel.vp=true (the compiled blocks' backward hands the VP "
+            "embedding's redistribution a plain gradient: AttributeError in DTensor's Redistribute)",
+            "parallel.vp=false, or parallel.engine=megatron",
+        )
+    if p.engine == "dtensor" and cfg.train.recompute == "full" and p.tp > 1:  # torch 2.13 (measured)
+        return (
+            "parallel.engine=dtensor and train.recompute=full (a compiled checkpoint of a DTensor block "
+            "saves its DeviceMesh, which torch's checkpoint refuses)",
+            "train.recompute=op or selective",
+        )
     return None
 
 

@@ -65,6 +65,7 @@ from tpbench.parallel import collectives, instrumentation
 from tpbench.parallel.checks import GRAD_SUMS, check_dtensor_shardable
 from tpbench.parallel.context import ParallelContext
 from tpbench.parallel.plan import Layout, plan_layouts, tp_styles, write_in_place
+from tpbench.parallel.recompute import apply_recompute
 
 # --- the plan ----------------------------------------------------------------------------------
 
@@ -113,6 +114,7 @@ def parallelize_dtensor(
     ctx: ParallelContext,
     pcfg: ParallelConfig,
     skip_grad_sum: tuple[str, ...] = (),
+    recompute: str = "none",
 ) -> DTensorParallelModel:
     """Shard `model` in place with parallelize_module on the tp dim of the layout's mesh (under HSDP
     the (dp_replicate, dp_shard, tp) one, whose DP dims FSDP2 then shards over); return it with the
@@ -121,12 +123,15 @@ def parallelize_dtensor(
     skip_grad_sum names entries of GRAD_SUMS (tpbench.parallel.checks) to leave out, only to prove each
     is needed: qk_norm (q/k norms left plain replicated weights), sp_norms (their Partial gradients left
     as they are), dp; kv_replicas has nothing to leave out (check_dtensor_shardable refuses them).
+    recompute (train.recompute) is applied first, to the blocks (tpbench.parallel.recompute: what its
+    policy does with DTensor's functional collectives is said there).
     """
     cfg = model.config
     check_dtensor_shardable(cfg, replace(pcfg, engine="dtensor", tp=ctx.tp))
     if unknown := set(skip_grad_sum) - set(GRAD_SUMS):
         raise ValueError(f"skip_grad_sum={sorted(unknown)}: accepted are {', '.join(GRAD_SUMS)}")
     layouts = plan_layouts(cfg, ctx.tp, replace(pcfg, vocab_pad_multiple=1))
+    apply_recompute(model, recompute)  # a block's class swapped: parallelize_module hooks its children
     if ctx.tp > 1:
         plan = tp_plan(cfg.num_hidden_layers, pcfg.sp, pcfg.vp, cfg.qk_norm)
         if "qk_norm" in skip_grad_sum:  # q/k norms as plain replicated weights: nothing sums their grads
@@ -340,7 +345,7 @@ class _CommBytes(TorchDispatchMode):
         return out
 
     def _record(self, op: str, full_bytes: int, world: int) -> None:
-        self.counter.record(op, _current_purpose, full_bytes, world, 0.0)
+        self.counter.record(op, instrumentation.counted_purpose(_current_purpose), full_bytes, world, 0.0)
 
 
 def _group_size(group_name: str) -> int:

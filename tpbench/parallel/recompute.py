@@ -49,9 +49,18 @@ o_proj and up_proj made again. The list, per engine:
   all-gathers of SP; tpbench keeps them, as its counted collectives show). Out of place, the
   all-reduce of a row-parallel exit keeps its own result beside the partial sum. SP's re-gather hooks
   are not installed (the all-gather's output is kept).
-- DTensor's engine (functional collectives: _c10d_functional.reduce_scatter_tensor and
-  all_to_all_single kept, all_gather_into_tensor and all_reduce recomputed, as torchtitan): refused,
-  as every recompute setting is there (tpbench.parallel.checks).
+- DTensor's engine: its collectives are functional ones, issued on local tensors by DTensor's
+  redistributions (the ParallelStyles' hooks) where the policy's mode sees each:
+  _c10d_functional.reduce_scatter_tensor and all_to_all_single kept, all_gather_into_tensor and
+  all_reduce (and their wait_tensor) recomputed, as torchtitan's list has them. Under SP the
+  recomputation all-gathers each region's input again and keeps the exits' reduce-scatters; under TP
+  alone it all-reduces the attention's exit again (the MLP's comes after the early stop). Counted
+  under "recompute" as tpbench's (`dtensor._CommBytes` reads the same purpose).
+
+Every setting runs on the dtensor engine too (tpbench.parallel.dtensor applies it before
+parallelize_module, which hooks the blocks' children): full and op as above, selective through
+down_proj's own module, whose RowwiseParallel hooks make the product a Shard(-1) DTensor and reduce
+its Partial output (`_swiglu_into`).
 
 The recomputation stops at the block's last save (early stop, as under full), so down_proj's matmul
 and what follows it are not run again. Compiled (train.compile), the same policy marks the graph's
@@ -65,6 +74,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from tpbench.models.minimind import MiniMindForCausalLM, drop, swiglu
@@ -126,6 +136,10 @@ class SelectiveSwiGLU:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         down = self.down_proj
+        if isinstance(down.weight, DTensor):  # the dtensor engine's RowwiseParallel: its hooks, its exit
+            gate, up = self.gate_proj(x), self.up_proj(x)  # local [S, B, I/T] each
+            y = checkpoint(_swiglu_into, down, gate, up, use_reentrant=False, preserve_rng_state=False)
+            return drop(self.dropout, y)
         row = isinstance(down, RowParallelLinear)
 
         def swiglu_down(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -134,6 +148,14 @@ class SelectiveSwiGLU:
         gate, up = self.gate_proj(x), self.up_proj(x)  # [S, B, I/T] each
         y = checkpoint(swiglu_down, gate, up, use_reentrant=False, preserve_rng_state=False)
         return drop(self.dropout, down.reduce(y) if row else y)  # [S(/T), B, H]
+
+
+def _swiglu_into(down: torch.nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """down_proj of the dtensor engine on the SwiGLU's product: the module, so that RowwiseParallel's
+    hooks make its input a Shard(-1) DTensor and its Partial output the stream's layout. The
+    recomputation stops when down_proj's matmul saves its input, before the matmul and its exit's
+    collective run."""
+    return down(swiglu(gate, up))
 
 
 behaviour(SelectiveSwiGLU, before=None)  # inside the entry: the MLP's own forward, made again

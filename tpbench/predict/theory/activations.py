@@ -95,14 +95,15 @@ def op_kept(d: Dims) -> dict[str, int]:
     and up); the attention kernel's output and logsumexp (manual attention: the two batched matmuls'
     outputs, the scores [B Nq/T, S, S] and P V); every collective's output: SP's all-gathered region
     inputs [N, H] (one per column linear under sp_gather=linear), the exits' reduce-scatter [Ns, H]
-    or all-reduce [N, H] (out of place: beside the row linear's partial sum where that is kept).
+    or all-reduce [N, H] (out of place: beside the row linear's partial sum where that is kept); on
+    the dtensor engine only its reduce-scatters (`op_exit_tokens`), its all-gathers recomputed.
     Nothing elementwise, no weight cast (autocast's cache holds those to the forward's end:
     `forward_only_casts`), no dropout mask."""
     N, H, p = d.N, d.H, d.p
     widths = {"q_proj": d.Hq, "k_proj": d.Hkv, "v_proj": d.Hkv, "o_proj": H, "gate_proj": d.I_l,
               "up_proj": d.I_l, "down_proj": H}  # fmt: skip
-    gathers = (3, 2) if d.per_linear else (1, 1) if d.sp else (0, 0)
-    exit_tokens = d.Ns if d.sp else N if d.T > 1 else 0
+    gathers = (3, 2) if d.per_linear else (1, 1) if d.sp and not d.dtensor else (0, 0)
+    exit_tokens = op_exit_tokens(d)
     if d.flash:
         core = p * N * d.Hq + FP32 * d.B * d.Nq_l * d.S
     else:
@@ -116,6 +117,15 @@ def op_kept(d: Dims) -> dict[str, int]:
         "exits": 2 * p * exit_tokens * H,
         "rope tables": rope,
     }
+
+
+def op_exit_tokens(d: Dims) -> int:
+    """Tokens of a block exit's collective output that recompute=op keeps: every one of tpbench's
+    engine (custom ops its policy keeps), the dtensor engine's reduce-scatters only (its functional
+    all-reduces and all-gathers are recomputed, as torchtitan's policy has them)."""
+    if d.sp:
+        return d.Ns
+    return d.N if d.T > 1 and not d.dtensor else 0
 
 
 def rope_casts(d: Dims) -> int:
@@ -231,7 +241,7 @@ def recomputing_own(d: Dims, recomputing: bool = False) -> int:
     kept = op_kept(d)
     left = 0
     if recomputing:
-        exit_tokens = d.Ns if d.sp else d.N if d.T > 1 else 0
+        exit_tokens = op_exit_tokens(d)
         left = d.p * exit_tokens * d.H + (d.p * d.N * d.H if "down_proj" in op_kept_linears(d) else 0)
     return left - (sum(kept.values()) - kept["block input"] - kept["rope tables"])
 

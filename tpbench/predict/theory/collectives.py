@@ -56,11 +56,15 @@ def comm_rows(cfg: RunConfig) -> list[CommRow]:
         add("reduce_scatter", "activation", N * H * e, T, vp)
         if d.regather:  # backward all-gathers each saved shard again: g per block, + the VP head
             add("all_gather", "regather", N * H * a, T, (g * L if d.block_regather else 0) + vp)
-    if d.recompute == "full":  # each block's forward again, to down_proj: every entry (SP: g),
-        exits = 2 if d.dropout else 1  # the attention's exit (dropout: to the MLP mask, its exit too)
+    # Each block's forward again, to its last save: every entry (SP: g) and the attention's exit
+    # (dropout: to the MLP's mask, its exit too), under full; under op on the dtensor engine, what
+    # the policy does not keep, the functional all-gathers and all-reduces (its reduce-scatters are
+    # kept, and tpbench's engine keeps every collective of its own)
+    if d.recompute == "full" or (d.recompute == "op" and d.dtensor):
+        exits = 2 if d.dropout else 1
         if d.sp:
             add("all_gather", "recompute", N * H * a, T, g * L)
-            add("reduce_scatter", "recompute", N * H * a, T, exits * L)
+            add("reduce_scatter", "recompute", N * H * a, T, exits * L * (d.recompute == "full"))
         else:
             add("all_reduce", "recompute", N * H * a, T, exits * L)
     if d.vp and not d.logits_mean:  # the loss: max, target logit, sum of exp, [S, B] fp32 each
