@@ -100,6 +100,8 @@ CHECKS = {
     "dp2_tp_sp_vp_op_qwen25": [*DP2, SP, VP, "train.recompute=op", *FAMILIES["qwen25"]],
     "dp2_tp_sp_op_fp32_manual": [*DP2, SP, OP, *FP32_MANUAL_UNTIED[:2], "train.seq_len=256"],
     "ddp_dp4_op_manual": [*DDP, "parallel.dp=4", "train.recompute=op", "model.flash_attn=false", MANUAL_S],
+    # a known gap (GAPS below): the top block's recomputation at its down_proj, manual attention
+    "t4_tp_vp_op_fp32_manual": ["parallel.tp=4", VP, OP, *FP32_MANUAL_UNTIED[:2], MANUAL_S],
     # manual attention at S 256, mixed: the bottom block's softmax backward, fp32 gradients beside it
     "dp2_tp_sp_vp_mixed_manual_full": [
         *DP2,
@@ -312,7 +314,26 @@ def test_ddp_counts_one_all_reduce_per_bucket(measured):
     assert measured["ddp_dp4"][0]["comm"] == [["all_reduce", "dp_grads", row.count, row.bytes]]
 
 
-@pytest.mark.parametrize("name", CHECKS)
+# Configs whose measured peak the model misses, each held by a strict xfail so that a fix shows.
+# Per-op recompute with manual attention at T 4 under VP without SP (S 128, fp32; found 2026-12-07):
+# every rank peaks inside the top block's recomputation, at its down_proj (`peak_at`), 2,542,312 B
+# against the model's 2,427,360 at the top block's softmax in forward (-4.5%); the nearest modelled
+# moment, `recomputed swiglu 1`, is 2,214,632. At the peak the activations hold 4 score-sized fp32
+# tensors [B, Nq/T, S, S] (the model's recomputation counts 2: the kept Q K^T of the bottom block and
+# the recomputed softmax output; the top block's kept Q K^T, which the recomputed graph does not take
+# back, is one more) and 12 of [N, H]; which of the rest it misses is not found.
+GAPS = {
+    "t4_tp_vp_op_fp32_manual": "op + manual attention at T 4, VP: 4.5% under, at the top block's recompute"
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=GAPS[n])) if n in GAPS else n
+        for n in CHECKS
+    ],
+)
 def test_peak_memory_is_predicted_to_the_byte(measured, name):
     """The model counts tensors, as MemTracker does: every rank's peak, to the byte (the loss scalar
     and the VP loss's [S, B] bookkeeping included), measured once. (A jitter of a few KB on a random
