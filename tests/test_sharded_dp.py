@@ -72,6 +72,16 @@ DP2_TP2 = {  # each level under a TP mode, fp32 and mixed, with overlap and reco
     # per-op recompute (torchtitan's) under ZeRO-1 and under FSDP2 in mixed precision
     "optimizer_tp_sp_op": [*MODES["tp_sp"], "parallel.dp_shard=optimizer", "train.recompute=op"],
     "full_tp_sp_vp_mixed_op": [*MODES["tp_sp_vp"], "parallel.dp_shard=full", *MIXED, "train.recompute=op"],
+    # and on DTensor's engine: op under FSDP2, full under its own DP sum in mixed precision
+    "full_dtensor_tp_sp_vp_op": [*MODES["dtensor_tp_sp_vp"], "parallel.dp_shard=full", "train.recompute=op"],
+    "dtensor_mixed_full": [
+        "parallel.engine=dtensor",
+        "parallel.tp=2",
+        *MIXED,
+        "train.recompute=full",
+        "validate.steps=1",
+        "validate.every=1",
+    ],
     "broken_optimizer_all_gather": [
         *MODES["tp_sp"],
         "parallel.dp_shard=optimizer",
