@@ -100,8 +100,17 @@ CHECKS = {
     "dp2_tp_sp_vp_op_qwen25": [*DP2, SP, VP, "train.recompute=op", *FAMILIES["qwen25"]],
     "dp2_tp_sp_op_fp32_manual": [*DP2, SP, OP, *FP32_MANUAL_UNTIED[:2], "train.seq_len=256"],
     "ddp_dp4_op_manual": [*DDP, "parallel.dp=4", "train.recompute=op", "model.flash_attn=false", MANUAL_S],
-    # a known gap (GAPS below): the top block's recomputation at its down_proj, manual attention
+    # manual attention at T 4 under VP, full and op: the top block's softmax made again in its
+    # backward, beside the stream's gradient and the tied head's (op: and what its policy kept past the
+    # scores); found 2,542,312 and 1,698,536 B against 2,427,360 and 1,686,500 before that moment
     "t4_tp_vp_op_fp32_manual": ["parallel.tp=4", VP, OP, *FP32_MANUAL_UNTIED[:2], MANUAL_S],
+    "t4_tp_vp_full_fp32_manual": [
+        "parallel.tp=4",
+        VP,
+        "train.recompute=full",
+        *FP32_MANUAL_UNTIED[:2],
+        MANUAL_S,
+    ],
     # manual attention at S 256, mixed: the bottom block's softmax backward, fp32 gradients beside it
     "dp2_tp_sp_vp_mixed_manual_full": [
         *DP2,
@@ -314,26 +323,7 @@ def test_ddp_counts_one_all_reduce_per_bucket(measured):
     assert measured["ddp_dp4"][0]["comm"] == [["all_reduce", "dp_grads", row.count, row.bytes]]
 
 
-# Configs whose measured peak the model misses, each held by a strict xfail so that a fix shows.
-# Per-op recompute with manual attention at T 4 under VP without SP (S 128, fp32; found 2026-12-07):
-# every rank peaks inside the top block's recomputation, at its down_proj (`peak_at`), 2,542,312 B
-# against the model's 2,427,360 at the top block's softmax in forward (-4.5%); the nearest modelled
-# moment, `recomputed swiglu 1`, is 2,214,632. At the peak the activations hold 4 score-sized fp32
-# tensors [B, Nq/T, S, S] (the model's recomputation counts 2: the kept Q K^T of the bottom block and
-# the recomputed softmax output; the top block's kept Q K^T, which the recomputed graph does not take
-# back, is one more) and 12 of [N, H]; which of the rest it misses is not found.
-GAPS = {
-    "t4_tp_vp_op_fp32_manual": "op + manual attention at T 4, VP: 4.5% under, at the top block's recompute"
-}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=GAPS[n])) if n in GAPS else n
-        for n in CHECKS
-    ],
-)
+@pytest.mark.parametrize("name", CHECKS)
 def test_peak_memory_is_predicted_to_the_byte(measured, name):
     """The model counts tensors, as MemTracker does: every rank's peak, to the byte (the loss scalar
     and the VP loss's [S, B] bookkeeping included), measured once. (A jitter of a few KB on a random
@@ -356,7 +346,8 @@ def test_the_peak_moments_are_the_ones_measured(measured):
     beside the forward-only weight casts; Qwen3's head_dim 16: q_norm's backward; dropout: the top
     block's attention-dropout hash, or the bottom block's drawn again under full recompute; per-op
     recompute (op), which keeps every block's kept outputs: the top block's recomputation, its SwiGLU's
-    under SP, its attention's with manual attention), so the
+    under SP, its attention's with manual attention; manual attention under VP at T 4, full and op:
+    the top block's softmax made again in its backward), so the
     test above checks each moment, not only the loss. (The vocab-parallel loss's backward and the top MLP's at
     gate_proj are derived the same way; no config here peaks there, nor at down_proj's moments under
     TP.)"""
@@ -384,6 +375,7 @@ def test_the_peak_moments_are_the_ones_measured(measured):
         "recomputed attention dropout 0",
         "recomputed block 1",
         "recomputed attention 1",
+        "recomputed softmax 1",
         "recomputed swiglu 1",
     }
 

@@ -100,8 +100,7 @@ def op_kept(d: Dims) -> dict[str, int]:
     Nothing elementwise, no weight cast (autocast's cache holds those to the forward's end:
     `forward_only_casts`), no dropout mask."""
     N, H, p = d.N, d.H, d.p
-    widths = {"q_proj": d.Hq, "k_proj": d.Hkv, "v_proj": d.Hkv, "o_proj": H, "gate_proj": d.I_l,
-              "up_proj": d.I_l, "down_proj": H}  # fmt: skip
+    widths = op_widths(d)
     gathers = (3, 2) if d.per_linear else (1, 1) if d.sp and not d.dtensor else (0, 0)
     exit_tokens = op_exit_tokens(d)
     if d.flash:
@@ -117,6 +116,26 @@ def op_kept(d: Dims) -> dict[str, int]:
         "exits": 2 * p * exit_tokens * H,
         "rope tables": rope,
     }
+
+
+def op_widths(d: Dims) -> dict[str, int]:
+    """Each block linear's output width on this rank."""
+    return {"q_proj": d.Hq, "k_proj": d.Hkv, "v_proj": d.Hkv, "o_proj": d.H, "gate_proj": d.I_l,
+            "up_proj": d.I_l, "down_proj": d.H}  # fmt: skip
+
+
+def op_kept_after_scores(d: Dims) -> int:
+    """Of what recompute=op keeps (`op_kept`), the outputs a block's forward makes after manual
+    attention's scores: while the recomputation is at the softmax they are still in the checkpoint's
+    storage (it hands each back to the block's graph when the recomputation reaches its op). The kept
+    linears among o_proj and the MLP's, P V's output, the MLP entry's gathers (tpbench's engine under
+    SP: one, or two under sp_gather=linear) and both exits' collectives."""
+    N, H, p = d.N, d.H, d.p
+    widths = op_widths(d)
+    after = ("o_proj", "gate_proj", "up_proj", "down_proj")
+    linears = sum(p * N * widths[name] for name in op_kept_linears(d) if name in after)
+    gathers = 2 if d.per_linear else 1 if d.sp and not d.dtensor else 0
+    return linears + p * N * d.Hq + p * N * H * gathers + 2 * p * op_exit_tokens(d) * H
 
 
 def op_exit_tokens(d: Dims) -> int:

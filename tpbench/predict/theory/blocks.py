@@ -21,6 +21,7 @@ from tpbench.predict.theory.activations import (
     mask_bits,
     model_activations,
     op_kept,
+    op_kept_after_scores,
     probs_saved,
     recomputed,
     recomputing_own,
@@ -389,6 +390,43 @@ def recomputed_attention_dropout(
     temps = d.p * scores + cast + FP32 * d.S * d.S + mask_bits(scores) + flowing
     temps += unsaved_norm_output(d) + (d.V_l * d.H * d.w if d.tied else 0)
     return Moment(f"recomputed attention dropout {layer}", P, grads, optim, activations, temps)
+
+
+def recomputed_softmax(
+    d: Dims, acts: dict[str, int], P: int, optim: int, buckets: int, own_grads: bool, layer: int
+) -> Moment:
+    """Full or op recompute with manual attention: block `layer`'s forward run again in its backward,
+    at its softmax (as `attention_forward`: the scaled scores, their fp32 sum with the causal mask and
+    the mask [S, S], the attention's locals, and the fp32 softmax output, which it saves). What the
+    recomputation has saved up to the attention core is alive, as for `recomputed_attention_dropout`,
+    and what started it: down_proj's backward (with dropout, the MLP dropout's), with the stream's
+    gradient and down's output gradient as at `recomputed_swiglu`. Under op the outputs the policy kept
+    past the scores are still in the checkpoint's storage (`op_kept_after_scores`); those before are
+    back in the block's graph. MemTracker counts what the recomputation makes inside a module of the
+    block as activations: the scores, their sum, the mask and the softmax output are (measured: the top
+    block's, the peak at T 4 under VP, fp32, S 128)."""
+    saved = recomputed(d)
+    scores = d.B * d.Nq_l * d.S * d.S
+    above = d.L - 1 - layer
+    later = saved["post_attention_layernorm"] + saved["mlp input"] + saved["swiglu"] + saved["attention core"]
+    later += 2 * stream_mask(d)
+    if d.mixed:  # o_proj's and the MLP's weight casts are not made again yet
+        later += d.p * sum(n for name, n in layer_params(d) if name.startswith(("mlp.", "self_attn.o_proj")))
+    activations = after_head(acts) - above * (acts["blocks"] // d.L) + sum(saved.values()) - later
+    if d.recompute == "op":
+        kept = op_kept(d)
+        activations += op_kept_after_scores(d) - (
+            sum(kept.values()) - kept["block input"] - kept["rope tables"]
+        )
+    activations += d.p * scores + 2 * FP32 * scores + FP32 * d.S * d.S + LOSS_AND_GRAD
+    grads = d.H + above * sum(n for _, n in layer_params(d)) + (0 if d.tied else d.V_l * d.H)
+    grads = buckets + (grads * d.w if own_grads else late_grads(d, layer, ()))
+    if d.dropout:  # the MLP dropout's backward started it (and, mixed, its cast of the gradient)
+        flowing = d.s * d.Ns * d.H + (d.p * d.Ns * d.H if d.mixed else 0)
+    else:
+        flowing = d.s * d.Ns * d.H + (d.p * d.N * d.H if d.sp or d.mixed else 0)
+    temps = flowing + unsaved_norm_output(d) + (d.V_l * d.H * d.w if d.tied else 0)
+    return Moment(f"recomputed softmax {layer}", P, grads, optim, activations, temps)
 
 
 def recomputed_block(

@@ -98,6 +98,7 @@ def moments(d: Dims) -> list[Moment]:
         if d.recompute == "op":
             out.append(blocks.op_attention_forward(d, P, O, buckets))
         out += [blocks.attention_backward(d, acts, P, O, buckets, G > 0, i) for i in sorted({d.L - 1, 0})]
+        out += [blocks.recomputed_softmax(d, acts, P, O, buckets, G > 0, i) for i in sorted({d.L - 1, 0})]
         if d.dropout:
             layers = sorted({d.L - 1, 0})
             out += [blocks.recomputed_attention_dropout(d, acts, P, O, buckets, G > 0, i) for i in layers]
