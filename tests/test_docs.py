@@ -272,9 +272,9 @@ CLAIMS = [
         None,
     ),
     Claim(
-        "with `model.dropout > 0`, which `kind=memory` refuses",
+        "with `model.dropout > 0` too",
         "run kind=memory tp=2 recompute=op model.dropout=0.1 model.flash_attn=false --cfg",
-        "kind=memory: the memory model is not checked for train.recompute=op with model.dropout > 0",
+        None,
     ),
     Claim(
         "Pure fp16 is refused before launch",

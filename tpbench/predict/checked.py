@@ -13,11 +13,10 @@ def unchecked(cfg: RunConfig) -> str | None:
     """Why the memory model is not checked against a measured peak for `cfg`, or None: None for every
     other config compose accepts since train.accumulation's step was measured to the byte
     (tests/test_accumulation.py); where a feature's memory is modelled before it is measured, its
-    reason goes here, and `plan` notes it and compose refuses its memory run.
-    train.recompute=op with dropout: its recomputed attention dropout's moment is not modelled
-    (measured 115 KB above the prediction at tp 2, dp 2, S 128)."""
-    if cfg.train.recompute == "op" and cfg.model.dropout > 0:
-        return "train.recompute=op with model.dropout > 0"
+    reason goes here, and `plan` notes it and compose refuses its memory run. (The last one,
+    train.recompute=op with dropout, measured 115 KB above the prediction at tp 2, dp 2, S 128, is
+    modelled since 2026-12-07: tests/test_theory.py, `dp2_tp_op_dropout`.)"""
+    del cfg
     return None
 
 

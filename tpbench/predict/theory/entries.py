@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tpbench.predict.theory.activations import after_head, layer_activations, recomputed
-from tpbench.predict.theory.blocks import prefetched_input, recomputed_block, stream_mask, top_block_grads
+from tpbench.predict.theory.blocks import prefetched_input, stream_mask, top_block_grads
 from tpbench.predict.theory.dims import LOSS_AND_GRAD, Dims
 from tpbench.predict.theory.moments import Moment
+from tpbench.predict.theory.recomputed import recomputed_block
 
 
 def mlp_entry_temporaries(d: Dims) -> int:

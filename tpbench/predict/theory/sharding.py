@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tpbench.config import RunConfig
-from tpbench.predict.theory import blocks
+from tpbench.predict.theory import blocks, recomputed
 from tpbench.predict.theory.activations import after_head, layer_activations, model_activations
 from tpbench.predict.theory.dims import FP32, LOSS_AND_GRAD, Dims, dims
 from tpbench.predict.theory.moments import Moment, loss_forward
@@ -301,12 +301,12 @@ def _middle_blocks(d: Dims, s: Sharding) -> list[Moment]:
     out = []
     for i in sorted({1, d.L - 2}):
         args = (d, acts, P, O, 0, True, i)
-        out += [blocks.recomputed_swiglu(*args), blocks.recomputed_block(*args)]
-        out.append(blocks.recomputed_post_attention_norm(*args))
+        out += [recomputed.recomputed_swiglu(*args), recomputed.recomputed_block(*args)]
+        out.append(recomputed.recomputed_post_attention_norm(*args))
         if not d.flash:
-            out.append(blocks.attention_backward(*args))
+            out += [blocks.attention_backward(*args), recomputed.recomputed_softmax(*args)]
             if d.dropout:
-                out.append(blocks.recomputed_attention_dropout(*args))
+                out.append(recomputed.recomputed_attention_dropout(*args))
     return out
 
 

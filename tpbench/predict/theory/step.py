@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tpbench.predict.theory import blocks, entries, weights
+from tpbench.predict.theory import blocks, entries, recomputed, weights
 from tpbench.predict.theory.activations import bias_casts, forward_only_casts, model_activations
 from tpbench.predict.theory.dims import FP32, LOSS_AND_GRAD, Dims
 from tpbench.predict.theory.moments import (
@@ -72,14 +72,14 @@ def moments(d: Dims) -> list[Moment]:
     out.append(blocks.final_norm_backward(d, acts, P, O, buckets, G > 0))
     if d.recompute in ("full", "op"):
         for i in sorted({d.L - 1, 0}):
-            out.append(blocks.recomputed_swiglu(d, acts, P, O, buckets, G > 0, i))
-            out.append(blocks.recomputed_down_backward(d, acts, P, O, buckets, G > 0, i))
+            out.append(recomputed.recomputed_swiglu(d, acts, P, O, buckets, G > 0, i))
+            out.append(recomputed.recomputed_down_backward(d, acts, P, O, buckets, G > 0, i))
             if d.mixed:
-                out.append(blocks.recomputed_down_weight_cast(d, acts, P, O, buckets, G > 0, i))
-            out.append(blocks.recomputed_block(d, acts, P, O, buckets, G > 0, i))
+                out.append(recomputed.recomputed_down_weight_cast(d, acts, P, O, buckets, G > 0, i))
+            out.append(recomputed.recomputed_block(d, acts, P, O, buckets, G > 0, i))
             if d.deferred:
                 out.append(entries.recomputed_mlp_entry_backward(d, acts, P, O, buckets, G > 0, i))
-            out.append(blocks.recomputed_post_attention_norm(d, acts, P, O, buckets, G > 0, i))
+            out.append(recomputed.recomputed_post_attention_norm(d, acts, P, O, buckets, G > 0, i))
     else:
         out += blocks.down_backward(d, acts, P, O, buckets, G > 0)
         out.append(blocks.swiglu_backward(d, acts, P, O, buckets, G > 0))
@@ -98,10 +98,10 @@ def moments(d: Dims) -> list[Moment]:
         if d.recompute == "op":
             out.append(blocks.op_attention_forward(d, P, O, buckets))
         out += [blocks.attention_backward(d, acts, P, O, buckets, G > 0, i) for i in sorted({d.L - 1, 0})]
-        out += [blocks.recomputed_softmax(d, acts, P, O, buckets, G > 0, i) for i in sorted({d.L - 1, 0})]
+        out += [recomputed.recomputed_softmax(d, acts, P, O, buckets, G > 0, i) for i in sorted({d.L - 1, 0})]
         if d.dropout:
             layers = sorted({d.L - 1, 0})
-            out += [blocks.recomputed_attention_dropout(d, acts, P, O, buckets, G > 0, i) for i in layers]
+            out += [recomputed.recomputed_attention_dropout(d, acts, P, O, buckets, G > 0, i) for i in layers]
 
     # the embedding's backward makes its gradient from the stream's [S, B, H] gradient (gathered whole
     # under SP); the vocab-parallel one's masked ids ([S, B] int64, strided as the transposed batch)
