@@ -25,7 +25,7 @@ def expected(cfg: RunConfig, moment: str) -> tuple[str, str]:
     it first), the bottom block's for full recompute's replay (named with its layer)."""
     top = f"model.layers.{cfg.model.num_hidden_layers - 1}"
     loss = "loss_fn" if cfg.train.loss == "cross_entropy" else ""
-    if found := re.fullmatch(r"recomputed (block|attention|attention dropout) (\d+)", moment):
+    if found := re.fullmatch(r"recomputed (block|attention|attention dropout|softmax) (\d+)", moment):
         kind, layer = found.groups()
         return "backward", f"model.layers.{layer}" + ("" if kind == "block" else ".self_attn")
     if found := re.fullmatch(r"recomputed (swiglu|post-attention norm) (\d+)", moment):
