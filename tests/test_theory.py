@@ -102,7 +102,7 @@ CHECKS = {
     "ddp_dp4_op_manual": [*DDP, "parallel.dp=4", "train.recompute=op", "model.flash_attn=false", MANUAL_S],
     # manual attention at T 4 under VP, full and op: the top block's softmax made again in its
     # backward, beside the stream's gradient and the tied head's (op: and what its policy kept past the
-    # scores); found 2,542,312 and 1,698,536 B against 2,427,360 and 1,686,500 before that moment
+    # scores); found 2,542,312 and 1,698,536 B against 2,427,360 and 1,686,504 before that moment
     "t4_tp_vp_op_fp32_manual": ["parallel.tp=4", VP, OP, *FP32_MANUAL_UNTIED[:2], MANUAL_S],
     "t4_tp_vp_full_fp32_manual": [
         "parallel.tp=4",
