@@ -137,6 +137,29 @@ MEMORY = {
     "dp2_full_dtensor_tp_sp_op": [*DP2, SP, "parallel.dp_shard=full", "train.recompute=op"],
     "t4_dtensor_tp_sp_full": ["parallel.tp=4", SP, "train.recompute=full"],
     "dp2_dtensor_tp_vp_selective_mixed": [*DP2, VP, MIXED, "train.recompute=selective"],
+    # manual attention (its softmax in forward the peak, S 256), without and with op's policy
+    "t4_dtensor_tp_vp_fp32_manual": [
+        "parallel.tp=4",
+        VP,
+        "train.dtype=float32",
+        "model.flash_attn=false",
+        "train.seq_len=256",
+    ],
+    "dp2_dtensor_tp_op_fp32_manual": [
+        *DP2,
+        "train.recompute=op",
+        "train.dtype=float32",
+        "model.flash_attn=false",
+        "train.seq_len=256",
+    ],
+    "dp2_dtensor_tp_sp_op_fp32_manual": [
+        *DP2,
+        SP,
+        "train.recompute=op",
+        "train.dtype=float32",
+        "model.flash_attn=false",
+        "train.seq_len=256",
+    ],
 }
 # T 2 alone (test_parallel's world-2 job): AdamW's plain tensors (the norms) a group after the
 # DTensors, its loop's previous tensor a down_proj shard where ours has a norm weight: the optimizer
@@ -185,10 +208,11 @@ def test_dtensor_memory_is_not_ours(memory, name):
 def test_the_dtensor_peaks_fall_at_its_own_moments():
     """As test_theory's: the configs above peak at each of DTensor's own moments (its loss's forward
     under ZeRO-2, its backward; the whole-vocab embedding gradient under VP, tied and untied; its DP
-    sum's flat copy made after backward; AdamW with the norms grouped apart)."""
+    sum's flat copy made after backward; AdamW with the norms grouped apart; manual attention under
+    op: the top block's softmax in forward, the policy's outputs of the block below kept)."""
     names = {theory.predict(run_config([*MEMORY_SMALL, *o])).peak.name for o in MEMORY.values()}
     assert names == {"loss", "loss backward", "backward end", "embedding gradient slice", "gradient sums",
-                     "optimizer"}  # fmt: skip
+                     "optimizer", "attention forward"}  # fmt: skip
 
 
 @beside

@@ -256,6 +256,11 @@ CHECKS |= {
     # policy kept past the scores still in the checkpoint's storage (115 KB over the model without them)
     "dp2_tp_op_dropout": [*DP2, "train.recompute=op", *DROPOUT, "train.seq_len=128"],
     "dp2_tp_sp_op_dropout": [*DP2, SP, "train.recompute=op", *DROPOUT],
+    # op's forward at the top block's softmax, S 256: at T 4 without VP and at T 2 with it, to the
+    # byte; at T 4 with VP a known gap (GAPS below)
+    "t4_tp_op_fp32_manual_s256": ["parallel.tp=4", OP, *FP32_MANUAL_UNTIED[:2], "train.seq_len=256"],
+    "dp2_tp_vp_op_fp32_manual_s256": [*DP2, VP, OP, *FP32_MANUAL_UNTIED[:2], "train.seq_len=256"],
+    "t4_tp_vp_op_fp32_manual_s256": ["parallel.tp=4", VP, OP, *FP32_MANUAL_UNTIED[:2], "train.seq_len=256"],
 }
 
 
@@ -327,7 +332,22 @@ def test_ddp_counts_one_all_reduce_per_bucket(measured):
     assert measured["ddp_dp4"][0]["comm"] == [["all_reduce", "dp_grads", row.count, row.bytes]]
 
 
-@pytest.mark.parametrize("name", CHECKS)
+# Configs whose measured peak the model misses, each held by a strict xfail so that a fix shows. Per-op
+# recompute with manual attention at T 4 under VP (fp32, S 256; found 2026-12-07): every rank peaks
+# in forward at the top block's attention, 7,086,816 B, the model's `attention forward` 7,135,968
+# (49,152 B over, 0.7%: 3 x 16,384, one KV head's [N, D] in fp32 three times); the same 49,152 on
+# the DTensor engine (6,820,064 against 6,869,216). At T 4 without VP, at T 2 with it, and at S 128
+# (where the recomputed softmax is the peak) the model is exact. Over, so `fit` errs safe; not found.
+GAPS = {"t4_tp_vp_op_fp32_manual_s256": "op's forward at T 4 under VP: 49,152 B over the measured peak"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=GAPS[n])) if n in GAPS else n
+        for n in CHECKS
+    ],
+)
 def test_peak_memory_is_predicted_to_the_byte(measured, name):
     """The model counts tensors, as MemTracker does: every rank's peak, to the byte (the loss scalar
     and the VP loss's [S, B] bookkeeping included), measured once. (A jitter of a few KB on a random
